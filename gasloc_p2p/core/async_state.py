@@ -1,0 +1,121 @@
+"""GASLoC asynchronous node state (ALGORITHM.md section 2): what one daemon node keeps.
+
+State: live parameters ``theta`` (the model's flat buffer, trained by the inner optimizer),
+anchor ``a`` (parameters at the start of the current round), and the momentum memory.
+The public iterate ``p = a + eta (theta - a)`` is what the node would propose if its round ended
+now. A gossip exchange adds the same correction to ``a`` and ``theta``, so the local drift
+``theta - a`` is untouched and ``p`` moves by exactly the correction.
+
+Round-end momentum forms:
+- ``mixed`` (the paper's): ``z = p``; ``theta <- z + gamma (z - zprev)``; ``zprev <- z``.
+- ``local`` (our proposal; never extrapolates received corrections): ``d = a - theta``;
+  ``m <- gamma m + d``; ``theta <- a - eta (d + gamma m)``.
+In both, ``a <- theta`` afterwards.
+
+Threading: the caller serialises ``apply_correction``, ``round_end`` and the inner optimizer step
+(the daemon holds one lock around them); reading ``public_iterate`` takes a snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gasloc_p2p.core.flat import Fragment
+
+MOMENTUM_FORMS = ("mixed", "local")
+STALENESS_POLICIES = ("drop", "downweight", "keep")
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """eta: outer lr; gamma: outer momentum; w: gossip weight (1/2 = exact pair average);
+    momentum: "mixed" | "local"; staleness_policy and max_staleness: what to do with an exchange
+    during which more than ``max_staleness`` round ends happened (on either side)."""
+
+    eta: float = 0.7
+    gamma: float = 0.5
+    w: float = 0.5
+    momentum: str = "mixed"
+    staleness_policy: str = "downweight"
+    max_staleness: int = 1
+
+    def validate(self) -> None:
+        if not 0.0 < self.eta <= 2.0:
+            raise ValueError(f"eta={self.eta} out of range: the outer learning rate needs (0, 2]")
+        if not 0.0 <= self.gamma < 1.0:
+            raise ValueError(f"gamma={self.gamma} out of range: momentum needs [0, 1)")
+        if not 0.0 < self.w <= 0.5:
+            raise ValueError(f"w={self.w} out of range: a pairwise gossip weight needs (0, 0.5]")
+        if self.momentum not in MOMENTUM_FORMS:
+            raise ValueError(f"unknown momentum {self.momentum!r}; choose one of {MOMENTUM_FORMS}")
+        if self.staleness_policy not in STALENESS_POLICIES:
+            raise ValueError(
+                f"unknown staleness policy {self.staleness_policy!r}; "
+                f"choose one of {STALENESS_POLICIES}"
+            )
+        if self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+
+
+def exchange_weight(cfg: AsyncConfig, staleness: int) -> float:
+    """Gossip weight for an exchange spanning ``staleness`` round ends (sum over both sides).
+
+    Both peers know both counts at commit time, so they compute the same weight and the
+    corrections stay exact negatives. Returns 0.0 when the exchange must be dropped.
+    """
+    if staleness <= cfg.max_staleness or cfg.staleness_policy == "keep":
+        return cfg.w
+    if cfg.staleness_policy == "drop":
+        return 0.0
+    return cfg.w / (1 + staleness - cfg.max_staleness)
+
+
+class AsyncGaslocState:
+    """One node's outer state. ``theta`` aliases the live parameters (not copied)."""
+
+    def __init__(self, theta: torch.Tensor, theta0: torch.Tensor, cfg: AsyncConfig) -> None:
+        """theta: ``[numel]`` live flat parameters; theta0: ``[numel]`` common initial values."""
+        cfg.validate()
+        if theta.shape != theta0.shape or theta.dim() != 1:
+            raise ValueError("theta and theta0 must be 1-D tensors of the same size")
+        self.cfg = cfg
+        self.theta = theta
+        self.anchor = theta.detach().clone()
+        if cfg.momentum == "mixed":
+            self.memory = theta0.detach().clone()  # zprev
+        else:
+            self.memory = torch.zeros_like(theta)  # m
+        self.rounds = 0  # round ends so far; an exchange records how many happen during it
+
+    def public_iterate(self, fragment: Fragment | None = None) -> torch.Tensor:
+        """Snapshot of ``p = a + eta (theta - a)`` (compact ``[fragment.numel]`` if given)."""
+        if fragment is None:
+            return torch.lerp(self.anchor, self.theta, self.cfg.eta)
+        return torch.lerp(fragment.gather(self.anchor), fragment.gather(self.theta), self.cfg.eta)
+
+    def apply_correction(self, correction: torch.Tensor, fragment: Fragment | None = None) -> None:
+        """Add a gossip correction to both anchor and live parameters (``p`` moves by it)."""
+        if fragment is None:
+            self.anchor.add_(correction)
+            self.theta.add_(correction)
+        else:
+            fragment.add_(self.anchor, correction)
+            fragment.add_(self.theta, correction)
+
+    def round_end(self) -> None:
+        """Outer update at the end of this node's round of inner steps."""
+        cfg = self.cfg
+        with torch.no_grad():
+            if cfg.momentum == "mixed":
+                z = torch.lerp(self.anchor, self.theta, cfg.eta)
+                torch.add(z, z - self.memory, alpha=cfg.gamma, out=self.theta)
+                self.memory.copy_(z)
+            else:
+                drift = self.anchor - self.theta
+                self.memory.mul_(cfg.gamma).add_(drift)
+                step = drift.add_(self.memory, alpha=cfg.gamma)
+                torch.add(self.anchor, step, alpha=-cfg.eta, out=self.theta)
+            self.anchor.copy_(self.theta)
+        self.rounds += 1

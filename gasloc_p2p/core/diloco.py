@@ -1,0 +1,37 @@
+"""DiLoCo's outer step: Nesterov SGD on the mean outer gradient (ALGORITHM.md section 3).
+
+Every ``H`` inner steps all workers all-reduce ``outer_grad = anchor - mean(theta')`` and apply
+``buf <- gamma buf + g``; ``anchor <- anchor - eta (g + gamma buf)``, i.e.
+``torch.optim.SGD(lr=eta, momentum=gamma, nesterov=True)`` (dampening 0), then every worker
+restarts from the new anchor. Each worker keeps its own inner AdamW state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class NesterovOuter:
+    """Nesterov momentum SGD on a flat buffer (the DiLoCo outer optimizer).
+
+    Works on any slice of the parameters: Streaming DiLoCo keeps one per fragment.
+    """
+
+    def __init__(self, numel: int, eta: float = 0.7, gamma: float = 0.9,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if not 0.0 < eta <= 2.0 or not 0.0 <= gamma < 1.0:
+            raise ValueError(f"need 0 < eta <= 2 and 0 <= gamma < 1, got eta={eta} gamma={gamma}")
+        self.eta = eta
+        self.gamma = gamma
+        self.buf = torch.zeros(numel, dtype=dtype)
+
+    def step_(self, anchor: torch.Tensor, outer_grad: torch.Tensor) -> torch.Tensor:
+        """Update ``anchor`` in place with the outer gradient ``[numel]``; returns ``anchor``."""
+        self.buf.mul_(self.gamma).add_(outer_grad)
+        anchor.sub_(outer_grad + self.gamma * self.buf, alpha=self.eta)
+        return anchor
+
+
+def outer_gradient(anchor: torch.Tensor, thetas: torch.Tensor) -> torch.Tensor:
+    """``anchor - mean_i theta_i`` for ``anchor: [numel]``, ``thetas: [n, numel]``."""
+    return anchor - thetas.mean(dim=0)

@@ -1,0 +1,92 @@
+"""GASLoC in synchronous rounds (ALGORITHM.md section 1), on stacked worker buffers.
+
+Workers' flat parameters are the rows of one ``[n, numel]`` tensor. A round is:
+inner phase (by the driver) -> proposal ``y = a + eta (theta' - a)`` -> gossip ``z = W y`` ->
+acceleration. Two readings of the acceleration are kept (the paper's text is ambiguous):
+
+- ``mixed`` (default): ``theta <- z + gamma (z - zprev)``, ``zprev <- z``;
+- ``unmixed``: ``theta <- z + gamma (y - yprev)``, ``yprev <- y``.
+
+Both memories start at ``theta_0``, the common initial parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+VARIANTS = ("mixed", "unmixed")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer-update hyper-parameters.
+
+    eta: outer learning rate (scales the local drift in the proposal).
+    gamma: outer momentum (0 disables acceleration).
+    variant: "mixed" or "unmixed" (see module docstring).
+    """
+
+    eta: float = 0.7
+    gamma: float = 0.5
+    variant: str = "mixed"
+
+    def validate(self) -> None:
+        if not 0.0 < self.eta <= 2.0:
+            raise ValueError(f"eta={self.eta} out of range: the outer learning rate needs (0, 2]")
+        if not 0.0 <= self.gamma < 1.0:
+            raise ValueError(f"gamma={self.gamma} out of range: momentum needs [0, 1)")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; choose one of {VARIANTS}")
+
+
+def propose(anchor: torch.Tensor, theta: torch.Tensor, eta: float) -> torch.Tensor:
+    """Proposal ``y = a + eta (theta - a)``; any shape, returns a new tensor."""
+    return torch.lerp(anchor, theta, eta) if eta != 1.0 else theta.clone()
+
+
+def mix(y: torch.Tensor, mixing: torch.Tensor) -> torch.Tensor:
+    """Gossip ``z = W y`` for ``y: [n, numel]`` and a doubly stochastic ``W: [n, n]``."""
+    return torch.mm(mixing.to(y.dtype), y)
+
+
+def mix_pair_(y_i: torch.Tensor, y_j: torch.Tensor, w: float) -> None:
+    """In-place pairwise mixing ``y_i -= w (y_i - y_j)``, ``y_j -= w (y_j - y_i)``.
+
+    The two corrections are exact negatives of each other, so ``y_i + y_j`` is kept up to one
+    rounding per element.
+    """
+    c = (y_j - y_i).mul_(w)
+    y_i.add_(c)
+    y_j.sub_(c)
+
+
+class SyncGasloc:
+    """The outer state of ``n`` workers in synchronous rounds (the momentum memory)."""
+
+    def __init__(self, theta0: torch.Tensor, n: int, cfg: OuterConfig) -> None:
+        """theta0: ``[numel]`` initial parameters shared by every worker."""
+        cfg.validate()
+        self.cfg = cfg
+        self.memory = theta0.detach().reshape(1, -1).repeat(n, 1)  # zprev or yprev, [n, numel]
+
+    def outer_step(
+        self, anchors: torch.Tensor, thetas: torch.Tensor, mixing: torch.Tensor
+    ) -> torch.Tensor:
+        """One round's outer update; writes the new parameters into ``thetas`` and returns it.
+
+        anchors: ``[n, numel]`` parameters at the start of the round.
+        thetas: ``[n, numel]`` parameters after each worker's inner steps (updated in place).
+        mixing: ``[n, n]`` mixing matrix of this round.
+        """
+        cfg = self.cfg
+        y = propose(anchors, thetas, cfg.eta)
+        z = mix(y, mixing)
+        if cfg.variant == "mixed":
+            torch.add(z, z - self.memory, alpha=cfg.gamma, out=thetas)
+            self.memory.copy_(z)
+        else:
+            torch.add(z, y - self.memory, alpha=cfg.gamma, out=thetas)
+            self.memory.copy_(y)
+        return thetas
