@@ -105,17 +105,22 @@ class AsyncGaslocState:
             fragment.add_(self.theta, correction)
 
     def round_end(self) -> None:
-        """Outer update at the end of this node's round of inner steps."""
+        """Outer update at the end of this node's round of inner steps.
+
+        Written as three or four fused passes over the buffers with no temporaries: the anchor
+        is scratch space (it is reset to ``theta`` at the end anyway).
+        """
         cfg = self.cfg
         with torch.no_grad():
             if cfg.momentum == "mixed":
-                z = torch.lerp(self.anchor, self.theta, cfg.eta)
-                torch.add(z, z - self.memory, alpha=cfg.gamma, out=self.theta)
-                self.memory.copy_(z)
+                z = self.anchor.lerp_(self.theta, cfg.eta)  # z = p, in the anchor's buffer
+                # theta = z + gamma (z - zprev) = lerp(zprev, z, 1 + gamma)
+                torch.lerp(self.memory, z, 1.0 + cfg.gamma, out=self.theta)
+                self.memory, self.anchor = z, self.memory  # zprev <- z; reuse the old buffer
             else:
-                drift = self.anchor - self.theta
-                self.memory.mul_(cfg.gamma).add_(drift)
-                step = drift.add_(self.memory, alpha=cfg.gamma)
-                torch.add(self.anchor, step, alpha=-cfg.eta, out=self.theta)
+                # m <- gamma m + (a - theta);  theta <- lerp(a, theta, eta) - eta gamma m
+                self.memory.mul_(cfg.gamma).add_(self.anchor).sub_(self.theta)
+                torch.lerp(self.anchor, self.theta, cfg.eta, out=self.theta)
+                self.theta.add_(self.memory, alpha=-cfg.eta * cfg.gamma)
             self.anchor.copy_(self.theta)
         self.rounds += 1

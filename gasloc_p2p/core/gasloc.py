@@ -80,13 +80,19 @@ class SyncGasloc:
         thetas: ``[n, numel]`` parameters after each worker's inner steps (updated in place).
         mixing: ``[n, n]`` mixing matrix of this round.
         """
-        cfg = self.cfg
-        y = propose(anchors, thetas, cfg.eta)
-        z = mix(y, mixing)
-        if cfg.variant == "mixed":
-            torch.add(z, z - self.memory, alpha=cfg.gamma, out=thetas)
+        y = propose(anchors, thetas, self.cfg.eta)
+        return self.accelerate(y, mix(y, mixing), thetas)
+
+    def accelerate(self, y: torch.Tensor, z: torch.Tensor, thetas: torch.Tensor) -> torch.Tensor:
+        """Momentum step from proposals ``y`` and mixed iterates ``z`` (both ``[n, numel]``).
+
+        Drivers that mix by other means (quantized pairwise exchanges) call this directly.
+        """
+        gamma = self.cfg.gamma
+        if self.cfg.variant == "mixed":
+            torch.lerp(self.memory, z, 1.0 + gamma, out=thetas)  # z + gamma (z - zprev)
             self.memory.copy_(z)
         else:
-            torch.add(z, y - self.memory, alpha=cfg.gamma, out=thetas)
+            torch.add(z, y - self.memory, alpha=gamma, out=thetas)
             self.memory.copy_(y)
         return thetas

@@ -1,0 +1,39 @@
+# gasloc_p2p developer commands. `make swarm` and `make test` are the README's quick start.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup test lint typecheck unit sim swarm bench bench-core proto clean
+
+# torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+lint: setup
+	$(PY) -m ruff check gasloc_p2p tests benchmarks
+
+typecheck: setup
+	$(PY) -m mypy gasloc_p2p
+
+unit: setup
+	$(PY) -m pytest -q
+
+test: lint typecheck unit
+
+sim: setup
+	$(VENV)/bin/gasloc-node sim
+
+bench-core: setup
+	$(PY) benchmarks/bench_core.py
+
+bench: bench-core
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

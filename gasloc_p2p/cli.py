@@ -1,0 +1,53 @@
+"""`gasloc-node`: the command-line entry point (logging is configured only here)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from gasloc_p2p import __version__
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line actionable error (exit code 2) instead of the usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="gasloc-node", description="Peer-to-peer volunteer training with "
+                    "GASLoC: gossip + local steps + outer momentum.")
+    parser.add_argument("--version", action="version", version=f"gasloc-node {__version__}")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=Parser)
+    from gasloc_p2p.sim.cli_sim import add_sim_parser
+
+    add_sim_parser(sub)
+    try:
+        from gasloc_p2p.node import cli_node
+    except ImportError:  # the node layer is optional for the simulator
+        cli_node = None  # type: ignore[assignment]
+    if cli_node is not None:
+        for name in ("add_join_parser", "add_status_parser", "add_swarm_parser"):
+            if hasattr(cli_node, name):
+                getattr(cli_node, name)(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""Codecs for flat 1-D tensors on the wire (ALGORITHM.md section 4).
+
+Every codec turns a 1-D float tensor of ``numel`` elements into an :class:`Encoded` payload
+and back into float32. Decoding is elementwise with one IEEE rounding per element, so it is
+bit-identical on every peer (and at any thread count) given the same payload.
+
+Wire layout (``Encoded.to_bytes``): ``scales`` (float32, little-endian, one per block) then
+``data`` (uint8). No padding is sent: a partial last block is padded with zeros only in
+memory. Sizes for ``n`` elements and block size ``B``:
+
+- ``fp32``: 4n data bytes. ``fp16``: 2n data bytes (IEEE half, raw bytes).
+- ``int8``: ceil(n/B) scales + n bytes; value = q * scale, q in [-127, 127],
+  scale = absmax/127.
+- ``int4``: ceil(n/B) scales + ceil(n/2) bytes; value = q * scale, q in [-7, 7] stored as a
+  two's-complement nibble, scale = absmax/7.
+- ``fp4`` (E3M0): ceil(n/B) scales + ceil(n/2) bytes; nibble = sign << 3 | m, value =
+  (-1)^sign * scale * 2^(m-7) for m in 1..7 and 0 for m = 0, scale = absmax. Encoding rounds
+  to the nearest of {0, 2^-6, ..., 2^0} * absmax in linear space (ties away from zero).
+
+Nibble order: element 2i is the low nibble of byte i, element 2i+1 the high nibble.
+Blocks whose absmax is below 2^-100 are sent as zeros (scale 0), so all-zero blocks decode
+to exact zeros and no reciprocal can overflow.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+CODEC_NAMES: tuple[str, ...] = ("fp32", "fp16", "int8", "int4", "fp4")
+_BLOCK_CODECS = frozenset({"int8", "int4", "fp4"})
+_NIBBLE_CODECS = frozenset({"int4", "fp4"})
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP16_MAX = 65504.0
+# levels / absmax would overflow float32 for smaller absmax; such blocks carry no signal.
+_MIN_ABSMAX = 2.0**-100
+# Work on ~1 MB chunks of whole blocks: temporaries stay in cache and are reused, whereas
+# full-size temporaries of a 100M-element tensor cost page faults and memory bandwidth
+# (measured about 4x slower on a 2-core machine).
+_CHUNK_ELEMS = 1 << 18
+# IEEE-754 float32 bit patterns used by the fp4 encoder.
+_F32_ABS_MASK = 0x7FFFFFFF
+_F32_HALF_MANTISSA = 0x400000  # adding it rounds the exponent to the nearest power of two
+_F32_EXP_SHIFT = 23
+_F32_BIAS = 127
+_FP4_ZERO_BELOW = (_F32_BIAS - 7) << _F32_EXP_SHIFT  # bits of 2^-7, midpoint of 0 and 2^-6
+
+
+class NonFiniteError(ValueError):
+    """Raised by ``Codec.encode`` when the input holds NaN or Inf."""
+
+
+def _layout(codec: str, numel: int, block_size: int) -> tuple[int, int]:
+    """Return (number of float32 scales, number of data bytes) for ``numel`` elements."""
+    if codec not in CODEC_NAMES:
+        raise ValueError(f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if codec in _BLOCK_CODECS:
+        if block_size < 2 or block_size % 2:
+            raise ValueError(f"{codec}: block_size must be a positive even int, got {block_size}")
+        n_data = (numel + 1) // 2 if codec in _NIBBLE_CODECS else numel
+        return -(-numel // block_size), n_data
+    if block_size != 0:
+        raise ValueError(f"{codec} has no blocks: block_size must be 0, got {block_size}")
+    return 0, numel * (4 if codec == "fp32" else 2)
+
+
+def _require_little_endian() -> None:
+    if sys.byteorder != "little":
+        raise RuntimeError("the codec wire format is little-endian; big-endian hosts unsupported")
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """Copy the memory of a contiguous CPU tensor into ``bytes``, without numpy."""
+    t = t.contiguous().cpu()
+    n = t.numel() * t.element_size()
+    return ctypes.string_at(t.data_ptr(), n) if n else b""
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: tensors have no boolean equality
+class Encoded:
+    """One encoded flat tensor: ``scales`` float32 [n_blocks], ``data`` uint8 [n_bytes]."""
+
+    codec: str
+    numel: int
+    block_size: int
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n_scales, n_data = _layout(self.codec, self.numel, self.block_size)
+        for name, t, dtype, size in (
+            ("data", self.data, torch.uint8, n_data),
+            ("scales", self.scales, torch.float32, n_scales),
+        ):
+            if t.dtype != dtype or t.dim() != 1 or t.numel() != size or not t.is_contiguous():
+                raise ValueError(
+                    f"{self.codec} Encoded.{name}: expected contiguous {dtype} [{size}], "
+                    f"got {t.dtype} {list(t.shape)}"
+                )
+
+    @property
+    def nbytes(self) -> int:
+        """Exact wire size in bytes: data bytes + 4 bytes per scale."""
+        return self.data.numel() + 4 * self.scales.numel()
+
+    def to_bytes(self) -> bytes:
+        """Serialize as scales bytes then data bytes (``nbytes`` long)."""
+        _require_little_endian()
+        return _raw_bytes(self.scales) + _raw_bytes(self.data)
+
+    @classmethod
+    def from_bytes(
+        cls, codec: str, numel: int, block_size: int, buf: bytes | bytearray | memoryview
+    ) -> Encoded:
+        """Parse ``to_bytes`` output (copied); ValueError on a wrong length or bad scales."""
+        _require_little_endian()
+        n_scales, n_data = _layout(codec, numel, block_size)
+        expected, got = 4 * n_scales + n_data, memoryview(buf).nbytes
+        if got != expected:
+            raise ValueError(
+                f"{codec} payload for numel={numel}, block_size={block_size} must be "
+                f"{expected} bytes, got {got}"
+            )
+        # bytearray copy: the payload must not alias a buffer the transport will reuse.
+        empty = torch.empty(0, dtype=torch.uint8)
+        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if got else empty
+        scales = raw[: 4 * n_scales].view(torch.float32)
+        # A scale from a peer feeds straight into the references: reject NaN/Inf/negative.
+        if n_scales and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            raise ValueError(f"{codec} payload has non-finite or negative scales")
+        return cls(codec, numel, block_size, raw[4 * n_scales :], scales)
+
+
+def _check_input(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() != 1:
+        raise ValueError(f"expected a 1-D tensor, got {getattr(x, 'shape', type(x))}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"expected float32, float16 or bfloat16, got {x.dtype}")
+    return x.contiguous()
+
+
+def _raise_non_finite(x: torch.Tensor, codec: str) -> None:
+    bad = x.numel() - int(torch.isfinite(x).sum())
+    raise NonFiniteError(
+        f"{codec} codec: input has {bad} non-finite value(s) (NaN or Inf) of {x.numel()}"
+    )
+
+
+class Codec(abc.ABC):
+    """Encodes a 1-D float tensor into an :class:`Encoded` payload and back to float32."""
+
+    name: str
+    block_size: int  # elements per scale block; 0 for fp32/fp16
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        """Encode ``x`` (1-D float32/float16/bfloat16, [numel]); NonFiniteError on NaN/Inf."""
+        return self._encode(_check_input(x))
+
+    def decode(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode into float32 [numel]: into ``out`` (contiguous float32 [numel]) if given."""
+        if (enc.codec, enc.block_size) != (self.name, self.block_size):
+            raise ValueError(
+                f"payload is {enc.codec}/block {enc.block_size}, "
+                f"codec is {self.name}/block {self.block_size}"
+            )
+        if out is None:
+            out = torch.empty(enc.numel, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (enc.numel,) or not out.is_contiguous():
+            raise ValueError(
+                f"out must be contiguous float32 [{enc.numel}], got {out.dtype} {list(out.shape)}"
+            )
+        self._decode(enc, out)
+        return out
+
+    def wire_bytes(self, numel: int) -> int:
+        """Exact ``Encoded.nbytes`` for ``numel`` elements, without encoding."""
+        n_scales, n_data = _layout(self.name, numel, self.block_size)
+        return 4 * n_scales + n_data
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self.block_size})"
+
+    @abc.abstractmethod
+    def _encode(self, x: torch.Tensor) -> Encoded: ...
+
+    @abc.abstractmethod
+    def _decode(self, enc: Encoded, out: torch.Tensor) -> None: ...
+
+
+class _RawCodec(Codec):
+    """fp32 / fp16: a plain cast, no scales."""
+
+    block_size = 0
+    _dtype: torch.dtype
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        if x.numel():
+            # amax/amin propagate NaN and need no full-size temporary, unlike isfinite().
+            hi, lo = float(x.amax()), float(x.amin())
+            if not (math.isfinite(hi) and math.isfinite(lo)):
+                _raise_non_finite(x, self.name)
+            if self._dtype == torch.float16 and max(hi, -lo) > _FP16_MAX:
+                raise ValueError(
+                    f"fp16 codec: max |x| = {max(hi, -lo):.6g} exceeds the fp16 range "
+                    f"{_FP16_MAX}; use fp32 or a scaled codec (int8/int4/fp4)"
+                )
+        data = x.to(self._dtype, copy=True).view(torch.uint8)  # copy: never alias the caller
+        return Encoded(self.name, x.numel(), 0, data, torch.empty(0, dtype=torch.float32))
+
+    def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
+        out.copy_(enc.data.view(self._dtype))
+
+
+class Fp32Codec(_RawCodec):
+    name = "fp32"
+    _dtype = torch.float32
+
+
+class Fp16Codec(_RawCodec):
+    name = "fp16"
+    _dtype = torch.float16
+
+
+class _BlockCodec(Codec):
+    """Blockwise absmax codecs: chunking, per-block absmax and the partial last block."""
+
+    _levels: float  # scale = absmax / _levels
+    _bits: int  # bits per element on the wire
+
+    def __init__(self, block_size: int = 1024) -> None:
+        _layout(self.name, 0, block_size)  # validates block_size
+        self.block_size = block_size
+        self._block_bytes = block_size * self._bits // 8
+        self._chunk_blocks = max(1, _CHUNK_ELEMS // block_size)
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        n, bs, bb = x.numel(), self.block_size, self._block_bytes
+        n_scales, n_data = _layout(self.name, n, bs)
+        scales = torch.empty(n_scales, dtype=torch.float32)
+        data = torch.empty(n_data, dtype=torch.uint8)
+        full = n // bs  # blocks not needing padding
+        work = torch.empty(min(max(full, 1), self._chunk_blocks), bs)  # reused scratch
+        for b0 in range(0, full, self._chunk_blocks):
+            b1 = min(b0 + self._chunk_blocks, full)
+            xb = x[b0 * bs : b1 * bs].view(-1, bs)
+            self._encode_blocks(x, xb, scales[b0:b1], data[b0 * bb : b1 * bb], work)
+        if full < n_scales:  # zero padding leaves the block's absmax unchanged
+            tail = torch.zeros(1, bs, dtype=x.dtype)
+            tail[0, : n - full * bs] = x[full * bs :]
+            packed = torch.empty(bb, dtype=torch.uint8)
+            self._encode_blocks(x, tail, scales[full:], packed, work)
+            data[full * bb :] = packed[: n_data - full * bb]
+        return Encoded(self.name, n, bs, data, scales)
+
+    def _encode_blocks(
+        self,
+        x: torch.Tensor,
+        xb: torch.Tensor,
+        scales: torch.Tensor,
+        data: torch.Tensor,
+        work: torch.Tensor,
+    ) -> None:
+        """Encode xb [k, bs] of x into scales [k] and data [k * block_bytes] (uint8)."""
+        absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_()).float()  # NaN-propagating
+        if not bool(torch.isfinite(absmax).all()):
+            _raise_non_finite(x, self.name)
+        ok = absmax >= _MIN_ABSMAX
+        scales.copy_(torch.where(ok, absmax / self._levels, 0.0))
+        inv = torch.where(ok, self._levels / absmax, 0.0)
+        y = torch.mul(xb, inv[:, None], out=work[: xb.shape[0]])  # in [-levels, levels]
+        self._pack(y, data)
+
+    def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
+        n, bs, bb = enc.numel, self.block_size, self._block_bytes
+        full = n // bs
+        for b0 in range(0, full, self._chunk_blocks):
+            b1 = min(b0 + self._chunk_blocks, full)
+            ob = out[b0 * bs : b1 * bs].view(-1, bs)
+            self._unpack(enc.data[b0 * bb : b1 * bb], ob)
+            ob.mul_(enc.scales[b0:b1, None])
+        if full < enc.scales.numel():
+            packed = torch.zeros(bb, dtype=torch.uint8)
+            packed[: enc.data.numel() - full * bb] = enc.data[full * bb :]
+            tail = torch.empty(1, bs)
+            self._unpack(packed, tail)
+            out[full * bs :] = tail[0, : n - full * bs].mul_(enc.scales[full])
+
+    @abc.abstractmethod
+    def _pack(self, y: torch.Tensor, data: torch.Tensor) -> None:
+        """Quantize y [k, bs] (float32 in [-levels, levels], may be clobbered) into data."""
+
+    @abc.abstractmethod
+    def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the unscaled values of data into out [k, bs] (float32)."""
+
+
+class Int8Codec(_BlockCodec):
+    name = "int8"
+    _levels = 127.0
+    _bits = 8
+
+    def _pack(self, y: torch.Tensor, data: torch.Tensor) -> None:
+        data.view(torch.int8).view_as(y).copy_(y.round_())  # round half to even
+
+    def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(data.view(torch.int8).view_as(out))
+
+
+class _NibbleCodec(_BlockCodec):
+    """4-bit codecs: two nibbles per byte, decoded through a 256-entry table of pairs."""
+
+    _bits = 4
+
+    def __init__(self, block_size: int = 1024) -> None:
+        super().__init__(block_size)
+        nib = self._nibble_values()  # float32 [16]
+        byte = torch.arange(256)
+        self._pair_table = torch.stack([nib[byte & 15], nib[byte >> 4]], dim=1)  # [256, 2]
+
+    @staticmethod
+    @abc.abstractmethod
+    def _nibble_values() -> torch.Tensor:
+        """Unscaled value of each nibble code: float32 [16]."""
+
+    @abc.abstractmethod
+    def _codes(self, y: torch.Tensor) -> torch.Tensor:
+        """Nibble codes (int32 in [0, 15], [k, bs]) for y [k, bs]."""
+
+    def _pack(self, y: torch.Tensor, data: torch.Tensor) -> None:
+        pairs = self._codes(y).view(-1, 2)
+        lo = pairs[:, 0].bitwise_or_(pairs[:, 1].bitwise_left_shift(4))
+        data.copy_(lo)  # values in [0, 255]
+
+    def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
+        torch.index_select(self._pair_table, 0, data.to(torch.int32), out=out.view(-1, 2))
+
+
+class Int4Codec(_NibbleCodec):
+    name = "int4"
+    _levels = 7.0
+
+    @staticmethod
+    def _nibble_values() -> torch.Tensor:
+        c = torch.arange(16, dtype=torch.float32)
+        return torch.where(c >= 8, c - 16, c)  # two's complement; -8 is never produced
+
+    def _codes(self, y: torch.Tensor) -> torch.Tensor:
+        return y.round_().to(torch.int32).bitwise_and_(15)
+
+
+class Fp4Codec(_NibbleCodec):
+    name = "fp4"
+    _levels = 1.0
+
+    @staticmethod
+    def _nibble_values() -> torch.Tensor:
+        c = torch.arange(16)
+        m = c & 7
+        mag = torch.where(m > 0, torch.exp2(m.float() - 7), 0.0)
+        return torch.where(c >= 8, -mag, mag) + 0.0  # + 0.0 turns -0.0 into +0.0
+
+    def _codes(self, y: torch.Tensor) -> torch.Tensor:
+        bits = y.view(torch.int32)
+        nonzero = bits.bitwise_and(_F32_ABS_MASK) >= _FP4_ZERO_BELOW
+        # Adding half a mantissa carries into the exponent iff |y| >= 1.5 * 2^e, i.e. this is
+        # the exponent of |y| rounded to the nearest power of two. It overflows into the sign
+        # bit never, since |y| <= ~1.
+        code = bits.bitwise_and(_F32_ABS_MASK).add_(_F32_HALF_MANTISSA)
+        code.bitwise_right_shift_(_F32_EXP_SHIFT).sub_(_F32_BIAS - 7).clamp_(1, 7)
+        # bits >> 28 sign-extends the sign bit; & 8 keeps it as bit 3 of the nibble.
+        code.bitwise_or_(bits.bitwise_right_shift(28).bitwise_and_(8))
+        return code.mul_(nonzero)
+
+
+_CODECS: dict[str, type[Codec]] = {
+    "fp32": Fp32Codec,
+    "fp16": Fp16Codec,
+    "int8": Int8Codec,
+    "int4": Int4Codec,
+    "fp4": Fp4Codec,
+}
+
+
+def get_codec(name: str, block_size: int = 1024) -> Codec:
+    """Codec by name; ``block_size`` (elements per scale) is ignored by fp32 and fp16."""
+    if name not in _CODECS:
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}")
+    cls = _CODECS[name]
+    return cls(block_size) if issubclass(cls, _BlockCodec) else cls()

@@ -1,0 +1,155 @@
+"""Event-driven asynchronous driver (ALGORITHM.md section 2): what the daemon does, in memory.
+
+Each worker steps at its own speed (``step_time_s * compute_factor``) and ends a round after its
+own ``H_i`` steps. Gossip events arrive at exponential waiting times (``exchanges_per_round``
+per own round on average) with a random graph neighbour that is not exchanging; the exchange is
+snapshotted at start and committed ``bytes / min(bw) + latency`` seconds later, while both keep
+training. Nothing waits for the slowest worker. The run ends at the equal-token budget
+(``workers * steps`` inner steps in total).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState, exchange_weight
+from gasloc_p2p.core.flat import Fragment, layer_fragments, whole
+from gasloc_p2p.core.topology import default_weight, graph_edges, random_matching
+from gasloc_p2p.model import layer_index
+from gasloc_p2p.sim.exchange import Exchanger, Pending
+from gasloc_p2p.sim.sync import Clock, Record
+from gasloc_p2p.sim.workers import Swarm
+
+
+class AsyncSim:
+    def __init__(self, swarm: Swarm, clock: Clock, record: Record) -> None:
+        cfg = swarm.cfg
+        self.swarm, self.cfg, self.clock, self.record = swarm, cfg, clock, record
+        n = cfg.workers
+        gossip = cfg.algorithm == "gossip-sgd"
+        w = cfg.w if cfg.w is not None else default_weight(cfg.graph, n, "1-peer")
+        self.acfg = AsyncConfig(eta=1.0 if gossip else cfg.eta, gamma=cfg.outer_gamma, w=w,
+                                momentum=cfg.momentum, staleness_policy=cfg.staleness_policy,
+                                max_staleness=cfg.max_staleness)
+        self.states = [AsyncGaslocState(swarm.thetas[i], swarm.theta0, self.acfg)
+                       for i in range(n)]
+        self.exchanger = Exchanger(swarm.theta0, n, cfg.codec)
+        numel = swarm.theta0.numel()
+        self.fragments: list[Fragment] = (
+            [whole(numel)] if cfg.fragments == 1
+            else layer_fragments(swarm.spans, layer_index, cfg.fragments, "strided"))
+        self.neighbours: list[list[int]] = [[] for _ in range(n)]
+        for i, j in graph_edges(cfg.graph, n):
+            self.neighbours[i].append(j)
+            self.neighbours[j].append(i)
+        self.rng = random.Random(cfg.seed)
+        self.busy: set[int] = set()
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = itertools.count()
+        self.stats = {"exchanges": 0, "dropped": 0, "busy": 0, "stale": 0, "staleness_sum": 0}
+
+    def step_seconds(self, i: int) -> float:
+        return self.cfg.step_time_s * self.cfg.compute_factor(i)
+
+    def push(self, t: float, kind: str, payload: object) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, payload))
+
+    def gossip_gap(self, i: int) -> float:
+        rate = self.cfg.exchanges_per_round / (self.cfg.h_of(i) * self.step_seconds(i))
+        return self.rng.expovariate(rate)
+
+    def run(self) -> dict[str, int]:
+        cfg, n = self.cfg, self.cfg.workers
+        if cfg.aligned:
+            return self.run_aligned()
+        budget, done, next_eval = n * cfg.steps, 0, n * cfg.eval_every
+        for i in range(n):
+            self.push(self.step_seconds(i), "step", i)
+            if cfg.algorithm != "local" and n > 1:
+                self.push(self.gossip_gap(i), "gossip", i)
+        while done < budget:
+            t, _, kind, payload = heapq.heappop(self.events)
+            self.clock.now = t
+            if kind == "step":
+                i = int(payload)  # type: ignore[call-overload]
+                self.swarm.inner_step(i)
+                done += 1
+                if self.swarm.workers[i].steps % cfg.h_of(i) == 0:
+                    self.states[i].round_end()
+                self.push(t + self.step_seconds(i), "step", i)
+                if done >= next_eval:
+                    next_eval += n * cfg.eval_every
+                    self.record(t)
+            elif kind == "gossip":
+                i = int(payload)  # type: ignore[call-overload]
+                self.start_exchange(i, t)
+                self.push(t + self.gossip_gap(i), "gossip", i)
+            else:
+                assert isinstance(payload, Pending)
+                self.commit(payload)
+        self.record(self.clock.now)
+        return self.stats
+
+    def start_exchange(self, i: int, t: float) -> None:
+        if i in self.busy:
+            self.stats["busy"] += 1
+            return
+        free = [j for j in self.neighbours[i] if j not in self.busy]
+        if not free:
+            self.stats["busy"] += 1
+            return
+        j = self.rng.choice(free)
+        frag = self.fragments[self.rng.randrange(len(self.fragments))]
+        si, sj = self.states[i], self.states[j]
+        pend = self.exchanger.begin(i, j, si.public_iterate(frag), sj.public_iterate(frag), frag)
+        pend.rounds_i, pend.rounds_j = si.rounds, sj.rounds
+        self.busy.update((i, j))
+        nbytes = self.exchanger.payload_bytes(frag)
+        self.clock.bytes_sent[i] += nbytes
+        self.clock.bytes_sent[j] += nbytes
+        link = min(self.cfg.bandwidth_bytes_s(i), self.cfg.bandwidth_bytes_s(j))
+        self.push(t + nbytes / link + self.cfg.latency_s, "commit", pend)
+
+    def commit(self, pend: Pending) -> None:
+        si, sj = self.states[pend.i], self.states[pend.j]
+        staleness = (si.rounds - pend.rounds_i) + (sj.rounds - pend.rounds_j)
+        w = exchange_weight(self.acfg, staleness)
+        c_i, c_j = self.exchanger.commit(pend, w)
+        si.apply_correction(c_i, pend.fragment)
+        sj.apply_correction(c_j, pend.fragment)
+        self.busy.difference_update((pend.i, pend.j))
+        self.stats["exchanges"] += 1
+        self.stats["staleness_sum"] += staleness
+        self.stats["stale"] += staleness > self.acfg.max_staleness
+        self.stats["dropped"] += w == 0.0
+
+    def run_aligned(self) -> dict[str, int]:
+        """Lock-step workers; instantaneous exchanges on a random matching right before each
+        synchronized round end. With momentum "mixed" this is the synchronous algorithm."""
+        cfg, n = self.cfg, self.cfg.workers
+        edges = graph_edges(cfg.graph, n)
+        rng = random.Random(cfg.seed)  # the same matching stream as the synchronous driver
+        frag = whole(self.swarm.theta0.numel())
+        while min(wk.steps for wk in self.swarm.workers) < cfg.steps:
+            for i in range(n):
+                for _ in range(min(cfg.H, cfg.steps - self.swarm.workers[i].steps)):
+                    self.swarm.inner_step(i)
+            for i, j in random_matching(edges, rng) if cfg.matching == "1-peer" else []:
+                self.start_exchange_now(i, j, frag)
+            for s in self.states:
+                s.round_end()
+            self.clock.now += cfg.H * max(self.step_seconds(i) for i in range(n))
+            self.record(self.clock.now)
+        return self.stats
+
+    def start_exchange_now(self, i: int, j: int, frag: Fragment) -> None:
+        si, sj = self.states[i], self.states[j]
+        pend = self.exchanger.begin(i, j, si.public_iterate(frag), sj.public_iterate(frag), frag)
+        pend.rounds_i, pend.rounds_j = si.rounds, sj.rounds
+        self.commit(pend)
+
+
+def run_async(swarm: Swarm, clock: Clock, record: Record) -> dict[str, int]:
+    return AsyncSim(swarm, clock, record).run()

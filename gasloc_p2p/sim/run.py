@@ -1,0 +1,109 @@
+"""Run simulations, collect their histories, and write JSON results and a PNG plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gasloc_p2p.data import TokenData
+from gasloc_p2p.sim.async_ import run_async
+from gasloc_p2p.sim.config import SimConfig
+from gasloc_p2p.sim.sync import SYNC_DRIVERS, Clock
+from gasloc_p2p.sim.workers import Swarm, load_token_data
+
+log = logging.getLogger(__name__)
+Progress = Callable[[int, int], None]  # (mean steps done, total steps per worker)
+
+
+def run(cfg: SimConfig, data: TokenData | None = None,
+        progress: Progress | None = None) -> dict[str, Any]:
+    """One simulated run; returns a JSON-ready dict with its config, history and summary."""
+    cfg.validate()
+    torch.set_num_threads(cfg.threads)
+    started = time.perf_counter()
+    swarm = Swarm(cfg, data if data is not None else load_token_data(cfg.data))
+    clock = Clock(cfg.workers)
+    history: list[dict[str, float]] = []
+
+    def record(now: float, force: bool = False) -> None:
+        steps = sum(w.steps for w in swarm.workers) / cfg.workers
+        if progress is not None:
+            progress(int(steps), cfg.steps)
+        if not force and history and steps - history[-1]["steps"] < cfg.eval_every:
+            return
+        point = {"steps": steps, "tokens": steps * cfg.workers * swarm.tokens_per_step,
+                 "sim_seconds": now,
+                 "bytes_per_worker": sum(clock.bytes_sent) / cfg.workers}
+        point.update(swarm.evaluate())
+        history.append(point)
+
+    record(0.0, force=True)
+    stats: dict[str, int] = {}
+    if cfg.mode == "async":
+        stats = run_async(swarm, clock, record)
+    else:
+        SYNC_DRIVERS[cfg.algorithm](swarm, clock, record)
+    if history[-1]["sim_seconds"] != clock.now or len(history) == 1:
+        record(clock.now, force=True)
+    final = history[-1]
+    return {"config": dataclasses.asdict(cfg), "label": label(cfg), "history": history,
+            "final": final, "stats": stats, "params": int(swarm.theta0.numel()),
+            "wall_seconds": time.perf_counter() - started}
+
+
+def label(cfg: SimConfig) -> str:
+    parts = [cfg.algorithm]
+    if cfg.algorithm == "gasloc":
+        parts.append(cfg.mode)
+        parts.append(cfg.momentum if cfg.mode == "async" else cfg.variant)
+        parts.append(f"g{cfg.outer_gamma:g}")
+    if cfg.algorithm in ("gasloc", "gossip-sgd"):
+        parts.append(f"{cfg.graph}")
+    if cfg.algorithm != "local":
+        parts.append(cfg.codec)
+    return " ".join(parts)
+
+
+def write_results(results: Sequence[dict[str, Any]], out_dir: Path, name: str = "sim") -> Path:
+    """Write ``{name}.json`` and ``{name}.png`` into ``out_dir``; returns the JSON path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(list(results), indent=1))
+    tmp.replace(path)
+    plot(results, out_dir / f"{name}.png")
+    return path
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
+    """Validation loss of the network-average model vs tokens and vs simulated time, and the
+    consensus distance vs tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for res in results:
+        h = res["history"]
+        seed = res["config"]["seed"]
+        lbl = f"{res['label']} (seed {seed})"
+        axes[0].plot([p["tokens"] for p in h], [p["val_loss"] for p in h], label=lbl)
+        axes[1].plot([p["sim_seconds"] for p in h], [p["val_loss"] for p in h], label=lbl)
+        axes[2].plot([p["tokens"] for p in h], [max(p["consensus"], 1e-12) for p in h], label=lbl)
+    axes[0].set(xlabel="tokens (all workers)", ylabel="val loss (avg model, nats)")
+    axes[1].set(xlabel="simulated seconds", ylabel="val loss (avg model, nats)")
+    axes[2].set(xlabel="tokens (all workers)", ylabel="consensus distance", yscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,59 @@
+"""Import-layer check: the pure core imports only torch and the standard library, and the
+simulator never imports the network layers."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "gasloc_p2p"
+IO_MODULES = {"asyncio", "socket", "ssl", "selectors", "http", "urllib", "subprocess", "threading"}
+NETWORK_PACKAGES = {"grpc", "hivemind", "prometheus_client", "uvloop", "gasloc_p2p.node"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_core_imports_only_torch_and_stdlib():
+    bad = []
+    for path in sorted((PKG / "core").glob("*.py")):
+        for name in imported_modules(path):
+            top = name.split(".")[0]
+            ok = (top == "torch" or name.startswith("gasloc_p2p.core")
+                  or (top in sys.stdlib_module_names and top not in IO_MODULES))
+            if top == "__future__":
+                ok = True
+            if not ok:
+                bad.append(f"{path.name}: {name}")
+    assert not bad, f"core imports outside torch + stdlib: {bad}"
+
+
+def test_simulator_and_model_do_not_import_network_layers():
+    paths = [PKG / "model.py", PKG / "data.py", *sorted((PKG / "sim").glob("*.py"))]
+    bad = [f"{p.name}: {name}" for p in paths if p.exists() for name in imported_modules(p)
+           if any(name == n or name.startswith(n + ".") for n in NETWORK_PACKAGES)]
+    assert not bad, bad
+
+
+def test_importing_core_loads_no_network_module():
+    code = ("import sys, gasloc_p2p.core.gasloc, gasloc_p2p.core.async_state, "
+            "gasloc_p2p.core.references, gasloc_p2p.core.streaming, gasloc_p2p.core.topology; "
+            "print(','.join(m for m in ('grpc', 'hivemind', 'prometheus_client', 'uvloop') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_layer_check_catches_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import grpc\nfrom asyncio import sleep\nimport torch\n")
+    assert imported_modules(bad) == {"grpc", "asyncio", "torch"}
