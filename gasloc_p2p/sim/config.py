@@ -48,6 +48,7 @@ class SimConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     data: str | None = None
+    tokenizer: str = "byte"  # byte | bpe (trained locally, 4096 tokens)
     iid: bool = True
     seed: int = 0
     dtype: str = "float32"
@@ -87,6 +88,7 @@ class SimConfig:
             (self.codec == "none" or self.codec in CODEC_NAMES,
              f"unknown codec {self.codec!r}; choose none or one of {CODEC_NAMES}"),
             (self.dtype in ("float32", "float64"), "--dtype must be float32 or float64"),
+            (self.tokenizer in ("byte", "bpe"), "--tokenizer must be byte or bpe"),
             (self.dtype == "float32" or self.codec == "none",
              "float64 runs need --codec none (codecs quantize float32)"),
             (self.mode == "sync" or self.algorithm in ("gasloc", "gossip-sgd", "local"),

@@ -28,7 +28,7 @@ def run(cfg: SimConfig, data: TokenData | None = None,
     cfg.validate()
     torch.set_num_threads(cfg.threads)
     started = time.perf_counter()
-    swarm = Swarm(cfg, data if data is not None else load_token_data(cfg.data))
+    swarm = Swarm(cfg, data if data is not None else load_token_data(cfg.data, cfg.tokenizer))
     clock = Clock(cfg.workers)
     history: list[dict[str, float]] = []
 

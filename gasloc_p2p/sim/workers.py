@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from gasloc_p2p.core.flat import FlatParams
-from gasloc_p2p.data import ByteTokenizer, TokenData, evaluate, load_corpus
+from gasloc_p2p.data import BPETokenizer, ByteTokenizer, TokenData, evaluate, load_corpus
 from gasloc_p2p.model import GPT, GPTConfig, build_model
 from gasloc_p2p.sim.config import SimConfig
 
@@ -42,7 +42,7 @@ class Swarm:
     def __init__(self, cfg: SimConfig, data: TokenData | None = None) -> None:
         self.cfg = cfg
         dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
-        self.data = data if data is not None else load_token_data(cfg.data)
+        self.data = data if data is not None else load_token_data(cfg.data, cfg.tokenizer)
         self.gpt = GPTConfig(vocab_size=self.data.vocab_size, seq_len=cfg.seq_len,
                              n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head)
         base = build_model(self.gpt, cfg.seed, dtype)
@@ -99,11 +99,15 @@ class Swarm:
         return out
 
 
-_DATA_CACHE: dict[str | None, TokenData] = {}
+_DATA_CACHE: dict[tuple[str | None, str], TokenData] = {}
 
 
-def load_token_data(data: str | None) -> TokenData:
-    """Byte-tokenized corpus, cached per process (several runs of a comparison share it)."""
-    if data not in _DATA_CACHE:
-        _DATA_CACHE[data] = TokenData.build(load_corpus(data), ByteTokenizer())
-    return _DATA_CACHE[data]
+def load_token_data(data: str | None, tokenizer: str = "byte") -> TokenData:
+    """Tokenized corpus, cached per process (several runs of a comparison share it)."""
+    key = (data, tokenizer)
+    if key not in _DATA_CACHE:
+        corpus = load_corpus(data)
+        tok: ByteTokenizer | BPETokenizer = (
+            ByteTokenizer() if tokenizer == "byte" else BPETokenizer.train(corpus))
+        _DATA_CACHE[key] = TokenData.build(corpus, tok)
+    return _DATA_CACHE[key]
