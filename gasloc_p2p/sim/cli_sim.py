@@ -46,7 +46,7 @@ HELP = {
     "max_staleness": "round ends an exchange may span before the staleness policy applies",
     "n_layer": "transformer layers", "n_embd": "model width", "n_head": "attention heads",
     "seq_len": "context length in tokens", "batch_size": "sequences per inner step",
-    "lr": "inner AdamW peak learning rate (warmup, then cosine to 10%)",
+    "lr": "inner AdamW peak learning rate (warmup, then cosine to 10%%)",
     "warmup_steps": "inner learning-rate warmup steps", "weight_decay": "inner AdamW weight decay",
     "eval_batches": "validation batches per evaluation (fixed, the same for every run)",
     "eval_every": "inner steps per worker between evaluations",
