@@ -101,3 +101,23 @@ def test_config_errors_are_actionable():
         SimConfig(algorithm="diloco", mode="async").validate()
     with pytest.raises(ValueError, match="--codec none"):
         SimConfig(dtype="float64").validate()
+
+
+def test_exchanger_resets_links_evicted_on_one_side():
+    from gasloc_p2p.core.flat import whole
+    from gasloc_p2p.sim.exchange import Exchanger
+
+    n, numel = 5, 256
+    gen = torch.Generator().manual_seed(0)
+    ex = Exchanger(torch.zeros(numel), n, "int4", capacity=2)
+    ps = [torch.randn(numel, generator=gen) for _ in range(n)]
+    frag = whole(numel)
+    rng = __import__("random").Random(0)
+    for _ in range(200):
+        i, j = rng.sample(range(n), 2)
+        before = torch.stack(ps).double().sum(dim=0)
+        c_i, c_j = ex.commit(ex.begin(i, j, ps[i], ps[j], frag), 0.5)
+        ps[i] += c_i
+        ps[j] += c_j
+        torch.testing.assert_close(torch.stack(ps).double().sum(dim=0), before, rtol=0, atol=1e-4)
+        assert torch.equal(ex.tables[i].get(str(j)).ref_out, ex.tables[j].get(str(i)).ref_in)

@@ -31,9 +31,10 @@ class Pending:
 class Exchanger:
     """Computes both sides' corrections of pairwise exchanges among ``n`` workers."""
 
-    def __init__(self, theta0: torch.Tensor, n: int, codec: str) -> None:
+    def __init__(self, theta0: torch.Tensor, n: int, codec: str, capacity: int = 8) -> None:
         self.codec = None if codec == "none" else get_codec(codec)
-        self.tables = [ReferenceTable(theta0, capacity=max(1, n - 1)) for _ in range(n)]
+        self.theta0 = theta0
+        self.tables = [ReferenceTable(theta0, capacity=capacity) for _ in range(n)]
         self.elem_bytes = theta0.element_size()
 
     def begin(self, i: int, j: int, p_i: torch.Tensor, p_j: torch.Tensor,
@@ -42,6 +43,9 @@ class Exchanger:
         if self.codec is None:
             return Pending(i, j, fragment, p_i.clone(), p_j.clone())
         li, lj = self.tables[i].get(str(j)), self.tables[j].get(str(i))
+        if li.version != lj.version:  # one side evicted the link: both restart from theta_0
+            li.reset(self.theta0)
+            lj.reset(self.theta0)
         return Pending(i, j, fragment, li.encode(p_i, fragment, self.codec),
                        lj.encode(p_j, fragment, self.codec))
 
