@@ -1,0 +1,262 @@
+"""Wire codecs (gasloc_p2p.core.codecs): round trips, error bounds, wire format, determinism."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from gasloc_p2p.core.codecs import (
+    CODEC_NAMES,
+    Encoded,
+    NonFiniteError,
+    get_codec,
+)
+
+BLOCK_CODECS = ("int8", "int4", "fp4")
+# Relative L2 error on N(0, 1) data, block 1024, measured (seed 0, 100k elements):
+# fp16 2.1e-4, int8 7.9e-3, int4 0.143, fp4 0.195. The bands are about +-20%: a wrong scale
+# (e.g. absmax/128 for int8) or a lost sign falls outside them.
+REL_ERR_BAND = {
+    "fp32": (0.0, 0.0),
+    "fp16": (1.5e-4, 3e-4),
+    "int8": (6.5e-3, 9.5e-3),
+    "int4": (0.12, 0.17),
+    "fp4": (0.16, 0.23),
+}
+AWKWARD_SIZES = (0, 1, 2, 3, 63, 64, 65, 1000, 64 * 5 + 17)
+
+
+def gaussian(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def rel_err(y: torch.Tensor, x: torch.Tensor) -> float:
+    """||y - x|| / ||x||, in float64 so that huge values do not overflow the norm."""
+    return float((y.double() - x.double()).norm() / x.double().norm())
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("n", AWKWARD_SIZES)
+def test_round_trip_awkward_sizes(name: str, n: int) -> None:
+    codec = get_codec(name, block_size=64)
+    x = gaussian(n, seed=n)
+    enc = codec.encode(x)
+    y = codec.decode(enc)
+    assert y.dtype == torch.float32 and y.shape == (n,)
+    assert enc.numel == n and enc.nbytes == codec.wire_bytes(n)
+    if n == 0:
+        return
+    if name == "fp32":
+        assert torch.equal(y, x)
+    elif n == 1:  # the single element is its block's absmax: reproduced to float rounding
+        torch.testing.assert_close(y, x, rtol=1e-3 if name == "fp16" else 1e-6, atol=0)
+    else:
+        assert rel_err(y, x) < REL_ERR_BAND[name][1] * 1.5  # small n: looser than the band
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_relative_error_on_gaussian_data(name: str) -> None:
+    codec = get_codec(name)
+    x = gaussian(100_000)
+    lo, hi = REL_ERR_BAND[name]
+    assert lo <= rel_err(codec.decode(codec.encode(x)), x) <= hi
+
+
+@pytest.mark.parametrize("name", ("int8", "int4"))
+def test_integer_codecs_error_at_most_half_a_step(name: str) -> None:
+    bs, levels = 64, {"int8": 127, "int4": 7}[name]
+    x = gaussian(64 * 20 + 5) * torch.linspace(0.01, 100, 64 * 20 + 5)  # blocks of unequal scale
+    y = get_codec(name, bs).decode(get_codec(name, bs).encode(x))
+    padded = torch.cat([x, x.new_zeros(-x.numel() % bs)]).view(-1, bs)
+    step = padded.abs().amax(dim=1).repeat_interleave(bs)[: x.numel()] / levels
+    assert bool(((y - x).abs() <= step * (0.5 + 1e-5)).all())
+
+
+def test_fp4_rounds_to_nearest_power_of_two_of_absmax() -> None:
+    # absmax 1: levels 0, 2^-6 .. 2^0; midpoints 2^-7 and 0.75 * 2^k (ties away from zero)
+    x = torch.tensor(
+        [1.0, 0.75, 0.7499, 0.375, 0.3749, 2**-7, 2**-7 * 0.999, -0.5, -1.5 * 2**-6, -0.0, 0.0]
+    )
+    expect = [1.0, 1.0, 0.5, 0.5, 0.25, 2**-6, 0.0, -0.5, -(2**-5), 0.0, 0.0]
+    codec = get_codec("fp4", block_size=len(x) + 1)
+    y = codec.decode(codec.encode(x))
+    assert y.tolist() == expect
+    assert bool((bits(y[-2:]) == 0).all())  # zeros decode to +0.0 whatever the input sign
+
+
+def test_fp4_matches_brute_force_nearest_level() -> None:
+    levels = torch.tensor([1.0] + [2.0**-k for k in range(1, 7)] + [0.0], dtype=torch.float64)
+    mids = torch.cat([(levels[:-1] + levels[1:]) / 2, torch.tensor([2.0**-7])]).float()
+    edges = torch.cat([mids, mids.nextafter(torch.ones(1)), mids.nextafter(torch.zeros(1))])
+    a = torch.cat([torch.rand(20_000, generator=torch.Generator().manual_seed(1)), edges])
+    x = torch.cat([torch.ones(1), a, -a])  # absmax exactly 1: y = x, both signs
+    codec = get_codec("fp4", block_size=x.numel() + 1)
+    y = codec.decode(codec.encode(x))
+    # nearest level of |x|; argmin takes the first minimum, i.e. the larger level on a tie
+    dist = (x.double().abs()[:, None] - levels[None, :]).abs()
+    assert torch.equal(y.double(), levels[dist.argmin(dim=1)] * x.sign())
+
+
+def test_fp4_scales_with_block_absmax() -> None:
+    x = torch.tensor([-6.0, 3.0, 1.4, 0.0, 0.02, 0.05])  # absmax 6 -> levels 6 * 2^-k
+    codec = get_codec("fp4", block_size=6)
+    assert codec.decode(codec.encode(x)).tolist() == [-6.0, 3.0, 1.5, 0.0, 0.0, 0.09375]
+
+
+@pytest.mark.parametrize(
+    ("name", "scale", "data"),
+    [
+        # q = round_half_even([127, -63.5, 31.75, 0]) = [127, -64, 32, 0]
+        ("int8", 1 / 127, bytes([0x7F, 0xC0, 0x20, 0x00])),
+        # q = round_half_even([7, -3.5, 1.75, 0]) = [7, -4, 2, 0]; nibbles 7, 0xC, 2, 0
+        ("int4", 1 / 7, bytes([0xC7, 0x02])),
+        # codes sign<<3|m: 1 -> 7, -0.5 -> 8|6, 0.25 -> 5, 0 -> 0
+        ("fp4", 1.0, bytes([0xE7, 0x05])),
+    ],
+)
+def test_golden_wire_bytes(name: str, scale: float, data: bytes) -> None:
+    enc = get_codec(name, block_size=4).encode(torch.tensor([1.0, -0.5, 0.25, 0.0]))
+    assert enc.to_bytes() == struct.pack("<f", scale) + data
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_all_zeros_decode_to_exact_zero(name: str) -> None:
+    codec = get_codec(name, block_size=64)
+    y = codec.decode(codec.encode(torch.zeros(64 * 3 + 5)))
+    assert bool((bits(y) == 0).all())
+
+
+@pytest.mark.parametrize("name", BLOCK_CODECS)
+def test_zero_and_tiny_blocks_next_to_large_ones(name: str) -> None:
+    huge = torch.linspace(-3e38, 3e38, 64, dtype=torch.float64).float()  # near float32 max
+    x = torch.cat([torch.zeros(64), gaussian(64) * 1e-35, huge, gaussian(10)])
+    codec = get_codec(name, block_size=64)
+    y = codec.decode(codec.encode(x))
+    assert bool((bits(y[:128]) == 0).all())  # absmax < 2^-100: flushed, never inf/NaN
+    assert rel_err(y[128:192], x[128:192]) < REL_ERR_BAND[name][1] * 1.5
+    assert rel_err(y[192:], x[192:]) < REL_ERR_BAND[name][1] * 2
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(name: str, dtype: torch.dtype) -> None:
+    codec = get_codec(name, block_size=64)
+    x = gaussian(64 * 4 + 3).to(dtype)
+    y = codec.decode(codec.encode(x))
+    assert y.dtype == torch.float32
+    if name == "fp32" or (name == "fp16" and dtype == torch.float16):
+        assert torch.equal(y, x.float())
+    else:
+        assert rel_err(y, x) < REL_ERR_BAND[name][1] * 1.5
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("where", [0, 70, 200])  # first block, middle block, partial last block
+def test_non_finite_input_raises(name: str, where: int) -> None:
+    codec = get_codec(name, block_size=64)
+    x = gaussian(203)
+    x[where] = float("nan")
+    x[5] = float("inf")
+    x[6] = float("-inf")
+    with pytest.raises(NonFiniteError, match=rf"{name} codec: input has 3 non-finite"):
+        codec.encode(x)
+    with pytest.raises(NonFiniteError):
+        codec.encode(x.to(torch.bfloat16))
+
+
+def test_fp16_out_of_range_raises_instead_of_inf() -> None:
+    with pytest.raises(ValueError, match="fp16 range"):
+        get_codec("fp16").encode(torch.tensor([1.0, -7e4]))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_bytes_round_trip_and_exact_length(name: str) -> None:
+    codec = get_codec(name, block_size=64)
+    x = gaussian(64 * 3 + 11)
+    enc = codec.encode(x)
+    buf = bytearray(enc.to_bytes())
+    assert len(buf) == enc.nbytes == codec.wire_bytes(x.numel())
+    back = Encoded.from_bytes(name, enc.numel, enc.block_size, memoryview(buf))
+    buf[:] = bytes(len(buf))  # the parsed payload must not alias the transport buffer
+    assert torch.equal(bits(codec.decode(back)), bits(codec.decode(enc)))
+    for wrong in (bytes(len(buf) - 1), bytes(len(buf) + 1)):
+        with pytest.raises(ValueError, match=f"must be {len(buf)} bytes"):
+            Encoded.from_bytes(name, enc.numel, enc.block_size, wrong)
+
+
+@pytest.mark.parametrize("name", BLOCK_CODECS)
+@pytest.mark.parametrize("bad_scale", [float("nan"), float("inf"), -1.0])
+def test_from_bytes_rejects_bad_scales(name: str, bad_scale: float) -> None:
+    enc = get_codec(name, block_size=4).encode(torch.ones(4))
+    raw = struct.pack("<f", bad_scale) + enc.to_bytes()[4:]
+    with pytest.raises(ValueError, match="scales"):
+        Encoded.from_bytes(name, 4, 4, raw)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_wire_bytes_matches_layout(name: str) -> None:
+    codec = get_codec(name, block_size=64)
+    for n in (*AWKWARD_SIZES, 12_345):
+        scales = 0 if name in ("fp32", "fp16") else -(-n // 64)
+        data = {"fp32": 4 * n, "fp16": 2 * n, "int8": n}.get(name, (n + 1) // 2)
+        assert codec.wire_bytes(n) == 4 * scales + data
+    assert codec.encode(gaussian(12_345)).nbytes == codec.wire_bytes(12_345)
+
+
+def test_compression_ratios_at_one_million_elements() -> None:
+    n = 1 << 20
+    fp32 = get_codec("fp32").wire_bytes(n)
+    assert fp32 == 4 * n
+    assert get_codec("int8").encode(gaussian(n)).nbytes / fp32 <= 0.27
+    for name in ("int4", "fp4"):
+        assert get_codec(name).wire_bytes(n) / fp32 <= 0.14
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_decode_is_deterministic_across_calls_and_threads(name: str) -> None:
+    codec = get_codec(name)
+    enc = codec.encode(gaussian(300_001))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = codec.decode(enc)
+        torch.set_num_threads(2)
+        out = torch.full((enc.numel,), float("nan"))
+        two = codec.decode(enc, out=out)
+    finally:
+        torch.set_num_threads(threads)
+    assert two is out
+    assert torch.equal(bits(one), bits(two))
+    assert torch.equal(bits(codec.decode(enc)), bits(one))
+
+
+def test_encode_does_not_alias_input() -> None:
+    x = gaussian(10)
+    enc = get_codec("fp32").encode(x)
+    x.zero_()
+    assert bool((get_codec("fp32").decode(enc) != 0).all())
+
+
+def test_misuse_gives_clear_errors() -> None:
+    with pytest.raises(ValueError, match="valid codecs: fp32, fp16, int8, int4, fp4"):
+        get_codec("int3")
+    for bad in (0, 3, -2):
+        with pytest.raises(ValueError, match="block_size"):
+            get_codec("int8", block_size=bad)
+    with pytest.raises(ValueError, match="1-D"):
+        get_codec("int8").encode(torch.zeros(2, 2))
+    with pytest.raises(TypeError, match="float32"):
+        get_codec("int8").encode(torch.zeros(4, dtype=torch.int32))
+    enc = get_codec("int8", 64).encode(gaussian(10))
+    with pytest.raises(ValueError, match="payload is int8/block 64"):
+        get_codec("int8", 128).decode(enc)
+    with pytest.raises(ValueError, match="out must be"):
+        get_codec("int8", 64).decode(enc, out=torch.empty(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="Encoded.data"):
+        Encoded("int8", 10, 64, torch.zeros(9, dtype=torch.uint8), torch.zeros(1))
