@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -84,23 +85,34 @@ def write_results(results: Sequence[dict[str, Any]], out_dir: Path, name: str = 
 
 def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
     """Validation loss of the network-average model vs tokens and vs simulated time, and the
-    consensus distance vs tokens."""
+    consensus distance vs tokens: one line per configuration (mean over its seeds, with the
+    min-max band of the seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    groups: dict[str, list[dict[str, Any]]] = {}
     for res in results:
-        h = res["history"]
-        seed = res["config"]["seed"]
-        lbl = f"{res['label']} (seed {seed})"
-        axes[0].plot([p["tokens"] for p in h], [p["val_loss"] for p in h], label=lbl)
-        axes[1].plot([p["sim_seconds"] for p in h], [p["val_loss"] for p in h], label=lbl)
-        axes[2].plot([p["tokens"] for p in h], [max(p["consensus"], 1e-12) for p in h], label=lbl)
+        groups.setdefault(res["label"], []).append(res)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    panels = [(0, "tokens", "val_loss"), (1, "sim_seconds", "val_loss"), (2, "tokens", "consensus")]
+    for lbl, runs in groups.items():
+        length = min(len(r["history"]) for r in runs)
+        seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
+        for ax_i, xkey, ykey in panels:
+            xs = [statistics.fmean(r["history"][k][xkey] for r in runs) for k in range(length)]
+            ys = [[max(r["history"][k][ykey], 1e-12) for r in runs] for k in range(length)]
+            line, = axes[ax_i].plot(xs, [statistics.fmean(v) for v in ys], label=lbl + seeds)
+            if len(runs) > 1:
+                axes[ax_i].fill_between(xs, [min(v) for v in ys], [max(v) for v in ys],
+                                        color=line.get_color(), alpha=0.15)
     axes[0].set(xlabel="tokens (all workers)", ylabel="val loss (avg model, nats)")
     axes[1].set(xlabel="simulated seconds", ylabel="val loss (avg model, nats)")
     axes[2].set(xlabel="tokens (all workers)", ylabel="consensus distance", yscale="log")
+    low = min(p["val_loss"] for r in results for p in r["history"])
+    for ax in axes[:2]:
+        ax.set_ylim(low - 0.05, low + 1.2)  # the interesting part, not the first drop
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
