@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-sim reproduce proto clean
+.PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-sim bench-node reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -18,6 +18,7 @@ setup: $(VENV)/.installed
 
 lint: setup
 	$(PY) -m ruff check gasloc_p2p tests benchmarks
+	$(PY) proto/generate.py --check
 
 typecheck: setup
 	$(PY) -m mypy gasloc_p2p
@@ -33,13 +34,19 @@ sim: setup
 bench-core: setup
 	$(PY) benchmarks/bench_core.py
 
+proto: setup
+	$(PY) proto/generate.py
+
+bench-node: setup
+	$(PY) benchmarks/bench_node.py
+
 bench-sim: setup
 	$(PY) benchmarks/bench_sim.py
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py
 
-bench: bench-core bench-sim
+bench: bench-core bench-sim bench-node
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

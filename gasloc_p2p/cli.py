@@ -30,14 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     from gasloc_p2p.sim.cli_sim import add_sim_parser
 
     add_sim_parser(sub)
-    try:
-        from gasloc_p2p.node import cli_node
-    except ImportError:  # the node layer is optional for the simulator
-        cli_node = None  # type: ignore[assignment]
-    if cli_node is not None:
-        for name in ("add_join_parser", "add_status_parser", "add_swarm_parser"):
-            if hasattr(cli_node, name):
-                getattr(cli_node, name)(sub)
+    from gasloc_p2p.node import cli_node
+
+    cli_node.add_join_parser(sub)
+    cli_node.add_status_parser(sub)
     return parser
 
 

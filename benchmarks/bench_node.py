@@ -1,0 +1,306 @@
+"""Node benchmark: a gossip exchange over loopback against a raw gRPC stream of the same bytes.
+
+Usage: python benchmarks/bench_node.py [--numel 10000000] [--repeats 3] [--threads 2]
+                                       [--train-window-s 20] [--skip-training]
+
+The responder runs in a child process (a real gRPC server on 127.0.0.1:0 that also serves a
+raw bidirectional byte stream); the initiator in this process. For each codec it prints:
+- the exchange wall time (snapshot, encode, both payloads on one stream, check, commit) and the
+  time of a raw chunked gRPC stream moving the same payload bytes both ways, measured in the
+  same run; their ratio is the protocol's throughput relative to the bare transport;
+- the bytes on the wire per exchange and direction (every serialized message plus gRPC's 5-byte
+  frame prefix) as a ratio to fp32 (targets: int8 <= 0.27, 4-bit <= 0.14).
+Then (unless --skip-training) the training throughput of a `gasloc-node join` process (default
+model, torch threads 1) in a 2-node swarm as a ratio to the same node alone (target >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState  # noqa: E402
+from gasloc_p2p.core.flat import whole  # noqa: E402
+from gasloc_p2p.node.config import MAX_CHUNK_BYTES, GossipConfig, NetworkConfig  # noqa: E402
+from gasloc_p2p.node.engine import ExchangeEngine, TrainingLock  # noqa: E402
+from gasloc_p2p.node.exchange import Exchanger  # noqa: E402
+from gasloc_p2p.node.service import (  # noqa: E402
+    GossipServicer,
+    StateSnapshot,
+    grpc_options,
+)
+from gasloc_p2p.node.wire import Identity  # noqa: E402
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc  # noqa: E402
+
+CODECS = ("fp32", "fp16", "int8", "int4", "fp4")
+RAW_METHOD = "/bench.Raw/Stream"
+GRPC_FRAME = 5  # gRPC length-prefixed message header, bytes
+
+
+def build_side(name: str, numel: int, seed: int) -> tuple[Exchanger, Identity]:
+    gen = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(numel, generator=gen)
+    theta = theta0 + 0.01 * torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    outer = AsyncConfig()
+    state = AsyncGaslocState(theta, theta0, outer)
+    engine = ExchangeEngine(state, theta0, [whole(numel)], TrainingLock(), 8)
+    me = Identity("bench", "f" * 64, name)
+    gossip = GossipConfig(header_timeout_s=60, chunk_timeout_s=60, commit_timeout_s=60,
+                          exchange_timeout_s=300)
+    return Exchanger(me, engine, gossip, outer), me
+
+
+async def _raw_handler(request_iterator: Any, context: Any) -> None:
+    """Echo the volume: read the client's bytes while sending as many back (1 MiB chunks)."""
+    first = await context.read()
+    total = int(first.decode())
+    chunk = bytes(MAX_CHUNK_BYTES)
+
+    async def send() -> None:
+        for start in range(0, total, MAX_CHUNK_BYTES):
+            await context.write(chunk[: min(MAX_CHUNK_BYTES, total - start)])
+
+    sender = asyncio.ensure_future(send())
+    got = 0
+    while got < total:
+        got += len(await context.read())
+    await sender
+
+
+async def _serve(numel: int, port_queue: Any, stop: Any) -> None:
+    exchanger, me = build_side("responder", numel, 2)
+    state = exchanger.engine.state
+    servicer = GossipServicer(me, exchanger, lambda: pb.InfoReply(), lambda: StateSnapshot(
+        0, 0, "mixed", state.public_iterate(), state.memory))
+    net = NetworkConfig()
+    server = grpc.aio.server(options=grpc_options(net, server=True))
+    pb_grpc.add_GossipServicer_to_server(servicer, server)
+    raw = grpc.stream_stream_rpc_method_handler(_raw_handler)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bench.Raw", {"Stream": raw}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    port_queue.put(port)
+    while not stop.is_set():
+        await asyncio.sleep(0.1)
+    await server.stop(0)
+
+
+def serve(numel: int, threads: int, port_queue: Any, stop: Any) -> None:
+    torch.set_num_threads(threads)
+    asyncio.run(_serve(numel, port_queue, stop))
+
+
+class CountingCall:
+    """Wraps an Exchange call and counts the initiator's bytes on the wire."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.sent = 0
+
+    async def write(self, msg: pb.ExchangeMsg) -> None:
+        self.sent += msg.ByteSize() + GRPC_FRAME
+        await self.call.write(msg)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.call, name)
+
+
+async def raw_seconds(channel: grpc.aio.Channel, nbytes: int) -> float:
+    call = channel.stream_stream(RAW_METHOD)()
+    chunk = bytes(MAX_CHUNK_BYTES)
+    start = time.perf_counter()
+    await call.write(str(nbytes).encode())
+
+    async def send() -> None:
+        for offset in range(0, nbytes, MAX_CHUNK_BYTES):
+            await call.write(chunk[: min(MAX_CHUNK_BYTES, nbytes - offset)])
+        await call.done_writing()
+
+    sender = asyncio.ensure_future(send())
+    got = 0
+    while got < nbytes:
+        got += len(await call.read())
+    await sender
+    await call.code()
+    return time.perf_counter() - start
+
+
+async def bench(numel: int, repeats: int, endpoint: str) -> list[dict[str, Any]]:
+    exchanger, _ = build_side("initiator", numel, 1)
+    channel = grpc.aio.insecure_channel(endpoint, options=grpc_options(NetworkConfig(), False))
+    stub = pb_grpc.GossipStub(channel)
+    rows = []
+    for codec in CODECS:
+        exchanger.cfg = GossipConfig(codec=codec, header_timeout_s=60, chunk_timeout_s=60,
+                                     commit_timeout_s=60, exchange_timeout_s=300)
+        calls: list[CountingCall] = []
+
+        def open_call(calls: list[CountingCall] = calls) -> CountingCall:
+            calls.append(CountingCall(stub.Exchange(timeout=300)))
+            return calls[-1]
+
+        ex_times, raw_times = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outcome = await exchanger.initiate(open_call, "responder", 0)
+            ex_times.append(time.perf_counter() - start)
+            raw_times.append(await raw_seconds(channel, outcome.bytes_sent))
+        rows.append({"codec": codec, "payload": outcome.bytes_sent, "wire": calls[-1].sent,
+                     "exchange_s": min(ex_times), "raw_s": min(raw_times)})
+    await channel.close()
+    return rows
+
+
+class NodeProcess:
+    """A `gasloc-node join` child; ``steps_per_s`` measures its training over a window."""
+
+    def __init__(self, name: str, tmp: Path, args: list[str]) -> None:
+        self.err = tmp / f"{name}.err"
+        self.out = tmp / f"{name}.out"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="ERROR")
+        with self.err.open("w") as err, self.out.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gasloc_p2p.cli", "--log-level", "INFO", "join",
+                 "--host", "127.0.0.1", "--torch-threads", "1", "--no-init-from-swarm", *args],
+                stdout=out, stderr=err, env=env, start_new_session=True)
+
+    def wait_stdout(self, pattern: str, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = re.search(pattern, self.out.read_text())
+            if found:
+                return found.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited: {self.err.read_text()[-2000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(pattern)
+
+    def info(self, endpoint: str) -> pb.InfoReply:
+        with grpc.insecure_channel(endpoint) as channel:
+            reply: pb.InfoReply = pb_grpc.GossipStub(channel).Info(pb.InfoRequest(), timeout=5)
+            return reply
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def steps_per_s(node: NodeProcess, endpoint: str, window_s: float) -> tuple[float, int]:
+    """Inner steps per second over ``window_s`` after a warm-up; also the exchanges done."""
+    while node.info(endpoint).step < 20:  # past start-up and the first evaluation
+        time.sleep(0.5)
+    first, t0 = node.info(endpoint), time.monotonic()
+    time.sleep(window_s)
+    last, t1 = node.info(endpoint), time.monotonic()
+    return (last.step - first.step) / (t1 - t0), _exchanges(last) - _exchanges(first)
+
+
+def _exchanges(info: pb.InfoReply) -> int:
+    return int(info.exchanges_ok_initiator + info.exchanges_ok_responder)
+
+
+def training_ratio(window_s: float, data: str) -> None:
+    """Node A alone, then A with a gossiping partner B: A's steps/s ratio."""
+    flags = ["--data", data] if data else []
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        alone = NodeProcess("alone", tmp, flags)
+        try:
+            endpoint = _endpoint(alone)
+            solo, _ = steps_per_s(alone, endpoint, window_s)
+        finally:
+            alone.stop()
+        a = NodeProcess("a", tmp, flags)
+        b = None
+        try:
+            peers = a.wait_stdout(r"--peers (.+)").split()
+            b = NodeProcess("b", tmp, [*flags, "--peers", *peers])
+            endpoint = _endpoint(a)
+            while _exchanges(a.info(endpoint)) < 1:  # measure once gossip is under way
+                time.sleep(0.5)
+            pair, exchanges = steps_per_s(a, endpoint, window_s)
+        finally:
+            a.stop()
+            if b is not None:
+                b.stop()
+    print(f"training throughput, default model, torch threads 1, {window_s:g} s windows: alone "
+          f"{solo:.2f} steps/s, in a 2-node swarm {pair:.2f} steps/s ({exchanges} exchanges in "
+          f"the window): ratio {pair / solo:.2f} (target >= 0.9)")
+
+
+def _endpoint(node: NodeProcess) -> str:
+    """The node's gRPC endpoint from its start-up log line on stderr."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = re.search(r"up: gRPC (\S+),", node.err.read_text())
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    raise TimeoutError("node did not come up")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=10_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
+    parser.add_argument("--train-window-s", type=float, default=20.0)
+    parser.add_argument("--data", default="", help="corpus for the training part "
+                        "(default: Shakespeare, downloaded once)")
+    parser.add_argument("--skip-training", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=serve, args=(args.numel, args.threads, ports, stop), daemon=True)
+    child.start()
+    try:
+        port = ports.get(timeout=120)
+        rows = asyncio.run(bench(args.numel, args.repeats, f"127.0.0.1:{port}"))
+    finally:
+        stop.set()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    fp32_wire = next(r["wire"] for r in rows if r["codec"] == "fp32")
+    print(f"gossip exchange of a {args.numel:,}-parameter vector over loopback "
+          f"(responder in another process, torch threads {args.threads}, best of "
+          f"{args.repeats})")
+    print(f"{'codec':<6} {'payload MB':>10} {'wire B/exchange/dir':>20} {'wire vs fp32':>12} "
+          f"{'exchange s':>10} {'raw stream s':>12} {'throughput vs raw':>17}")
+    for r in rows:
+        print(f"{r['codec']:<6} {r['payload'] / 1e6:>10.2f} {r['wire']:>20,} "
+              f"{r['wire'] / fp32_wire:>12.3f} {r['exchange_s']:>10.3f} {r['raw_s']:>12.3f} "
+              f"{r['raw_s'] / r['exchange_s']:>17.2f}")
+    print("throughput vs raw = raw stream time / exchange time for the same payload bytes both "
+          "ways (1.0 = protocol and tensor work cost nothing); raw fp32 stream "
+          f"{2 * rows[0]['payload'] / rows[0]['raw_s'] / 1e6:.0f} MB/s both directions")
+    if not args.skip_training:
+        training_ratio(args.train_window_s, args.data)
+
+
+if __name__ == "__main__":
+    main()

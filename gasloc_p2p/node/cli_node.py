@@ -1,0 +1,166 @@
+"""``gasloc-node join`` and ``gasloc-node status``: parsers and entry points.
+
+``gasloc_p2p/cli.py`` adds these subcommands and configures logging. ``join`` builds a
+:class:`NodeConfig` (flags > ``GASLOC_*`` > ``--config`` TOML > defaults), runs a :class:`Node`
+under uvloop until SIGINT/SIGTERM or a step/time limit, and exits 0 (clean), 1 (runtime
+failure) or 2 (bad configuration, one actionable line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from gasloc_p2p.node.config import ConfigError, NetworkConfig, NodeConfig
+from gasloc_p2p.node.settings import add_config_flags, build_config
+
+log = logging.getLogger(__name__)
+_EXECUTOR_THREADS = 32  # to_thread work: encodes, commits, DHT calls, checkpoints
+
+
+def add_join_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "join", help="start a node: join a swarm (--peers) or start a new one",
+        description="Run a gasloc node: discover peers through the hivemind DHT, train the "
+                    "tiny GPT with AdamW inner steps, gossip quantized parameter deltas over "
+                    "gRPC (GASLoC, ALGORITHM.md section 2). Every option is also a GASLOC_* "
+                    "environment variable and a key of the --config TOML file.")
+    add_config_flags(p)
+    p.set_defaults(func=run_join)
+
+
+def add_status_parser(sub: Any) -> None:
+    p = sub.add_parser("status", help="show one node's Info and the swarm from the DHT",
+                       description="Query a node (--endpoint host:port) and/or list the "
+                                   "swarm of a run through the DHT (--peers MADDR...).")
+    p.add_argument("--endpoint", help="a node's gRPC host:port")
+    p.add_argument("--peers", nargs="+", default=[], metavar="MADDR",
+                   help="bootstrap multiaddrs of the swarm's DHT")
+    p.add_argument("--run-id", default=NodeConfig().discovery.run_id, help="run to list")
+    p.add_argument("--timeout-s", type=float, default=15.0, help="overall deadline, seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_status)
+
+
+def _fail_config(command: str, exc: Exception) -> int:
+    print(f"gasloc-node {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def run_join(args: argparse.Namespace) -> int:
+    """Entry point of ``gasloc-node join``; returns the exit code."""
+    try:
+        cfg = build_config(args)
+    except ConfigError as exc:
+        return _fail_config("join", exc)
+    import uvloop
+
+    return int(uvloop.run(_join(cfg)))
+
+
+async def _join(cfg: NodeConfig) -> int:
+    from gasloc_p2p.node.daemon import Node
+
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(_EXECUTOR_THREADS, "gasloc-io"))
+    node = Node(cfg)
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:  # a second Ctrl-C: give up on a clean stop (the DHT watchdog reaps)
+            os._exit(130)
+        log.info("stopping (signal received; again to force)")
+        node.request_stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        async with node:
+            addrs = await node.discovery.visible_addrs()
+            hint = node.join_hint(addrs)
+            if not cfg.discovery.peers:
+                print(f"new swarm; other nodes join with:\n  {hint}", flush=True)
+            else:
+                log.info("joined; other nodes may also join with: %s", hint)
+            await node.wait()
+    except Exception as exc:
+        log.error("node failed: %s: %s", type(exc).__name__, exc)
+        log.debug("details", exc_info=True)
+        return 1
+    return 1 if node.error else 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Entry point of ``gasloc-node status``; returns the exit code."""
+    if not args.endpoint and not args.peers:
+        return _fail_config("status", ValueError("give --endpoint HOST:PORT or --peers MADDR"))
+    if args.timeout_s <= 0:
+        return _fail_config("status", ValueError("--timeout-s must be > 0"))
+    import uvloop
+
+    try:
+        report = uvloop.run(asyncio.wait_for(_status(args), args.timeout_s))
+    except Exception as exc:
+        print(f"gasloc-node status: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        _print_report(report)
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> dict[str, Any]:
+    from gasloc_p2p.node.discovery import HivemindDiscovery
+    from gasloc_p2p.node.service import PeerChannels, fetch_info
+
+    report: dict[str, Any] = {"swarm": [], "info": None}
+    endpoint = args.endpoint
+    if args.peers:
+        dht = HivemindDiscovery(args.run_id, "127.0.0.1", 0, args.peers, args.timeout_s / 2,
+                                args.timeout_s, client_mode=True)
+        await dht.start()
+        try:
+            peers = await dht.peers()
+        finally:
+            await dht.stop()
+        report["swarm"] = [vars(p) | {"codecs": list(p.codecs)} for p in peers]
+        if endpoint is None and peers:
+            endpoint = max(peers, key=lambda p: p.step).endpoint
+    if endpoint:
+        channels = PeerChannels(NetworkConfig())
+        try:
+            info = await fetch_info(channels.stub(endpoint), args.timeout_s / 2)
+        finally:
+            await channels.close()
+        from google.protobuf.json_format import MessageToDict
+
+        report["info"] = MessageToDict(info, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True)
+    return report
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    info = report["info"]
+    if info is not None:
+        loss = info.get("val_loss", math.nan)
+        print(f"node {info['peer_id']} at {info['endpoint']} (run {info['run_id']}, "
+              f"v{info['software_version']}): step {info['step']}, rounds {info['rounds']}, "
+              f"{float(info['tokens_per_s']):.0f} tok/s, val loss {float(loss):.4f}, exchanges "
+              f"{info['exchanges_ok_initiator']} out / {info['exchanges_ok_responder']} in / "
+              f"{info['exchanges_failed']} failed, {len(info['peers'])} peers")
+    if report["swarm"]:
+        print(f"swarm ({len(report['swarm'])} nodes):")
+        for p in sorted(report["swarm"], key=lambda p: p["peer_id"]):
+            print(f"  {p['peer_id']}  {p['endpoint']:<21}  step {p['step']:>7}  "
+                  f"{p['tokens_per_s']:>7.0f} tok/s  {'reachable' if p['reachable'] else 'NAT'}")

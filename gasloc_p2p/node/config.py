@@ -1,0 +1,282 @@
+"""Node configuration: one frozen dataclass per subsystem, nested in :class:`NodeConfig`.
+
+Every field is also a CLI flag (``--field-name``), an environment variable (``GASLOC_FIELD_NAME``)
+and a key in its section of a TOML file (``[gossip] codec = "int4"``); field names are unique
+across sections so the flat names cannot clash. :mod:`gasloc_p2p.node.settings` merges the
+sources (flags > env > TOML > defaults); ``validate`` checks values and the relations between
+them, with messages that name the flag to change. Times are seconds, sizes bytes unless the name
+says otherwise (``_mbps`` = megabits per second).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from gasloc_p2p.core.async_state import MOMENTUM_FORMS, STALENESS_POLICIES, AsyncConfig
+from gasloc_p2p.core.codecs import CODEC_NAMES
+from gasloc_p2p.model import GPTConfig
+
+PROTOCOL_VERSION = 1
+MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
+FRAGMENT_ORDERS = ("round-robin", "random")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag and how to fix it."""
+
+
+def opt(default: Any, help: str) -> Any:
+    """A dataclass field carrying its ``--help`` text."""
+    return field(default=default, metadata={"help": help})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _need(ok: bool, name: str, value: Any, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{_flag(name)}={value!r}: {what}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The model, the data and the inner optimizer (AdamW, warmup then cosine decay)."""
+
+    data: str = opt("", "text file, directory of *.txt or glob; empty: Shakespeare (downloaded)")
+    shard: str = opt("", "train on shard K of N of the corpus, as 'K/N' (empty: all of it)")
+    seed: int = opt(0, "model init seed, the same on every node of a run (gives theta_0)")
+    data_seed: int = opt(-1, "seed of this node's batch sampling; -1: derived from its peer id")
+    n_layer: int = opt(4, "transformer layers")
+    n_embd: int = opt(128, "model width")
+    n_head: int = opt(4, "attention heads")
+    seq_len: int = opt(128, "context length, tokens")
+    batch_size: int = opt(16, "sequences per inner step")
+    lr: float = opt(3e-3, "peak inner AdamW learning rate")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --lr")
+    warmup_steps: int = opt(100, "linear warmup, inner steps")
+    lr_horizon_steps: int = opt(20000, "cosine decay length, inner steps (then constant)")
+    weight_decay: float = opt(0.1, "AdamW weight decay")
+    inner_steps: int = opt(20, "H: inner steps per round of this node")
+    torch_threads: int = opt(1, "torch intra-op threads for training")
+    max_steps: int = opt(0, "stop after this many inner steps (0: run until stopped)")
+    max_time_s: float = opt(0.0, "stop after this many seconds (0: run until stopped)")
+    eval_interval_steps: int = opt(100, "validation loss every this many inner steps")
+    eval_batches: int = opt(8, "held-out batches per validation (fixed, same on every node)")
+
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(vocab_size=256, seq_len=self.seq_len, n_layer=self.n_layer,
+                         n_embd=self.n_embd, n_head=self.n_head)
+
+    def shard_spec(self) -> tuple[int, int] | None:
+        """(K, N) from ``--shard K/N``, or None."""
+        if not self.shard:
+            return None
+        try:
+            k, n = (int(x) for x in self.shard.split("/"))
+        except ValueError:
+            raise ConfigError(f"--shard={self.shard!r}: expected K/N such as 0/4") from None
+        _need(n >= 1 and 0 <= k < n, "shard", self.shard, "needs 0 <= K < N")
+        return k, n
+
+    def validate(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "inner_steps",
+                     "torch_threads", "eval_interval_steps", "eval_batches", "lr_horizon_steps"):
+            _need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _need(self.n_embd % self.n_head == 0, "n_embd", self.n_embd,
+              f"must be divisible by --n-head={self.n_head}")
+        _need(0 < self.lr < 1, "lr", self.lr, "needs 0 < lr < 1 (try 3e-3)")
+        _need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "needs [0, 1]")
+        _need(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        _need(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        _need(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 0 (0: no limit)")
+        _need(self.max_time_s >= 0, "max_time_s", self.max_time_s, "must be >= 0 (0: no limit)")
+        self.shard_spec()
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Asynchronous GASLoC outer step (ALGORITHM.md section 2)."""
+
+    eta: float = opt(0.7, "outer learning rate")
+    gamma: float = opt(0.5, "outer momentum")
+    w: float = opt(0.5, "gossip weight (0.5 = exact pair average)")
+    momentum: str = opt("mixed", f"momentum form: {' | '.join(MOMENTUM_FORMS)}")
+    staleness_policy: str = opt("downweight", f"stale exchanges: {' | '.join(STALENESS_POLICIES)}")
+    max_staleness: int = opt(1, "round ends (both sides) an exchange may span at full weight")
+
+    def async_config(self) -> AsyncConfig:
+        return AsyncConfig(eta=self.eta, gamma=self.gamma, w=self.w, momentum=self.momentum,
+                           staleness_policy=self.staleness_policy,
+                           max_staleness=self.max_staleness)
+
+    def validate(self) -> None:
+        try:
+            self.async_config().validate()
+        except ValueError as exc:
+            raise ConfigError(f"outer config: {exc} (flags --eta --gamma --w --momentum "
+                              "--staleness-policy --max-staleness)") from exc
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """Gossip exchanges: codec, rate, fragments, limits and per-stage timeouts."""
+
+    codec: str = opt("int8", f"payload codec: {' | '.join(CODEC_NAMES)}")
+    block_size: int = opt(1024, "quantization block, elements (int8/int4/fp4)")
+    fragments: int = opt(1, "P: exchange one strided fragment of P per event (1: whole model)")
+    fragment_order: str = opt("round-robin", f"fragment choice: {' | '.join(FRAGMENT_ORDERS)}")
+    exchanges_per_round: float = opt(2.0, "mean exchanges this node starts per round (0: none)")
+    max_inbound: int = opt(4, "inbound exchanges served at once; more are answered BUSY")
+    max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)")
+    reference_capacity: int = opt(8, "peers whose quantization references are kept (LRU)")
+    chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)")
+    busy_retries: int = opt(3, "other peers tried after a BUSY answer")
+    backoff_s: float = opt(10.0, "after a failed exchange, leave that peer alone this long")
+    header_timeout_s: float = opt(10.0, "wait for the peer's Header")
+    chunk_timeout_s: float = opt(15.0, "wait for any one message during the transfer")
+    commit_timeout_s: float = opt(15.0, "responder: wait for Commit after both Ready")
+    exchange_timeout_s: float = opt(120.0, "deadline of a whole exchange")
+    init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any")
+    download_timeout_s: float = opt(60.0, "deadline of a state download")
+
+    def validate(self) -> None:
+        _need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
+        _need(self.block_size >= 2 and self.block_size % 2 == 0, "block_size", self.block_size,
+              "must be an even number >= 2 (try 1024)")
+        _need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
+        _need(self.fragment_order in FRAGMENT_ORDERS, "fragment_order", self.fragment_order,
+              f"choose one of {FRAGMENT_ORDERS}")
+        _need(self.exchanges_per_round >= 0, "exchanges_per_round", self.exchanges_per_round,
+              "must be >= 0 (0 disables outbound gossip)")
+        _need(self.max_inbound >= 1, "max_inbound", self.max_inbound, "must be >= 1")
+        _need(self.max_upload_mbps >= 0, "max_upload_mbps", self.max_upload_mbps,
+              "must be >= 0 (0: no cap)")
+        _need(1024 <= self.chunk_bytes <= MAX_CHUNK_BYTES, "chunk_bytes", self.chunk_bytes,
+              f"must be in [1024, {MAX_CHUNK_BYTES}]")
+        _need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
+        _need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
+        # An inbound exchange pins its peer's references: eviction must find an unpinned one.
+        _need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",
+              self.reference_capacity, f"must exceed --max-inbound + 1 = {self.max_inbound + 1}")
+        for name in ("header_timeout_s", "chunk_timeout_s", "commit_timeout_s",
+                     "download_timeout_s"):
+            _need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        for name in ("header_timeout_s", "chunk_timeout_s", "commit_timeout_s"):
+            _need(getattr(self, name) < self.exchange_timeout_s, name, getattr(self, name),
+                  f"must be shorter than --exchange-timeout-s={self.exchange_timeout_s}")
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """The gRPC server and channels."""
+
+    host: str = opt("0.0.0.0", "listen address for gRPC and the DHT")
+    port: int = opt(0, "gRPC port (0: any free port)")
+    announce_host: str = opt("", "address peers should dial (empty: guessed from --host/DHT)")
+    client_mode: bool = opt(False, "behind NAT: do not accept exchanges, only dial out")
+    max_message_bytes: int = opt(MAX_CHUNK_BYTES + 64 * 1024, "gRPC message size limit")
+    keepalive_time_s: float = opt(20.0, "HTTP/2 keepalive ping interval")
+    keepalive_timeout_s: float = opt(10.0, "close a connection whose ping is unanswered this long")
+    connect_timeout_s: float = opt(5.0, "wait for a TCP/HTTP2 connection to a peer")
+    info_timeout_s: float = opt(5.0, "deadline of a unary Info call")
+    stop_grace_s: float = opt(3.0, "on stop, let running RPCs finish this long")
+    max_channels: int = opt(32, "cached client channels to peers (LRU)")
+
+    def validate(self) -> None:
+        _need(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535] (0: any)")
+        _need(self.max_message_bytes >= MAX_CHUNK_BYTES + 1024, "max_message_bytes",
+              self.max_message_bytes, f"must be >= 1 MiB + 1 KiB = {MAX_CHUNK_BYTES + 1024}")
+        for name in ("keepalive_time_s", "keepalive_timeout_s", "connect_timeout_s",
+                     "info_timeout_s", "stop_grace_s"):
+            _need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        _need(self.keepalive_timeout_s < self.keepalive_time_s, "keepalive_timeout_s",
+              self.keepalive_timeout_s,
+              f"must be shorter than --keepalive-time-s={self.keepalive_time_s}")
+        _need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """hivemind DHT discovery: run-scoped announcements with a TTL."""
+
+    run_id: str = opt("gasloc", "run name; only nodes with the same run id gossip")
+    peers: tuple[str, ...] = opt((), "bootstrap multiaddrs of running nodes (empty: new swarm)")
+    dht_port: int = opt(0, "DHT (libp2p) TCP port (0: any free port)")
+    announce_interval_s: float = opt(5.0, "re-announce this node every this many seconds")
+    announce_ttl_s: float = opt(20.0, "an announcement expires after this many seconds")
+    refresh_interval_s: float = opt(3.0, "re-read the peer list every this many seconds")
+    dht_timeout_s: float = opt(10.0, "deadline of one DHT get/store")
+    dht_start_timeout_s: float = opt(60.0, "deadline of DHT start-up and bootstrap")
+
+    def validate(self) -> None:
+        _need(bool(self.run_id) and "/" not in self.run_id, "run_id", self.run_id,
+              "must be a non-empty name without '/'")
+        _need(0 <= self.dht_port < 65536, "dht_port", self.dht_port, "must be in [0, 65535]")
+        for name in ("announce_interval_s", "refresh_interval_s", "dht_timeout_s",
+                     "dht_start_timeout_s"):
+            _need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        _need(self.announce_ttl_s > self.announce_interval_s, "announce_ttl_s",
+              self.announce_ttl_s,
+              f"must exceed --announce-interval-s={self.announce_interval_s}, or the node "
+              "vanishes between refreshes")
+        for peer in self.peers:
+            _need(peer.startswith("/"), "peers", peer,
+                  "each peer is a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Atomic periodic checkpoints (write a temporary file, then rename)."""
+
+    checkpoint_dir: str = opt("", "directory for checkpoints (empty: no checkpoints)")
+    checkpoint_interval_s: float = opt(300.0, "save every this many seconds")
+    resume: bool = opt(True, "load the checkpoint in --checkpoint-dir at start if present")
+
+    def validate(self) -> None:
+        _need(self.checkpoint_interval_s > 0, "checkpoint_interval_s",
+              self.checkpoint_interval_s, "must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Progress logging (the log level is a flag of the top-level command; a Prometheus
+    endpoint is a placeholder for now)."""
+
+    log_interval_s: float = opt(10.0, "one progress line every this many seconds")
+
+    def validate(self) -> None:
+        _need(self.log_interval_s > 0, "log_interval_s", self.log_interval_s, "must be > 0")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything a node needs; sections are the TOML tables of the same name."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def validate(self) -> NodeConfig:
+        """Check every section and the cross-section relations; return self."""
+        for f in fields(self):
+            getattr(self, f.name).validate()
+        layers = self.train.n_layer
+        _need(self.gossip.fragments <= layers, "fragments", self.gossip.fragments,
+              f"cannot exceed the model's --n-layer={layers}")
+        _need(self.gossip.chunk_bytes + 1024 <= self.network.max_message_bytes, "chunk_bytes",
+              self.gossip.chunk_bytes,
+              f"must leave 1 KiB of headroom under --max-message-bytes="
+              f"{self.network.max_message_bytes}")
+        _need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
+              "connect_timeout_s", self.network.connect_timeout_s,
+              f"must be shorter than --exchange-timeout-s={self.gossip.exchange_timeout_s}")
+        return self
+
+
+SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(NodeConfig))

@@ -1,0 +1,325 @@
+"""The node runtime: an async context manager that owns every subsystem and task.
+
+Start order (stop is the reverse, via one ``AsyncExitStack``): discovery (the DHT), the model
+and data, the checkpoint or swarm state, the gRPC server, the trainer thread, then the periodic
+tasks in one ``asyncio.TaskGroup``: gossip, announcer, peer refresh, progress log,
+checkpoints. ``request_stop`` (signals, limits) ends :meth:`Node.wait`; ``stop`` is safe twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+from gasloc_p2p import __version__
+from gasloc_p2p.core.codecs import CODEC_NAMES
+from gasloc_p2p.node import checkpoint as ckpt
+from gasloc_p2p.node.config import PROTOCOL_VERSION, DiscoveryConfig, NodeConfig, TrainConfig
+from gasloc_p2p.node.discovery import CompatibilityFilter, Discovery, HivemindDiscovery, PeerInfo
+from gasloc_p2p.node.engine import ExchangeEngine, TrainingLock
+from gasloc_p2p.node.exchange import Exchanger
+from gasloc_p2p.node.gossip import GossipLoop, PeerBook, compatible_codecs
+from gasloc_p2p.node.service import (
+    GossipServicer,
+    PeerChannels,
+    StateSnapshot,
+    download_state,
+    start_server,
+)
+from gasloc_p2p.node.stats import ExchangeStats, TrainStats
+from gasloc_p2p.node.trainer import Trainer, derive_seed
+from gasloc_p2p.node.wire import Identity
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class Node:
+    """One gasloc node. ``async with Node(cfg) as node: await node.wait()``."""
+
+    def __init__(self, cfg: NodeConfig, discovery: Discovery | None = None) -> None:
+        self.cfg = cfg.validate()
+        d = cfg.discovery
+        self.discovery = discovery or HivemindDiscovery(
+            d.run_id, cfg.network.host, d.dht_port, d.peers, d.dht_timeout_s,
+            d.dht_start_timeout_s, client_mode=cfg.network.client_mode)
+        self.lock = TrainingLock()
+        self.train_stats = TrainStats()
+        self.stats = ExchangeStats()
+        self.reachable = not cfg.network.client_mode
+        self.endpoint = ""
+        self.port = 0
+        self.trainer: Trainer | None = None
+        self.exchanger: Exchanger | None = None
+        self.book: PeerBook | None = None
+        self.channels = PeerChannels(cfg.network)
+        self._stop = asyncio.Event()
+        self._train_stop = threading.Event()
+        self._stack: contextlib.AsyncExitStack | None = None
+        self.error = ""
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> Node:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        stack = self._stack = contextlib.AsyncExitStack()
+        try:
+            await self._start(stack)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        cfg = self.cfg
+        await self.discovery.start()
+        stack.push_async_callback(_timed, "discovery stop", self.discovery.stop)
+        me_id = self.discovery.peer_id
+        trainer = self.trainer = await asyncio.to_thread(
+            Trainer, cfg.train, cfg.outer.async_config(), cfg.gossip.fragments, self.lock,
+            self.train_stats)
+        seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
+        await asyncio.to_thread(trainer.load_data, seed)
+        self.me = Identity(cfg.discovery.run_id, trainer.fingerprint, me_id)
+        engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, self.lock,
+                                cfg.gossip.reference_capacity)
+        self.exchanger = Exchanger(self.me, engine, cfg.gossip, cfg.outer.async_config(),
+                                   stats=self.stats)
+        self.book = PeerBook(me_id)
+        self.filter = CompatibilityFilter(PROTOCOL_VERSION, trainer.fingerprint, me_id)
+        await self._initial_state()
+        await self._start_server(stack)
+        stack.push_async_callback(_timed, "channels close", self.channels.close)
+        await self._start_trainer(stack)
+        tg = await stack.enter_async_context(asyncio.TaskGroup())
+        tasks = [tg.create_task(self._forever(name, fn, period), name=name)
+                 for name, fn, period in self._periodic()]
+        gossip = GossipLoop(self.exchanger, self.book, self.channels, cfg.gossip, cfg.network,
+                            self.train_stats, cfg.train.inner_steps, seed,
+                            active=lambda: self.train_stats.running)
+        tasks.append(tg.create_task(gossip.run(), name="gossip"))
+        tasks.append(tg.create_task(self._watch_trainer(), name="watch-trainer"))
+
+        async def cancel_tasks() -> None:
+            for task in tasks:
+                task.cancel()
+
+        stack.push_async_callback(cancel_tasks)  # runs before the TaskGroup exits
+        log.info("node %s up: gRPC %s, model %d params (%s), %d fragment(s), codec %s",
+                 me_id, self.endpoint, trainer.flat.numel, trainer.fingerprint[:12],
+                 len(trainer.fragments), cfg.gossip.codec)
+
+    async def stop(self) -> None:
+        """Stop everything in reverse start order; safe to call twice."""
+        self._stop.set()
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait(self) -> None:
+        """Until a stop is requested (signal, step/time limit, trainer failure)."""
+        await self._stop.wait()
+
+    # ------------------------------------------------------------------ subsystems
+    async def _initial_state(self) -> None:
+        """Resume from the checkpoint; else, if peers exist, from a peer's state."""
+        assert self.trainer is not None
+        cp = self.cfg.checkpoint
+        if cp.checkpoint_dir and cp.resume:
+            saved = await asyncio.to_thread(ckpt.load, cp.checkpoint_dir)
+            if saved is not None:
+                await asyncio.to_thread(self.trainer.restore, saved)
+                log.info("resumed from %s at step %d", ckpt.checkpoint_path(cp.checkpoint_dir),
+                         self.train_stats.step)
+                return
+        if self.cfg.gossip.init_from_swarm and self.cfg.discovery.peers:
+            await self._download_from_swarm()
+
+    async def _download_from_swarm(self) -> None:
+        assert self.trainer is not None
+        await self._refresh_peers()
+        assert self.book is not None
+        peers = sorted(self.book.candidates(), key=lambda p: -p.step)
+        for peer in peers[:3]:
+            try:
+                stub = self.channels.stub(peer.endpoint)
+                meta, params, memory = await download_state(
+                    stub, self.me, self.cfg.gossip.download_timeout_s)
+                await asyncio.to_thread(self.trainer.adopt, params, memory)
+                log.info("starting from the state of %s (its step %d)", peer.peer_id, meta.step)
+                return
+            except Exception as exc:  # any failure: try the next peer, then theta_0
+                log.warning("state download from %s failed: %s", peer.peer_id, exc)
+        log.info("starting from theta_0 (%s)", "no peer yet" if not peers else "no download")
+
+    async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
+        assert self.exchanger is not None
+        net = self.cfg.network
+        host = "127.0.0.1" if net.client_mode else net.host
+        servicer = GossipServicer(self.me, self.exchanger, self.info, self._snapshot)
+        server, self.port = await start_server(servicer, host, net.port, net,
+                                               self.cfg.gossip.max_inbound)
+
+        async def stop_server() -> None:
+            if self.exchanger is not None:
+                self.exchanger.accepting = False  # new exchanges get BUSY during the grace
+            await server.stop(net.stop_grace_s)
+
+        stack.push_async_callback(_timed, "server stop", stop_server)
+        self.endpoint = f"{await self._announce_host()}:{self.port}"
+
+    async def _announce_host(self) -> str:
+        net = self.cfg.network
+        if net.announce_host:
+            return net.announce_host
+        if net.client_mode or net.host not in ("0.0.0.0", "::", ""):
+            return "127.0.0.1" if net.client_mode else net.host
+        for addr in await self.discovery.visible_addrs():
+            parts = addr.split("/")
+            if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127."):
+                return parts[2]
+        return socket.gethostbyname(socket.gethostname())
+
+    async def _start_trainer(self, stack: contextlib.AsyncExitStack) -> None:
+        assert self.trainer is not None
+        thread = threading.Thread(target=self.trainer.run, args=(self._train_stop,),
+                                  name="gasloc-trainer", daemon=True)
+        thread.start()
+
+        async def stop_trainer() -> None:
+            self._train_stop.set()
+            await asyncio.to_thread(thread.join)
+            if self.cfg.checkpoint.checkpoint_dir and not self.train_stats.error:
+                await self._checkpoint()
+
+        stack.push_async_callback(_timed, "trainer stop", stop_trainer)
+
+    async def _watch_trainer(self) -> None:
+        assert self.trainer is not None
+        while not self.trainer.finished.is_set():  # polled: no thread parked on the event
+            await asyncio.sleep(0.2)
+        if self.train_stats.error:
+            self.error = self.train_stats.error
+            log.error("trainer stopped: %s; shutting the node down", self.error)
+        else:
+            log.info("training limit reached at step %d", self.train_stats.step)
+        self._log_progress()
+        self.request_stop()
+
+    def _periodic(self) -> list[tuple[str, Callable[[], Awaitable[None]], float]]:
+        cfg = self.cfg
+        jobs: list[tuple[str, Callable[[], Awaitable[None]], float]] = [
+            ("announce", self._announce, cfg.discovery.announce_interval_s),
+            ("refresh-peers", self._refresh_peers, cfg.discovery.refresh_interval_s),
+            ("progress", self._progress, cfg.metrics.log_interval_s),
+        ]
+        if cfg.checkpoint.checkpoint_dir:
+            jobs.append(("checkpoint", self._checkpoint, cfg.checkpoint.checkpoint_interval_s))
+        return jobs
+
+    async def _forever(self, name: str, fn: Callable[[], Awaitable[None]],
+                       period_s: float) -> None:
+        """Run ``fn`` every ``period_s``; an error is logged and retried, never fatal."""
+        first = name in ("announce", "refresh-peers")
+        while True:
+            if not first:
+                await asyncio.sleep(period_s)
+            first = False
+            try:
+                await fn()
+            except Exception as exc:
+                log.warning("%s failed: %s; retrying in %g s", name, exc, period_s)
+
+    async def _announce(self) -> None:
+        await self.discovery.announce(self.peer_info(), self.cfg.discovery.announce_ttl_s)
+
+    async def _refresh_peers(self) -> None:
+        assert self.book is not None
+        peers = self.filter(await self.discovery.peers())
+        self.book.update(compatible_codecs(peers, self.cfg.gossip.codec))
+
+    async def _checkpoint(self) -> None:
+        assert self.trainer is not None
+        payload = await asyncio.to_thread(self.trainer.state_for_checkpoint)
+        theta = payload["theta"]
+        if not (math.isfinite(float(theta.amax())) and math.isfinite(float(theta.amin()))):
+            log.error("parameters are not finite at step %d: checkpoint skipped, the previous "
+                      "one is kept", payload["step"])
+            return
+        try:
+            path = await asyncio.to_thread(ckpt.save_atomic, payload,
+                                           self.cfg.checkpoint.checkpoint_dir)
+            log.debug("checkpoint written to %s at step %d", path, payload["step"])
+        except ckpt.CheckpointError as exc:
+            log.error("%s", exc)
+
+    async def _progress(self) -> None:
+        self._log_progress()
+
+    def _log_progress(self) -> None:
+        t, x = self.train_stats, self.stats
+        stale = sum(n for k, n in x.staleness.items() if k > self.cfg.outer.max_staleness)
+        log.info("step %d loss %.4f val %.4f tok/s %.0f | exchanges ok %d (init %d resp %d) "
+                 "failed %d busy %d stale %d | sent %.2f MB recv %.2f MB | peers %d",
+                 t.step, t.train_loss, t.val_loss, t.tokens_per_s, x.ok, x.ok_initiator,
+                 x.ok_responder, x.failed, x.busy, stale, x.bytes_sent / 1e6,
+                 x.bytes_received / 1e6, len(self.book.peers) if self.book else 0)
+
+    # ------------------------------------------------------------------ views
+    def peer_info(self) -> PeerInfo:
+        assert self.trainer is not None
+        return PeerInfo(self.me.peer_id, self.endpoint, PROTOCOL_VERSION, self.trainer.fingerprint,
+                        self.train_stats.step, self.train_stats.tokens_per_s, self.reachable,
+                        CODEC_NAMES)
+
+    def info(self) -> pb.InfoReply:
+        t, x = self.train_stats, self.stats
+        return pb.InfoReply(
+            protocol_version=PROTOCOL_VERSION, software_version=__version__,
+            run_id=self.me.run_id, peer_id=self.me.peer_id, model_fingerprint=self.me.fingerprint,
+            step=t.step, rounds=t.rounds, tokens_per_s=t.tokens_per_s,
+            val_loss=t.val_loss, first_val_loss=t.first_val_loss,
+            peers=sorted(self.book.peers) if self.book else [],
+            exchanges_ok_initiator=x.ok_initiator, exchanges_ok_responder=x.ok_responder,
+            exchanges_failed=x.failed, bytes_sent=x.bytes_sent, bytes_received=x.bytes_received,
+            endpoint=self.endpoint)
+
+    def _snapshot(self) -> StateSnapshot:
+        """Public iterate and memory under the lock (runs in a thread)."""
+        assert self.trainer is not None
+        state = self.trainer.state
+        with self.lock.urgent():
+            return StateSnapshot(self.train_stats.step, state.rounds, state.cfg.momentum,
+                                 state.public_iterate(), state.memory.clone())
+
+    def join_hint(self, addrs: list[str]) -> str:
+        """A ready-to-paste command: the run id and model flags (if not defaults) and peers."""
+        extra = []
+        if self.cfg.discovery.run_id != DiscoveryConfig().run_id:
+            extra.append(f"--run-id {self.cfg.discovery.run_id}")
+        defaults = TrainConfig()
+        for name in ("seed", "n_layer", "n_embd", "n_head", "seq_len"):  # the fingerprint
+            value = getattr(self.cfg.train, name)
+            if value != getattr(defaults, name):
+                extra.append(f"--{name.replace('_', '-')} {value}")
+        return " ".join(["gasloc-node join", *extra, "--peers", *addrs])
+
+
+async def _timed(name: str, fn: Callable[[], Awaitable[None]]) -> None:
+    """Run one teardown step, logging its duration (slow shutdowns are worth knowing about)."""
+    t0 = time.monotonic()
+    await fn()
+    log.debug("%s took %.2f s", name, time.monotonic() - t0)

@@ -1,0 +1,298 @@
+"""Peer discovery: a small seam with an in-memory implementation and a hivemind DHT one.
+
+Each node announces a :class:`PeerInfo` under the run-scoped key ``gasloc/{run_id}/peers`` with
+its peer id as subkey and an expiration (TTL) that the node refreshes periodically; listing
+reads the whole key (``latest=True``). hivemind's DHT runs in a child process and its calls
+block on a pipe, so :class:`HivemindDiscovery` makes every call from a worker thread with a
+bounded wait: the event loop never blocks on the DHT.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def run_key(run_id: str) -> str:
+    return f"gasloc/{run_id}/peers"
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a node announces. ``endpoint`` is its gRPC ``host:port``."""
+
+    peer_id: str
+    endpoint: str
+    protocol_version: int
+    fingerprint: str
+    step: int = 0
+    tokens_per_s: float = 0.0
+    reachable: bool = True
+    codecs: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_value(self) -> dict[str, Any]:
+        """The DHT value (msgpack-friendly; the peer id is the subkey)."""
+        value = asdict(self)
+        del value["peer_id"]
+        value["codecs"] = list(self.codecs)
+        return value
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> PeerInfo | None:
+        """Parse an announcement; None if it is malformed (another program, older format)."""
+        try:
+            return cls(peer_id=str(peer_id), endpoint=str(value["endpoint"]),
+                       protocol_version=int(value["protocol_version"]),
+                       fingerprint=str(value["fingerprint"]), step=int(value["step"]),
+                       tokens_per_s=float(value["tokens_per_s"]),
+                       reachable=bool(value["reachable"]),
+                       codecs=tuple(str(c) for c in value["codecs"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+class Discovery(abc.ABC):
+    """Where nodes of one run find each other. ``stop`` is safe to call twice."""
+
+    peer_id: str
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def announce(self, info: PeerInfo, ttl_s: float) -> None:
+        """Publish (or refresh) this node's entry; it expires after ``ttl_s`` seconds."""
+
+    @abc.abstractmethod
+    async def peers(self) -> list[PeerInfo]:
+        """Every live entry of the run, this node's own included."""
+
+    @abc.abstractmethod
+    async def visible_addrs(self) -> list[str]:
+        """Addresses other nodes can bootstrap from (multiaddrs for the DHT)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+
+class CompatibilityFilter:
+    """Keeps peers this node can exchange with; logs each incompatible peer once."""
+
+    def __init__(self, protocol_version: int, fingerprint: str, self_id: str) -> None:
+        self.protocol_version = protocol_version
+        self.fingerprint = fingerprint
+        self.self_id = self_id
+        self._logged: set[str] = set()
+
+    def __call__(self, peers: Sequence[PeerInfo]) -> list[PeerInfo]:
+        out = []
+        for p in peers:
+            if p.peer_id == self.self_id:
+                continue
+            why = self.incompatibility(p)
+            if why is None:
+                out.append(p)
+            elif p.peer_id not in self._logged:
+                self._logged.add(p.peer_id)
+                log.warning("ignoring peer %s at %s: %s", p.peer_id, p.endpoint, why)
+        return out
+
+    def incompatibility(self, p: PeerInfo) -> str | None:
+        if p.protocol_version != self.protocol_version:
+            return (f"it speaks protocol {p.protocol_version}, this node "
+                    f"{self.protocol_version} (upgrade the older one)")
+        if p.fingerprint != self.fingerprint:
+            return (f"its model fingerprint {p.fingerprint[:12]} differs from "
+                    f"{self.fingerprint[:12]} (same --seed and model flags needed)")
+        return None
+
+
+class InMemoryRegistry:
+    """A process-local stand-in for the DHT, shared by :class:`InMemoryDiscovery` objects."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, dict[str, tuple[PeerInfo, float]]] = {}
+
+
+class InMemoryDiscovery(Discovery):
+    """Discovery through an :class:`InMemoryRegistry` (tests, single-process swarms)."""
+
+    def __init__(self, registry: InMemoryRegistry, run_id: str, peer_id: str) -> None:
+        self.registry = registry
+        self.key = run_key(run_id)
+        self.peer_id = peer_id
+
+    async def start(self) -> None:
+        self.registry.entries.setdefault(self.key, {})
+
+    async def announce(self, info: PeerInfo, ttl_s: float) -> None:
+        self.registry.entries[self.key][info.peer_id] = (info, time.monotonic() + ttl_s)
+
+    async def peers(self) -> list[PeerInfo]:
+        now = time.monotonic()
+        return [info for info, exp in self.registry.entries.get(self.key, {}).values()
+                if exp > now]
+
+    async def visible_addrs(self) -> list[str]:
+        return [f"/memory/{self.peer_id}"]
+
+    async def stop(self) -> None:
+        self.registry.entries.get(self.key, {}).pop(self.peer_id, None)
+
+
+def _default_signals_in_child() -> None:
+    """After a fork: SIGINT/SIGTERM back to Python's defaults and no wakeup fd.
+
+    The node's event loop routes these signals to a wakeup fd with no-op handlers; a forked
+    child (the DHT process) would inherit that and silently ignore SIGTERM, so neither
+    ``DHT.shutdown``'s terminate nor a group kill could stop it.
+    """
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_FORK_HOOK = threading.Lock()
+_fork_hook_installed = False
+
+
+def _install_fork_hook() -> None:
+    global _fork_hook_installed
+    with _FORK_HOOK:
+        if not _fork_hook_installed:
+            os.register_at_fork(after_in_child=_default_signals_in_child)
+            _fork_hook_installed = True
+
+
+def _descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (children first), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+async def _install_parent_watchdog(_dht: Any, node: Any, parent_pid: int,
+                                   period_s: float) -> None:
+    """Runs inside the DHT process: if the node process dies (even by SIGKILL), shut the DHT
+    and its p2pd down instead of leaving orphans. Module level: it is pickled by name."""
+
+    async def watch() -> None:
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(period_s)
+        try:
+            await asyncio.wait_for(node.shutdown(), 5.0)
+        finally:
+            os._exit(0)
+
+    node._gasloc_watchdog = asyncio.get_running_loop().create_task(watch())
+
+
+class HivemindDiscovery(Discovery):
+    """Discovery over a hivemind DHT started in a child process (with its p2pd)."""
+
+    def __init__(self, run_id: str, host: str, port: int, initial_peers: Sequence[str],
+                 timeout_s: float, start_timeout_s: float, client_mode: bool = False) -> None:
+        self.key = run_key(run_id)
+        self.host, self.port = host, port
+        self.initial_peers = list(initial_peers)
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.client_mode = client_mode
+        self.peer_id = ""
+        self._dht: Any = None
+        self._pipe_lock = threading.Lock()  # the DHT's request pipe is not thread-safe
+
+    async def start(self) -> None:
+        await asyncio.wait_for(asyncio.to_thread(self._start), self.start_timeout_s)
+
+    def _start(self) -> None:
+        import hivemind  # heavy import, only where a DHT is used
+
+        _install_fork_hook()
+        maddr = f"/ip{6 if ':' in self.host else 4}/{self.host}/tcp/{self.port}"
+        self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
+                                 client_mode=self.client_mode, start=True, await_ready=False)
+        try:
+            self._dht.wait_until_ready(timeout=self.start_timeout_s)
+        except BaseException:
+            self._dht.shutdown()
+            raise
+        self.peer_id = self._dht.peer_id.to_base58()
+        watchdog = partial(_install_parent_watchdog, parent_pid=os.getpid(), period_s=1.0)
+        self._call(lambda: self._dht.run_coroutine(watchdog, return_future=True))
+
+    def _call(self, submit: Any) -> Any:
+        """Submit a DHT request (serialised) and wait for it with the timeout; in a thread."""
+        with self._pipe_lock:
+            future = submit()
+        return future.result(timeout=self.timeout_s)
+
+    async def announce(self, info: PeerInfo, ttl_s: float) -> None:
+        from hivemind.utils import get_dht_time
+
+        expiration = get_dht_time() + ttl_s
+        ok = await asyncio.to_thread(self._call, lambda: self._dht.store(
+            self.key, info.to_value(), expiration, subkey=info.peer_id, return_future=True))
+        if not ok:
+            log.debug("DHT store of this node's announcement was not accepted")
+
+    async def peers(self) -> list[PeerInfo]:
+        found = await asyncio.to_thread(self._call, lambda: self._dht.get(
+            self.key, latest=True, return_future=True))
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for subkey, item in found.value.items():
+            info = PeerInfo.from_value(subkey, getattr(item, "value", None))
+            if info is not None:
+                out.append(info)
+        return out
+
+    async def visible_addrs(self) -> list[str]:
+        addrs = await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(
+            partial(_visible_maddrs), return_future=True))
+        return [str(a) for a in addrs]
+
+    async def stop(self) -> None:
+        dht, self._dht = self._dht, None
+        if dht is not None:
+            await asyncio.to_thread(self._shutdown, dht)
+
+    @staticmethod
+    def _shutdown(dht: Any) -> None:
+        """Graceful DHT shutdown; if it hangs, kill the DHT process and its p2pd."""
+        dht.shutdown()
+        dht.join(2.0)
+        if dht.is_alive():
+            log.warning("DHT process %s ignored shutdown; killing it and its p2pd", dht.pid)
+            for pid in [*_descendants(dht.pid), dht.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            dht.join(5.0)
+
+
+async def _visible_maddrs(_dht: Any, node: Any) -> list[Any]:
+    """Runs inside the DHT process (module level: pickled by name)."""
+    return list(await node.get_visible_maddrs())

@@ -1,0 +1,181 @@
+"""The tensor side of a gossip exchange: snapshot, encode, check, commit (no I/O, no asyncio).
+
+Every method here is synchronous and may take milliseconds to seconds on a large model, so the
+async layer (:mod:`gasloc_p2p.node.exchange`) calls them through ``asyncio.to_thread``. Shared
+tensors are touched only under the node's :class:`TrainingLock`, which also serialises the
+trainer's optimizer steps and round ends.
+
+Nothing changes before :meth:`ExchangeEngine.commit`: ``prepare`` reads a snapshot and encodes it
+against the link's reference (or ``theta_0`` when the link is new or must be reset), ``check``
+parses and validates the peer's payload; only ``commit`` folds both messages into the link and
+adds the correction to the anchor and live parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from gasloc_p2p.core.async_state import AsyncGaslocState
+from gasloc_p2p.core.codecs import Codec, Encoded, get_codec
+from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.references import ReferenceTable
+
+
+class TrainingLock:
+    """Mutual exclusion between the trainer and urgent work (corrections, snapshots).
+
+    A plain lock is unfair: the trainer releases it and re-acquires it at once, starving the
+    commit threads. Here a waiting urgent holder blocks the trainer's next acquisition.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held = False
+        self._urgent_waiting = 0
+
+    @contextmanager
+    def urgent(self) -> Iterator[None]:
+        """For gossip commits, snapshots and checkpoints: served before the next train step."""
+        with self._cond:
+            self._urgent_waiting += 1
+            while self._held:
+                self._cond.wait()
+            self._urgent_waiting -= 1
+            self._held = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """For one optimizer step or round end of the trainer."""
+        with self._cond:
+            while self._held or self._urgent_waiting:
+                self._cond.wait()
+            self._held = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """One side's half of an exchange between snapshot and commit."""
+
+    peer_id: str
+    fragment: Fragment
+    link_version: int  # this side's version before the exchange
+    reset: bool  # restart the link from theta_0 at commit (the versions differed)
+    rounds0: int  # round ends at the snapshot
+    encoded: Encoded
+    payload: bytes
+    crc32: int
+
+
+class ExchangeEngine:
+    """References, fragments and codecs of one node, around its :class:`AsyncGaslocState`."""
+
+    def __init__(self, state: AsyncGaslocState, theta0: torch.Tensor,
+                 fragments: Sequence[Fragment], lock: TrainingLock,
+                 reference_capacity: int) -> None:
+        """theta0: ``[numel]`` float32 initial parameters, the same on every node of the run."""
+        self.state = state
+        self.theta0 = theta0
+        self.fragments = list(fragments)
+        self.lock = lock
+        self.refs = ReferenceTable(theta0, capacity=reference_capacity)
+        self._refs_lock = threading.Lock()  # the LRU is touched from several worker threads
+        self._codecs: dict[tuple[str, int], Codec] = {}
+
+    def codec(self, name: str, block_size: int) -> Codec:
+        """A cached codec; ValueError for an unknown name or a bad block size."""
+        key = (name, block_size)
+        if key not in self._codecs:
+            codec = get_codec(name, block_size or 1024)
+            if codec.block_size != block_size:
+                raise ValueError(f"codec {name} needs block_size {codec.block_size}, "
+                                 f"got {block_size}")
+            self._codecs[key] = codec
+        return self._codecs[key]
+
+    def link_version(self, peer_id: str) -> int:
+        with self._refs_lock:
+            return self.refs.version(peer_id)
+
+    def rounds_since(self, prep: Prepared) -> int:
+        return self.state.rounds - prep.rounds0
+
+    def prepare(self, peer_id: str, fragment_index: int, codec: Codec, reset: bool) -> Prepared:
+        """Snapshot the public iterate of one fragment and encode ``Q(p - ref_out)``.
+
+        With ``reset`` (or no link yet) the reference is ``theta_0``. Only this exchange can
+        change the link (one exchange per peer in flight), so ``ref_out`` is read unlocked.
+        """
+        fragment = self.fragments[fragment_index]
+        covers_all = fragment.ranges == ((0, self.theta0.numel()),)
+        with self.lock.urgent():
+            public = self.state.public_iterate(None if covers_all else fragment)
+            rounds0 = self.state.rounds
+        with self._refs_lock:
+            version = self.refs.version(peer_id)
+            known = peer_id in self.refs
+            reference = self.refs.get(peer_id).ref_out if known and not reset else self.theta0
+        encoded = codec.encode(_sub_fragment_(public, reference, fragment))
+        payload = encoded.to_bytes()
+        return Prepared(peer_id, fragment, version, reset, rounds0, encoded, payload,
+                        zlib.crc32(payload))
+
+    def check(self, codec: Codec, numel: int, payload: bytes | bytearray, crc32: int) -> Encoded:
+        """Parse the peer's payload; ValueError if it is corrupt or decodes to NaN/Inf."""
+        if zlib.crc32(payload) != crc32:
+            raise ValueError("payload CRC32 mismatch")
+        received = Encoded.from_bytes(codec.name, numel, codec.block_size, payload)
+        values = codec.decode(received)
+        # amax/amin propagate NaN and allocate nothing, unlike isfinite() (3x slower here)
+        if numel and not (math.isfinite(float(values.amax()))
+                          and math.isfinite(float(values.amin()))):
+            raise ValueError("payload decodes to non-finite values")
+        return received
+
+    def commit(self, prep: Prepared, received: Encoded, weight: float,
+               pinned: Iterable[str] = ()) -> float:
+        """Fold both messages into the link and apply the correction; returns ``||c||_2``.
+
+        ``pinned``: peers with exchanges in flight, moved to the LRU's recent end first so that
+        creating this link never evicts (and resets) a link another exchange is using.
+        """
+        with self.lock.urgent():
+            with self._refs_lock:
+                for other in pinned:
+                    if other != prep.peer_id and other in self.refs:
+                        self.refs.get(other)
+                link = self.refs.get(prep.peer_id)
+            if prep.reset:
+                link.reset(self.theta0)
+            correction = link.commit(prep.encoded, received, prep.fragment, weight)
+            if weight > 0:
+                self.state.apply_correction(correction, prep.fragment)
+        return float(correction.norm())
+
+
+def _sub_fragment_(compact: torch.Tensor, buf: torch.Tensor, fragment: Fragment) -> torch.Tensor:
+    """``compact -= buf[fragment]`` in place without gathering a copy; returns ``compact``."""
+    pos = 0
+    for start, length in fragment.ranges:
+        compact[pos : pos + length].sub_(buf[start : start + length])
+        pos += length
+    return compact

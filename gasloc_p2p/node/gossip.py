@@ -1,0 +1,148 @@
+"""The outbound gossip loop: when to exchange, with whom, and which fragment.
+
+Waiting times are exponential with rate ``exchanges_per_round / round duration`` (the round
+duration is estimated from the trainer's recent step time), so each node starts on average
+``exchanges_per_round`` exchanges per round of its own. The partner is a random compatible
+peer: not this node, not one it is already exchanging with, not one in backoff after a failure,
+and never an unreachable (``--client-mode``) peer: nobody can dial it, it gossips by dialing
+out, so two unreachable nodes are never paired. A BUSY
+answer is not a failure: the loop tries another peer, up to ``busy_retries`` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+
+from gasloc_p2p.node.config import GossipConfig, NetworkConfig
+from gasloc_p2p.node.discovery import PeerInfo
+from gasloc_p2p.node.exchange import Exchanger, Outcome
+from gasloc_p2p.node.service import PeerChannels
+from gasloc_p2p.node.stats import TrainStats
+from gasloc_p2p.node.wire import BUSY, INTERNAL, ExchangeError
+
+log = logging.getLogger(__name__)
+_IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
+
+
+class PeerBook:
+    """Compatible peers from discovery, with per-peer backoff after failures."""
+
+    def __init__(self, self_id: str) -> None:
+        self.self_id = self_id
+        self.peers: dict[str, PeerInfo] = {}
+        self._backoff_until: dict[str, float] = {}
+
+    def update(self, peers: Iterable[PeerInfo]) -> None:
+        self.peers = {p.peer_id: p for p in peers if p.peer_id != self.self_id}
+
+    def backoff(self, peer_id: str, seconds: float) -> None:
+        self._backoff_until[peer_id] = time.monotonic() + seconds
+
+    def candidates(self, exclude: Iterable[str] = ()) -> list[PeerInfo]:
+        now, skip = time.monotonic(), set(exclude)
+        return [p for p in self.peers.values()
+                if p.peer_id not in skip and self._backoff_until.get(p.peer_id, 0.0) <= now
+                and p.reachable]  # nobody can dial a NAT'ed node: it gossips by dialing out
+
+
+class FragmentChooser:
+    """Round-robin or random fragment indices."""
+
+    def __init__(self, count: int, order: str, rng: random.Random) -> None:
+        self.count, self.order, self.rng = count, order, rng
+        self._next = rng.randrange(count)  # nodes start at different fragments
+
+    def __call__(self) -> int:
+        if self.order == "random":
+            return self.rng.randrange(self.count)
+        index, self._next = self._next, (self._next + 1) % self.count
+        return index
+
+
+class GossipLoop:
+    """Starts exchanges at exponential waiting times; run :meth:`run` as one task."""
+
+    def __init__(self, exchanger: Exchanger, book: PeerBook, channels: PeerChannels,
+                 gossip: GossipConfig, net: NetworkConfig, train_stats: TrainStats,
+                 inner_steps: int, seed: int, active: Callable[[], bool] = lambda: True) -> None:
+        self.exchanger = exchanger
+        self.book = book
+        self.channels = channels
+        self.cfg = gossip
+        self.net = net
+        self.train_stats = train_stats
+        self.inner_steps = inner_steps
+        self.rng = random.Random(seed)
+        self.choose_fragment = FragmentChooser(len(exchanger.engine.fragments),
+                                               gossip.fragment_order, self.rng)
+        self.active = active
+
+    def rate_per_s(self) -> float:
+        """Exchanges per second this node starts now (0 before the first timed step)."""
+        round_s = self.train_stats.round_duration_s(self.inner_steps)
+        if self.cfg.exchanges_per_round <= 0 or round_s <= 0:
+            return 0.0
+        return self.cfg.exchanges_per_round / round_s
+
+    async def run(self) -> None:
+        while True:
+            rate = self.rate_per_s()
+            if rate <= 0 or not self.active():
+                await asyncio.sleep(_IDLE_S)
+                continue
+            await asyncio.sleep(self.rng.expovariate(rate))
+            try:
+                await self.gossip_once()
+            except Exception:  # a bug must not end gossip: log it, keep training and serving
+                log.exception("gossip event failed unexpectedly")
+
+    async def gossip_once(self) -> Outcome | None:
+        """One gossip event: try peers until one exchange commits, fails, or none is left."""
+        tried: list[str] = []
+        for _ in range(self.cfg.busy_retries + 1):
+            exclude = [*tried, *self.exchanger.inflight]
+            options = self.book.candidates(exclude)
+            if not options:
+                return None
+            peer = self.rng.choice(options)
+            tried.append(peer.peer_id)
+            try:
+                return await self.exchange_with(peer, self.choose_fragment())
+            except ExchangeError as exc:
+                if exc.code == BUSY:
+                    self.exchanger.stats.busy += 1
+                    continue
+                self._failed(peer, exc)
+                return None
+            except (grpc.RpcError, TimeoutError, OSError) as exc:
+                self._failed(peer, exc)
+                return None
+        return None
+
+    async def exchange_with(self, peer: PeerInfo, fragment: int) -> Outcome:
+        stub, channel = self.channels.stub_and_channel(peer.endpoint)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.net.connect_timeout_s)
+        except TimeoutError:
+            raise ExchangeError(INTERNAL, f"cannot connect to {peer.endpoint} within "
+                                   f"{self.net.connect_timeout_s:g} s") from None
+        deadline = self.cfg.exchange_timeout_s + self.cfg.commit_timeout_s
+        return await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
+                                             peer.peer_id, fragment)
+
+    def _failed(self, peer: PeerInfo, exc: BaseException) -> None:
+        self.exchanger.stats.failed += 1
+        self.exchanger.stats.failures[f"outbound:{type(exc).__name__}"] += 1
+        self.book.backoff(peer.peer_id, self.cfg.backoff_s)
+        log.debug("exchange with %s failed: %s", peer.peer_id, exc)
+
+
+def compatible_codecs(peers: Sequence[PeerInfo], codec: str) -> list[PeerInfo]:
+    """Peers that announced they can decode ``codec`` (or announced no list at all)."""
+    return [p for p in peers if not p.codecs or codec in p.codecs]

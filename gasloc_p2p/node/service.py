@@ -1,0 +1,184 @@
+"""The gRPC side of a node: the Gossip servicer, the server, and client helpers.
+
+Message sizes are bounded on both sides (``max_message_bytes``: one 1 MiB chunk plus headroom)
+and HTTP/2 keepalive pings detect dead peers. :class:`PeerChannels` keeps a bounded LRU of
+channels so repeated exchanges with a peer reuse one connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from gasloc_p2p.node.config import MAX_CHUNK_BYTES, PROTOCOL_VERSION, NetworkConfig
+from gasloc_p2p.node.exchange import Exchanger
+from gasloc_p2p.node.wire import (
+    BAD_REQUEST,
+    FINGERPRINT_MISMATCH,
+    RUN_MISMATCH,
+    VERSION_MISMATCH,
+    ExchangeError,
+    Identity,
+    chunks,
+    reject,
+)
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def grpc_options(net: NetworkConfig, server: bool) -> list[tuple[str, int]]:
+    """Message-size limits and keepalive for a server or a client channel."""
+    opts = [
+        ("grpc.max_send_message_length", net.max_message_bytes),
+        ("grpc.max_receive_message_length", net.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(net.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(net.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if server:  # accept the clients' pings at our own keepalive rate
+        opts.append(("grpc.http2.min_recv_ping_interval_without_data_ms",
+                     int(net.keepalive_time_s * 500)))
+    return opts
+
+
+@dataclass(frozen=True, eq=False)
+class StateSnapshot:
+    """What DownloadState sends: ``params`` (public iterate) and ``memory``, float32 [numel]."""
+
+    step: int
+    rounds: int
+    momentum: str
+    params: torch.Tensor
+    memory: torch.Tensor
+
+    def body(self) -> bytes:
+        return (self.params.contiguous().numpy().tobytes()
+                + self.memory.contiguous().numpy().tobytes())
+
+
+class GossipServicer(pb_grpc.GossipServicer):
+    """Serves Exchange (via the node's :class:`Exchanger`), Info and DownloadState."""
+
+    def __init__(self, me: Identity, exchanger: Exchanger, info: Callable[[], pb.InfoReply],
+                 snapshot: Callable[[], StateSnapshot]) -> None:
+        self.me = me
+        self.exchanger = exchanger
+        self.info = info
+        self.snapshot = snapshot  # blocking; runs in a thread
+
+    async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await self.exchanger.respond(context)
+
+    async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoReply:
+        return self.info()
+
+    async def DownloadState(self, request: pb.StateRequest,
+                            context: Any) -> AsyncIterator[pb.StateChunk]:
+        problem = self._check_state_request(request)
+        if problem is not None:
+            yield pb.StateChunk(reject=reject(problem.code, problem.message).reject)
+            return
+        snap = await asyncio.to_thread(self.snapshot)
+        body = await asyncio.to_thread(snap.body)
+        yield pb.StateChunk(meta=pb.StateMeta(
+            protocol_version=PROTOCOL_VERSION, model_fingerprint=self.me.fingerprint,
+            numel=snap.params.numel(), step=snap.step, rounds=snap.rounds,
+            momentum=snap.momentum, total_bytes=len(body), body_crc32=zlib.crc32(body)))
+        for piece in chunks(body, MAX_CHUNK_BYTES):
+            yield pb.StateChunk(data=piece)
+
+    def _check_state_request(self, r: pb.StateRequest) -> ExchangeError | None:
+        if r.protocol_version != PROTOCOL_VERSION:
+            return ExchangeError(VERSION_MISMATCH, f"protocol {r.protocol_version}")
+        if r.run_id != self.me.run_id:
+            return ExchangeError(RUN_MISMATCH, f"run {r.run_id!r}")
+        if r.model_fingerprint != self.me.fingerprint:
+            return ExchangeError(FINGERPRINT_MISMATCH, "another model")
+        return None
+
+
+async def start_server(servicer: GossipServicer, host: str, port: int, net: NetworkConfig,
+                       max_inbound: int) -> tuple[grpc.aio.Server, int]:
+    """Start serving on ``host:port`` (0: any free port); returns the server and its port."""
+    server = grpc.aio.server(options=grpc_options(net, server=True),
+                             maximum_concurrent_rpcs=2 * max_inbound + 16)
+    pb_grpc.add_GossipServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (address in use or not local?)")
+    await server.start()
+    return server, bound
+
+
+class PeerChannels:
+    """A bounded LRU of client channels by ``host:port``; ``close`` is safe to call twice."""
+
+    def __init__(self, net: NetworkConfig) -> None:
+        self.net = net
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._closing: list[asyncio.Task[None]] = []
+
+    def stub(self, endpoint: str) -> pb_grpc.GossipStub:
+        return self.stub_and_channel(endpoint)[0]
+
+    def stub_and_channel(self, endpoint: str) -> tuple[pb_grpc.GossipStub, grpc.aio.Channel]:
+        """A stub on the cached channel to ``endpoint`` (``host:port``), and the channel."""
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=grpc_options(self.net, False))
+            self._channels[endpoint] = channel
+            if len(self._channels) > self.net.max_channels:
+                _, old = self._channels.popitem(last=False)
+                self._closing.append(asyncio.ensure_future(old.close(grace=1.0)))
+        self._channels.move_to_end(endpoint)
+        return pb_grpc.GossipStub(channel), channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), OrderedDict()
+        await asyncio.gather(*(c.close() for c in channels), *self._closing,
+                             return_exceptions=True)
+        self._closing = []
+
+
+async def fetch_info(stub: pb_grpc.GossipStub, timeout_s: float) -> pb.InfoReply:
+    reply: pb.InfoReply = await stub.Info(pb.InfoRequest(), timeout=timeout_s)
+    return reply
+
+
+async def download_state(stub: pb_grpc.GossipStub, me: Identity,
+                         timeout_s: float) -> tuple[pb.StateMeta, torch.Tensor, torch.Tensor]:
+    """A peer's public iterate and momentum memory (float32 ``[numel]`` each) and its meta."""
+    request = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=me.run_id,
+                              model_fingerprint=me.fingerprint)
+    meta: pb.StateMeta | None = None
+    body = bytearray()
+    async with asyncio.timeout(timeout_s):
+        async for msg in stub.DownloadState(request, timeout=timeout_s):
+            kind = msg.WhichOneof("kind")
+            if kind == "reject":
+                raise ExchangeError(msg.reject.code, msg.reject.message)
+            if kind == "meta" and meta is None:
+                meta = msg.meta
+            elif kind == "data" and meta is not None:
+                body += msg.data
+                if len(body) > meta.total_bytes:
+                    raise ExchangeError(BAD_REQUEST, "state larger than announced")
+            else:
+                raise ExchangeError(BAD_REQUEST, f"unexpected {kind} in the state stream")
+    if meta is None or len(body) != meta.total_bytes or zlib.crc32(body) != meta.body_crc32:
+        raise ExchangeError(BAD_REQUEST, "state stream incomplete or corrupt")
+    if meta.total_bytes != 8 * meta.numel:
+        raise ExchangeError(BAD_REQUEST, f"state of {meta.total_bytes} B for {meta.numel} params")
+    flat = torch.frombuffer(body, dtype=torch.float32)
+    return meta, flat[: meta.numel].clone(), flat[meta.numel :].clone()

@@ -1,0 +1,171 @@
+"""Wire-level helpers for the Exchange stream: messages, header checks, errors, rate limiting.
+
+The message types are the generated ones from ``proto/gasloc/v1/gasloc.proto``. Errors carry a
+:class:`RejectCode` value so they can travel in-band as ``Reject``/``Abort`` messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import grpc
+
+from gasloc_p2p.node.config import MAX_CHUNK_BYTES, PROTOCOL_VERSION
+from gasloc_p2p.node.engine import ExchangeEngine, Prepared
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+
+BUSY = pb.BUSY
+VERSION_MISMATCH = pb.VERSION_MISMATCH
+FINGERPRINT_MISMATCH = pb.FINGERPRINT_MISMATCH
+RUN_MISMATCH = pb.RUN_MISMATCH
+BAD_REQUEST = pb.BAD_REQUEST
+INTERNAL = pb.INTERNAL
+
+
+def code_name(code: int) -> str:
+    return str(pb.RejectCode.Name(code)) if code in pb.RejectCode.values() else str(code)
+
+
+class ExchangeError(Exception):
+    """An exchange failed; nothing was applied. ``code`` is a ``RejectCode`` value."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{code_name(code)}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Rejected(ExchangeError):
+    """The responder refused to start (``Reject``)."""
+
+
+class PeerAborted(ExchangeError):
+    """The peer sent ``Abort``."""
+
+
+class ProtocolError(ExchangeError):
+    """The peer broke the protocol (order, sizes, CRC, timeouts): we abort."""
+
+    def __init__(self, message: str, code: int = BAD_REQUEST) -> None:
+        super().__init__(code, message)
+
+
+class MessageStream(Protocol):
+    """What both ends of a bidirectional gRPC stream offer (call object / servicer context)."""
+
+    async def read(self) -> Any: ...
+
+    async def write(self, message: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this node is, as peers see it in every header."""
+
+    run_id: str
+    fingerprint: str
+    peer_id: str
+
+
+def make_header(me: Identity, prep: Prepared, fragment_count: int) -> pb.ExchangeMsg:
+    enc = prep.encoded
+    return pb.ExchangeMsg(header=pb.Header(
+        protocol_version=PROTOCOL_VERSION, run_id=me.run_id, model_fingerprint=me.fingerprint,
+        peer_id=me.peer_id, codec=enc.codec, block_size=enc.block_size,
+        fragment_index=prep.fragment.index, fragment_count=fragment_count,
+        fragment_numel=prep.fragment.numel, payload_bytes=len(prep.payload),
+        payload_crc32=prep.crc32, link_version=prep.link_version, rounds=prep.rounds0))
+
+
+def reject(code: int, message: str) -> pb.ExchangeMsg:
+    return pb.ExchangeMsg(reject=pb.Reject(code=cast(pb.RejectCode, code), message=message[:200]))
+
+
+def abort(code: int, message: str) -> pb.ExchangeMsg:
+    return pb.ExchangeMsg(abort=pb.Abort(code=cast(pb.RejectCode, code), message=message[:200]))
+
+
+def check_header(h: pb.Header, me: Identity, engine: ExchangeEngine) -> ExchangeError | None:
+    """Why a peer's header is unacceptable (an error to send back), or None if it is fine."""
+    if h.protocol_version != PROTOCOL_VERSION:
+        return ExchangeError(VERSION_MISMATCH, f"protocol {h.protocol_version}, "
+                                               f"this node speaks {PROTOCOL_VERSION}")
+    if h.run_id != me.run_id:
+        return ExchangeError(RUN_MISMATCH, f"run {h.run_id!r}, this node is in {me.run_id!r}")
+    if h.model_fingerprint != me.fingerprint:
+        return ExchangeError(FINGERPRINT_MISMATCH, f"model {h.model_fingerprint[:12]}, this "
+                                                   f"node runs {me.fingerprint[:12]}")
+    if not h.peer_id or h.peer_id == me.peer_id:
+        return ExchangeError(BAD_REQUEST, f"bad sender peer id {h.peer_id!r}")
+    frags = engine.fragments
+    if h.fragment_count != len(frags) or h.fragment_index >= len(frags):
+        return ExchangeError(BAD_REQUEST, f"fragment {h.fragment_index}/{h.fragment_count}, "
+                                          f"this node has {len(frags)} fragments")
+    if h.fragment_numel != frags[h.fragment_index].numel:
+        return ExchangeError(BAD_REQUEST, f"fragment numel {h.fragment_numel} != "
+                                          f"{frags[h.fragment_index].numel}")
+    try:
+        codec = engine.codec(h.codec, h.block_size)
+    except ValueError as exc:
+        return ExchangeError(BAD_REQUEST, str(exc))
+    if h.payload_bytes != codec.wire_bytes(h.fragment_numel):
+        return ExchangeError(BAD_REQUEST, f"payload {h.payload_bytes} B, {h.codec} needs "
+                                          f"{codec.wire_bytes(h.fragment_numel)} B")
+    return None
+
+
+def check_reply_header(h: pb.Header, mine: pb.Header, me: Identity,
+                       engine: ExchangeEngine) -> ExchangeError | None:
+    """The responder's header must also echo our fragment and codec."""
+    problem = check_header(h, me, engine)
+    if problem is None and (h.fragment_index, h.codec, h.block_size) != (
+            mine.fragment_index, mine.codec, mine.block_size):
+        problem = ExchangeError(BAD_REQUEST, "reply header names another fragment or codec")
+    return problem
+
+
+def chunks(payload: bytes, size: int) -> Iterator[bytes]:
+    """Consecutive slices of at most ``size`` (<= 1 MiB) bytes."""
+    size = min(size, MAX_CHUNK_BYTES)
+    view = memoryview(payload)
+    for start in range(0, len(payload), size):
+        yield bytes(view[start : start + size])
+
+
+class TokenBucket:
+    """Caps the node's sent payload at ``rate_bytes_s`` with bursts of ``burst_bytes``.
+
+    Shared by all exchanges of a node (an event-loop object: not thread-safe). A zero rate
+    means no cap.
+    """
+
+    def __init__(self, rate_bytes_s: float, burst_bytes: int) -> None:
+        self.rate = rate_bytes_s
+        self.burst = float(burst_bytes)
+        self._tokens = float(burst_bytes)
+        self._last = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_mbps(cls, mbps: float, burst_bytes: int) -> TokenBucket:
+        return cls(mbps * 1e6 / 8, burst_bytes)
+
+    async def take(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` may be sent (requests larger than the burst are allowed)."""
+        if self.rate <= 0:
+            return
+        async with self._lock:  # FIFO among waiters
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= nbytes
+            if self._tokens < 0:
+                await asyncio.sleep(-self._tokens / self.rate)
+
+
+def is_eof(msg: Any) -> bool:
+    return msg is grpc.aio.EOF or msg is None

@@ -1,0 +1,185 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RejectCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REJECT_CODE_UNSPECIFIED: _ClassVar[RejectCode]
+    BUSY: _ClassVar[RejectCode]
+    VERSION_MISMATCH: _ClassVar[RejectCode]
+    FINGERPRINT_MISMATCH: _ClassVar[RejectCode]
+    RUN_MISMATCH: _ClassVar[RejectCode]
+    BAD_REQUEST: _ClassVar[RejectCode]
+    INTERNAL: _ClassVar[RejectCode]
+REJECT_CODE_UNSPECIFIED: RejectCode
+BUSY: RejectCode
+VERSION_MISMATCH: RejectCode
+FINGERPRINT_MISMATCH: RejectCode
+RUN_MISMATCH: RejectCode
+BAD_REQUEST: RejectCode
+INTERNAL: RejectCode
+
+class Header(_message.Message):
+    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_crc32", "link_version", "rounds")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
+    LINK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    run_id: str
+    model_fingerprint: str
+    peer_id: str
+    codec: str
+    block_size: int
+    fragment_index: int
+    fragment_count: int
+    fragment_numel: int
+    payload_bytes: int
+    payload_crc32: int
+    link_version: int
+    rounds: int
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., link_version: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class Ready(_message.Message):
+    __slots__ = ("rounds_since_snapshot",)
+    ROUNDS_SINCE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    rounds_since_snapshot: int
+    def __init__(self, rounds_since_snapshot: _Optional[int] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: RejectCode
+    message: str
+    def __init__(self, code: _Optional[_Union[RejectCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Reject(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: RejectCode
+    message: str
+    def __init__(self, code: _Optional[_Union[RejectCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ExchangeMsg(_message.Message):
+    __slots__ = ("header", "chunk", "ready", "commit", "abort", "reject")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    REJECT_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    chunk: Chunk
+    ready: Ready
+    commit: Commit
+    abort: Abort
+    reject: Reject
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_OK_INITIATOR_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_OK_RESPONDER_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    software_version: str
+    run_id: str
+    peer_id: str
+    model_fingerprint: str
+    step: int
+    rounds: int
+    tokens_per_s: float
+    val_loss: float
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    exchanges_ok_initiator: int
+    exchanges_ok_responder: int
+    exchanges_failed: int
+    bytes_sent: int
+    bytes_received: int
+    endpoint: str
+    first_val_loss: float
+    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("protocol_version", "run_id", "model_fingerprint")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    run_id: str
+    model_fingerprint: str
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class StateMeta(_message.Message):
+    __slots__ = ("protocol_version", "model_fingerprint", "numel", "step", "rounds", "momentum", "total_bytes", "body_crc32")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BODY_CRC32_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model_fingerprint: str
+    numel: int
+    step: int
+    rounds: int
+    momentum: str
+    total_bytes: int
+    body_crc32: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., momentum: _Optional[str] = ..., total_bytes: _Optional[int] = ..., body_crc32: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("meta", "data", "reject")
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    REJECT_FIELD_NUMBER: _ClassVar[int]
+    meta: StateMeta
+    data: bytes
+    reject: Reject
+    def __init__(self, meta: _Optional[_Union[StateMeta, _Mapping]] = ..., data: _Optional[bytes] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...

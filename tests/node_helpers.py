@@ -1,0 +1,148 @@
+"""Shared helpers for the node tests: in-process peers on real gRPC servers, timeouts, state.
+
+Every timeout in the node tests is multiplied by ``GASLOC_TEST_TIMEOUT_SCALE`` (default 1), so
+a slow machine needs one knob.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Coroutine
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.node.config import GossipConfig, NetworkConfig
+from gasloc_p2p.node.engine import ExchangeEngine, TrainingLock
+from gasloc_p2p.node.exchange import Exchanger, Outcome
+from gasloc_p2p.node.service import GossipServicer, PeerChannels, StateSnapshot, start_server
+from gasloc_p2p.node.wire import Identity
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+
+SCALE = float(os.environ.get("GASLOC_TEST_TIMEOUT_SCALE", "1"))
+T = TypeVar("T")
+NUMEL = 50_000
+FINGERPRINT = "f" * 64
+RUN = "test-run"
+
+
+def scaled(seconds: float) -> float:
+    return seconds * SCALE
+
+
+def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+    """Run a coroutine on a fresh event loop with a scaled overall deadline."""
+
+    async def bounded() -> T:
+        async with asyncio.timeout(scaled(timeout_s)):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+def gossip_config(**kw: Any) -> GossipConfig:
+    base = GossipConfig(header_timeout_s=scaled(3), chunk_timeout_s=scaled(3),
+                        commit_timeout_s=scaled(3), exchange_timeout_s=scaled(10),
+                        chunk_bytes=64 * 1024)
+    return replace(base, **kw)
+
+
+def theta0(numel: int = NUMEL) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(0))
+
+
+def fragments(numel: int = NUMEL) -> list[Fragment]:
+    """Two interleaved fragments, like strided layers: [0, n/4) + [n/2, 3n/4) and the rest."""
+    q = numel // 4
+    return [Fragment(0, [(0, q), (2 * q, q)]), Fragment(1, [(q, q), (3 * q, numel - 3 * q)])]
+
+
+@dataclass
+class Peer:
+    """One in-process node: state, engine, exchanger and a real gRPC server on 127.0.0.1:0."""
+
+    me: Identity
+    state: AsyncGaslocState
+    engine: ExchangeEngine
+    exchanger: Exchanger
+    server: grpc.aio.Server
+    endpoint: str
+    channels: PeerChannels
+
+    def open_call(self, other: Peer) -> Any:
+        return self.channels.stub(other.endpoint).Exchange(timeout=scaled(20))
+
+    async def exchange(self, other: Peer, fragment: int = 0) -> Outcome:
+        return await self.exchanger.initiate(lambda: self.open_call(other), other.me.peer_id,
+                                             fragment)
+
+    async def close(self) -> None:
+        await self.channels.close()
+        await self.server.stop(0)
+
+
+async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
+                    fingerprint: str = FINGERPRINT, outer: AsyncConfig | None = None) -> Peer:
+    """A peer whose live parameters are ``theta0`` plus seeded noise (a different drift)."""
+    t0 = theta0()
+    outer = outer or AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
+    theta = t0 + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
+    state = AsyncGaslocState(theta, t0, outer)
+    state.theta.add_(0.05)  # live != anchor, so p != theta
+    lock = TrainingLock()
+    gossip = gossip or gossip_config()
+    engine = ExchangeEngine(state, t0, fragments(), lock, gossip.reference_capacity)
+    me = Identity(RUN, fingerprint, name)
+    exchanger = Exchanger(me, engine, gossip, outer)
+
+    def snapshot() -> StateSnapshot:
+        return StateSnapshot(0, state.rounds, outer.momentum, state.public_iterate(),
+                             state.memory.clone())
+
+    servicer = GossipServicer(me, exchanger, lambda: pb.InfoReply(peer_id=name), snapshot)
+    net = NetworkConfig()
+    server, port = await start_server(servicer, "127.0.0.1", 0, net, gossip.max_inbound)
+    return Peer(me, state, engine, exchanger, server, f"127.0.0.1:{port}", PeerChannels(net))
+
+
+def full_state(peer: Peer) -> dict[str, Any]:
+    """Everything an exchange may change, as copies: tensors, link versions and references."""
+    out: dict[str, Any] = {"theta": peer.state.theta.clone(), "anchor": peer.state.anchor.clone(),
+                           "memory": peer.state.memory.clone(), "rounds": peer.state.rounds}
+    for pid, link in peer.engine.refs._links.items():
+        out[f"{pid}.version"] = link.version
+        out[f"{pid}.out"] = link.ref_out.clone()
+        out[f"{pid}.in"] = link.ref_in.clone()
+    return out
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), f"{key} changed"
+        else:
+            assert a[key] == b[key], f"{key}: {a[key]} != {b[key]}"
+
+
+async def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") -> None:
+    """Poll ``predicate`` (cheap, no I/O) until true; fails after a scaled timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + scaled(timeout_s)
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def settle(aw: Awaitable[Any]) -> BaseException | Any:
+    """Await and return the result or the exception."""
+    try:
+        return await aw
+    except BaseException as exc:  # noqa: BLE001 - tests inspect it
+        return exc

@@ -1,0 +1,153 @@
+"""The node runtime in one process: two Nodes with in-memory discovery and real gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from gasloc_p2p.node import checkpoint as ckpt
+from gasloc_p2p.node.config import NodeConfig
+from gasloc_p2p.node.daemon import Node
+from gasloc_p2p.node.discovery import (
+    CompatibilityFilter,
+    InMemoryDiscovery,
+    InMemoryRegistry,
+    PeerInfo,
+)
+from gasloc_p2p.node.service import download_state, fetch_info
+from gasloc_p2p.node.settings import build_config
+from tests.node_helpers import run, scaled, wait_until
+
+STDLIB_TEXTS = ("argparse", "ast", "typing", "inspect", "textwrap")
+
+
+def write_corpus(directory: Path) -> Path:
+    """A small real-text corpus: a few standard-library modules' source (about 400 kB)."""
+    import importlib
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in STDLIB_TEXTS:
+        src = Path(importlib.import_module(name).__file__ or "")
+        (directory / f"{name}.txt").write_text(src.read_text())
+    return directory
+
+
+def tiny_config(corpus: Path, **flags: object) -> NodeConfig:
+    """A small fast node: 2 layers, width 64, loopback, short intervals."""
+    base = {"data": str(corpus), "n_layer": 2, "n_embd": 64, "seq_len": 64, "batch_size": 8,
+            "inner_steps": 10, "eval_interval_steps": 50, "eval_batches": 2, "host": "127.0.0.1",
+            "announce_interval_s": 0.5, "announce_ttl_s": 3.0, "refresh_interval_s": 0.3,
+            "log_interval_s": 1.0, "header_timeout_s": scaled(5), "chunk_timeout_s": scaled(5),
+            "commit_timeout_s": scaled(5), "exchange_timeout_s": scaled(20),
+            "warmup_steps": 10}
+    base.update(flags)
+    return build_config(argparse.Namespace(**base), environ={})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_two_nodes_gossip_serve_info_and_state(corpus, tmp_path):
+    async def main():
+        reg = InMemoryRegistry()
+        cfg = tiny_config(corpus, checkpoint_dir=str(tmp_path / "a"))
+        a = Node(cfg, InMemoryDiscovery(reg, cfg.discovery.run_id, "node-a"))
+        b = Node(tiny_config(corpus, peers=("/memory/node-a",)),
+                 InMemoryDiscovery(reg, cfg.discovery.run_id, "node-b"))
+        async with a, b:
+            await wait_until(lambda: min(a.stats.ok_initiator, a.stats.ok_responder,
+                                         b.stats.ok_initiator, b.stats.ok_responder) >= 2,
+                             timeout_s=60, what="exchanges both ways on both nodes")
+            await wait_until(lambda: min(a.train_stats.step, b.train_stats.step) > 50,
+                             timeout_s=60, what="a validation after training")
+            info = await fetch_info(a.channels.stub(b.endpoint), 5)
+            assert info.peer_id == "node-b" and info.peers == ["node-a"]
+            assert info.step > 0 and info.model_fingerprint == a.me.fingerprint
+            meta, params, memory = await download_state(a.channels.stub(b.endpoint), a.me, 10)
+            assert params.shape == memory.shape == b.trainer.state.theta.shape
+            assert torch.isfinite(params).all() and meta.momentum == "mixed"
+        await a.stop()  # a second stop is harmless
+        assert a.stats.failed <= 2  # at most a race at shutdown
+        assert ckpt.load(tmp_path / "a") is not None  # final checkpoint on stop
+        for node in (a, b):
+            t = node.train_stats
+            assert not t.running and not t.error
+            assert t.val_loss < t.first_val_loss
+
+    run(main(), timeout_s=120)
+
+
+def test_resume_from_checkpoint_and_full_disk_keeps_running(corpus, tmp_path, monkeypatch):
+    async def main():
+        reg = InMemoryRegistry()
+        cfg = tiny_config(corpus, checkpoint_dir=str(tmp_path), max_steps=30)
+        async with Node(cfg, InMemoryDiscovery(reg, "gasloc", "solo")) as node:
+            await node.wait()  # max_steps reached
+        saved = ckpt.load(tmp_path)
+        assert saved is not None and saved["step"] == 30
+        before = (tmp_path / ckpt.FILENAME).read_bytes()
+
+        def full_disk(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(ckpt.os, "replace", full_disk)
+        cfg2 = replace(cfg, train=replace(cfg.train, max_steps=60))
+        async with Node(cfg2, InMemoryDiscovery(reg, "gasloc", "solo")) as node:
+            assert node.train_stats.step >= 30  # resumed, not restarted
+            with pytest.raises(ckpt.CheckpointError, match="disk is full"):
+                ckpt.save_atomic({"x": 1}, tmp_path)
+            await node._checkpoint()  # logged, not raised: the node keeps running
+            await node.wait()
+            assert node.train_stats.step == 60 and not node.error
+        assert (tmp_path / ckpt.FILENAME).read_bytes() == before  # old checkpoint kept
+        assert not list(tmp_path.glob(".node-*.tmp"))  # no temporary left behind
+
+    run(main(), timeout_s=120)
+
+
+def test_incompatible_peers_are_skipped_and_logged_once(caplog):
+    filt = CompatibilityFilter(1, "f" * 64, "me")
+    good = PeerInfo("good", "h:1", 1, "f" * 64)
+    old = PeerInfo("old", "h:2", 0, "f" * 64)
+    other = PeerInfo("other", "h:3", 1, "0" * 64)
+    me = PeerInfo("me", "h:4", 1, "f" * 64)
+    with caplog.at_level("WARNING"):
+        assert filt([good, old, other, me]) == [good]
+        assert filt([good, old, other]) == [good]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and "protocol 0" in warnings[0] and "fingerprint" in warnings[1]
+
+
+def test_peer_info_round_trips_through_a_dht_value():
+    info = PeerInfo("p", "1.2.3.4:5", 1, "f" * 64, 7, 123.5, False, ("int8", "fp32"))
+    assert PeerInfo.from_value("p", info.to_value()) == info
+    assert PeerInfo.from_value("p", {"endpoint": "x"}) is None
+    assert not math.isnan(info.tokens_per_s)
+
+
+def test_client_mode_node_gossips_by_dialing_out_only(corpus):
+    async def main():
+        reg = InMemoryRegistry()
+        open_cfg = tiny_config(corpus, fragments=2)
+        nat_cfg = tiny_config(corpus, fragments=2, client_mode=True, peers=("/memory/open",))
+        a = Node(open_cfg, InMemoryDiscovery(reg, "gasloc", "open"))
+        b = Node(nat_cfg, InMemoryDiscovery(reg, "gasloc", "nat"))
+        async with a, b:
+            assert len(a.trainer.fragments) == 3  # 2 strided layer groups + the rest
+            await wait_until(lambda: b.stats.ok_initiator >= 3, timeout_s=60,
+                             what="the NAT'ed node's outbound exchanges")
+            assert not b.peer_info().reachable
+            assert a.book.candidates() == []  # the open node never dials the NAT'ed one
+            assert a.stats.ok_initiator == 0 and b.stats.ok_responder == 0
+            outbound = b.stats.ok_initiator  # read first: a's count is never behind it
+            assert a.stats.ok_responder >= outbound
+
+    run(main(), timeout_s=120)

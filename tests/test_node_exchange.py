@@ -1,0 +1,304 @@
+"""The Exchange protocol between two in-process nodes on real gRPC servers (127.0.0.1:0)."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import grpc
+import pytest
+import torch
+
+from gasloc_p2p.node.config import MAX_CHUNK_BYTES, PROTOCOL_VERSION
+from gasloc_p2p.node.wire import Rejected, make_header
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from tests.node_helpers import (
+    assert_same_state,
+    full_state,
+    gossip_config,
+    make_peer,
+    run,
+    scaled,
+    settle,
+    wait_until,
+)
+
+
+def _ref_correction(peer, other_id, fragment, w=0.5):
+    link = peer.engine.refs.get(other_id)
+    return w * (fragment.gather(link.ref_in) - fragment.gather(link.ref_out))
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4"])
+def test_full_exchange_commits_on_both_sides(codec):
+    async def main():
+        a = await make_peer("A", 1, gossip_config(codec=codec))
+        b = await make_peer("B", 2, gossip_config(codec=codec))
+        try:
+            frag = a.engine.fragments[0]
+            pa, pb_ = a.state.public_iterate(frag), b.state.public_iterate(frag)
+            drift_a = a.state.theta - a.state.anchor
+            other = a.engine.fragments[1]
+            rest_a = a.state.public_iterate(other)
+            outcome = await a.exchange(b, fragment=0)
+            await wait_until(lambda: b.exchanger.stats.ok_responder == 1, what="B commit")
+            # references bit-identical across the pair, and c_a = -c_b exactly
+            la, lb = a.engine.refs.get("B"), b.engine.refs.get("A")
+            assert torch.equal(la.ref_out, lb.ref_in) and torch.equal(la.ref_in, lb.ref_out)
+            assert la.version == lb.version == 1
+            ca, cb = _ref_correction(a, "B", frag), _ref_correction(b, "A", frag)
+            assert torch.equal(ca, -cb)
+            # p moved by c, the drift theta - a is untouched, the pair's mean is kept
+            pa2, pb2 = a.state.public_iterate(frag), b.state.public_iterate(frag)
+            torch.testing.assert_close(pa2 - pa, ca, rtol=0, atol=1e-5)
+            torch.testing.assert_close(a.state.theta - a.state.anchor, drift_a, rtol=0, atol=1e-6)
+            torch.testing.assert_close(pa2 + pb2, pa + pb_, rtol=0, atol=1e-5)
+            tol = {"fp32": 1e-5, "int8": 0.02, "int4": 0.2}[codec]
+            gap_before = (pa - pb_).norm()
+            assert (pa2 - pb2).norm() < tol * gap_before  # w = 1/2: nearly the pair average
+            assert outcome.staleness == 0 and outcome.weight == 0.5
+            assert a.exchanger.stats.ok_initiator == 1 and not a.exchanger.inflight
+            assert torch.equal(a.state.public_iterate(other), rest_a)  # fragment 1 untouched
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_second_exchange_uses_references_and_link_reset():
+    async def main():
+        a, b = await make_peer("A", 1), await make_peer("B", 2)
+        try:
+            await a.exchange(b, 0)
+            first = a.exchanger.stats.bytes_sent
+            await b.exchange(a, 0)  # the other direction reuses the same link
+            await wait_until(lambda: a.exchanger.stats.ok_responder == 1, what="A commit")
+            assert a.engine.refs.get("B").version == b.engine.refs.get("A").version == 2
+            assert a.exchanger.stats.bytes_sent == 2 * first  # int8: fixed size per fragment
+            b.engine.refs.get("A").reset(b.engine.theta0)  # B "evicted" A: versions differ
+            await a.exchange(b, 1)
+            await wait_until(lambda: b.exchanger.stats.ok_responder == 2, what="B commit")
+            la, lb = a.engine.refs.get("B"), b.engine.refs.get("A")
+            assert la.version == lb.version == 1
+            assert torch.equal(la.ref_out, lb.ref_in) and torch.equal(la.ref_in, lb.ref_out)
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("what", ["fingerprint", "version", "run"])
+def test_incompatible_peer_is_rejected_with_its_code(what):
+    async def main():
+        a = await make_peer("A", 1, fingerprint="0" * 64 if what == "fingerprint" else "f" * 64)
+        b = await make_peer("B", 2)
+        try:
+            before_a, before_b = full_state(a), full_state(b)
+            if what == "fingerprint":
+                err = await settle(a.exchange(b, 0))
+            else:
+                err = await settle(_raw_exchange(a, b, what))
+            expected = {"fingerprint": pb.FINGERPRINT_MISMATCH, "version": pb.VERSION_MISMATCH,
+                        "run": pb.RUN_MISMATCH}[what]
+            assert isinstance(err, Rejected) and err.code == expected, err
+            assert_same_state(before_a, full_state(a))
+            assert_same_state(before_b, full_state(b))
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+async def _raw_exchange(a, b, what):
+    """Send a header with a wrong version or run id; return the peer's reply as an error."""
+    codec = a.engine.codec("int8", 1024)
+    prep = a.engine.prepare("B", 0, codec, False)
+    msg = make_header(a.me, prep, 2)
+    if what == "version":
+        msg.header.protocol_version = PROTOCOL_VERSION + 1
+    else:
+        msg.header.run_id = "another-run"
+    call = a.open_call(b)
+    await call.write(msg)
+    reply = await call.read()
+    call.cancel()
+    assert reply.WhichOneof("kind") == "reject"
+    raise Rejected(reply.reject.code, reply.reject.message)
+
+
+def _start_raw(a, b, fragment=0):
+    codec = a.engine.codec("int8", 1024)
+    prep = a.engine.prepare("B", fragment, codec, False)
+    return prep, make_header(a.me, prep, 2)
+
+
+MISBEHAVIOURS = ["garbage", "oversized-chunk", "huge-message", "too-long", "too-short-ready",
+                 "dies-mid-stream", "silent"]
+
+
+@pytest.mark.parametrize("how", MISBEHAVIOURS)
+def test_misbehaving_initiator_changes_nothing_and_server_keeps_serving(how):
+    async def main():
+        fast = gossip_config(chunk_timeout_s=scaled(1.5), header_timeout_s=scaled(1.5),
+                             commit_timeout_s=scaled(1.5), exchange_timeout_s=scaled(6))
+        a, b = await make_peer("A", 1), await make_peer("B", 2, fast)
+        wide = None
+        try:
+            before_a, before_b = full_state(a), full_state(b)
+            prep, header = _start_raw(a, b)
+            payload = prep.payload
+            if how == "garbage":  # right length, wrong bytes: the CRC catches it
+                payload = bytes(len(payload))
+            elif how == "too-long":
+                header.header.payload_crc32 = zlib.crc32(payload)
+                payload = payload + b"\x00" * 10
+            wide = _wide_channel(b) if how == "huge-message" else None
+            call = pb_grpc.GossipStub(wide).Exchange() if wide else a.open_call(b)
+            await call.write(header)
+            reply = await call.read()
+            assert reply.WhichOneof("kind") == "header"
+            result = await settle(_misbehave(call, how, payload))
+            if how == "huge-message":  # the server's receive limit ends the stream
+                assert "RESOURCE_EXHAUSTED" in str(result), result
+            await wait_until(lambda: not b.exchanger.inflight, what="B to drop the exchange")
+            call.cancel()
+            assert b.exchanger.stats.failed >= 1 and b.exchanger.stats.ok == 0
+            assert_same_state(before_a, full_state(a))
+            assert_same_state(before_b, full_state(b))
+            await a.exchange(b, 0)  # the server still serves
+            await wait_until(lambda: b.exchanger.stats.ok_responder == 1, what="B commit")
+        finally:
+            if wide is not None:
+                await wide.close()
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def _wide_channel(b):
+    """A channel whose own send limit would let a 4 MiB message out."""
+    big = 16 * MAX_CHUNK_BYTES
+    return grpc.aio.insecure_channel(b.endpoint, options=[
+        ("grpc.max_send_message_length", big), ("grpc.max_receive_message_length", big)])
+
+
+async def _misbehave(call, how, payload):
+    """Play a broken initiator after the header handshake; returns the last message read."""
+    if how == "oversized-chunk":
+        await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=bytes(MAX_CHUNK_BYTES + 1))))
+    elif how == "huge-message":  # above the gRPC message limit: the transport refuses it
+        await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=bytes(4 * MAX_CHUNK_BYTES))))
+    elif how == "too-short-ready":
+        await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=payload[:100])))
+        await call.write(pb.ExchangeMsg(ready=pb.Ready()))
+        await call.write(pb.ExchangeMsg(commit=pb.Commit()))
+    elif how == "dies-mid-stream":
+        await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=payload[: len(payload) // 2])))
+        call.cancel()
+        return None
+    elif how == "silent":
+        pass  # send nothing more: the responder's chunk timeout fires
+    else:
+        await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=payload)))
+        await call.write(pb.ExchangeMsg(ready=pb.Ready()))
+        await call.write(pb.ExchangeMsg(commit=pb.Commit()))
+    last = None
+    while True:
+        msg = await call.read()
+        if msg is None or msg.__class__.__name__ == "_EOF" or not hasattr(msg, "WhichOneof"):
+            return last
+        last = msg
+
+
+def test_responder_dying_mid_stream_changes_nothing_on_the_initiator():
+    async def main():
+        fast = gossip_config(chunk_timeout_s=scaled(1.5), exchange_timeout_s=scaled(6))
+        a, b = await make_peer("A", 1, fast), await make_peer("B", 2)
+        try:
+            before_a = full_state(a)
+            respond = b.exchanger.respond
+
+            async def dying(stream):  # B sends its header and part of its payload, then dies
+                first = await stream.read()
+                prep = b.engine.prepare("A", 0, b.engine.codec("int8", 1024), False)
+                await stream.write(make_header(b.me, prep, 2))
+                await stream.write(pb.ExchangeMsg(chunk=pb.Chunk(data=prep.payload[:1000])))
+                assert first.WhichOneof("kind") == "header"
+                raise RuntimeError("simulated crash")
+
+            b.exchanger.respond = dying
+            err = await settle(a.exchange(b, 0))
+            assert isinstance(err, Exception), err
+            assert_same_state(before_a, full_state(a))
+            assert not a.exchanger.inflight
+            b.exchanger.respond = respond
+            await a.exchange(b, 0)
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_busy_responder_answers_busy():
+    async def main():
+        a, b = await make_peer("A", 1), await make_peer("B", 2, gossip_config(max_inbound=1))
+        c = await make_peer("C", 3)
+        try:
+            _, header = _start_raw(a, b)  # A occupies B's only inbound slot
+            call = a.open_call(b)
+            await call.write(header)
+            assert (await call.read()).WhichOneof("kind") == "header"
+            err = await settle(c.exchange(b, 0))
+            assert isinstance(err, Rejected) and err.code == pb.BUSY
+            call.cancel()
+            await wait_until(lambda: not b.exchanger.inflight, what="slot freed")
+            await c.exchange(b, 0)
+        finally:
+            for p in (a, b, c):
+                await p.close()
+
+    run(main())
+
+
+def test_concurrent_exchanges_with_two_peers_all_commit():
+    async def main():
+        a, b, c = await make_peer("A", 1), await make_peer("B", 2), await make_peer("C", 3)
+        try:
+            await asyncio.gather(b.exchange(a, 0), c.exchange(a, 1), b.exchange(c, 1))
+            await wait_until(lambda: a.exchanger.stats.ok_responder == 2
+                             and c.exchanger.stats.ok == 2, what="all commits")
+            for x, y in ((a, b), (a, c), (b, c)):
+                lx, ly = x.engine.refs.get(y.me.peer_id), y.engine.refs.get(x.me.peer_id)
+                assert torch.equal(lx.ref_out, ly.ref_in) and lx.version == ly.version == 1
+        finally:
+            for p in (a, b, c):
+                await p.close()
+
+    run(main())
+
+
+def test_upload_cap_slows_the_transfer():
+    async def main():
+        capped = gossip_config(max_upload_mbps=2.0, codec="fp32")  # 250 kB/s
+        a, b = await make_peer("A", 1, capped), await make_peer("B", 2)
+        try:
+            loop = asyncio.get_running_loop()
+            await a.exchange(b, 0)  # 100 kB: within the 1 MiB burst
+            sent = a.exchanger.stats.bytes_sent
+            assert sent == 4 * a.engine.fragments[0].numel
+            a.exchanger.bucket.burst = 0.0  # now every byte waits for its tokens
+            a.exchanger.bucket._tokens = 0.0
+            t0 = loop.time()
+            await a.exchange(b, 0)
+            assert loop.time() - t0 >= 0.9 * sent / 250_000
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
