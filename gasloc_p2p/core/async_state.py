@@ -89,9 +89,16 @@ class AsyncGaslocState:
             self.memory = torch.zeros_like(theta)  # m
         self.rounds = 0  # round ends so far; an exchange records how many happen during it
 
-    def public_iterate(self, fragment: Fragment | None = None) -> torch.Tensor:
-        """Snapshot of ``p = a + eta (theta - a)`` (compact ``[fragment.numel]`` if given)."""
+    def public_iterate(self, fragment: Fragment | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Snapshot of ``p = a + eta (theta - a)`` (compact ``[fragment.numel]`` if given).
+
+        ``out``: a reusable ``[numel]`` buffer for the whole-vector case; a fresh 400 MB
+        tensor per snapshot costs more in page faults than the arithmetic.
+        """
         if fragment is None:
+            if out is not None:
+                return torch.lerp(self.anchor, self.theta, self.cfg.eta, out=out)
             return torch.lerp(self.anchor, self.theta, self.cfg.eta)
         return torch.lerp(fragment.gather(self.anchor), fragment.gather(self.theta), self.cfg.eta)
 
