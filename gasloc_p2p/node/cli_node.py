@@ -86,6 +86,8 @@ async def _join(cfg: NodeConfig) -> int:
         loop.add_signal_handler(sig, on_signal)
     try:
         async with node:
+            if node.metrics.url:
+                print(f"metrics: {node.metrics.url}", flush=True)
             addrs = await node.discovery.visible_addrs()
             hint = node.join_hint(addrs)
             if not cfg.discovery.peers:
@@ -159,6 +161,12 @@ def _print_report(report: dict[str, Any]) -> None:
               f"{float(info['tokens_per_s']):.0f} tok/s, val loss {float(loss):.4f}, exchanges "
               f"{info['exchanges_ok_initiator']} out / {info['exchanges_ok_responder']} in / "
               f"{info['exchanges_failed']} failed, {len(info['peers'])} peers")
+        if info.get("algorithm") == "diloco":
+            print(f"  diloco epoch {info['outer_epoch']}: averaged rounds "
+                  f"{info['averaging_rounds_ok']} ok / {info['averaging_rounds_failed']} failed / "
+                  f"{info['averaging_rounds_solo']} solo, last group {info['last_group_size']}, "
+                  f"last averaging {float(info['last_averaging_s']):.2f} s, resyncs "
+                  f"{info['resyncs']}")
     if report["swarm"]:
         print(f"swarm ({len(report['swarm'])} nodes):")
         for p in sorted(report["swarm"], key=lambda p: p["peer_id"]):

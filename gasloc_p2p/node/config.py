@@ -20,6 +20,8 @@ from gasloc_p2p.model import GPTConfig
 PROTOCOL_VERSION = 1
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 FRAGMENT_ORDERS = ("round-robin", "random")
+ALGORITHMS = ("gasloc", "diloco")
+DILOCO_CODECS = ("fp32", "fp16", "int8")
 
 
 class ConfigError(ValueError):
@@ -97,8 +99,10 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Asynchronous GASLoC outer step (ALGORITHM.md section 2)."""
+    """The outer algorithm, and the asynchronous GASLoC outer step (ALGORITHM.md section 2)."""
 
+    algorithm: str = opt("gasloc", "gasloc: gossip, ALGORITHM.md section 2 | diloco: the DiLoCo "
+                                   "baseline, an all-reduce every H steps (see [diloco])")
     eta: float = opt(0.7, "outer learning rate")
     gamma: float = opt(0.5, "outer momentum")
     w: float = opt(0.5, "gossip weight (0.5 = exact pair average)")
@@ -112,6 +116,8 @@ class OuterConfig:
                            max_staleness=self.max_staleness)
 
     def validate(self) -> None:
+        _need(self.algorithm in ALGORITHMS, "algorithm", self.algorithm,
+              f"choose one of {ALGORITHMS}")
         try:
             self.async_config().validate()
         except ValueError as exc:
@@ -227,6 +233,60 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
+class DilocoConfig:
+    """The DiLoCo baseline (``--algorithm diloco``, ALGORITHM.md section 3): every H inner steps
+    the node all-reduces its outer gradient ``anchor - theta`` with the swarm (hivemind
+    averaging on the node's DHT), then takes a Nesterov SGD step. A round that finds no group
+    applies the node's own outer gradient and training goes on."""
+
+    diloco_eta: float = opt(0.7, "DiLoCo outer learning rate (Nesterov SGD)")
+    diloco_gamma: float = opt(0.9, "DiLoCo outer momentum (Nesterov)")
+    diloco_codec: str = opt("fp32", f"all-reduce payload: {' | '.join(DILOCO_CODECS)} "
+                                    "(hivemind compression)")
+    target_group_size: int = opt(0, "peers per all-reduce group (0: every compatible peer the "
+                                    "DHT lists, this node included)")
+    min_group_size: int = opt(2, "smallest group that averages; a smaller one fails the round")
+    matchmaking_time_s: float = opt(5.0, "wait this long for late groupmates before averaging "
+                                         "with those that joined")
+    request_timeout_s: float = opt(3.0, "wait for a group leader's answer")
+    averaging_timeout_s: float = opt(30.0, "give up finding a group after this long (the round "
+                                           "then applies this node's own outer gradient)")
+    allreduce_timeout_s: float = opt(120.0, "deadline of the all-reduce once a group formed")
+    part_timeout_s: float = opt(5.0, "all-reduce: a groupmate silent this long is dropped (its "
+                                     "share of the model stays unaveraged this round)")
+
+    def async_config(self) -> AsyncConfig:
+        """The node state for DiLoCo: the "local" momentum form keeps ``m`` (zero at start),
+        which is exactly the Nesterov buffer; the all-reduced gradient replaces the drift."""
+        return AsyncConfig(eta=self.diloco_eta, gamma=self.diloco_gamma, momentum="local")
+
+    def validate(self) -> None:
+        _need(0 < self.diloco_eta <= 2, "diloco_eta", self.diloco_eta, "needs (0, 2] (try 0.7)")
+        _need(0 <= self.diloco_gamma < 1, "diloco_gamma", self.diloco_gamma,
+              "needs [0, 1) (try 0.9)")
+        _need(self.diloco_codec in DILOCO_CODECS, "diloco_codec", self.diloco_codec,
+              f"choose one of {DILOCO_CODECS}")
+        _need(self.min_group_size >= 2, "min_group_size", self.min_group_size, "must be >= 2")
+        _need(self.target_group_size == 0 or self.target_group_size >= self.min_group_size,
+              "target_group_size", self.target_group_size,
+              f"must be 0 (auto) or >= --min-group-size={self.min_group_size}")
+        for name in ("matchmaking_time_s", "request_timeout_s", "averaging_timeout_s",
+                     "allreduce_timeout_s", "part_timeout_s"):
+            _need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        _need(self.part_timeout_s < self.allreduce_timeout_s, "part_timeout_s",
+              self.part_timeout_s,
+              f"must be shorter than --allreduce-timeout-s={self.allreduce_timeout_s}")
+        # hivemind: a leader's answer must come within the matchmaking window (else deadlocks
+        # between two would-be leaders last longer), and the window must fit in the deadline.
+        _need(self.request_timeout_s < self.matchmaking_time_s, "request_timeout_s",
+              self.request_timeout_s,
+              f"must be shorter than --matchmaking-time-s={self.matchmaking_time_s}")
+        _need(self.averaging_timeout_s > self.matchmaking_time_s, "averaging_timeout_s",
+              self.averaging_timeout_s,
+              f"must exceed --matchmaking-time-s={self.matchmaking_time_s}")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Atomic periodic checkpoints (write a temporary file, then rename)."""
 
@@ -241,13 +301,21 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """Progress logging (the log level is a flag of the top-level command; a Prometheus
-    endpoint is a placeholder for now)."""
+    """Progress logging and the Prometheus endpoint (the log level is a flag of the top-level
+    command). Metric names and labels: :mod:`gasloc_p2p.node.metrics`."""
 
     log_interval_s: float = opt(10.0, "one progress line every this many seconds")
+    metrics_port: int = opt(0, "Prometheus /metrics HTTP port (0: any free port, printed at "
+                               "start; -1: no metrics endpoint)")
+    metrics_host: str = opt("", "listen address of /metrics (empty: the same as --host)")
 
     def validate(self) -> None:
         _need(self.log_interval_s > 0, "log_interval_s", self.log_interval_s, "must be > 0")
+        _need(-1 <= self.metrics_port < 65536, "metrics_port", self.metrics_port,
+              "must be in [0, 65535] (0: any free port) or -1 to disable /metrics")
+        _need(self.metrics_host.strip() == self.metrics_host and " " not in self.metrics_host,
+              "metrics_host", self.metrics_host, "must be an address such as 127.0.0.1 or "
+              "0.0.0.0, or empty for --host")
 
 
 @dataclass(frozen=True)
@@ -259,6 +327,7 @@ class NodeConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -273,6 +342,10 @@ class NodeConfig:
               self.gossip.chunk_bytes,
               f"must leave 1 KiB of headroom under --max-message-bytes="
               f"{self.network.max_message_bytes}")
+        _need(self.metrics.metrics_port <= 0 or self.metrics.metrics_port != self.network.port,
+              "metrics_port", self.metrics.metrics_port, "must differ from --port")
+        _need(self.gossip.fragments == 1 or self.outer.algorithm != "diloco", "fragments",
+              self.gossip.fragments, "--algorithm diloco all-reduces the whole model: use 1")
         _need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
               "connect_timeout_s", self.network.connect_timeout_s,
               f"must be shorter than --exchange-timeout-s={self.gossip.exchange_timeout_s}")

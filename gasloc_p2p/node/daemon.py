@@ -20,11 +20,20 @@ from collections.abc import Awaitable, Callable
 from gasloc_p2p import __version__
 from gasloc_p2p.core.codecs import CODEC_NAMES
 from gasloc_p2p.node import checkpoint as ckpt
-from gasloc_p2p.node.config import PROTOCOL_VERSION, DiscoveryConfig, NodeConfig, TrainConfig
+from gasloc_p2p.node.averaging import Averager
+from gasloc_p2p.node.config import (
+    PROTOCOL_VERSION,
+    DiscoveryConfig,
+    NodeConfig,
+    OuterConfig,
+    TrainConfig,
+)
+from gasloc_p2p.node.diloco_mode import DilocoRounds, start_diloco
 from gasloc_p2p.node.discovery import CompatibilityFilter, Discovery, HivemindDiscovery, PeerInfo
 from gasloc_p2p.node.engine import ExchangeEngine, TrainingLock
 from gasloc_p2p.node.exchange import Exchanger
 from gasloc_p2p.node.gossip import GossipLoop, PeerBook, compatible_codecs
+from gasloc_p2p.node.metrics import NodeMetrics
 from gasloc_p2p.node.service import (
     GossipServicer,
     PeerChannels,
@@ -43,7 +52,9 @@ log = logging.getLogger(__name__)
 class Node:
     """One gasloc node. ``async with Node(cfg) as node: await node.wait()``."""
 
-    def __init__(self, cfg: NodeConfig, discovery: Discovery | None = None) -> None:
+    def __init__(self, cfg: NodeConfig, discovery: Discovery | None = None,
+                 averager: Averager | None = None) -> None:
+        """``averager``: for ``--algorithm diloco`` (default: hivemind's, on the DHT)."""
         self.cfg = cfg.validate()
         d = cfg.discovery
         self.discovery = discovery or HivemindDiscovery(
@@ -59,6 +70,9 @@ class Node:
         self.exchanger: Exchanger | None = None
         self.book: PeerBook | None = None
         self.channels = PeerChannels(cfg.network)
+        self.averager = averager
+        self.diloco: DilocoRounds | None = None  # set in --algorithm diloco
+        self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, lambda: self.book)
         self._stop = asyncio.Event()
         self._train_stop = threading.Event()
         self._stack: contextlib.AsyncExitStack | None = None
@@ -82,12 +96,15 @@ class Node:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         cfg = self.cfg
+        await self.metrics.start()  # first: /metrics answers during the DHT and data start
+        stack.push_async_callback(_timed, "metrics stop", self.metrics.stop)
         await self.discovery.start()
         stack.push_async_callback(_timed, "discovery stop", self.discovery.stop)
         me_id = self.discovery.peer_id
+        diloco = cfg.outer.algorithm == "diloco"
         trainer = self.trainer = await asyncio.to_thread(
-            Trainer, cfg.train, cfg.outer.async_config(), cfg.gossip.fragments, self.lock,
-            self.train_stats)
+            Trainer, cfg.train, cfg.diloco.async_config() if diloco else cfg.outer.async_config(),
+            cfg.gossip.fragments, self.lock, self.train_stats)
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
         self.me = Identity(cfg.discovery.run_id, trainer.fingerprint, me_id)
@@ -96,7 +113,15 @@ class Node:
         self.exchanger = Exchanger(self.me, engine, cfg.gossip, cfg.outer.async_config(),
                                    stats=self.stats)
         self.book = PeerBook(me_id)
-        self.filter = CompatibilityFilter(PROTOCOL_VERSION, trainer.fingerprint, me_id)
+        self.filter = CompatibilityFilter(PROTOCOL_VERSION, trainer.fingerprint, me_id,
+                                          cfg.outer.algorithm)
+        if diloco:  # no gossip (stray Exchange calls get BUSY); the averager forks: start it now
+            self.exchanger.accepting = False
+            self.diloco = await start_diloco(
+                stack, cfg=cfg, trainer=trainer, lock=self.lock, averager=self.averager,
+                dht=getattr(self.discovery, "dht", None), stop=self._train_stop,
+                peer_count=lambda: len(self.book.peers) if self.book else 0,
+                endpoint=lambda: self.endpoint, channels=self.channels, me=self.me)
         await self._initial_state()
         await self._start_server(stack)
         stack.push_async_callback(_timed, "channels close", self.channels.close)
@@ -107,7 +132,8 @@ class Node:
         gossip = GossipLoop(self.exchanger, self.book, self.channels, cfg.gossip, cfg.network,
                             self.train_stats, cfg.train.inner_steps, seed,
                             active=lambda: self.train_stats.running)
-        tasks.append(tg.create_task(gossip.run(), name="gossip"))
+        if not diloco:
+            tasks.append(tg.create_task(gossip.run(), name="gossip"))
         tasks.append(tg.create_task(self._watch_trainer(), name="watch-trainer"))
 
         async def cancel_tasks() -> None:
@@ -115,9 +141,9 @@ class Node:
                 task.cancel()
 
         stack.push_async_callback(cancel_tasks)  # runs before the TaskGroup exits
-        log.info("node %s up: gRPC %s, model %d params (%s), %d fragment(s), codec %s",
-                 me_id, self.endpoint, trainer.flat.numel, trainer.fingerprint[:12],
-                 len(trainer.fragments), cfg.gossip.codec)
+        log.info("node %s up: gRPC %s, model %d params (%s), %d fragment(s), codec %s, "
+                 "metrics %s", me_id, self.endpoint, trainer.flat.numel, trainer.fingerprint[:12],
+                 len(trainer.fragments), cfg.gossip.codec, self.metrics.url or "off")
 
     async def stop(self) -> None:
         """Stop everything in reverse start order; safe to call twice."""
@@ -159,6 +185,8 @@ class Node:
                 meta, params, memory = await download_state(
                     stub, self.me, self.cfg.gossip.download_timeout_s)
                 await asyncio.to_thread(self.trainer.adopt, params, memory)
+                if self.diloco is not None:  # a DiLoCo peer's "rounds" is its anchor's epoch
+                    self.diloco.set_epoch(int(meta.rounds))
                 log.info("starting from the state of %s (its step %d)", peer.peer_id, meta.step)
                 return
             except Exception as exc:  # any failure: try the next peer, then theta_0
@@ -271,6 +299,11 @@ class Node:
 
     def _log_progress(self) -> None:
         t, x = self.train_stats, self.stats
+        if self.diloco is not None:
+            log.info("step %d loss %.4f val %.4f tok/s %.0f | %s | peers %d", t.step, t.train_loss,
+                     t.val_loss, t.tokens_per_s, self.diloco.progress_text(),
+                     len(self.book.peers) if self.book else 0)
+            return
         stale = sum(n for k, n in x.staleness.items() if k > self.cfg.outer.max_staleness)
         log.info("step %d loss %.4f val %.4f tok/s %.0f | exchanges ok %d (init %d resp %d) "
                  "failed %d busy %d stale %d | sent %.2f MB recv %.2f MB | peers %d",
@@ -283,7 +316,7 @@ class Node:
         assert self.trainer is not None
         return PeerInfo(self.me.peer_id, self.endpoint, PROTOCOL_VERSION, self.trainer.fingerprint,
                         self.train_stats.step, self.train_stats.tokens_per_s, self.reachable,
-                        CODEC_NAMES)
+                        CODEC_NAMES, self.cfg.outer.algorithm)
 
     def info(self) -> pb.InfoReply:
         t, x = self.train_stats, self.stats
@@ -295,11 +328,15 @@ class Node:
             peers=sorted(self.book.peers) if self.book else [],
             exchanges_ok_initiator=x.ok_initiator, exchanges_ok_responder=x.ok_responder,
             exchanges_failed=x.failed, bytes_sent=x.bytes_sent, bytes_received=x.bytes_received,
-            endpoint=self.endpoint)
+            endpoint=self.endpoint, algorithm=self.cfg.outer.algorithm,
+            **(self.diloco.info_fields() if self.diloco is not None else {}))
 
     def _snapshot(self) -> StateSnapshot:
         """Public iterate and memory under the lock (runs in a thread)."""
         assert self.trainer is not None
+        if self.diloco is not None:  # the anchor (shared by nodes in step), not mid-round theta
+            epoch, anchor, buf = self.diloco.snapshot()
+            return StateSnapshot(self.train_stats.step, epoch, "diloco", anchor, buf)
         state = self.trainer.state
         with self.lock.urgent():
             return StateSnapshot(self.train_stats.step, state.rounds, state.cfg.momentum,
@@ -310,6 +347,8 @@ class Node:
         extra = []
         if self.cfg.discovery.run_id != DiscoveryConfig().run_id:
             extra.append(f"--run-id {self.cfg.discovery.run_id}")
+        if self.cfg.outer.algorithm != OuterConfig().algorithm:
+            extra.append(f"--algorithm {self.cfg.outer.algorithm}")
         defaults = TrainConfig()
         for name in ("seed", "n_layer", "n_embd", "n_head", "seq_len"):  # the fingerprint
             value = getattr(self.cfg.train, name)

@@ -42,6 +42,7 @@ class PeerInfo:
     tokens_per_s: float = 0.0
     reachable: bool = True
     codecs: tuple[str, ...] = field(default_factory=tuple)
+    algorithm: str = "gasloc"  # --algorithm: gasloc and diloco nodes never train together
 
     def to_value(self) -> dict[str, Any]:
         """The DHT value (msgpack-friendly; the peer id is the subkey)."""
@@ -59,7 +60,8 @@ class PeerInfo:
                        fingerprint=str(value["fingerprint"]), step=int(value["step"]),
                        tokens_per_s=float(value["tokens_per_s"]),
                        reachable=bool(value["reachable"]),
-                       codecs=tuple(str(c) for c in value["codecs"]))
+                       codecs=tuple(str(c) for c in value["codecs"]),
+                       algorithm=str(value.get("algorithm", "gasloc")))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -91,10 +93,12 @@ class Discovery(abc.ABC):
 class CompatibilityFilter:
     """Keeps peers this node can exchange with; logs each incompatible peer once."""
 
-    def __init__(self, protocol_version: int, fingerprint: str, self_id: str) -> None:
+    def __init__(self, protocol_version: int, fingerprint: str, self_id: str,
+                 algorithm: str = "gasloc") -> None:
         self.protocol_version = protocol_version
         self.fingerprint = fingerprint
         self.self_id = self_id
+        self.algorithm = algorithm
         self._logged: set[str] = set()
 
     def __call__(self, peers: Sequence[PeerInfo]) -> list[PeerInfo]:
@@ -117,6 +121,9 @@ class CompatibilityFilter:
         if p.fingerprint != self.fingerprint:
             return (f"its model fingerprint {p.fingerprint[:12]} differs from "
                     f"{self.fingerprint[:12]} (same --seed and model flags needed)")
+        if p.algorithm != self.algorithm:
+            return (f"it runs --algorithm {p.algorithm}, this node {self.algorithm} (use the "
+                    "same algorithm, or another --run-id to run both side by side)")
         return None
 
 
@@ -223,6 +230,12 @@ class HivemindDiscovery(Discovery):
         self.peer_id = ""
         self._dht: Any = None
         self._pipe_lock = threading.Lock()  # the DHT's request pipe is not thread-safe
+
+    @property
+    def dht(self) -> Any:
+        """The running ``hivemind.DHT`` (None before start and after stop): hivemind averaging
+        (``--algorithm diloco``) runs on it rather than on a second DHT."""
+        return self._dht
 
     async def start(self) -> None:
         await asyncio.wait_for(asyncio.to_thread(self._start), self.start_timeout_s)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,7 @@ class Exchanger:
 
     async def _initiate(self, open_call: CallFactory, peer_id: str, fragment: int) -> Outcome:
         cfg = self.cfg
+        started = time.monotonic()
         codec = self.engine.codec(cfg.codec, 0 if cfg.codec in ("fp32", "fp16") else cfg.block_size)
         version = self.engine.link_version(peer_id)
         prep = await asyncio.to_thread(self.engine.prepare, peer_id, fragment, codec, False)
@@ -132,7 +134,7 @@ class Exchanger:
             raise
         norm = await self._commit(prep, received, weight)
         await self._finish_call(call)
-        return self._record(True, prep, staleness, weight, norm, received)
+        return self._record(True, prep, staleness, weight, norm, received, started)
 
     async def _abort_call(self, call: Any, exc: BaseException) -> None:
         """Tell the peer why (best effort; it times out otherwise), then cancel the call."""
@@ -195,6 +197,7 @@ class Exchanger:
 
     async def _respond(self, stream: MessageStream, h: pb.Header) -> None:
         cfg = self.cfg
+        started = time.monotonic()
         async with asyncio.timeout(cfg.exchange_timeout_s):
             codec = self.engine.codec(h.codec, h.block_size)
             reset = h.link_version != self.engine.link_version(h.peer_id)
@@ -211,7 +214,7 @@ class Exchanger:
                 raise ProtocolError(f"expected Commit, got {kind}")
         weight = exchange_weight(self.outer, staleness)
         norm = await self._commit(prep, received, weight)
-        self._record(False, prep, staleness, weight, norm, received)
+        self._record(False, prep, staleness, weight, norm, received, started)
 
     # ----------------------------------------------------------------- shared
     async def _transfer(self, stream: MessageStream, prep: Prepared, peer: pb.Header,
@@ -232,7 +235,7 @@ class Exchanger:
             for piece in chunks(prep.payload, self.cfg.chunk_bytes):
                 await self.bucket.take(len(piece))
                 await send(pb.ExchangeMsg(chunk=pb.Chunk(data=piece)))
-                self.stats.bytes_sent += len(piece)
+                self.stats.add_sent(prep.encoded.codec, len(piece))
 
         sender = asyncio.create_task(send_payload(), name=f"send-payload-{prep.peer_id[:8]}")
         try:
@@ -253,7 +256,7 @@ class Exchanger:
                     if len(buf) + len(data) > peer.payload_bytes:
                         raise ProtocolError(f"payload exceeds the announced {peer.payload_bytes} B")
                     buf += data
-                    self.stats.bytes_received += len(data)
+                    self.stats.add_received(peer.codec, len(data))
                     if len(buf) == peer.payload_bytes:
                         received = await self._check(peer, buf)
                         my_rounds = self.engine.rounds_since(prep)
@@ -311,8 +314,9 @@ class Exchanger:
             await asyncio.wait_for(stream.write(msg), 1.0)
 
     def _record(self, initiator: bool, prep: Prepared, staleness: int, weight: float,
-                norm: float, received: Encoded) -> Outcome:
+                norm: float, received: Encoded, started: float) -> Outcome:
         st = self.stats
+        st.record_commit(time.monotonic() - started, weight, norm, prep.fragment.numel)
         if initiator:
             st.ok_initiator += 1
         else:

@@ -10,6 +10,33 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+# Bucket upper bounds of the exchange-duration histogram, seconds (loopback int8 exchanges of
+# a small model take tens of milliseconds; a 100 MB model over a slow link takes minutes).
+DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_CONSENSUS_EMA = 0.8  # weight of the previous estimate in gasloc_consensus_estimate
+
+
+@dataclass
+class Buckets:
+    """A plain histogram (no Prometheus dependency): per-bucket counts plus the sum.
+
+    ``counts[i]`` counts observations in ``(bounds[i-1], bounds[i]]``; the last entry counts
+    those above every bound (the +Inf bucket). Written by one thread, read at scrape time.
+    """
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[index] += 1
+        self.total += value
+
 
 @dataclass
 class ExchangeStats:
@@ -25,10 +52,43 @@ class ExchangeStats:
     staleness: Counter[int] = field(default_factory=Counter)  # round ends spanned -> count
     failures: Counter[str] = field(default_factory=Counter)  # reason -> count
     last_correction_norm: float = 0.0
+    applied: int = 0  # committed with weight > 0 (either role)
+    dropped_stale: int = 0  # committed with weight 0 (--staleness-policy drop)
+    sent_by_codec: Counter[str] = field(default_factory=Counter)  # codec -> payload bytes
+    received_by_codec: Counter[str] = field(default_factory=Counter)
+    duration_s: Buckets = field(default_factory=lambda: Buckets(DURATION_BUCKETS_S))
+    # EMA over commits of ||p_i - p_j||^2 / fragment numel (see record_commit); NaN before one
+    consensus: float = math.nan
 
     @property
     def ok(self) -> int:
         return self.ok_initiator + self.ok_responder
+
+    def add_sent(self, codec: str, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.sent_by_codec[codec] += nbytes
+
+    def add_received(self, codec: str, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        self.received_by_codec[codec] += nbytes
+
+    def record_commit(self, duration_s: float, weight: float, correction_norm: float,
+                      numel: int) -> None:
+        """Duration, dropped count and consensus estimate of one committed exchange.
+
+        The correction is ``c = w (ref_in - ref_out)`` over the fragment, and the references
+        track both public iterates, so ``(||c|| / w)^2 / numel`` estimates the mean squared
+        per-parameter distance between the two nodes; a weight-0 (dropped) commit tells nothing.
+        """
+        self.duration_s.observe(duration_s)
+        if weight <= 0:
+            self.dropped_stale += 1
+            return
+        self.applied += 1
+        if numel > 0:
+            sample = (correction_norm / weight) ** 2 / numel
+            self.consensus = sample if math.isnan(self.consensus) else (
+                _CONSENSUS_EMA * self.consensus + (1 - _CONSENSUS_EMA) * sample)
 
 
 @dataclass

@@ -3,7 +3,9 @@
 One explicit loop (nanoGPT style): sample a batch from this node's shard, forward, backward and
 AdamW step, all under the :class:`TrainingLock` (a gossip correction must not land between the
 forward and the backward: it would change tensors autograd saved). Every ``H`` steps the outer
-update ``AsyncGaslocState.round_end``. The event loop never runs any of this.
+update ``AsyncGaslocState.round_end``, or the ``round_end_hook`` if one is set (DiLoCo: it
+takes the lock itself and waits on the network without it). The event loop never runs any of
+this.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,6 +82,7 @@ class Trainer:
         self.val: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.generator = torch.Generator()
         self.finished = threading.Event()
+        self.round_end_hook: Callable[[], None] | None = None  # replaces state.round_end
 
     def load_data(self, data_seed: int) -> None:
         self.shard, self.val = load_data(self.cfg, self.cfg.seed)
@@ -124,7 +128,8 @@ class Trainer:
             loss.backward()
             self.optimizer.step()
             st.step += 1
-            if st.step % cfg.inner_steps == 0:
+            round_end = st.step % cfg.inner_steps == 0
+            if round_end and self.round_end_hook is None:
                 self.state.round_end()
                 st.rounds = self.state.rounds
         if not math.isfinite(float(loss.detach())):
@@ -135,6 +140,8 @@ class Trainer:
         st.tokens += y.numel()
         st.tokens_per_s = y.numel() / st.step_time_s
         st.train_loss = float(loss.detach())
+        if round_end and self.round_end_hook is not None:
+            self.round_end_hook()  # after the timing: tokens/s stays compute throughput
         return st.train_loss
 
     def _evaluate(self) -> None:

@@ -1,0 +1,124 @@
+"""Serve the swarm dashboard: the page plus a read-only proxy to Prometheus' query API.
+
+``GET /`` is the page (:mod:`gasloc_p2p.node.dashboard_page`); ``GET /api/v1/query`` and
+``/api/v1/query_range`` are forwarded to Prometheus (same origin for the page: no CORS, and
+Prometheus can stay on loopback); ``GET /healthz`` answers ``ok``. Nothing else is proxied.
+The stdlib ``ThreadingHTTPServer`` runs in one thread; :meth:`DashboardServer.stop` releases
+the port and is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from gasloc_p2p.node.dashboard_page import render_page
+
+log = logging.getLogger(__name__)
+PROXIED = ("/api/v1/query", "/api/v1/query_range", "/api/v1/targets")
+PROXY_TIMEOUT_S = 15.0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path in ("/", "/index.html"):
+            self._send(200, "text/html; charset=utf-8", self.server.page)
+        elif path == "/healthz":
+            self._send(200, "text/plain", b"ok\n")
+        elif path in PROXIED:
+            self._proxy()
+        else:
+            self._send(404, "text/plain", b"not found\n")
+
+    def _proxy(self) -> None:
+        url = self.server.prometheus_url + self.path
+        try:
+            with urllib.request.urlopen(url, timeout=PROXY_TIMEOUT_S) as reply:
+                status, body = reply.status, reply.read()
+                ctype = reply.headers.get("Content-Type", "application/json")
+        except urllib.error.HTTPError as exc:  # Prometheus' own errors (bad query) are JSON
+            status, body = exc.code, exc.read()
+            ctype = exc.headers.get("Content-Type", "application/json")
+        except OSError as exc:
+            status, ctype = 502, "application/json"
+            body = json.dumps({"status": "error", "errorType": "unavailable",
+                               "error": f"Prometheus at {self.server.prometheus_url}: "
+                                        f"{exc}"}).encode()
+        self._send(status, ctype, body)
+
+    def _send(self, status: int, ctype: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    prometheus_url: str
+    page: bytes
+
+
+class DashboardServer:
+    """The dashboard on ``http://host:port/`` backed by the Prometheus at ``prometheus_url``."""
+
+    def __init__(self, prometheus_url: str, host: str = "127.0.0.1", port: int = 0,
+                 title: str = "gasloc swarm") -> None:
+        self.prometheus_url = prometheus_url.rstrip("/")
+        self.host = host
+        self.port_wanted = port
+        self.title = title
+        self.port = 0
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
+        return f"http://{host}:{self.port}/" if self._server else ""
+
+    def start(self) -> None:
+        """Bind (OSError with the port in the message if taken) and serve in a thread."""
+        try:
+            server = _Server((self.host, self.port_wanted), _Handler)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve the dashboard on {self.host}:"
+                                     f"{self.port_wanted} ({exc.strerror}); choose another "
+                                     "--dashboard-port (0: any free port)") from None
+        server.prometheus_url = self.prometheus_url
+        server.page = render_page(self.title).encode()
+        self._server = server
+        self.port = int(server.server_address[1])
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="gasloc-dashboard", daemon=True)
+        self._thread.start()
+        log.debug("dashboard on %s (Prometheus %s)", self.url, self.prometheus_url)
+
+    def stop(self) -> None:
+        server, thread, self._server, self._thread = self._server, self._thread, None, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> DashboardServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

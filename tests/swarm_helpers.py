@@ -1,0 +1,72 @@
+"""Helpers for the tests that run real node processes with Prometheus and the dashboard."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gasloc_p2p.node.swarm import Swarm, SwarmConfig
+from tests.node_helpers import scaled
+from tests.test_node_daemon import write_corpus
+
+T = TypeVar("T")
+
+
+def tiny_node_args(corpus: Path) -> tuple[str, ...]:
+    """A fast node (2 layers, width 64) on a small local corpus, quick discovery."""
+    return ("--data", str(corpus), "--n-embd", "64", "--batch-size", "8",
+            "--inner-steps", "10", "--warmup-steps", "20", "--eval-interval-steps", "20",
+            "--eval-batches", "2", "--exchanges-per-round", "2", "--announce-interval-s", "1",
+            "--announce-ttl-s", "4", "--refresh-interval-s", "1", "--log-interval-s", "5",
+            "--no-init-from-swarm")
+
+
+@contextmanager
+def live_swarm(tmp_path: Path, nodes: int = 2, dashboard: bool = False) -> Iterator[Swarm]:
+    """A started swarm (real processes, real Prometheus scraping every second); stopped after."""
+    corpus = write_corpus(tmp_path / "corpus")
+    cfg = SwarmConfig(nodes=nodes, prometheus=True, scrape_interval_s=1.0,
+                      dashboard_port=0 if dashboard else -1, run_dir=str(tmp_path / "run"),
+                      node_args=tiny_node_args(corpus), start_timeout_s=scaled(90),
+                      stop_grace_s=scaled(20))
+    with (tmp_path / "swarm.out").open("w") as out, Swarm(cfg, out) as swarm:
+        swarm.start(threading.Event())
+        yield swarm
+        children = list(swarm.nodes)
+        assert swarm.stop() == 0, "a node did not exit cleanly"
+        for child in children:
+            assert not child.group_alive(), f"{child.name} left processes behind"
+
+
+def wait_for(fn: Callable[[], T], timeout_s: float, what: str, period_s: float = 0.5) -> T:
+    """Poll ``fn`` until it returns a true value (scaled timeout)."""
+    deadline = time.monotonic() + scaled(timeout_s)
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - keep polling, report the last one
+            last = exc
+        else:
+            if value:
+                return value
+            last = value
+        time.sleep(period_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
+
+
+def session_members(sid: int) -> list[int]:
+    """Live (non-zombie) pids whose session id is ``sid`` (Linux /proc)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive

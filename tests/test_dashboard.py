@@ -1,0 +1,138 @@
+"""The dashboard page, rendered for real: a live 2-node swarm, a live Prometheus, the page
+served by the project and opened in headless Chromium; the charts must have data points.
+
+The screenshot is saved in the test's tmp dir; with ``GASLOC_UPDATE_SCREENSHOT=1`` it is also
+copied to ``docs/dashboard.png`` (the README's picture). Skipped without Chromium or Prometheus
+(CI installs both: apt-get install -y prometheus chromium).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from gasloc_p2p.node.dashboard import DashboardServer
+from gasloc_p2p.node.dashboard_page import PANELS, render_page
+from gasloc_p2p.node.prometheus import INSTALL_HINT, find_prometheus, query, query_range
+from tests.node_helpers import scaled
+from tests.swarm_helpers import live_swarm, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))
+                 if p), None)
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+                  "--window-size=1280,900", "--virtual-time-budget=5000"]
+
+
+class Panels(HTMLParser):
+    """Collects each panel's attributes, its chart's attributes and its lines' labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.panels: list[dict] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "section" and a.get("class") == "panel":
+            self.panels.append({"panel": a, "svg": {}, "lines": {}})
+        elif tag == "svg" and self.panels:
+            self.panels[-1]["svg"] = a
+        elif tag == "path" and self.panels and a.get("data-label"):
+            self.panels[-1]["lines"][a["data-label"]] = int(a.get("data-points") or 0)
+
+
+def chromium(args: list[str], profile: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run headless Chromium in its own process group; kill the whole group afterwards."""
+    assert CHROMIUM is not None
+    proc = subprocess.Popen([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # renderer and zygote children too
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install -y chromium")
+@pytest.mark.skipif(find_prometheus() is None, reason=f"no 'prometheus' binary: {INSTALL_HINT}")
+def test_dashboard_shows_a_live_swarm_in_chromium(tmp_path):
+    with live_swarm(tmp_path, nodes=2, dashboard=True) as swarm:
+        assert swarm.prometheus is not None and swarm.dashboard is not None
+        prom = swarm.prometheus.url
+
+        def enough_history() -> bool:
+            series = query_range(prom, "gasloc_val_loss", *window(prom), 1)
+            rates = query_range(prom, 'sum(rate(gasloc_exchanges_total{outcome="ok"}[30s]))',
+                                *window(prom), 1)
+            return (len(series) == 2 and all(len(s["values"]) >= 4 for s in series)
+                    and bool(rates) and any(float(v) > 0 for _, v in rates[0]["values"]))
+
+        wait_for(enough_history, 60, "val loss history and exchanges in Prometheus")
+        page = swarm.dashboard.url + "?range=300&refresh=60"
+        dom = chromium(["--dump-dom", page], tmp_path / "profile-dom", scaled(90))
+        assert "<main>" in dom.stdout, dom.stderr[-2000:]
+        parser = Panels()
+        parser.feed(dom.stdout)
+        panels = {p["panel"]["data-query"]: p for p in parser.panels}
+        assert len(panels) == len(PANELS)
+        for query in ("gasloc_val_loss", "gasloc_tokens_per_second",
+                      "sum by (node) (rate(gasloc_sent_bytes_total[30s]))"):
+            p = panels[query]
+            assert p["panel"]["data-state"] == "ok", p
+            assert set(p["lines"]) == {"node0", "node1"}, p
+            assert min(p["lines"].values()) >= 3, p
+        exchanges = panels["sum by (outcome) (rate(gasloc_exchanges_total[30s]))"]
+        assert exchanges["panel"]["data-state"] == "ok" and exchanges["lines"].get("ok", 0) > 0
+
+        shot = tmp_path / "dashboard.png"
+        result = chromium([f"--screenshot={shot}", page], tmp_path / "profile-shot", scaled(90))
+        assert shot.exists(), result.stderr[-2000:]
+        data = shot.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # charts, not a blank
+        if os.environ.get("GASLOC_UPDATE_SCREENSHOT"):
+            shutil.copy(shot, ROOT / "docs" / "dashboard.png")
+
+
+def window(prom: str) -> tuple[float, float]:
+    """The last 5 minutes on Prometheus' clock."""
+    end = float(query(prom, "vector(time())")[0]["value"][0])
+    return end - 300, end
+
+
+def test_page_is_self_contained_and_lists_every_panel():
+    page = render_page("t")
+    assert "<script src" not in page and "<link" not in page and "@import" not in page
+    for _, promql, _, _ in PANELS:
+        assert json.dumps(promql) in page
+
+
+def test_server_proxies_only_the_query_api_and_reports_a_dead_prometheus():
+    with DashboardServer("http://127.0.0.1:9", port=0) as board:  # port 9: nothing listens
+        with urllib.request.urlopen(board.url, timeout=5) as reply:
+            assert reply.status == 200 and b"gasloc swarm" in reply.read()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(board.url + "api/v1/query?query=up", timeout=20)
+        assert err.value.code == 502
+        assert json.load(err.value)["status"] == "error"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(board.url + "api/v1/admin/tsdb/delete_series", timeout=5)
+        assert err.value.code == 404
+        port = board.port
+    board.stop()  # twice is harmless
+    with DashboardServer("http://127.0.0.1:9", port=port):  # the port was released
+        pass
