@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-sim bench-node reproduce proto clean
+.PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-sim bench-node bench-diloco reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -28,6 +28,9 @@ unit: setup
 
 test: lint typecheck unit
 
+swarm: setup
+	$(VENV)/bin/gasloc-node swarm --nodes 3
+
 sim: setup
 	$(VENV)/bin/gasloc-node sim --workers 4 --steps 200 --algorithms gasloc,diloco --out runs/sim
 
@@ -40,7 +43,10 @@ proto: setup
 bench-node: setup
 	$(PY) benchmarks/bench_node.py
 
-bench-sim: setup
+bench-swarm: setup
+	$(VENV)/bin/gasloc-node swarm --nodes 3
+
+sim: setup
 	$(PY) benchmarks/bench_sim.py
 
 reproduce: setup
