@@ -205,3 +205,10 @@ def test_every_metric_the_grafana_dashboard_uses_is_served():
                           lambda: None)
     served = {s.name for m in metrics.registry.collect() for s in m.samples}
     assert used and used <= served, sorted(used - served)
+
+
+def test_info_names_the_algorithm():
+    cfg = build_config(environ={"GASLOC_ALGORITHM": "diloco", "GASLOC_RUN_ID": "d"})
+    metrics = NodeMetrics(cfg, TrainStats(), ExchangeStats(), lambda: None)
+    labels = {"version": __version__, "run_id": "d", "codec": "int8", "algorithm": "diloco"}
+    assert metrics.registry.get_sample_value("gasloc_info", labels) == 1

@@ -87,15 +87,6 @@ LOOP_LAG_PERIOD_S = 0.5
 PeerBookGetter = Callable[[], "PeerBook | None"]
 
 
-def algorithm_of(cfg: NodeConfig) -> str:
-    """The training algorithm label: a section's ``algorithm`` field if any, else gasloc."""
-    for name in ("train", "outer", "gossip"):
-        value = getattr(getattr(cfg, name), "algorithm", None)
-        if isinstance(value, str) and value:
-            return value
-    return "gasloc"
-
-
 def os_threads() -> int:
     """OS threads of this process (torch, gRPC and Python threads); Python's count if no /proc."""
     try:
@@ -159,8 +150,8 @@ class NodeCollector(Collector):
         yield outcomes
         roles = CounterMetricFamily("gasloc_exchanges_by_role", "Committed exchanges by role.",
                                     labels=["role"])
-        roles.add_metric(["initiator"], x.ok_initiator)
-        roles.add_metric(["responder"], x.ok_responder)
+        for role, n in zip(ROLES, (x.ok_initiator, x.ok_responder), strict=True):
+            roles.add_metric([role], n)
         yield roles
         for name, doc, by_codec in (
                 ("gasloc_sent_bytes", "Payload bytes sent, by codec.", x.sent_by_codec),
@@ -226,7 +217,7 @@ class NodeMetrics:
         self.loop_lag_s = 0.0
         self.registry = CollectorRegistry(auto_describe=False)
         info = {"version": __version__, "run_id": cfg.discovery.run_id,
-                "codec": cfg.gossip.codec, "algorithm": algorithm_of(cfg)}
+                "codec": cfg.gossip.codec, "algorithm": cfg.outer.algorithm}
         self.registry.register(NodeCollector(train, exchange, book, info, lambda: self.loop_lag_s))
         ProcessCollector(registry=self.registry)
         self.port = 0
