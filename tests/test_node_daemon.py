@@ -151,3 +151,29 @@ def test_client_mode_node_gossips_by_dialing_out_only(corpus):
             assert a.stats.ok_responder >= outbound
 
     run(main(), timeout_s=120)
+
+
+def test_unreachable_node_is_detected_and_gossips_by_dialing_out(corpus):
+    # b announces an address nobody listens on (127.0.0.2; it binds 127.0.0.1): a's dial-back
+    # fails, so b marks itself unreachable, a stops choosing it, and b keeps gossiping by
+    # dialing out. a's own check (through b) succeeds, so a stays reachable.
+    async def main():
+        reg = InMemoryRegistry()
+        fast = {"reachability_interval_s": 0.5}
+        cfg = tiny_config(corpus, **fast)
+        a = Node(cfg, InMemoryDiscovery(reg, cfg.discovery.run_id, "node-a"))
+        b = Node(tiny_config(corpus, peers=("/memory/node-a",), announce_host="127.0.0.2", **fast),
+                 InMemoryDiscovery(reg, cfg.discovery.run_id, "node-b"))
+        async with a, b:
+            await wait_until(lambda: not b.reachable, timeout_s=scaled(30),
+                             what="b detects it cannot be dialed")
+            assert a.reachable
+            await wait_until(lambda: a.book is not None and "node-b" in a.book.peers
+                             and not a.book.peers["node-b"].reachable,
+                             timeout_s=scaled(10), what="a learns b is unreachable")
+            before = a.stats.ok_responder
+            await wait_until(lambda: a.stats.ok_responder >= before + 2, timeout_s=scaled(60),
+                             what="b still gossips by dialing out")
+            assert not a.book.candidates()  # a never dials b now
+
+    run(main(), timeout_s=scaled(150))

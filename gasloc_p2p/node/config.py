@@ -189,6 +189,9 @@ class NetworkConfig:
     info_timeout_s: float = opt(5.0, "deadline of a unary Info call")
     stop_grace_s: float = opt(3.0, "on stop, let running RPCs finish this long")
     max_channels: int = opt(32, "cached client channels to peers (LRU)")
+    reachability_interval_s: float = opt(
+        60.0, "ask a random peer to dial this node back this often (0: never); if it cannot, "
+        "the node gossips by dialing out only, as with --client-mode")
 
     def validate(self) -> None:
         _need(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535] (0: any)")
@@ -201,6 +204,8 @@ class NetworkConfig:
               self.keepalive_timeout_s,
               f"must be shorter than --keepalive-time-s={self.keepalive_time_s}")
         _need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
+        _need(self.reachability_interval_s >= 0, "reachability_interval_s",
+              self.reachability_interval_s, "must be >= 0 seconds (0: no checks)")
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,13 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+
+import grpc
 
 from gasloc_p2p import __version__
 from gasloc_p2p.core.codecs import CODEC_NAMES
@@ -198,6 +201,7 @@ class Node:
         net = self.cfg.network
         host = "127.0.0.1" if net.client_mode else net.host
         servicer = GossipServicer(self.me, self.exchanger, self.info, self._snapshot)
+        servicer.probe_timeout_s = net.connect_timeout_s
         server, self.port = await start_server(servicer, host, net.port, net,
                                                self.cfg.gossip.max_inbound)
 
@@ -256,7 +260,40 @@ class Node:
         ]
         if cfg.checkpoint.checkpoint_dir:
             jobs.append(("checkpoint", self._checkpoint, cfg.checkpoint.checkpoint_interval_s))
+        if cfg.network.reachability_interval_s > 0 and not cfg.network.client_mode:
+            jobs.append(("reachability", self._check_reachability,
+                         cfg.network.reachability_interval_s))
         return jobs
+
+    async def _check_reachability(self) -> None:
+        """Ask one random reachable peer to dial our announced endpoint back.
+
+        A failed dial-back marks this node unreachable: it stops being chosen by others (the
+        next announcement says so) and gossips by dialing out only, as with --client-mode. A
+        later successful probe marks it reachable again. No peer, or a peer that does not
+        answer, teaches nothing.
+        """
+        if self.book is None or not self.endpoint:
+            return
+        peers = self.book.candidates()
+        if not peers:
+            return
+        peer = random.choice(peers)
+        try:
+            reply = await self.channels.stub(peer.endpoint).Info(
+                pb.InfoRequest(probe_endpoint=self.endpoint),
+                timeout=self.cfg.network.info_timeout_s + self.cfg.network.connect_timeout_s)
+        except (grpc.RpcError, OSError) as exc:
+            log.debug("reachability check via %s failed: %s", peer.peer_id, exc)
+            return
+        if reply.probe_ok != self.reachable:
+            self.reachable = reply.probe_ok
+            if self.reachable:
+                log.info("peers can dial %s again: accepting exchanges", self.endpoint)
+            else:
+                log.warning("peer %s could not dial %s back: gossiping by dialing out only "
+                            "(as --client-mode); check --announce-host or the firewall",
+                            peer.peer_id, self.endpoint)
 
     async def _forever(self, name: str, fn: Callable[[], Awaitable[None]],
                        period_s: float) -> None:

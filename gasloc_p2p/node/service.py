@@ -76,12 +76,34 @@ class GossipServicer(pb_grpc.GossipServicer):
         self.exchanger = exchanger
         self.info = info
         self.snapshot = snapshot  # blocking; runs in a thread
+        self.probe_timeout_s = 3.0
+        self._probing = asyncio.Lock()
 
     async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         await self.exchanger.respond(context)
 
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoReply:
-        return self.info()
+        reply = self.info()
+        if request.probe_endpoint:
+            reply.probe_ok = await self._probe(request.probe_endpoint)
+        return reply
+
+    async def _probe(self, endpoint: str) -> bool:
+        """Dial ``endpoint`` back with one Info call (a caller's reachability check).
+
+        One probe at a time per server, so the service cannot be used to fan out connections.
+        """
+        if self._probing.locked():
+            return False
+        async with self._probing:
+            try:
+                async with grpc.aio.insecure_channel(endpoint) as channel:
+                    stub = pb_grpc.GossipStub(channel)
+                    await stub.Info(pb.InfoRequest(), timeout=self.probe_timeout_s)
+                return True
+            except (grpc.RpcError, OSError, ValueError, TimeoutError) as exc:
+                log.debug("reachability probe of %s failed: %s", endpoint, exc)
+                return False
 
     async def DownloadState(self, request: pb.StateRequest,
                             context: Any) -> AsyncIterator[pb.StateChunk]:

@@ -103,11 +103,13 @@ class ExchangeMsg(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("probe_endpoint",)
+    PROBE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    probe_endpoint: str
+    def __init__(self, probe_endpoint: _Optional[str] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs")
+    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs", "probe_ok")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,7 @@ class InfoReply(_message.Message):
     TOTAL_AVERAGING_S_FIELD_NUMBER: _ClassVar[int]
     OUTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_OK_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     software_version: str
     run_id: str
@@ -160,7 +163,8 @@ class InfoReply(_message.Message):
     total_averaging_s: float
     outer_epoch: int
     resyncs: int
-    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
+    probe_ok: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ..., probe_ok: _Optional[bool] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("protocol_version", "run_id", "model_fingerprint")
