@@ -201,7 +201,7 @@ class Node:
         net = self.cfg.network
         host = "127.0.0.1" if net.client_mode else net.host
         servicer = GossipServicer(self.me, self.exchanger, self.info, self._snapshot)
-        servicer.probe_timeout_s = net.connect_timeout_s
+        servicer.probe = self._probe_endpoint
         server, self.port = await start_server(servicer, host, net.port, net,
                                                self.cfg.gossip.max_inbound)
 
@@ -264,6 +264,16 @@ class Node:
             jobs.append(("reachability", self._check_reachability,
                          cfg.network.reachability_interval_s))
         return jobs
+
+    async def _probe_endpoint(self, endpoint: str) -> bool:
+        """True if one Info call to ``endpoint`` succeeds (answering a peer's dial-back)."""
+        try:
+            await self.channels.stub(endpoint).Info(
+                pb.InfoRequest(), timeout=self.cfg.network.connect_timeout_s)
+            return True
+        except (grpc.RpcError, OSError, ValueError) as exc:
+            log.debug("dial-back to %s failed: %s", endpoint, exc)
+            return False
 
     async def _check_reachability(self) -> None:
         """Ask one random reachable peer to dial our announced endpoint back.

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ class GossipServicer(pb_grpc.GossipServicer):
         self.exchanger = exchanger
         self.info = info
         self.snapshot = snapshot  # blocking; runs in a thread
-        self.probe_timeout_s = 3.0
+        self.probe: Callable[[str], Awaitable[bool]] | None = None  # set by the node
         self._probing = asyncio.Lock()
 
     async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
@@ -91,19 +91,14 @@ class GossipServicer(pb_grpc.GossipServicer):
     async def _probe(self, endpoint: str) -> bool:
         """Dial ``endpoint`` back with one Info call (a caller's reachability check).
 
-        One probe at a time per server, so the service cannot be used to fan out connections.
+        Uses the node's cached client channels (``self.probe``), never a channel owned by this
+        handler, so a probe cannot hold up the server's stop. One probe at a time per server,
+        so the service cannot be used to fan out connections.
         """
-        if self._probing.locked():
+        if self.probe is None or self._probing.locked():
             return False
         async with self._probing:
-            try:
-                async with grpc.aio.insecure_channel(endpoint) as channel:
-                    stub = pb_grpc.GossipStub(channel)
-                    await stub.Info(pb.InfoRequest(), timeout=self.probe_timeout_s)
-                return True
-            except (grpc.RpcError, OSError, ValueError, TimeoutError) as exc:
-                log.debug("reachability probe of %s failed: %s", endpoint, exc)
-                return False
+            return await self.probe(endpoint)
 
     async def DownloadState(self, request: pb.StateRequest,
                             context: Any) -> AsyncIterator[pb.StateChunk]:
