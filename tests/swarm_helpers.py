@@ -57,16 +57,3 @@ def wait_for(fn: Callable[[], T], timeout_s: float, what: str, period_s: float =
             last = value
         time.sleep(period_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
-
-
-def session_members(sid: int) -> list[int]:
-    """Live (non-zombie) pids whose session id is ``sid`` (Linux /proc)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive

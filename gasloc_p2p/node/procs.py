@@ -124,12 +124,22 @@ class Child:
 
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid`` (Linux /proc)."""
+    return _members(2, pgid)
+
+
+def session_members(sid: int) -> list[int]:
+    """Live (non-zombie) processes whose session id is ``sid`` (Linux /proc)."""
+    return _members(3, sid)
+
+
+def _members(field: int, ident: int) -> list[int]:
+    """Live pids whose /proc stat field ``field`` (after the command name) equals ``ident``."""
     alive = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        if int(fields[field]) == ident and fields[0] != "Z":
             alive.append(int(stat.parent.name))
     return alive
