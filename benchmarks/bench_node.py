@@ -37,17 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState  # noqa: E402
 from gasloc_p2p.core.flat import whole  # noqa: E402
-from gasloc_p2p.node.config import MAX_CHUNK_BYTES, GossipConfig, NetworkConfig  # noqa: E402
-from gasloc_p2p.node.engine import ExchangeEngine, TrainingLock  # noqa: E402
-from gasloc_p2p.node.exchange import Exchanger  # noqa: E402
-from gasloc_p2p.node.service import (  # noqa: E402
-    GossipServicer,
-    StateSnapshot,
-    grpc_options,
-)
-from gasloc_p2p.node.wire import Identity  # noqa: E402
+from gasloc_p2p.node.config import GossipConfig, NetworkConfig  # noqa: E402
+from gasloc_p2p.node.runtime.lock import TrainingLock  # noqa: E402
+from gasloc_p2p.node.transport.exchange import Exchanger  # noqa: E402
+from gasloc_p2p.node.transport.service import GossipServicer, StateSnapshot, grpc_options
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc  # noqa: E402
+from gasloc_p2p.protocol.engine import ExchangeEngine
+from gasloc_p2p.protocol.messages import (
+    MAX_CHUNK_BYTES,
+    Identity,  # noqa: E402
+)
 
 CODECS = ("fp32", "fp16", "int8", "int4", "fp4")
 RAW_METHOD = "/bench.Raw/Stream"

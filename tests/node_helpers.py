@@ -18,11 +18,17 @@ import torch
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig
-from gasloc_p2p.node.engine import ExchangeEngine, TrainingLock
-from gasloc_p2p.node.exchange import Exchanger, Outcome
-from gasloc_p2p.node.service import GossipServicer, PeerChannels, StateSnapshot, start_server
-from gasloc_p2p.node.wire import Identity
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.transport.exchange import Exchanger, Outcome
+from gasloc_p2p.node.transport.service import (
+    GossipServicer,
+    PeerChannels,
+    StateSnapshot,
+    start_server,
+)
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.engine import ExchangeEngine
+from gasloc_p2p.protocol.messages import Identity
 
 SCALE = float(os.environ.get("GASLOC_TEST_TIMEOUT_SCALE", "1"))
 T = TypeVar("T")

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gasloc_p2p.node.swarm import Swarm, SwarmConfig
+from gasloc_p2p.tools.swarm import Swarm, SwarmConfig
 from tests.node_helpers import scaled
 from tests.test_node_daemon import write_corpus
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from gasloc_p2p.node.dashboard import DashboardServer
-from gasloc_p2p.node.dashboard_page import PANELS, render_page
-from gasloc_p2p.node.prometheus import INSTALL_HINT, find_prometheus, query, query_range
+from gasloc_p2p.tools.dashboard import DashboardServer
+from gasloc_p2p.tools.dashboard_page import PANELS, render_page
+from gasloc_p2p.tools.prometheus import INSTALL_HINT, find_prometheus, query, query_range
 from tests.node_helpers import scaled
 from tests.swarm_helpers import live_swarm, wait_for
 

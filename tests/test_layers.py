@@ -1,5 +1,10 @@
-"""Import-layer check: the pure core imports only torch and the standard library, and the
-simulator never imports the network layers."""
+"""Import-layer check: the rooms of the package and what each may import.
+
+- ``core/``: torch and the standard library only (no I/O modules);
+- ``protocol/``: the exchange protocol without I/O: no gRPC, asyncio, hivemind or node code;
+- ``model``, ``data``, ``sim/``: never the network layers;
+- ``node/`` (the daemon): never the developer tooling in ``tools/``.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +46,26 @@ def test_simulator_and_model_do_not_import_network_layers():
     paths = [PKG / "model.py", PKG / "data.py", *sorted((PKG / "sim").glob("*.py"))]
     bad = [f"{p.name}: {name}" for p in paths if p.exists() for name in imported_modules(p)
            if any(name == n or name.startswith(n + ".") for n in NETWORK_PACKAGES)]
+    assert not bad, bad
+
+
+def _bad_imports(paths, forbidden):
+    return [f"{p.relative_to(PKG)}: {name}" for p in paths for name in imported_modules(p)
+            if any(name == n or name.startswith(n + ".") for n in forbidden)]
+
+
+def test_protocol_imports_no_io_and_no_node():
+    paths = sorted((PKG / "protocol").rglob("*.py"))
+    assert paths
+    bad = _bad_imports(paths, NETWORK_PACKAGES | {"asyncio", "socket", "gasloc_p2p.sim",
+                                                  "gasloc_p2p.tools"})
+    assert not bad, bad
+
+
+def test_daemon_never_imports_the_tooling():
+    paths = sorted((PKG / "node").rglob("*.py"))
+    assert len(paths) > 10
+    bad = _bad_imports(paths, {"gasloc_p2p.tools", "gasloc_p2p.sim"})
     assert not bad, bad
 
 

@@ -13,15 +13,15 @@ import torch
 
 from gasloc_p2p.node import checkpoint as ckpt
 from gasloc_p2p.node.config import NodeConfig
-from gasloc_p2p.node.daemon import Node
-from gasloc_p2p.node.discovery import (
+from gasloc_p2p.node.discovery.base import (
     CompatibilityFilter,
     InMemoryDiscovery,
     InMemoryRegistry,
     PeerInfo,
 )
-from gasloc_p2p.node.service import download_state, fetch_info
+from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.settings import build_config
+from gasloc_p2p.node.transport.service import download_state, fetch_info
 from tests.node_helpers import run, scaled, wait_until
 
 STDLIB_TEXTS = ("argparse", "ast", "typing", "inspect", "textwrap")

@@ -24,27 +24,28 @@ from google.protobuf.json_format import MessageToDict
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.node import checkpoint as ckpt
-from gasloc_p2p.node.averaging import AveragingResult, InMemoryAveragingHub
 from gasloc_p2p.node.cli_node import _print_report
-from gasloc_p2p.node.config import PROTOCOL_VERSION, ConfigError, DilocoConfig
-from gasloc_p2p.node.daemon import Node
-from gasloc_p2p.node.diloco_mode import (
-    DilocoRounds,
-    choose_reference,
-    digests_match,
-    state_digest,
-)
-from gasloc_p2p.node.discovery import (
+from gasloc_p2p.node.config import ConfigError, DilocoConfig
+from gasloc_p2p.node.discovery.base import (
     CompatibilityFilter,
     InMemoryDiscovery,
     InMemoryRegistry,
     PeerInfo,
 )
-from gasloc_p2p.node.engine import TrainingLock
+from gasloc_p2p.node.modes.averaging import AveragingResult, InMemoryAveragingHub
+from gasloc_p2p.node.modes.diloco import (
+    DilocoRounds,
+    choose_reference,
+    digests_match,
+    state_digest,
+)
+from gasloc_p2p.node.runtime.daemon import Node
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.settings import add_config_flags, build_config
-from gasloc_p2p.node.stats import TrainStats
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from gasloc_p2p.protocol.messages import PROTOCOL_VERSION
 from tests.node_helpers import run, scaled, wait_until
 from tests.test_node_daemon import tiny_config, write_corpus
 from tests.test_node_swarm import NodeProc, wait_for

@@ -9,10 +9,9 @@ import grpc
 import pytest
 import torch
 
-from gasloc_p2p.node.config import MAX_CHUNK_BYTES, PROTOCOL_VERSION
-from gasloc_p2p.node.wire import Rejected, make_header
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES, PROTOCOL_VERSION, Rejected, make_header
 from tests.node_helpers import (
     assert_same_state,
     full_state,

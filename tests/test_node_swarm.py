@@ -24,9 +24,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from gasloc_p2p.node.config import PROTOCOL_VERSION
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from gasloc_p2p.protocol.messages import PROTOCOL_VERSION
 from tests.node_helpers import scaled
 from tests.test_node_daemon import write_corpus
 

@@ -8,11 +8,11 @@ import threading
 import time
 
 from gasloc_p2p.node.config import TrainConfig
-from gasloc_p2p.node.discovery import PeerInfo
-from gasloc_p2p.node.engine import TrainingLock
-from gasloc_p2p.node.gossip import FragmentChooser, PeerBook
-from gasloc_p2p.node.trainer import lr_at
-from gasloc_p2p.node.wire import TokenBucket
+from gasloc_p2p.node.discovery.base import PeerInfo
+from gasloc_p2p.node.modes.gossip import FragmentChooser, PeerBook
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.trainer import lr_at
+from gasloc_p2p.node.transport.ratelimit import TokenBucket
 from tests.node_helpers import run, scaled
 
 

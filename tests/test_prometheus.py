@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gasloc_p2p.node.prometheus import INSTALL_HINT, find_prometheus, query, query_range
+from gasloc_p2p.tools.prometheus import INSTALL_HINT, find_prometheus, query, query_range
 from tests.swarm_helpers import live_swarm, wait_for
 
 pytestmark = pytest.mark.skipif(find_prometheus() is None,

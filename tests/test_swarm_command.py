@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from gasloc_p2p.cli import build_parser
-from gasloc_p2p.node.cli_swarm import _config
-from gasloc_p2p.node.procs import session_members
+from gasloc_p2p.tools.cli_swarm import _config
+from gasloc_p2p.tools.procs import session_members
 from tests.node_helpers import scaled
 from tests.swarm_helpers import tiny_node_args, wait_for
 from tests.test_node_daemon import write_corpus

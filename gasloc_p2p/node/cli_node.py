@@ -67,7 +67,7 @@ def run_join(args: argparse.Namespace) -> int:
 
 
 async def _join(cfg: NodeConfig) -> int:
-    from gasloc_p2p.node.daemon import Node
+    from gasloc_p2p.node.runtime.daemon import Node
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(ThreadPoolExecutor(_EXECUTOR_THREADS, "gasloc-io"))
@@ -123,8 +123,8 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> dict[str, Any]:
-    from gasloc_p2p.node.discovery import HivemindDiscovery
-    from gasloc_p2p.node.service import PeerChannels, fetch_info
+    from gasloc_p2p.node.discovery.dht import HivemindDiscovery
+    from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
 
     report: dict[str, Any] = {"swarm": [], "info": None}
     endpoint = args.endpoint

@@ -16,9 +16,8 @@ from typing import Any
 from gasloc_p2p.core.async_state import MOMENTUM_FORMS, STALENESS_POLICIES, AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES
 from gasloc_p2p.model import GPTConfig
+from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
-PROTOCOL_VERSION = 1
-MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 FRAGMENT_ORDERS = ("round-robin", "random")
 ALGORITHMS = ("gasloc", "diloco")
 DILOCO_CODECS = ("fp32", "fp16", "int8")
@@ -307,7 +306,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     """Progress logging and the Prometheus endpoint (the log level is a flag of the top-level
-    command). Metric names and labels: :mod:`gasloc_p2p.node.metrics`."""
+    command). Metric names and labels: :mod:`gasloc_p2p.node.observability.metrics`."""
 
     log_interval_s: float = opt(10.0, "one progress line every this many seconds")
     metrics_port: int = opt(0, "Prometheus /metrics HTTP port (0: any free port, printed at "

@@ -26,8 +26,8 @@ from gasloc_p2p.core.flat import FlatParams, Fragment, layer_fragments, whole
 from gasloc_p2p.data import ByteTokenizer, Shard, TokenData, evaluate, load_corpus
 from gasloc_p2p.model import build_model, layer_index, model_fingerprint
 from gasloc_p2p.node.config import TrainConfig
-from gasloc_p2p.node.engine import TrainingLock
-from gasloc_p2p.node.stats import TrainStats
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.stats import TrainStats
 
 log = logging.getLogger(__name__)
 _EMA = 0.9  # smoothing of step time and throughput

@@ -44,13 +44,18 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.diloco import NesterovOuter
-from gasloc_p2p.node.averaging import Averager, AveragingResult, HivemindAverager, averaging_prefix
 from gasloc_p2p.node.config import DilocoConfig, NodeConfig
-from gasloc_p2p.node.engine import TrainingLock
-from gasloc_p2p.node.service import PeerChannels, download_state
-from gasloc_p2p.node.stats import TrainStats
-from gasloc_p2p.node.trainer import Trainer
-from gasloc_p2p.node.wire import Identity
+from gasloc_p2p.node.modes.averaging import (
+    Averager,
+    AveragingResult,
+    HivemindAverager,
+    averaging_prefix,
+)
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.runtime.trainer import Trainer
+from gasloc_p2p.node.transport.service import PeerChannels, download_state
+from gasloc_p2p.protocol.messages import Identity
 
 log = logging.getLogger(__name__)
 DIGEST_PARTS = 8  # contiguous chunks per tensor in the digest

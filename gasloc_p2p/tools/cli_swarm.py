@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gasloc_p2p.node.procs import ChildError
-from gasloc_p2p.node.prometheus import PrometheusError
-from gasloc_p2p.node.swarm import DEFAULT_NODE_ARGS, Swarm, SwarmConfig
+from gasloc_p2p.tools.procs import ChildError
+from gasloc_p2p.tools.prometheus import PrometheusError
+from gasloc_p2p.tools.swarm import DEFAULT_NODE_ARGS, Swarm, SwarmConfig
 
 
 def add_swarm_parser(sub: Any) -> None:
@@ -126,7 +126,7 @@ def run_swarm(args: argparse.Namespace) -> int:
 
 def run_dashboard(args: argparse.Namespace) -> int:
     """Entry point of ``gasloc-node dashboard``: serve until SIGINT/SIGTERM."""
-    from gasloc_p2p.node.dashboard import DashboardServer
+    from gasloc_p2p.tools.dashboard import DashboardServer
 
     cancel = threading.Event()
     with _stop_on_signals(cancel):

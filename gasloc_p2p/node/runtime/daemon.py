@@ -22,32 +22,28 @@ import grpc
 
 from gasloc_p2p import __version__
 from gasloc_p2p.core.codecs import CODEC_NAMES
-from gasloc_p2p.node import checkpoint as ckpt
-from gasloc_p2p.node.averaging import Averager
-from gasloc_p2p.node.config import (
-    PROTOCOL_VERSION,
-    DiscoveryConfig,
-    NodeConfig,
-    OuterConfig,
-    TrainConfig,
-)
-from gasloc_p2p.node.diloco_mode import DilocoRounds, start_diloco
-from gasloc_p2p.node.discovery import CompatibilityFilter, Discovery, HivemindDiscovery, PeerInfo
-from gasloc_p2p.node.engine import ExchangeEngine, TrainingLock
-from gasloc_p2p.node.exchange import Exchanger
-from gasloc_p2p.node.gossip import GossipLoop, PeerBook, compatible_codecs
-from gasloc_p2p.node.metrics import NodeMetrics
-from gasloc_p2p.node.service import (
+from gasloc_p2p.node.config import DiscoveryConfig, NodeConfig, OuterConfig, TrainConfig
+from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
+from gasloc_p2p.node.discovery.dht import HivemindDiscovery
+from gasloc_p2p.node.modes.averaging import Averager
+from gasloc_p2p.node.modes.diloco import DilocoRounds, start_diloco
+from gasloc_p2p.node.modes.gossip import GossipLoop, PeerBook, compatible_codecs
+from gasloc_p2p.node.observability.metrics import NodeMetrics
+from gasloc_p2p.node.runtime import checkpoint as ckpt
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
+from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
+from gasloc_p2p.node.transport.exchange import Exchanger
+from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
     StateSnapshot,
     download_state,
     start_server,
 )
-from gasloc_p2p.node.stats import ExchangeStats, TrainStats
-from gasloc_p2p.node.trainer import Trainer, derive_seed
-from gasloc_p2p.node.wire import Identity
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.engine import ExchangeEngine
+from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
 
 log = logging.getLogger(__name__)
 

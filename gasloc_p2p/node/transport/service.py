@@ -18,11 +18,15 @@ from typing import Any
 import grpc
 import torch
 
-from gasloc_p2p.node.config import MAX_CHUNK_BYTES, PROTOCOL_VERSION, NetworkConfig
-from gasloc_p2p.node.exchange import Exchanger
-from gasloc_p2p.node.wire import (
+from gasloc_p2p.node.config import NetworkConfig
+from gasloc_p2p.node.transport.exchange import Exchanger
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
     FINGERPRINT_MISMATCH,
+    MAX_CHUNK_BYTES,
+    PROTOCOL_VERSION,
     RUN_MISMATCH,
     VERSION_MISMATCH,
     ExchangeError,
@@ -30,8 +34,6 @@ from gasloc_p2p.node.wire import (
     chunks,
     reject,
 )
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Serve the swarm dashboard: the page plus a read-only proxy to Prometheus' query API.
 
-``GET /`` is the page (:mod:`gasloc_p2p.node.dashboard_page`); ``GET /api/v1/query`` and
+``GET /`` is the page (:mod:`gasloc_p2p.tools.dashboard_page`); ``GET /api/v1/query`` and
 ``/api/v1/query_range`` are forwarded to Prometheus (same origin for the page: no CORS, and
 Prometheus can stay on loopback); ``GET /healthz`` answers ``ok``. Nothing else is proxied.
 The stdlib ``ThreadingHTTPServer`` runs in one thread; :meth:`DashboardServer.stop` releases
@@ -17,7 +17,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from gasloc_p2p.node.dashboard_page import render_page
+from gasloc_p2p.tools.dashboard_page import render_page
 
 log = logging.getLogger(__name__)
 PROXIED = ("/api/v1/query", "/api/v1/query_range", "/api/v1/targets")

@@ -27,9 +27,9 @@ from typing import TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gasloc_p2p.node.dashboard import DashboardServer
-from gasloc_p2p.node.procs import Child
-from gasloc_p2p.node.prometheus import INSTALL_HINT, LocalPrometheus, find_prometheus
+from gasloc_p2p.tools.dashboard import DashboardServer
+from gasloc_p2p.tools.procs import Child
+from gasloc_p2p.tools.prometheus import INSTALL_HINT, LocalPrometheus, find_prometheus
 
 log = logging.getLogger(__name__)
 

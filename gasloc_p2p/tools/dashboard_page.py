@@ -4,7 +4,7 @@ The script asks the serving process for ``api/v1/query_range`` (proxied to Prome
 CORS) every few seconds and draws one SVG line chart per panel. Each chart's ``<svg>`` carries
 ``data-points`` (samples drawn) and ``data-series`` (lines drawn), and each panel
 ``data-state`` (``loading``, ``ok``, ``empty`` or ``error``), for tests and for curious users.
-Panels are PromQL over the metrics of :mod:`gasloc_p2p.node.metrics`.
+Panels are PromQL over the metrics of :mod:`gasloc_p2p.node.observability.metrics`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every :class:`NodeMetrics` has its own ``CollectorRegistry`` (never the global one), so several
 nodes in one process coexist. Nothing on the training or exchange path touches Prometheus: the
-trainer and the exchanger update plain counters (:mod:`gasloc_p2p.node.stats`) and
+trainer and the exchanger update plain counters (:mod:`gasloc_p2p.node.runtime.stats`) and
 :class:`NodeCollector` turns them into metric families when Prometheus scrapes.
 
 The names below are an interface (``docker/grafana/dashboards/gasloc.json``, the project's own
@@ -63,13 +63,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gasloc_p2p import __version__
-from gasloc_p2p.node.stats import Buckets, ExchangeStats, TrainStats
+from gasloc_p2p.node.runtime.stats import Buckets, ExchangeStats, TrainStats
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from gasloc_p2p.node.config import NodeConfig
-    from gasloc_p2p.node.gossip import PeerBook
+    from gasloc_p2p.node.modes.gossip import PeerBook
 
 log = logging.getLogger(__name__)
 

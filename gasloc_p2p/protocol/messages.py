@@ -6,17 +6,15 @@ The message types are the generated ones from ``proto/gasloc/v1/gasloc.proto``. 
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-import grpc
-
-from gasloc_p2p.node.config import MAX_CHUNK_BYTES, PROTOCOL_VERSION
-from gasloc_p2p.node.engine import ExchangeEngine, Prepared
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.engine import ExchangeEngine, Prepared
+
+PROTOCOL_VERSION = 1
+MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 
 BUSY = pb.BUSY
 VERSION_MISMATCH = pb.VERSION_MISMATCH
@@ -134,38 +132,3 @@ def chunks(payload: bytes, size: int) -> Iterator[bytes]:
     view = memoryview(payload)
     for start in range(0, len(payload), size):
         yield bytes(view[start : start + size])
-
-
-class TokenBucket:
-    """Caps the node's sent payload at ``rate_bytes_s`` with bursts of ``burst_bytes``.
-
-    Shared by all exchanges of a node (an event-loop object: not thread-safe). A zero rate
-    means no cap.
-    """
-
-    def __init__(self, rate_bytes_s: float, burst_bytes: int) -> None:
-        self.rate = rate_bytes_s
-        self.burst = float(burst_bytes)
-        self._tokens = float(burst_bytes)
-        self._last = time.monotonic()
-        self._lock = asyncio.Lock()
-
-    @classmethod
-    def from_mbps(cls, mbps: float, burst_bytes: int) -> TokenBucket:
-        return cls(mbps * 1e6 / 8, burst_bytes)
-
-    async def take(self, nbytes: int) -> None:
-        """Wait until ``nbytes`` may be sent (requests larger than the burst are allowed)."""
-        if self.rate <= 0:
-            return
-        async with self._lock:  # FIFO among waiters
-            now = time.monotonic()
-            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-            self._last = now
-            self._tokens -= nbytes
-            if self._tokens < 0:
-                await asyncio.sleep(-self._tokens / self.rate)
-
-
-def is_eof(msg: Any) -> bool:
-    return msg is grpc.aio.EOF or msg is None

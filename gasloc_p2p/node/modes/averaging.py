@@ -1,6 +1,6 @@
 """The averaging seam of ``--algorithm diloco``: all-reduce one flat tensor with a group of peers.
 
-:class:`Averager` is the small interface the DiLoCo round logic (:mod:`gasloc_p2p.node.diloco_mode`)
+:class:`Averager` is the small interface the DiLoCo round logic (:mod:`gasloc_p2p.node.modes.diloco`)
 needs; :class:`HivemindAverager` runs hivemind's ``DecentralizedAverager`` (the engine OpenDiLoCo
 uses) on the node's existing DHT, :class:`InMemoryAveragingHub` hands out process-local averagers
 for tests, with fault injection by schedule (``fail_at``, as torchft's ``EventInjector``).

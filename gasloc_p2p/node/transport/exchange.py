@@ -26,29 +26,29 @@ import grpc
 
 from gasloc_p2p.core.async_state import AsyncConfig, exchange_weight
 from gasloc_p2p.core.codecs import Encoded
-from gasloc_p2p.node.config import MAX_CHUNK_BYTES, GossipConfig
-from gasloc_p2p.node.engine import ExchangeEngine, Prepared
-from gasloc_p2p.node.stats import ExchangeStats
-from gasloc_p2p.node.wire import (
+from gasloc_p2p.node.config import GossipConfig
+from gasloc_p2p.node.runtime.stats import ExchangeStats
+from gasloc_p2p.node.transport.ratelimit import TokenBucket
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.engine import ExchangeEngine, Prepared
+from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
     BUSY,
     INTERNAL,
+    MAX_CHUNK_BYTES,
     ExchangeError,
     Identity,
     MessageStream,
     PeerAborted,
     ProtocolError,
     Rejected,
-    TokenBucket,
     abort,
     check_header,
     check_reply_header,
     chunks,
-    is_eof,
     make_header,
     reject,
 )
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -334,3 +334,6 @@ class Exchanger:
         self.stats.failures[f"{where}:{type(exc).__name__}"] += 1
         log.debug("%s exchange failed: %s", where, exc)
 
+
+def is_eof(msg: Any) -> bool:
+    return msg is grpc.aio.EOF or msg is None

@@ -1,7 +1,7 @@
 """The tensor side of a gossip exchange: snapshot, encode, check, commit (no I/O, no asyncio).
 
 Every method here is synchronous and may take milliseconds to seconds on a large model, so the
-async layer (:mod:`gasloc_p2p.node.exchange`) calls them through ``asyncio.to_thread``. Shared
+async layer (:mod:`gasloc_p2p.node.transport.exchange`) calls them through ``asyncio.to_thread``. Shared
 tensors are touched only under the node's :class:`TrainingLock`, which also serialises the
 trainer's optimizer steps and round ends.
 
@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 import threading
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,50 +27,6 @@ from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import Codec, Encoded, get_codec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.references import ReferenceTable
-
-
-class TrainingLock:
-    """Mutual exclusion between the trainer and urgent work (corrections, snapshots).
-
-    A plain lock is unfair: the trainer releases it and re-acquires it at once, starving the
-    commit threads. Here a waiting urgent holder blocks the trainer's next acquisition.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._held = False
-        self._urgent_waiting = 0
-
-    @contextmanager
-    def urgent(self) -> Iterator[None]:
-        """For gossip commits, snapshots and checkpoints: served before the next train step."""
-        with self._cond:
-            self._urgent_waiting += 1
-            while self._held:
-                self._cond.wait()
-            self._urgent_waiting -= 1
-            self._held = True
-        try:
-            yield
-        finally:
-            self._release()
-
-    @contextmanager
-    def step(self) -> Iterator[None]:
-        """For one optimizer step or round end of the trainer."""
-        with self._cond:
-            while self._held or self._urgent_waiting:
-                self._cond.wait()
-            self._held = True
-        try:
-            yield
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        with self._cond:
-            self._held = False
-            self._cond.notify_all()
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,11 +43,24 @@ class Prepared:
     crc32: int
 
 
+class UrgentLock(Protocol):
+    """What the engine needs from the node's training lock (the daemon's ``TrainingLock``)."""
+
+    def urgent(self) -> AbstractContextManager[object]: ...
+
+
+class NoLock:
+    """For single-threaded drivers (the simulator, tests): nothing to exclude."""
+
+    def urgent(self) -> AbstractContextManager[object]:
+        return nullcontext()
+
+
 class ExchangeEngine:
     """References, fragments and codecs of one node, around its :class:`AsyncGaslocState`."""
 
     def __init__(self, state: AsyncGaslocState, theta0: torch.Tensor,
-                 fragments: Sequence[Fragment], lock: TrainingLock,
+                 fragments: Sequence[Fragment], lock: UrgentLock,
                  reference_capacity: int) -> None:
         """theta0: ``[numel]`` float32 initial parameters, the same on every node of the run."""
         self.state = state

@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterable, Sequence
 import grpc
 
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig
-from gasloc_p2p.node.discovery import PeerInfo
-from gasloc_p2p.node.exchange import Exchanger, Outcome
-from gasloc_p2p.node.service import PeerChannels
-from gasloc_p2p.node.stats import TrainStats
-from gasloc_p2p.node.wire import BUSY, INTERNAL, ExchangeError
+from gasloc_p2p.node.discovery.base import PeerInfo
+from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.transport.exchange import Exchanger, Outcome
+from gasloc_p2p.node.transport.service import PeerChannels
+from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
 
 log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gasloc_p2p.node.procs import Child
+from gasloc_p2p.tools.procs import Child
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = "install it with: apt-get install -y prometheus (Debian/Ubuntu)"

@@ -1,0 +1,1 @@
+"""Peer discovery: the seam (base) and the hivemind DHT implementation (dht)."""

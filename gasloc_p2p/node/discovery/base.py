@@ -1,0 +1,153 @@
+"""Peer discovery: a small seam with an in-memory implementation and a hivemind DHT one.
+
+Each node announces a :class:`PeerInfo` under the run-scoped key ``gasloc/{run_id}/peers`` with
+its peer id as subkey and an expiration (TTL) that the node refreshes periodically; listing
+reads the whole key (``latest=True``). hivemind's DHT runs in a child process and its calls
+block on a pipe, so :class:`HivemindDiscovery` makes every call from a worker thread with a
+bounded wait: the event loop never blocks on the DHT.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def run_key(run_id: str) -> str:
+    return f"gasloc/{run_id}/peers"
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a node announces. ``endpoint`` is its gRPC ``host:port``."""
+
+    peer_id: str
+    endpoint: str
+    protocol_version: int
+    fingerprint: str
+    step: int = 0
+    tokens_per_s: float = 0.0
+    reachable: bool = True
+    codecs: tuple[str, ...] = field(default_factory=tuple)
+    algorithm: str = "gasloc"  # --algorithm: gasloc and diloco nodes never train together
+
+    def to_value(self) -> dict[str, Any]:
+        """The DHT value (msgpack-friendly; the peer id is the subkey)."""
+        value = asdict(self)
+        del value["peer_id"]
+        value["codecs"] = list(self.codecs)
+        return value
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> PeerInfo | None:
+        """Parse an announcement; None if it is malformed (another program, older format)."""
+        try:
+            return cls(peer_id=str(peer_id), endpoint=str(value["endpoint"]),
+                       protocol_version=int(value["protocol_version"]),
+                       fingerprint=str(value["fingerprint"]), step=int(value["step"]),
+                       tokens_per_s=float(value["tokens_per_s"]),
+                       reachable=bool(value["reachable"]),
+                       codecs=tuple(str(c) for c in value["codecs"]),
+                       algorithm=str(value.get("algorithm", "gasloc")))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+class Discovery(abc.ABC):
+    """Where nodes of one run find each other. ``stop`` is safe to call twice."""
+
+    peer_id: str
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def announce(self, info: PeerInfo, ttl_s: float) -> None:
+        """Publish (or refresh) this node's entry; it expires after ``ttl_s`` seconds."""
+
+    @abc.abstractmethod
+    async def peers(self) -> list[PeerInfo]:
+        """Every live entry of the run, this node's own included."""
+
+    @abc.abstractmethod
+    async def visible_addrs(self) -> list[str]:
+        """Addresses other nodes can bootstrap from (multiaddrs for the DHT)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+
+class CompatibilityFilter:
+    """Keeps peers this node can exchange with; logs each incompatible peer once."""
+
+    def __init__(self, protocol_version: int, fingerprint: str, self_id: str,
+                 algorithm: str = "gasloc") -> None:
+        self.protocol_version = protocol_version
+        self.fingerprint = fingerprint
+        self.self_id = self_id
+        self.algorithm = algorithm
+        self._logged: set[str] = set()
+
+    def __call__(self, peers: Sequence[PeerInfo]) -> list[PeerInfo]:
+        out = []
+        for p in peers:
+            if p.peer_id == self.self_id:
+                continue
+            why = self.incompatibility(p)
+            if why is None:
+                out.append(p)
+            elif p.peer_id not in self._logged:
+                self._logged.add(p.peer_id)
+                log.warning("ignoring peer %s at %s: %s", p.peer_id, p.endpoint, why)
+        return out
+
+    def incompatibility(self, p: PeerInfo) -> str | None:
+        if p.protocol_version != self.protocol_version:
+            return (f"it speaks protocol {p.protocol_version}, this node "
+                    f"{self.protocol_version} (upgrade the older one)")
+        if p.fingerprint != self.fingerprint:
+            return (f"its model fingerprint {p.fingerprint[:12]} differs from "
+                    f"{self.fingerprint[:12]} (same --seed and model flags needed)")
+        if p.algorithm != self.algorithm:
+            return (f"it runs --algorithm {p.algorithm}, this node {self.algorithm} (use the "
+                    "same algorithm, or another --run-id to run both side by side)")
+        return None
+
+
+class InMemoryRegistry:
+    """A process-local stand-in for the DHT, shared by :class:`InMemoryDiscovery` objects."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, dict[str, tuple[PeerInfo, float]]] = {}
+
+
+class InMemoryDiscovery(Discovery):
+    """Discovery through an :class:`InMemoryRegistry` (tests, single-process swarms)."""
+
+    def __init__(self, registry: InMemoryRegistry, run_id: str, peer_id: str) -> None:
+        self.registry = registry
+        self.key = run_key(run_id)
+        self.peer_id = peer_id
+
+    async def start(self) -> None:
+        self.registry.entries.setdefault(self.key, {})
+
+    async def announce(self, info: PeerInfo, ttl_s: float) -> None:
+        self.registry.entries[self.key][info.peer_id] = (info, time.monotonic() + ttl_s)
+
+    async def peers(self) -> list[PeerInfo]:
+        now = time.monotonic()
+        return [info for info, exp in self.registry.entries.get(self.key, {}).values()
+                if exp > now]
+
+    async def visible_addrs(self) -> list[str]:
+        return [f"/memory/{self.peer_id}"]
+
+    async def stop(self) -> None:
+        self.registry.entries.get(self.key, {}).pop(self.peer_id, None)

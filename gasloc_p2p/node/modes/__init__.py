@@ -1,0 +1,1 @@
+"""Outer algorithms as node modes: GASLoC gossip and the DiLoCo all-reduce."""

@@ -1,0 +1,1 @@
+"""Prometheus metrics served from each node's own registry."""

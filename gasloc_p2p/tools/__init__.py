@@ -1,0 +1,1 @@
+"""Developer tooling the daemon never imports: local swarms, Prometheus, dashboard, processes."""
