@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gasloc_p2p.node import checkpoint as ckpt
+from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.discovery.base import (
     CompatibilityFilter,
