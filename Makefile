@@ -1,30 +1,34 @@
 # gasloc_p2p developer commands. `make swarm` and `make test` are the README's quick start.
+# Each step prints one summary line with its wall time; setup's pip output goes to .venv/setup.log.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
+STEP := bash scripts/step.sh
+PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-sim bench-node bench-diloco reproduce proto clean
+.PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
+	bench-node bench-diloco reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
-	touch $@
+	@$(STEP) "setup: venv" --log $(VENV)/setup.log -- $(PYTHON) -m venv $(VENV)
+	@$(STEP) "setup: pip" --log $(VENV)/setup.log -- $(PIP) --upgrade pip
+	@$(STEP) "setup: $(TORCH_PIN)" --log $(VENV)/setup-torch.log -- $(PIP) $(TORCH_PIN)
+	@$(STEP) "setup: gasloc_p2p[dev]" --log $(VENV)/setup-project.log -- $(PIP) -e '.[dev]'
+	@touch $@
 
 setup: $(VENV)/.installed
 
 lint: setup
-	$(PY) -m ruff check gasloc_p2p tests benchmarks
-	$(PY) proto/generate.py --check
+	@$(STEP) "lint: ruff" -- $(PY) -m ruff check -q gasloc_p2p tests benchmarks
+	@$(STEP) "lint: generated protobuf code is current" -- $(PY) proto/generate.py --check
 
 typecheck: setup
-	$(PY) -m mypy gasloc_p2p
+	@$(STEP) "typecheck: mypy" -- $(PY) -m mypy gasloc_p2p
 
 unit: setup
-	$(PY) -m pytest -q
+	@$(STEP) "unit: pytest" -- $(PY) -m pytest -q
 
 test: lint typecheck unit
 
@@ -34,25 +38,28 @@ swarm: setup
 sim: setup
 	$(VENV)/bin/gasloc-node sim --workers 4 --steps 200 --algorithms gasloc,diloco --out runs/sim
 
+proto: setup
+	$(PY) proto/generate.py
+
 bench-core: setup
 	$(PY) benchmarks/bench_core.py
 
-proto: setup
-	$(PY) proto/generate.py
+bench-codecs: setup
+	$(PY) benchmarks/bench_codecs.py
+
+bench-sim: setup
+	$(PY) benchmarks/bench_sim.py
 
 bench-node: setup
 	$(PY) benchmarks/bench_node.py
 
-bench-swarm: setup
-	$(VENV)/bin/gasloc-node swarm --nodes 3
+bench-diloco: setup
+	$(PY) benchmarks/bench_diloco.py
 
-sim: setup
-	$(PY) benchmarks/bench_sim.py
+bench: bench-core bench-codecs bench-sim bench-node bench-diloco
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py
-
-bench: bench-core bench-sim bench-node
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
