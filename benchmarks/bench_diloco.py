@@ -16,67 +16,26 @@ Timings on shared 2-core machines vary by about 30% run to run.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gasloc_p2p.node.config import NodeConfig  # noqa: E402
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc  # noqa: E402
+from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
+
+DILOCO_FLAGS = ["--algorithm", "diloco", "--host", "127.0.0.1", "--torch-threads", "1",
+                "--log-interval-s", "30"]
 
 
-class Proc:
-    """One `gasloc-node join --algorithm diloco` child in its own session, logs in files."""
-
-    def __init__(self, name: str, tmp: Path, args: list[str]) -> None:
-        self.err, self.out = tmp / f"{name}.err", tmp / f"{name}.out"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="ERROR")
-        with self.err.open("w") as err, self.out.open("w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gasloc_p2p.cli", "--log-level", "INFO", "join",
-                 "--algorithm", "diloco", "--host", "127.0.0.1", "--torch-threads", "1",
-                 "--log-interval-s", "30", *args],
-                stdout=out, stderr=err, env=env, start_new_session=True)
-        self.endpoint = ""
-
-    def wait(self, pattern: str, stdout: bool, timeout_s: float = 180) -> str:
-        path = self.out if stdout else self.err
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            found = re.search(pattern, path.read_text())
-            if found:
-                return found.group(1)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"node exited: {self.err.read_text()[-2000:]}")
-            time.sleep(0.2)
-        raise TimeoutError(pattern)
-
-    def info(self) -> pb.InfoReply:
-        with grpc.insecure_channel(self.endpoint) as channel:
-            reply: pb.InfoReply = pb_grpc.GossipStub(channel).Info(pb.InfoRequest(), timeout=5)
-            return reply
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+def start_node(name: str, tmp: Path, flags: list[str]) -> NodeChild:
+    return NodeChild(name, tmp, [*DILOCO_FLAGS, *flags], env={"HIVEMIND_LOGLEVEL": "ERROR"})
 
 
-def wait_rounds(nodes: list[Proc], at_least: list[int], timeout_s: float) -> list[pb.InfoReply]:
+def wait_rounds(nodes: list[NodeChild], at_least: list[int], timeout_s: float) -> list[pb.InfoReply]:
     deadline = time.monotonic() + timeout_s
     while True:
         infos = [n.info() for n in nodes]
@@ -102,15 +61,15 @@ def main() -> None:
              "--inner-steps", str(args.inner_steps), *args.extra]
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        nodes = [Proc("n0", tmp, flags)]
+        nodes = [start_node("n0", tmp, flags)]
         try:
-            peers = nodes[0].wait(r"--peers (.+)", stdout=True).split()
-            nodes += [Proc(f"n{i}", tmp, [*flags, "--peers", *peers])
+            peers = nodes[0].join_peers(180)
+            nodes += [start_node(f"n{i}", tmp, [*flags, "--peers", *peers])
                       for i in range(1, args.nodes)]
             numel = 0
             for n in nodes:
-                n.endpoint = n.wait(r"up: gRPC (\S+),", stdout=False)
-                numel = int(n.wait(r"model (\d+) params", stdout=False))
+                n.wait_up(180)
+                numel = int(n.wait_for(r"model (\d+) params", 10, stdout=False).group(1))
             first = wait_rounds(nodes, [2] * len(nodes), args.timeout_s)
             t0 = time.monotonic()
             last = wait_rounds(nodes, [i.averaging_rounds_ok + args.rounds for i in first],
@@ -118,7 +77,7 @@ def main() -> None:
             t1 = time.monotonic()
         finally:
             for n in nodes:
-                n.stop()
+                n.stop(30)
     print(f"DiLoCo averaging on loopback: {len(nodes)} nodes, {numel:,} parameters "
           f"({numel * 4 / 1e6:.2f} MB fp32 outer gradient, --diloco-codec {args.codec}), "
           f"H = {args.inner_steps}, torch threads 1 per node {' '.join(args.extra)}")
@@ -129,7 +88,7 @@ def main() -> None:
                   - a.averaging_rounds_ok - a.averaging_rounds_failed)
         avg_s = (b.total_averaging_s - a.total_averaging_s) / max(1, waited)
         round_s = (t1 - t0) / max(1, b.outer_epoch - a.outer_epoch)
-        print(f"{n.out.stem:<5} {b.averaging_rounds_ok - a.averaging_rounds_ok:>9} "
+        print(f"{n.name:<5} {b.averaging_rounds_ok - a.averaging_rounds_ok:>9} "
               f"{b.averaging_rounds_failed - a.averaging_rounds_failed:>6} {avg_s:>17.3f} "
               f"{round_s:>8.2f} {round_s - avg_s:>13.2f} {b.last_group_size:>5}")
 

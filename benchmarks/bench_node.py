@@ -18,12 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing as mp
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +43,7 @@ from gasloc_p2p.protocol.messages import (
     MAX_CHUNK_BYTES,
     Identity,  # noqa: E402
 )
+from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
 
 CODECS = ("fp32", "fp16", "int8", "int4", "fp4")
 RAW_METHOD = "/bench.Raw/Stream"
@@ -169,52 +165,19 @@ async def bench(numel: int, repeats: int, endpoint: str) -> list[dict[str, Any]]
     return rows
 
 
-class NodeProcess:
-    """A `gasloc-node join` child; ``steps_per_s`` measures its training over a window."""
-
-    def __init__(self, name: str, tmp: Path, args: list[str]) -> None:
-        self.err = tmp / f"{name}.err"
-        self.out = tmp / f"{name}.out"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="ERROR")
-        with self.err.open("w") as err, self.out.open("w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gasloc_p2p.cli", "--log-level", "INFO", "join",
-                 "--host", "127.0.0.1", "--torch-threads", "1", "--no-init-from-swarm", *args],
-                stdout=out, stderr=err, env=env, start_new_session=True)
-
-    def wait_stdout(self, pattern: str, timeout_s: float = 120) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            found = re.search(pattern, self.out.read_text())
-            if found:
-                return found.group(1)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"node exited: {self.err.read_text()[-2000:]}")
-            time.sleep(0.2)
-        raise TimeoutError(pattern)
-
-    def info(self, endpoint: str) -> pb.InfoReply:
-        with grpc.insecure_channel(endpoint) as channel:
-            reply: pb.InfoReply = pb_grpc.GossipStub(channel).Info(pb.InfoRequest(), timeout=5)
-            return reply
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+def start_node(name: str, tmp: Path, flags: list[str]) -> NodeChild:
+    return NodeChild(name, tmp, ["--host", "127.0.0.1", "--torch-threads", "1",
+                                 "--no-init-from-swarm", *flags],
+                     env={"HIVEMIND_LOGLEVEL": "ERROR"})
 
 
-def steps_per_s(node: NodeProcess, endpoint: str, window_s: float) -> tuple[float, int]:
+def steps_per_s(node: NodeChild, window_s: float) -> tuple[float, int]:
     """Inner steps per second over ``window_s`` after a warm-up; also the exchanges done."""
-    while node.info(endpoint).step < 20:  # past start-up and the first evaluation
+    while node.info().step < 20:  # past start-up and the first evaluation
         time.sleep(0.5)
-    first, t0 = node.info(endpoint), time.monotonic()
+    first, t0 = node.info(), time.monotonic()
     time.sleep(window_s)
-    last, t1 = node.info(endpoint), time.monotonic()
+    last, t1 = node.info(), time.monotonic()
     return (last.step - first.step) / (t1 - t0), _exchanges(last) - _exchanges(first)
 
 
@@ -227,39 +190,28 @@ def training_ratio(window_s: float, data: str) -> None:
     flags = ["--data", data] if data else []
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        alone = NodeProcess("alone", tmp, flags)
+        alone = start_node("alone", tmp, flags)
         try:
-            endpoint = _endpoint(alone)
-            solo, _ = steps_per_s(alone, endpoint, window_s)
+            alone.wait_up(120)
+            solo, _ = steps_per_s(alone, window_s)
         finally:
-            alone.stop()
-        a = NodeProcess("a", tmp, flags)
+            alone.stop(30)
+        a = start_node("a", tmp, flags)
         b = None
         try:
-            peers = a.wait_stdout(r"--peers (.+)").split()
-            b = NodeProcess("b", tmp, [*flags, "--peers", *peers])
-            endpoint = _endpoint(a)
-            while _exchanges(a.info(endpoint)) < 1:  # measure once gossip is under way
+            peers = a.join_peers(120)
+            b = start_node("b", tmp, [*flags, "--peers", *peers])
+            a.wait_up(120)
+            while _exchanges(a.info()) < 1:  # measure once gossip is under way
                 time.sleep(0.5)
-            pair, exchanges = steps_per_s(a, endpoint, window_s)
+            pair, exchanges = steps_per_s(a, window_s)
         finally:
-            a.stop()
+            a.stop(30)
             if b is not None:
-                b.stop()
+                b.stop(30)
     print(f"training throughput, default model, torch threads 1, {window_s:g} s windows: alone "
           f"{solo:.2f} steps/s, in a 2-node swarm {pair:.2f} steps/s ({exchanges} exchanges in "
           f"the window): ratio {pair / solo:.2f} (target >= 0.9)")
-
-
-def _endpoint(node: NodeProcess) -> str:
-    """The node's gRPC endpoint from its start-up log line on stderr."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        found = re.search(r"up: gRPC (\S+),", node.err.read_text())
-        if found:
-            return found.group(1)
-        time.sleep(0.2)
-    raise TimeoutError("node did not come up")
 
 
 def main() -> None:

@@ -9,11 +9,36 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gasloc_p2p.tools.nodes import NodeChild
 from gasloc_p2p.tools.swarm import Swarm, SwarmConfig
+from tests.daemon_helpers import write_corpus
 from tests.node_helpers import scaled
-from tests.test_node_daemon import write_corpus
 
 T = TypeVar("T")
+
+
+# Flags of the fast test nodes started as processes (torch threads 1, 2 layers, width 64).
+PROCESS_NODE_ARGS = (
+    "--host", "127.0.0.1", "--n-layer", "2", "--n-embd", "64", "--seq-len", "64",
+    "--batch-size", "8", "--inner-steps", "20", "--torch-threads", "1", "--warmup-steps", "20",
+    "--eval-interval-steps", "50", "--eval-batches", "2", "--exchanges-per-round", "1",
+    "--announce-interval-s", "1", "--announce-ttl-s", "4", "--refresh-interval-s", "1",
+    "--log-interval-s", "5", "--backoff-s", "3", "--no-init-from-swarm")
+
+
+class NodeProc(NodeChild):
+    """A `gasloc-node join` test process: :data:`PROCESS_NODE_ARGS` then ``flags``; every
+    wait is scaled by GASLOC_TEST_TIMEOUT_SCALE."""
+
+    def __init__(self, name: str, tmp: Path, flags: list[str],
+                 base: tuple[str, ...] = PROCESS_NODE_ARGS) -> None:
+        super().__init__(name, tmp, [*base, *flags])
+
+    def join_hint(self, timeout_s: float = 60) -> str:
+        return super().join_hint(scaled(timeout_s))
+
+    def wait_up(self, timeout_s: float = 60) -> str:
+        return super().wait_up(scaled(timeout_s))
 
 
 def tiny_node_args(corpus: Path) -> tuple[str, ...]:

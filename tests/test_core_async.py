@@ -60,7 +60,7 @@ def test_exchanges_at_round_ends_equal_sync_mixed():
 
 @pytest.mark.parametrize("momentum", ["mixed", "local"])
 def test_allreduce_equals_diloco_on_every_worker(momentum):
-    from tests.test_core_gasloc import GAMMA, run_diloco
+    GAMMA, run_diloco = toy.GAMMA, toy.run_diloco
 
     n, rounds, H = 4, 10, 5
     ref = run_diloco(n, rounds, H)

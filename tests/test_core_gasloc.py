@@ -12,24 +12,8 @@ from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc, mix, mix_pair_
 from gasloc_p2p.core.topology import complete_edges, mixing_matrix, random_matching, ring_edges
 from tests import toy
 
-ETA, GAMMA = 0.7, 0.6
-
-
-def run_diloco(n: int, rounds: int, H: int, seed: int = 0) -> list[torch.Tensor]:
-    """Reference DiLoCo with torch's own Nesterov SGD; returns the global params per round."""
-    thetas, ws = toy.workers(n, seed)
-    global_p = torch.nn.Parameter(toy.theta0(seed).clone())
-    outer = torch.optim.SGD([global_p], lr=ETA, momentum=GAMMA, nesterov=True)
-    history = []
-    for _ in range(rounds):
-        for w in ws:
-            w.flat.buffer.copy_(global_p.detach())
-            w.inner(H)
-        outer.zero_grad()
-        global_p.grad = global_p.detach() - thetas.mean(dim=0)
-        outer.step()
-        history.append(global_p.detach().clone())
-    return history
+ETA, GAMMA = toy.ETA, toy.GAMMA
+run_diloco = toy.run_diloco
 
 
 def run_gasloc(n: int, rounds: int, H: int, variant: str, seed: int = 0) -> list[torch.Tensor]:

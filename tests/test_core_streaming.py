@@ -7,7 +7,8 @@ import torch
 from gasloc_p2p.core.flat import Fragment, whole
 from gasloc_p2p.core.streaming import StreamingConfig, StreamingDiloco
 from tests import toy
-from tests.test_core_gasloc import ETA, GAMMA, run_diloco
+
+ETA, GAMMA, run_diloco = toy.ETA, toy.GAMMA, toy.run_diloco
 
 
 def test_one_fragment_no_overlap_alpha0_equals_diloco():

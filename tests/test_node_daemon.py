@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import errno
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.discovery.base import (
     CompatibilityFilter,
     InMemoryDiscovery,
@@ -20,39 +17,9 @@ from gasloc_p2p.node.discovery.base import (
 )
 from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.daemon import Node
-from gasloc_p2p.node.settings import build_config
 from gasloc_p2p.node.transport.service import download_state, fetch_info
+from tests.daemon_helpers import tiny_config
 from tests.node_helpers import run, scaled, wait_until
-
-STDLIB_TEXTS = ("argparse", "ast", "typing", "inspect", "textwrap")
-
-
-def write_corpus(directory: Path) -> Path:
-    """A small real-text corpus: a few standard-library modules' source (about 400 kB)."""
-    import importlib
-
-    directory.mkdir(parents=True, exist_ok=True)
-    for name in STDLIB_TEXTS:
-        src = Path(importlib.import_module(name).__file__ or "")
-        (directory / f"{name}.txt").write_text(src.read_text())
-    return directory
-
-
-def tiny_config(corpus: Path, **flags: object) -> NodeConfig:
-    """A small fast node: 2 layers, width 64, loopback, short intervals."""
-    base = {"data": str(corpus), "n_layer": 2, "n_embd": 64, "seq_len": 64, "batch_size": 8,
-            "inner_steps": 10, "eval_interval_steps": 50, "eval_batches": 2, "host": "127.0.0.1",
-            "announce_interval_s": 0.5, "announce_ttl_s": 3.0, "refresh_interval_s": 0.3,
-            "log_interval_s": 1.0, "header_timeout_s": scaled(5), "chunk_timeout_s": scaled(5),
-            "commit_timeout_s": scaled(5), "exchange_timeout_s": scaled(20),
-            "warmup_steps": 10}
-    base.update(flags)
-    return build_config(argparse.Namespace(**base), environ={})
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_two_nodes_gossip_serve_info_and_state(corpus, tmp_path):

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from google.protobuf.json_format import MessageToDict
@@ -43,12 +42,9 @@ from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.settings import add_config_flags, build_config
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
-from gasloc_p2p.protocol.messages import PROTOCOL_VERSION
+from tests.daemon_helpers import tiny_config, write_corpus
 from tests.node_helpers import run, scaled, wait_until
-from tests.test_node_daemon import tiny_config, write_corpus
-from tests.test_node_swarm import NodeProc, wait_for
+from tests.swarm_helpers import NodeProc, wait_for
 
 NUMEL = 1000
 ETA, GAMMA = 0.7, 0.9
@@ -226,11 +222,6 @@ def test_in_memory_averaging_result_shapes():
 
 
 # ------------------------------------------------------------------ nodes in one process
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
-
-
 def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, capsys):
     async def main():
         reg, hub = InMemoryRegistry(), InMemoryAveragingHub(matchmaking_time_s=scaled(2))
@@ -282,17 +273,9 @@ DILOCO = ["--algorithm", "diloco", "--n-layer", "1", "--n-embd", "32", "--seq-le
 class DilocoProc(NodeProc):
     def state(self, run_id: str) -> tuple[int, torch.Tensor]:
         """(epoch, anchor) from DownloadState."""
-        request = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id,
-                                  model_fingerprint=self.info().model_fingerprint)
-        body, numel, epoch = bytearray(), 0, -1
-        with grpc.insecure_channel(self.endpoint) as channel:
-            for msg in pb_grpc.GossipStub(channel).DownloadState(request, timeout=20):
-                if msg.WhichOneof("kind") == "meta":
-                    numel, epoch = msg.meta.numel, msg.meta.rounds
-                    assert msg.meta.momentum == "diloco"
-                else:
-                    body += msg.data
-        return epoch, torch.frombuffer(body, dtype=torch.float32)[:numel].clone()
+        meta, anchor = self.download_state(run_id)
+        assert meta.momentum == "diloco", meta
+        return meta.rounds, anchor
 
 
 def anchors_agree(nodes: list[DilocoProc]) -> list[float] | None:
@@ -313,7 +296,7 @@ def test_three_diloco_processes_average_through_hivemind(tmp_path: Path):
     try:
         seed = DilocoProc("d0", tmp_path, [*data, *DILOCO])
         nodes.append(seed)
-        hint = seed.wait_log(r"(gasloc-node join .+)", 60, stdout=True).group(1)
+        hint = seed.join_hint()
         assert "--algorithm diloco" in hint
         maddrs = hint.split("--peers ")[1].split()
         nodes += [DilocoProc(f"d{i}", tmp_path, [*data, *DILOCO, "--peers", *maddrs])
@@ -340,13 +323,13 @@ def test_three_diloco_processes_average_through_hivemind(tmp_path: Path):
                   f"{info.total_averaging_s / max(1, waited):.3f} s/round")
         # the joiners started from theta_0 (--no-init-from-swarm) while d0 trained alone
         assert sum(i.resyncs for i in infos) >= 1
-        nodes[1].wait_log(r"\| diloco epoch \d+: rounds ok \d+ failed \d+ solo \d+ \| group "
-                          r"\d, averaging last [\d.]+ s", 15)  # the progress line
+        nodes[1].wait_for(r"\| diloco epoch \d+: rounds ok \d+ failed \d+ solo \d+ \| group "
+                          r"\d, averaging last [\d.]+ s", scaled(15), stdout=False)  # progress
         for node in nodes:
             node.proc.send_signal(signal.SIGTERM)
         for node in nodes:
             assert node.proc.wait(timeout=scaled(30)) == 0, node.err.read_text()[-3000:]
-            wait_for(lambda n=node: not n.alive_in_group(), 15, f"{node.name}'s children")
+            wait_for(lambda n=node: not n.group_alive(), 15, f"{node.name}'s children")
     finally:
         for node in nodes:
-            node.kill_group()
+            node.kill()

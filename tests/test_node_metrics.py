@@ -22,8 +22,8 @@ from gasloc_p2p.node.observability.metrics import OUTCOMES, NodeCollector, NodeM
 from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.settings import build_config
+from tests.daemon_helpers import tiny_config, write_corpus
 from tests.node_helpers import make_peer, run, wait_until
-from tests.test_node_daemon import tiny_config, write_corpus
 
 DOCUMENTED = {
     "gasloc_train_steps", "gasloc_tokens", "gasloc_rounds", "gasloc_train_loss",

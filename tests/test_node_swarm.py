@@ -11,106 +11,15 @@ Runs in the default suite (about 60 s). Every wait is scaled by GASLOC_TEST_TIME
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
-import grpc
-import torch
-
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
-from gasloc_p2p.protocol.messages import PROTOCOL_VERSION
+from tests.daemon_helpers import write_corpus
 from tests.node_helpers import scaled
-from tests.test_node_daemon import write_corpus
-
-COMMON = ["--host", "127.0.0.1", "--n-layer", "2", "--n-embd", "64", "--seq-len", "64",
-          "--batch-size", "8", "--inner-steps", "20", "--torch-threads", "1",
-          "--warmup-steps", "20", "--eval-interval-steps", "50", "--eval-batches", "2",
-          "--exchanges-per-round", "1", "--announce-interval-s", "1", "--announce-ttl-s", "4",
-          "--refresh-interval-s", "1", "--log-interval-s", "5", "--backoff-s", "3",
-          "--no-init-from-swarm"]
-
-
-class NodeProc:
-    """One `gasloc-node join` child in its own session (process group), logs in files."""
-
-    def __init__(self, name: str, tmp: Path, args: list[str]) -> None:
-        self.name = name
-        self.out, self.err = tmp / f"{name}.out", tmp / f"{name}.err"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="WARNING")
-        with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gasloc_p2p.cli", "--log-level", "INFO", "join",
-                 *COMMON, *args], stdout=out, stderr=err, env=env, start_new_session=True)
-        self.pgid = self.proc.pid
-        self.endpoint = ""
-
-    def wait_log(self, pattern: str, timeout_s: float, stdout: bool = False) -> re.Match[str]:
-        deadline = time.monotonic() + scaled(timeout_s)
-        path = self.out if stdout else self.err
-        while time.monotonic() < deadline:
-            found = re.search(pattern, path.read_text())
-            if found:
-                return found
-            assert self.proc.poll() is None, f"{self.name} exited:\n{self.err.read_text()[-3000:]}"
-            time.sleep(0.2)
-        raise AssertionError(f"{self.name}: no {pattern!r} in {timeout_s} s:\n"
-                             f"{path.read_text()[-3000:]}")
-
-    def wait_up(self, timeout_s: float = 60) -> None:
-        self.endpoint = self.wait_log(r"up: gRPC (\S+),", timeout_s).group(1)
-
-    def info(self) -> pb.InfoReply:
-        with grpc.insecure_channel(self.endpoint) as channel:
-            reply: pb.InfoReply = pb_grpc.GossipStub(channel).Info(pb.InfoRequest(), timeout=5)
-            return reply
-
-    def public_iterate(self, run_id: str) -> torch.Tensor:
-        request = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id,
-                                  model_fingerprint=self.info().model_fingerprint)
-        body, numel = bytearray(), 0
-        with grpc.insecure_channel(self.endpoint) as channel:
-            for msg in pb_grpc.GossipStub(channel).DownloadState(request, timeout=20):
-                if msg.WhichOneof("kind") == "meta":
-                    numel = msg.meta.numel
-                else:
-                    assert msg.WhichOneof("kind") == "data", msg
-                    body += msg.data
-        return torch.frombuffer(body, dtype=torch.float32)[:numel].clone()
-
-    def alive_in_group(self) -> list[str]:
-        """Live (non-zombie) processes of this node's process group: itself, DHT, p2pd."""
-        alive = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == self.pgid and fields[0] != "Z":
-                alive.append(stat.parent.name)
-        return alive
-
-    def kill_group(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pgid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-
-def wait_for(predicate, timeout_s: float, what: str, period_s: float = 0.5):
-    deadline = time.monotonic() + scaled(timeout_s)
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(period_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+from tests.swarm_helpers import NodeProc, wait_for
 
 
 def test_swarm_of_processes(tmp_path):
@@ -123,7 +32,7 @@ def test_swarm_of_processes(tmp_path):
                                                   "--exchanges-per-round", "0"])
                     for i in range(2)]
         nodes += [seed, *controls]
-        hint = seed.wait_log(r"(gasloc-node join .+)", 60, stdout=True).group(1)
+        hint = seed.join_hint()
         assert "--n-layer 2 --n-embd 64 --seq-len 64 --peers /ip4/127.0.0.1/tcp/" in hint
         maddrs = hint.split("--peers ")[1].split()
         gossip = [seed] + [NodeProc(f"g{i}", tmp_path, [*data, "--peers", *maddrs])
@@ -145,7 +54,7 @@ def test_swarm_of_processes(tmp_path):
         counts = [g.info() for g in survivors]
         os.kill(victim.proc.pid, signal.SIGKILL)  # the node only: its DHT watchdog reaps p2pd
         victim.proc.wait(timeout=10)
-        wait_for(lambda: not victim.alive_in_group(), 15, "the killed node's DHT and p2pd")
+        wait_for(lambda: not victim.group_alive(), 15, "the killed node's DHT and p2pd")
 
         def progressed() -> bool:
             now = [g.info() for g in survivors]
@@ -166,7 +75,7 @@ def test_swarm_of_processes(tmp_path):
         assert {survivors[0].info().peer_id, survivors[1].info().peer_id} <= listed
         assert report["info"]["run_id"] == "gasloc"
 
-        params = {n.name: n.public_iterate(run) for n, run in
+        params = {n.name: n.download_state(run)[1] for n, run in
                   [(survivors[0], "gasloc"), (survivors[1], "gasloc"),
                    (controls[0], "control0"), (controls[1], "control1")]}
         gossip_dist = float((params["g0"] - params["g1"]).pow(2).sum())
@@ -180,10 +89,10 @@ def test_swarm_of_processes(tmp_path):
             assert info.val_loss < info.first_val_loss - 0.5, (node.name, info)
         for node in [*survivors, controls[0]]:
             node.proc.send_signal(signal.SIGTERM)
-        os.killpg(controls[1].pgid, signal.SIGTERM)  # as `timeout` or systemd would: all of it
+        os.killpg(controls[1].pid, signal.SIGTERM)  # as `timeout` or systemd would: all of it
         for node in [*survivors, *controls]:
             assert node.proc.wait(timeout=scaled(30)) == 0, node.err.read_text()[-3000:]
-            wait_for(lambda n=node: not n.alive_in_group(), 15, f"{node.name}'s children")
+            wait_for(lambda n=node: not n.group_alive(), 15, f"{node.name}'s children")
     finally:
         for node in nodes:
-            node.kill_group()
+            node.kill()

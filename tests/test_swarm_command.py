@@ -16,9 +16,9 @@ import pytest
 from gasloc_p2p.cli import build_parser
 from gasloc_p2p.tools.cli_swarm import _config
 from gasloc_p2p.tools.procs import session_members
+from tests.daemon_helpers import write_corpus
 from tests.node_helpers import scaled
 from tests.swarm_helpers import tiny_node_args, wait_for
-from tests.test_node_daemon import write_corpus
 
 PROGRESS = r"node{i}\s+step\s+(\d+)\s+val loss\s+\S+\s+tok/s\s+\S+\s+exchanges ok\s+(\d+)"
 

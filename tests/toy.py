@@ -54,3 +54,23 @@ def workers(n: int, seed: int = 0, sgd_lr: float | None = None) -> tuple[torch.T
     for w in ws:
         w.flat.buffer.copy_(theta0(seed))
     return thetas, ws
+
+
+ETA, GAMMA = 0.7, 0.6  # outer step of the reference runs
+
+
+def run_diloco(n: int, rounds: int, H: int, seed: int = 0) -> list[torch.Tensor]:
+    """Reference DiLoCo with torch's own Nesterov SGD; returns the global params per round."""
+    thetas, ws = workers(n, seed)
+    global_p = torch.nn.Parameter(theta0(seed).clone())
+    outer = torch.optim.SGD([global_p], lr=ETA, momentum=GAMMA, nesterov=True)
+    history = []
+    for _ in range(rounds):
+        for w in ws:
+            w.flat.buffer.copy_(global_p.detach())
+            w.inner(H)
+        outer.zero_grad()
+        global_p.grad = global_p.detach() - thetas.mean(dim=0)
+        outer.step()
+        history.append(global_p.detach().clone())
+    return history

@@ -28,7 +28,7 @@ from typing import TextIO
 from prometheus_client.parser import text_string_to_metric_families
 
 from gasloc_p2p.tools.dashboard import DashboardServer
-from gasloc_p2p.tools.procs import Child
+from gasloc_p2p.tools.nodes import JOIN_HINT, METRICS_LINE, NodeChild
 from gasloc_p2p.tools.prometheus import INSTALL_HINT, LocalPrometheus, find_prometheus
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,6 @@ DEFAULT_NODE_ARGS: tuple[str, ...] = (
     "--announce-interval-s", "2", "--announce-ttl-s", "8", "--refresh-interval-s", "2",
     "--log-interval-s", "10",
 )
-_JOIN_HINT = r"gasloc-node join .*--peers (.+)$"
-_METRICS_LINE = r"^metrics: (http://\S+)$"
 
 
 @dataclass(frozen=True)
@@ -144,7 +142,7 @@ class Swarm:
         self.cfg = cfg.validate()
         self.out = out or sys.stdout
         self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="gasloc-swarm-"))
-        self.nodes: list[Child] = []
+        self.nodes: list[NodeChild] = []
         self.metrics_urls: list[str] = []
         self.prometheus: LocalPrometheus | None = None
         self.dashboard: DashboardServer | None = None
@@ -164,13 +162,12 @@ class Swarm:
         self._say(f"swarm of {self.cfg.nodes} node(s); logs in {self.run_dir}")
         self._prefetch_data()
         first = self._launch(0, [])
-        peers = first.wait_for(_JOIN_HINT, self.cfg.start_timeout_s, cancel=cancel)
-        maddrs = peers.group(1).split()
+        maddrs = first.wait_for(JOIN_HINT, self.cfg.start_timeout_s, cancel=cancel).group(2).split()
         self._say(f"node0 started the swarm; the others join via {maddrs[0]}")
         for i in range(1, self.cfg.nodes):
             self._launch(i, ["--peers", *maddrs])
         for child in self.nodes:
-            found = child.wait_for(_METRICS_LINE, self.cfg.start_timeout_s, cancel=cancel)
+            found = child.wait_for(METRICS_LINE, self.cfg.start_timeout_s, cancel=cancel)
             self.metrics_urls.append(found.group(1))
         self._say("nodes up: " + ", ".join(f"{c.name} {u}" for c, u in
                                             zip(self.nodes, self.metrics_urls, strict=True)))
@@ -185,13 +182,10 @@ class Swarm:
 
         self._say(f"corpus: {ensure_shakespeare()}")
 
-    def _launch(self, index: int, extra: list[str]) -> Child:
-        argv = [sys.executable, "-m", "gasloc_p2p.cli", "--log-level", self.cfg.node_log_level,
-                "join",
-                *DEFAULT_NODE_ARGS, *self.cfg.node_args, *extra]
-        env = dict(os.environ, PYTHONUNBUFFERED="1",
-                   HIVEMIND_LOGLEVEL=os.environ.get("HIVEMIND_LOGLEVEL", "WARNING"))
-        child = Child(f"node{index}", argv, self.run_dir, env)
+    def _launch(self, index: int, extra: list[str]) -> NodeChild:
+        child = NodeChild(f"node{index}", self.run_dir,
+                          [*DEFAULT_NODE_ARGS, *self.cfg.node_args, *extra],
+                          log_level=self.cfg.node_log_level)
         self.nodes.append(child)
         return child
 

@@ -1,0 +1,92 @@
+"""A `gasloc-node join` child process: the one node wrapper of the swarm command, the tests and
+the benchmarks.
+
+It adds to :class:`Child` what every caller of a node process needs: the join hint a first
+node prints (the ``--peers`` multiaddrs for the others), the gRPC endpoint from the start-up
+line, the Info RPC and the state download.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from contextlib import suppress
+from pathlib import Path
+
+import grpc
+import torch
+
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from gasloc_p2p.protocol.messages import PROTOCOL_VERSION
+from gasloc_p2p.tools.procs import Child
+
+JOIN_HINT = r"^\s*(gasloc-node join .*--peers (.+))$"  # stdout of a node that can be joined
+UP_LINE = r"up: gRPC (\S+),"  # stderr (log) line once the node serves
+METRICS_LINE = r"^metrics: (http://\S+)$"  # stdout
+
+
+def join_argv(flags: Sequence[str], log_level: str = "INFO") -> list[str]:
+    return [sys.executable, "-m", "gasloc_p2p.cli", "--log-level", log_level, "join", *flags]
+
+
+def node_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a node child: unbuffered output, hivemind's own logs quiet."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               HIVEMIND_LOGLEVEL=os.environ.get("HIVEMIND_LOGLEVEL", "WARNING"))
+    env.update(extra or {})
+    return env
+
+
+class NodeChild(Child):
+    """``gasloc-node join FLAGS`` with logs in ``<log_dir>/<name>.out|.err``."""
+
+    def __init__(self, name: str, log_dir: Path, flags: Sequence[str], log_level: str = "INFO",
+                 env: Mapping[str, str] | None = None) -> None:
+        super().__init__(name, join_argv(flags, log_level), log_dir, node_env(env))
+        self.endpoint = ""
+
+    def join_peers(self, timeout_s: float) -> list[str]:
+        """The ``--peers`` multiaddrs this node prints for others to join it."""
+        return self.wait_for(JOIN_HINT, timeout_s).group(2).split()
+
+    def join_hint(self, timeout_s: float) -> str:
+        """The whole ``gasloc-node join ...`` line this node prints."""
+        return self.wait_for(JOIN_HINT, timeout_s).group(1)
+
+    def wait_up(self, timeout_s: float) -> str:
+        """Wait for the node to serve; returns (and keeps) its gRPC endpoint."""
+        self.endpoint = self.wait_for(UP_LINE, timeout_s, stdout=False).group(1)
+        return self.endpoint
+
+    def info(self, timeout_s: float = 5.0) -> pb.InfoReply:
+        with grpc.insecure_channel(self.endpoint) as channel:
+            reply: pb.InfoReply = pb_grpc.GossipStub(channel).Info(pb.InfoRequest(),
+                                                                   timeout=timeout_s)
+            return reply
+
+    def download_state(self, run_id: str, timeout_s: float = 20.0
+                       ) -> tuple[pb.StateMeta, torch.Tensor]:
+        """The node's published state: its metadata and parameters (float32, flat)."""
+        request = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id,
+                                  model_fingerprint=self.info().model_fingerprint)
+        body, meta = bytearray(), pb.StateMeta()
+        with grpc.insecure_channel(self.endpoint) as channel:
+            for msg in pb_grpc.GossipStub(channel).DownloadState(request, timeout=timeout_s):
+                kind = msg.WhichOneof("kind")
+                if kind == "meta":
+                    meta = msg.meta
+                elif kind == "data":
+                    body += msg.data
+                else:
+                    raise ValueError(f"{self.name}: unexpected state message {kind!r}")
+        return meta, torch.frombuffer(body, dtype=torch.float32)[:meta.numel].clone()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the node, its DHT process and p2pd) and reap."""
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with suppress(Exception):
+            self.proc.wait(timeout=10)

@@ -1,0 +1,13 @@
+"""Fixtures shared by the test modules (helpers live in tests/*_helpers.py and tests/toy.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.daemon_helpers import write_corpus
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small real-text corpus directory, written once per session."""
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
