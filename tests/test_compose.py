@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml  # PyYAML: a dependency of hivemind, so always installed with the project
 
-from gasloc_p2p.node.settings import options
+from gasloc_p2p.node.settings import env_name, options
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -93,7 +93,7 @@ def test_compose_services_make_a_scalable_swarm():
 
 
 def test_gasloc_variables_name_real_node_flags():
-    known = {opt.env for opt in options().values()}
+    known = {env_name(opt) for opt in options().values()}
     used = set(re.findall(r"\bGASLOC_[A-Z0-9_]+", COMPOSE.read_text()))
     used |= {k for k in dockerfile_env(DOCKER / "Dockerfile") if k.startswith("GASLOC_")}
     unknown = used - known - CONTAINER_ONLY_ENV

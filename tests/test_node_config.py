@@ -65,7 +65,7 @@ def test_bad_toml_is_reported(tmp_path, text, match):
     ({"GASLOC_CODEC": "int9"}, "--codec='int9': choose one of"),
     ({"GASLOC_PORT": "http"}, "environment GASLOC_PORT: --port: expected int"),
     ({"GASLOC_PEERS": "1.2.3.4:5"}, "each peer is a multiaddr"),
-    ({"GASLOC_GAMMA": "1.5"}, "gamma=1.5 out of range"),
+    ({"GASLOC_GAMMA": "1.5"}, "--gamma=1.5: the outer momentum needs"),
 ])
 def test_invalid_values_and_relations_name_the_flag(env, match):
     with pytest.raises(ConfigError, match=match):

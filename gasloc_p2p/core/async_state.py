@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.options import check_outer_step, need, opt
 
 MOMENTUM_FORMS = ("mixed", "local")
 STALENESS_POLICIES = ("drop", "downweight", "keep")
@@ -34,29 +35,21 @@ class AsyncConfig:
     momentum: "mixed" | "local"; staleness_policy and max_staleness: what to do with an exchange
     during which more than ``max_staleness`` round ends happened (on either side)."""
 
-    eta: float = 0.7
-    gamma: float = 0.5
-    w: float = 0.5
-    momentum: str = "mixed"
-    staleness_policy: str = "downweight"
-    max_staleness: int = 1
+    eta: float = opt(0.7, "outer learning rate")
+    gamma: float = opt(0.5, "outer momentum")
+    w: float = opt(0.5, "gossip weight (0.5 = exact pair average)")
+    momentum: str = opt("mixed", "momentum form", choices=MOMENTUM_FORMS)
+    staleness_policy: str = opt("downweight", "stale exchanges", choices=STALENESS_POLICIES)
+    max_staleness: int = opt(1, "round ends (both sides) an exchange may span at full weight")
 
     def validate(self) -> None:
-        if not 0.0 < self.eta <= 2.0:
-            raise ValueError(f"eta={self.eta} out of range: the outer learning rate needs (0, 2]")
-        if not 0.0 <= self.gamma < 1.0:
-            raise ValueError(f"gamma={self.gamma} out of range: momentum needs [0, 1)")
-        if not 0.0 < self.w <= 0.5:
-            raise ValueError(f"w={self.w} out of range: a pairwise gossip weight needs (0, 0.5]")
-        if self.momentum not in MOMENTUM_FORMS:
-            raise ValueError(f"unknown momentum {self.momentum!r}; choose one of {MOMENTUM_FORMS}")
-        if self.staleness_policy not in STALENESS_POLICIES:
-            raise ValueError(
-                f"unknown staleness policy {self.staleness_policy!r}; "
-                f"choose one of {STALENESS_POLICIES}"
-            )
-        if self.max_staleness < 0:
-            raise ValueError("max_staleness must be >= 0")
+        check_outer_step(self.eta, self.gamma)
+        need(0.0 < self.w <= 0.5, "w", self.w, "a pairwise gossip weight needs (0, 0.5]")
+        need(self.momentum in MOMENTUM_FORMS, "momentum", self.momentum,
+             f"choose one of {MOMENTUM_FORMS}")
+        need(self.staleness_policy in STALENESS_POLICIES, "staleness_policy",
+             self.staleness_policy, f"choose one of {STALENESS_POLICIES}")
+        need(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
 
 
 def exchange_weight(cfg: AsyncConfig, staleness: int) -> float:

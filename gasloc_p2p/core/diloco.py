@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from gasloc_p2p.core.options import check_outer_step
+
 
 class NesterovOuter:
     """Nesterov momentum SGD on a flat buffer (the DiLoCo outer optimizer).
@@ -19,8 +21,7 @@ class NesterovOuter:
 
     def __init__(self, numel: int, eta: float = 0.7, gamma: float = 0.9,
                  dtype: torch.dtype = torch.float32) -> None:
-        if not 0.0 < eta <= 2.0 or not 0.0 <= gamma < 1.0:
-            raise ValueError(f"need 0 < eta <= 2 and 0 <= gamma < 1, got eta={eta} gamma={gamma}")
+        check_outer_step(eta, gamma)
         self.eta = eta
         self.gamma = gamma
         self.buf = torch.zeros(numel, dtype=dtype)

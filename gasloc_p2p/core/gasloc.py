@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gasloc_p2p.core.options import check_outer_step
+
 VARIANTS = ("mixed", "unmixed")
 
 
@@ -33,10 +35,7 @@ class OuterConfig:
     variant: str = "mixed"
 
     def validate(self) -> None:
-        if not 0.0 < self.eta <= 2.0:
-            raise ValueError(f"eta={self.eta} out of range: the outer learning rate needs (0, 2]")
-        if not 0.0 <= self.gamma < 1.0:
-            raise ValueError(f"gamma={self.gamma} out of range: momentum needs [0, 1)")
+        check_outer_step(self.eta, self.gamma)
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}; choose one of {VARIANTS}")
 

@@ -16,6 +16,7 @@ import torch
 from gasloc_p2p.core.codecs import get_codec
 from gasloc_p2p.core.diloco import NesterovOuter
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.options import check_outer_step
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class StreamingConfig:
             raise ValueError(f"need H >= 1 and 0 <= tau < H, got H={self.H} tau={self.tau}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
+        check_outer_step(self.eta, self.gamma)
 
 
 class StreamingDiloco:

@@ -11,34 +11,16 @@ says otherwise (``_mbps`` = megabits per second).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
 
-from gasloc_p2p.core.async_state import MOMENTUM_FORMS, STALENESS_POLICIES, AsyncConfig
+from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES
+from gasloc_p2p.core.options import ConfigError, check_outer_step, need, opt
 from gasloc_p2p.model import GPTConfig
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 FRAGMENT_ORDERS = ("round-robin", "random")
 ALGORITHMS = ("gasloc", "diloco")
 DILOCO_CODECS = ("fp32", "fp16", "int8")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the flag and how to fix it."""
-
-
-def opt(default: Any, help: str) -> Any:
-    """A dataclass field carrying its ``--help`` text."""
-    return field(default=default, metadata={"help": help})
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _need(ok: bool, name: str, value: Any, what: str) -> None:
-    if not ok:
-        raise ConfigError(f"{_flag(name)}={value!r}: {what}")
 
 
 @dataclass(frozen=True)
@@ -78,36 +60,33 @@ class TrainConfig:
             k, n = (int(x) for x in self.shard.split("/"))
         except ValueError:
             raise ConfigError(f"--shard={self.shard!r}: expected K/N such as 0/4") from None
-        _need(n >= 1 and 0 <= k < n, "shard", self.shard, "needs 0 <= K < N")
+        need(n >= 1 and 0 <= k < n, "shard", self.shard, "needs 0 <= K < N")
         return k, n
 
     def validate(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "inner_steps",
                      "torch_threads", "eval_interval_steps", "eval_batches", "lr_horizon_steps"):
-            _need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        _need(self.n_embd % self.n_head == 0, "n_embd", self.n_embd,
+            need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        need(self.n_embd % self.n_head == 0, "n_embd", self.n_embd,
               f"must be divisible by --n-head={self.n_head}")
-        _need(0 < self.lr < 1, "lr", self.lr, "needs 0 < lr < 1 (try 3e-3)")
-        _need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "needs [0, 1]")
-        _need(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
-        _need(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
-        _need(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 0 (0: no limit)")
-        _need(self.max_time_s >= 0, "max_time_s", self.max_time_s, "must be >= 0 (0: no limit)")
+        need(0 < self.lr < 1, "lr", self.lr, "needs 0 < lr < 1 (try 3e-3)")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "needs [0, 1]")
+        need(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        need(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        need(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 0 (0: no limit)")
+        need(self.max_time_s >= 0, "max_time_s", self.max_time_s, "must be >= 0 (0: no limit)")
         self.shard_spec()
 
 
 @dataclass(frozen=True)
-class OuterConfig:
-    """The outer algorithm, and the asynchronous GASLoC outer step (ALGORITHM.md section 2)."""
+class AlgorithmConfig(AsyncConfig):
+    """The outer algorithm (TOML table ``[outer]``): which one, and the asynchronous GASLoC
+    outer step of ALGORITHM.md section 2, whose fields and checks are the core's
+    :class:`AsyncConfig` (the simulator uses the same)."""
 
     algorithm: str = opt("gasloc", "gasloc: gossip, ALGORITHM.md section 2 | diloco: the DiLoCo "
-                                   "baseline, an all-reduce every H steps (see [diloco])")
-    eta: float = opt(0.7, "outer learning rate")
-    gamma: float = opt(0.5, "outer momentum")
-    w: float = opt(0.5, "gossip weight (0.5 = exact pair average)")
-    momentum: str = opt("mixed", f"momentum form: {' | '.join(MOMENTUM_FORMS)}")
-    staleness_policy: str = opt("downweight", f"stale exchanges: {' | '.join(STALENESS_POLICIES)}")
-    max_staleness: int = opt(1, "round ends (both sides) an exchange may span at full weight")
+                                   "baseline, an all-reduce every H steps (see [diloco])",
+                         choices=ALGORITHMS)
 
     def async_config(self) -> AsyncConfig:
         return AsyncConfig(eta=self.eta, gamma=self.gamma, w=self.w, momentum=self.momentum,
@@ -115,13 +94,9 @@ class OuterConfig:
                            max_staleness=self.max_staleness)
 
     def validate(self) -> None:
-        _need(self.algorithm in ALGORITHMS, "algorithm", self.algorithm,
+        need(self.algorithm in ALGORITHMS, "algorithm", self.algorithm,
               f"choose one of {ALGORITHMS}")
-        try:
-            self.async_config().validate()
-        except ValueError as exc:
-            raise ConfigError(f"outer config: {exc} (flags --eta --gamma --w --momentum "
-                              "--staleness-policy --max-staleness)") from exc
+        super().validate()
 
 
 @dataclass(frozen=True)
@@ -147,29 +122,29 @@ class GossipConfig:
     download_timeout_s: float = opt(60.0, "deadline of a state download")
 
     def validate(self) -> None:
-        _need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
-        _need(self.block_size >= 2 and self.block_size % 2 == 0, "block_size", self.block_size,
+        need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
+        need(self.block_size >= 2 and self.block_size % 2 == 0, "block_size", self.block_size,
               "must be an even number >= 2 (try 1024)")
-        _need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
-        _need(self.fragment_order in FRAGMENT_ORDERS, "fragment_order", self.fragment_order,
+        need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
+        need(self.fragment_order in FRAGMENT_ORDERS, "fragment_order", self.fragment_order,
               f"choose one of {FRAGMENT_ORDERS}")
-        _need(self.exchanges_per_round >= 0, "exchanges_per_round", self.exchanges_per_round,
+        need(self.exchanges_per_round >= 0, "exchanges_per_round", self.exchanges_per_round,
               "must be >= 0 (0 disables outbound gossip)")
-        _need(self.max_inbound >= 1, "max_inbound", self.max_inbound, "must be >= 1")
-        _need(self.max_upload_mbps >= 0, "max_upload_mbps", self.max_upload_mbps,
+        need(self.max_inbound >= 1, "max_inbound", self.max_inbound, "must be >= 1")
+        need(self.max_upload_mbps >= 0, "max_upload_mbps", self.max_upload_mbps,
               "must be >= 0 (0: no cap)")
-        _need(1024 <= self.chunk_bytes <= MAX_CHUNK_BYTES, "chunk_bytes", self.chunk_bytes,
+        need(1024 <= self.chunk_bytes <= MAX_CHUNK_BYTES, "chunk_bytes", self.chunk_bytes,
               f"must be in [1024, {MAX_CHUNK_BYTES}]")
-        _need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
-        _need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
+        need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
+        need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
         # An inbound exchange pins its peer's references: eviction must find an unpinned one.
-        _need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",
+        need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",
               self.reference_capacity, f"must exceed --max-inbound + 1 = {self.max_inbound + 1}")
         for name in ("header_timeout_s", "chunk_timeout_s", "commit_timeout_s",
                      "download_timeout_s"):
-            _need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+            need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
         for name in ("header_timeout_s", "chunk_timeout_s", "commit_timeout_s"):
-            _need(getattr(self, name) < self.exchange_timeout_s, name, getattr(self, name),
+            need(getattr(self, name) < self.exchange_timeout_s, name, getattr(self, name),
                   f"must be shorter than --exchange-timeout-s={self.exchange_timeout_s}")
 
 
@@ -193,17 +168,17 @@ class NetworkConfig:
         "the node gossips by dialing out only, as with --client-mode")
 
     def validate(self) -> None:
-        _need(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535] (0: any)")
-        _need(self.max_message_bytes >= MAX_CHUNK_BYTES + 1024, "max_message_bytes",
+        need(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535] (0: any)")
+        need(self.max_message_bytes >= MAX_CHUNK_BYTES + 1024, "max_message_bytes",
               self.max_message_bytes, f"must be >= 1 MiB + 1 KiB = {MAX_CHUNK_BYTES + 1024}")
         for name in ("keepalive_time_s", "keepalive_timeout_s", "connect_timeout_s",
                      "info_timeout_s", "stop_grace_s"):
-            _need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
-        _need(self.keepalive_timeout_s < self.keepalive_time_s, "keepalive_timeout_s",
+            need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        need(self.keepalive_timeout_s < self.keepalive_time_s, "keepalive_timeout_s",
               self.keepalive_timeout_s,
               f"must be shorter than --keepalive-time-s={self.keepalive_time_s}")
-        _need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
-        _need(self.reachability_interval_s >= 0, "reachability_interval_s",
+        need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
+        need(self.reachability_interval_s >= 0, "reachability_interval_s",
               self.reachability_interval_s, "must be >= 0 seconds (0: no checks)")
 
 
@@ -212,7 +187,8 @@ class DiscoveryConfig:
     """hivemind DHT discovery: run-scoped announcements with a TTL."""
 
     run_id: str = opt("gasloc", "run name; only nodes with the same run id gossip")
-    peers: tuple[str, ...] = opt((), "bootstrap multiaddrs of running nodes (empty: new swarm)")
+    peers: tuple[str, ...] = opt((), "bootstrap multiaddrs of running nodes (empty: new swarm)",
+                                 metavar="MADDR")
     dht_port: int = opt(0, "DHT (libp2p) TCP port (0: any free port)")
     announce_interval_s: float = opt(5.0, "re-announce this node every this many seconds")
     announce_ttl_s: float = opt(20.0, "an announcement expires after this many seconds")
@@ -221,18 +197,18 @@ class DiscoveryConfig:
     dht_start_timeout_s: float = opt(60.0, "deadline of DHT start-up and bootstrap")
 
     def validate(self) -> None:
-        _need(bool(self.run_id) and "/" not in self.run_id, "run_id", self.run_id,
+        need(bool(self.run_id) and "/" not in self.run_id, "run_id", self.run_id,
               "must be a non-empty name without '/'")
-        _need(0 <= self.dht_port < 65536, "dht_port", self.dht_port, "must be in [0, 65535]")
+        need(0 <= self.dht_port < 65536, "dht_port", self.dht_port, "must be in [0, 65535]")
         for name in ("announce_interval_s", "refresh_interval_s", "dht_timeout_s",
                      "dht_start_timeout_s"):
-            _need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
-        _need(self.announce_ttl_s > self.announce_interval_s, "announce_ttl_s",
+            need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        need(self.announce_ttl_s > self.announce_interval_s, "announce_ttl_s",
               self.announce_ttl_s,
               f"must exceed --announce-interval-s={self.announce_interval_s}, or the node "
               "vanishes between refreshes")
         for peer in self.peers:
-            _need(peer.startswith("/"), "peers", peer,
+            need(peer.startswith("/"), "peers", peer,
                   "each peer is a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
 
 
@@ -265,27 +241,25 @@ class DilocoConfig:
         return AsyncConfig(eta=self.diloco_eta, gamma=self.diloco_gamma, momentum="local")
 
     def validate(self) -> None:
-        _need(0 < self.diloco_eta <= 2, "diloco_eta", self.diloco_eta, "needs (0, 2] (try 0.7)")
-        _need(0 <= self.diloco_gamma < 1, "diloco_gamma", self.diloco_gamma,
-              "needs [0, 1) (try 0.9)")
-        _need(self.diloco_codec in DILOCO_CODECS, "diloco_codec", self.diloco_codec,
+        check_outer_step(self.diloco_eta, self.diloco_gamma, "diloco_eta", "diloco_gamma")
+        need(self.diloco_codec in DILOCO_CODECS, "diloco_codec", self.diloco_codec,
               f"choose one of {DILOCO_CODECS}")
-        _need(self.min_group_size >= 2, "min_group_size", self.min_group_size, "must be >= 2")
-        _need(self.target_group_size == 0 or self.target_group_size >= self.min_group_size,
+        need(self.min_group_size >= 2, "min_group_size", self.min_group_size, "must be >= 2")
+        need(self.target_group_size == 0 or self.target_group_size >= self.min_group_size,
               "target_group_size", self.target_group_size,
               f"must be 0 (auto) or >= --min-group-size={self.min_group_size}")
         for name in ("matchmaking_time_s", "request_timeout_s", "averaging_timeout_s",
                      "allreduce_timeout_s", "part_timeout_s"):
-            _need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
-        _need(self.part_timeout_s < self.allreduce_timeout_s, "part_timeout_s",
+            need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        need(self.part_timeout_s < self.allreduce_timeout_s, "part_timeout_s",
               self.part_timeout_s,
               f"must be shorter than --allreduce-timeout-s={self.allreduce_timeout_s}")
         # hivemind: a leader's answer must come within the matchmaking window (else deadlocks
         # between two would-be leaders last longer), and the window must fit in the deadline.
-        _need(self.request_timeout_s < self.matchmaking_time_s, "request_timeout_s",
+        need(self.request_timeout_s < self.matchmaking_time_s, "request_timeout_s",
               self.request_timeout_s,
               f"must be shorter than --matchmaking-time-s={self.matchmaking_time_s}")
-        _need(self.averaging_timeout_s > self.matchmaking_time_s, "averaging_timeout_s",
+        need(self.averaging_timeout_s > self.matchmaking_time_s, "averaging_timeout_s",
               self.averaging_timeout_s,
               f"must exceed --matchmaking-time-s={self.matchmaking_time_s}")
 
@@ -299,7 +273,7 @@ class CheckpointConfig:
     resume: bool = opt(True, "load the checkpoint in --checkpoint-dir at start if present")
 
     def validate(self) -> None:
-        _need(self.checkpoint_interval_s > 0, "checkpoint_interval_s",
+        need(self.checkpoint_interval_s > 0, "checkpoint_interval_s",
               self.checkpoint_interval_s, "must be > 0 seconds")
 
 
@@ -314,10 +288,10 @@ class MetricsConfig:
     metrics_host: str = opt("", "listen address of /metrics (empty: the same as --host)")
 
     def validate(self) -> None:
-        _need(self.log_interval_s > 0, "log_interval_s", self.log_interval_s, "must be > 0")
-        _need(-1 <= self.metrics_port < 65536, "metrics_port", self.metrics_port,
+        need(self.log_interval_s > 0, "log_interval_s", self.log_interval_s, "must be > 0")
+        need(-1 <= self.metrics_port < 65536, "metrics_port", self.metrics_port,
               "must be in [0, 65535] (0: any free port) or -1 to disable /metrics")
-        _need(self.metrics_host.strip() == self.metrics_host and " " not in self.metrics_host,
+        need(self.metrics_host.strip() == self.metrics_host and " " not in self.metrics_host,
               "metrics_host", self.metrics_host, "must be an address such as 127.0.0.1 or "
               "0.0.0.0, or empty for --host")
 
@@ -327,7 +301,7 @@ class NodeConfig:
     """Everything a node needs; sections are the TOML tables of the same name."""
 
     train: TrainConfig = field(default_factory=TrainConfig)
-    outer: OuterConfig = field(default_factory=OuterConfig)
+    outer: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     gossip: GossipConfig = field(default_factory=GossipConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
@@ -340,17 +314,17 @@ class NodeConfig:
         for f in fields(self):
             getattr(self, f.name).validate()
         layers = self.train.n_layer
-        _need(self.gossip.fragments <= layers, "fragments", self.gossip.fragments,
+        need(self.gossip.fragments <= layers, "fragments", self.gossip.fragments,
               f"cannot exceed the model's --n-layer={layers}")
-        _need(self.gossip.chunk_bytes + 1024 <= self.network.max_message_bytes, "chunk_bytes",
+        need(self.gossip.chunk_bytes + 1024 <= self.network.max_message_bytes, "chunk_bytes",
               self.gossip.chunk_bytes,
               f"must leave 1 KiB of headroom under --max-message-bytes="
               f"{self.network.max_message_bytes}")
-        _need(self.metrics.metrics_port <= 0 or self.metrics.metrics_port != self.network.port,
+        need(self.metrics.metrics_port <= 0 or self.metrics.metrics_port != self.network.port,
               "metrics_port", self.metrics.metrics_port, "must differ from --port")
-        _need(self.gossip.fragments == 1 or self.outer.algorithm != "diloco", "fragments",
+        need(self.gossip.fragments == 1 or self.outer.algorithm != "diloco", "fragments",
               self.gossip.fragments, "--algorithm diloco all-reduces the whole model: use 1")
-        _need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
+        need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
               "connect_timeout_s", self.network.connect_timeout_s,
               f"must be shorter than --exchange-timeout-s={self.gossip.exchange_timeout_s}")
         return self

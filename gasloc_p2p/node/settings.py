@@ -10,100 +10,35 @@ section ``sec`` is the flag ``--name`` (dashes), the variable ``GASLOC_NAME`` an
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import re
 import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gasloc_p2p.flags import Option, add_flags, parse_text
+from gasloc_p2p.flags import options as flag_options
 from gasloc_p2p.node.config import SECTIONS, ConfigError, NodeConfig
 
 ENV_PREFIX = "GASLOC_"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One config field: its section, name, Python kind (bool/int/float/str/tuple), default."""
-
-    section: str
-    name: str
-    kind: type
-    default: Any
-    help: str
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
 
 
 def options() -> dict[str, Option]:
-    """Every config field by name, in declaration order."""
-    out: dict[str, Option] = {}
+    """Every node config field by name, in declaration order."""
     hints = typing.get_type_hints(NodeConfig)
-    for section in SECTIONS:
-        cls = hints[section]
-        kinds = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            kind = kinds[f.name]
-            kind = tuple if typing.get_origin(kind) is tuple else kind
-            if f.name in out:
-                raise RuntimeError(f"config field {f.name!r} is declared in two sections")
-            out[f.name] = Option(section, f.name, kind, f.default, f.metadata.get("help", ""))
-    return out
+    return flag_options({section: hints[section] for section in SECTIONS})
+
+
+def env_name(opt: Option) -> str:
+    return ENV_PREFIX + opt.name.upper()
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per config field, grouped by section; unset flags stay absent from the args."""
     parser.add_argument("--config", metavar="TOML", default=argparse.SUPPRESS,
                         help="TOML file with [train], [gossip], [network], ... tables")
-    groups: dict[str, Any] = {}
-    for opt in options().values():
-        group = groups.get(opt.section)
-        if group is None:
-            group = groups[opt.section] = parser.add_argument_group(opt.section)
-        text = f"{opt.help} (default: {opt.default!r}; env {opt.env})".replace("%", "%%")
-        kw: dict[str, Any] = {"dest": opt.name, "default": argparse.SUPPRESS, "help": text}
-        if opt.kind is bool:
-            group.add_argument(opt.flag, action=argparse.BooleanOptionalAction, **kw)
-        elif opt.kind is tuple:
-            group.add_argument(opt.flag, nargs="+", metavar="MADDR", **kw)
-        else:
-            group.add_argument(opt.flag, type=_argparse_type(opt), **kw)
-
-
-def _argparse_type(opt: Option) -> Any:
-    def convert(raw: str) -> Any:
-        try:
-            return parse_text(opt, raw)
-        except ConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = opt.kind.__name__  # argparse names the type in its error message
-    return convert
-
-
-def parse_text(opt: Option, raw: str) -> Any:
-    """A value from text (a flag or an environment variable)."""
-    text = raw.strip()
-    if opt.kind is bool:
-        if text.lower() in _TRUE | _FALSE:
-            return text.lower() in _TRUE
-        raise ConfigError(f"{opt.flag}: expected true/false, got {raw!r}")
-    if opt.kind is tuple:
-        return tuple(p for p in re.split(r"[,\s]+", text) if p)
-    try:
-        return opt.kind(text)
-    except ValueError:
-        raise ConfigError(f"{opt.flag}: expected {opt.kind.__name__}, got {raw!r}") from None
+    add_flags(parser, options(), env_prefix=ENV_PREFIX)
 
 
 def _coerce(opt: Option, value: Any, where: str) -> Any:
@@ -147,11 +82,12 @@ def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
     """Field values from ``GASLOC_<NAME>`` variables that name a config field."""
     out = {}
     for opt in options().values():
-        if opt.env in environ:
+        env = env_name(opt)
+        if env in environ:
             try:
-                out[opt.name] = parse_text(opt, environ[opt.env])
+                out[opt.name] = parse_text(opt, environ[env])
             except ConfigError as exc:
-                raise ConfigError(f"environment {opt.env}: {exc}") from None
+                raise ConfigError(f"environment {env}: {exc}") from None
     return out
 
 

@@ -22,7 +22,7 @@ import grpc
 
 from gasloc_p2p import __version__
 from gasloc_p2p.core.codecs import CODEC_NAMES
-from gasloc_p2p.node.config import DiscoveryConfig, NodeConfig, OuterConfig, TrainConfig
+from gasloc_p2p.node.config import AlgorithmConfig, DiscoveryConfig, NodeConfig, TrainConfig
 from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
 from gasloc_p2p.node.discovery.dht import HivemindDiscovery
 from gasloc_p2p.node.modes.averaging import Averager
@@ -390,7 +390,7 @@ class Node:
         extra = []
         if self.cfg.discovery.run_id != DiscoveryConfig().run_id:
             extra.append(f"--run-id {self.cfg.discovery.run_id}")
-        if self.cfg.outer.algorithm != OuterConfig().algorithm:
+        if self.cfg.outer.algorithm != AlgorithmConfig().algorithm:
             extra.append(f"--algorithm {self.cfg.outer.algorithm}")
         defaults = TrainConfig()
         for name in ("seed", "n_layer", "n_embd", "n_head", "seq_len"):  # the fingerprint
