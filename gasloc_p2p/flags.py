@@ -115,8 +115,8 @@ def _argparse_type(opt: Option) -> Any:
     def convert(raw: str) -> Any:
         try:
             return parse_text(opt, raw)
-        except ConfigError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+        except ConfigError as exc:  # argparse names the flag itself
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{opt.cli}: ")) from None
 
     convert.__name__ = (opt.item if opt.kind is tuple else opt.kind).__name__
     return convert

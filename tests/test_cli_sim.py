@@ -19,7 +19,7 @@ def test_help_lists_commands_and_flags():
 
 def test_wrong_flag_and_value_give_one_line_errors():
     for args, needle in [(["sim", "--workerz", "3"], "unrecognized arguments"),
-                         (["sim", "--workers", "three"], "invalid int value"),
+                         (["sim", "--workers", "three"], "--workers: expected int, got 'three'"),
                          (["sim", "--codec", "int3"], "unknown codec 'int3'")]:
         res = subprocess.run([*CLI, *args], capture_output=True, text=True)
         assert res.returncode == 2

