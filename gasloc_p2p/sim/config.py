@@ -46,7 +46,9 @@ class SimConfig:
     batch_size: int = 8
     lr: float = 3e-3
     warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio * lr after `steps` steps
     weight_decay: float = 0.1
+    decay_vectors: bool = False  # also decay biases and LayerNorm gains (default: matrices)
     data: str | None = None
     tokenizer: str = "byte"  # byte | bpe (trained locally, 4096 tokens)
     iid: bool = True
@@ -99,6 +101,9 @@ class SimConfig:
             (self.bandwidth_mbps > 0 and self.step_time_s > 0 and self.latency_s >= 0,
              "bandwidth and step time must be > 0, latency >= 0"),
             (self.exchanges_per_round > 0, "--exchanges-per-round must be > 0"),
+            (self.lr > 0 and self.warmup_steps >= 0, "--lr must be > 0, --warmup-steps >= 0"),
+            (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
             (self.eval_every >= 1 and self.eval_batches >= 1, "eval settings must be >= 1"),
         ]
         for ok, message in checks:
