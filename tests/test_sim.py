@@ -101,6 +101,51 @@ def test_slow_link_makes_diloco_wait_but_not_async_gasloc(data):
     assert gasloc["final"]["sim_seconds"] < 0.5 * diloco["final"]["sim_seconds"]
 
 
+@pytest.mark.parametrize("algorithm,mode", [("gasloc", "sync"), ("diloco", "sync"),
+                                            ("local", "sync"), ("gasloc", "aligned")])
+def test_per_worker_H_sets_each_workers_steps_per_round(data, algorithm, mode):
+    """Round-based drivers: worker i takes H_i steps per round; the faster ones wait."""
+    cfg = dataclasses.replace(TINY, workers=3, steps=6, H_per_worker=(1, 2, 3),
+                              algorithm=algorithm, mode="async" if mode == "aligned" else mode,
+                              aligned=mode == "aligned")
+    cfg.validate()
+    from gasloc_p2p.sim import async_, sync
+
+    sim = SimWorkers(cfg, data)
+    clock = sync.Clock(cfg.workers)
+    rounds: list[list[int]] = []
+
+    def record(now: float) -> None:
+        rounds.append([w.steps for w in sim.workers])
+
+    if mode == "aligned":
+        async_.run_async(sim, clock, record)
+    else:
+        sync.SYNC_DRIVERS[algorithm](sim, clock, record)
+    assert rounds[:3] == [[1, 2, 3], [2, 4, 6], [3, 6, 6]]
+    assert len(rounds) == 6 and rounds[-1] == [6, 6, 6]
+    # simulated time: the slowest worker's compute per round (3, 3, 2, then 1 step)
+    assert clock.now >= (3 + 3 + 2 + 1 + 1 + 1) * cfg.step_time_s - 1e-12
+
+
+def test_async_round_ends_follow_per_worker_H(data):
+    from gasloc_p2p.sim import async_, sync
+
+    cfg = dataclasses.replace(TINY, workers=3, steps=6, H_per_worker=(1, 2, 3), mode="async")
+    driver = async_.AsyncSim(SimWorkers(cfg, data), sync.Clock(3), lambda now: None)
+    driver.run()
+    assert [w.steps for w in driver.sim.workers] == [6, 6, 6]
+    assert [s.rounds for s in driver.states] == [6, 3, 2]
+
+
+@pytest.mark.parametrize("algorithm", ["streaming-diloco", "gossip-sgd"])
+def test_per_worker_H_is_rejected_where_it_has_no_meaning(algorithm):
+    cfg = SimConfig(algorithm=algorithm, workers=2, H_per_worker=(2, 3))
+    with pytest.raises(ValueError, match="drop --H-per-worker"):
+        cfg.validate()
+    dataclasses.replace(cfg, H_per_worker=()).validate()
+
+
 def test_config_errors_are_actionable():
     with pytest.raises(ValueError, match="choose from"):
         SimConfig(algorithm="allreduce").validate()

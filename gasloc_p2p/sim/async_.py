@@ -126,21 +126,23 @@ class AsyncSim:
         self.stats["dropped"] += w == 0.0
 
     def run_aligned(self) -> dict[str, int]:
-        """Lock-step workers; instantaneous exchanges on a random matching right before each
-        synchronized round end. With momentum "mixed" this is the synchronous algorithm."""
+        """Lock-step rounds; instantaneous exchanges on a random matching right before each
+        synchronized round end. Worker ``i`` takes its own ``H_i`` steps per round (a faster
+        one waits). With momentum "mixed" this is the synchronous algorithm."""
         cfg, n = self.cfg, self.cfg.workers
         edges = graph_edges(cfg.graph, n)
         rng = random.Random(cfg.seed)  # the same matching stream as the synchronous driver
         frag = whole(self.sim.theta0.numel())
         while min(wk.steps for wk in self.sim.workers) < cfg.steps:
+            steps = [min(cfg.h_of(i), cfg.steps - self.sim.workers[i].steps) for i in range(n)]
             for i in range(n):
-                for _ in range(min(cfg.H, cfg.steps - self.sim.workers[i].steps)):
+                for _ in range(steps[i]):
                     self.sim.inner_step(i)
             for i, j in random_matching(edges, rng) if cfg.matching == "1-peer" else []:
                 self.start_exchange_now(i, j, frag)
             for s in self.states:
                 s.round_end()
-            self.clock.now += cfg.H * max(self.step_seconds(i) for i in range(n))
+            self.clock.now += max(k * self.step_seconds(i) for i, k in enumerate(steps))
             self.record(self.clock.now)
         return self.stats
 

@@ -17,7 +17,8 @@ HELP = {
     "workers": "number of simulated workers",
     "steps": "inner steps per worker (equal-token budget)",
     "H": "inner steps per round (local steps between outer updates)",
-    "H_per_worker": "comma-separated H for each worker (overrides --H)",
+    "H_per_worker": "comma-separated H for each worker (overrides --H; not for "
+                    "streaming-diloco or gossip-sgd)",
     "graph": "communication graph: ring, exponential, complete",
     "matching": "per-round gossip: 1-peer, 2-peer random matchings, or all edges",
     "eta": "outer learning rate",

@@ -23,7 +23,7 @@ class SimConfig:
     workers: int = 4
     steps: int = 200  # inner steps per worker (equal-token budget)
     H: int = 10  # inner steps per round
-    H_per_worker: tuple[int, ...] = ()  # overrides H per worker when given
+    H_per_worker: tuple[int, ...] = ()  # overrides H per worker (not streaming/gossip-sgd)
     graph: str = "complete"
     matching: str = "1-peer"
     eta: float = 0.7
@@ -72,6 +72,8 @@ class SimConfig:
         return DEFAULT_GAMMA[self.algorithm] if self.gamma is None else self.gamma
 
     def h_of(self, worker: int) -> int:
+        """Inner steps per round of ``worker``; drivers ask here (only streaming-diloco, which
+        rejects per-worker H, reads ``H`` itself)."""
         if self.algorithm == "gossip-sgd":
             return 1
         return self.H_per_worker[worker] if self.H_per_worker else self.H
@@ -85,6 +87,10 @@ class SimConfig:
             (self.steps >= 1 and self.H >= 1, "--steps and --H must be >= 1"),
             (not self.H_per_worker or len(self.H_per_worker) == self.workers,
              f"--H-per-worker needs {self.workers} values, one per worker"),
+            (all(h >= 1 for h in self.H_per_worker), "--H-per-worker values must be >= 1"),
+            (not self.H_per_worker or self.algorithm not in ("streaming-diloco", "gossip-sgd"),
+             f"{self.algorithm} has one H for all workers (streaming-diloco staggers its "
+             "fragment syncs on it; gossip-sgd takes one step per round): drop --H-per-worker"),
             (self.graph in GRAPHS, f"unknown graph {self.graph!r}; choose from {GRAPHS}"),
             (self.matching in MATCHINGS, f"unknown matching {self.matching!r}; {MATCHINGS}"),
             (self.codec == "none" or self.codec in CODEC_NAMES,

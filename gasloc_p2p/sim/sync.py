@@ -132,7 +132,7 @@ def run_streaming(sim: SimWorkers, clock: Clock, record: Record) -> None:
 def run_local(sim: SimWorkers, clock: Clock, record: Record) -> None:
     cfg, n = sim.cfg, sim.cfg.workers
     while min(wk.steps for wk in sim.workers) < cfg.steps:
-        steps = [min(cfg.H, cfg.steps - sim.workers[i].steps) for i in range(n)]
+        steps = [min(cfg.h_of(i), cfg.steps - sim.workers[i].steps) for i in range(n)]
         for i in range(n):
             for _ in range(steps[i]):
                 sim.inner_step(i)
