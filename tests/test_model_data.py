@@ -23,10 +23,10 @@ from gasloc_p2p.data import (
     Document,
     TokenData,
     ensure_shakespeare,
-    evaluate,
     load_corpus,
 )
 from gasloc_p2p.model import GPTConfig, build_model, layer_index, model_fingerprint
+from gasloc_p2p.train import evaluate
 
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_embd=64, n_head=4)
 # sha256 of all parameter bytes of build_model(GPTConfig(), seed=0) with torch 2.13 on CPU.

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import threading
 import time
 
+from gasloc_p2p.model import build_model
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.node.modes.gossip import FragmentChooser, PeerBook
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.trainer import lr_at
+from gasloc_p2p.node.runtime.trainer import inner_settings
+from gasloc_p2p.node.settings import add_config_flags, build_config
 from gasloc_p2p.node.transport.ratelimit import TokenBucket
+from gasloc_p2p.train import build_adamw
 from tests.node_helpers import run, scaled
 
 
@@ -38,9 +42,20 @@ def test_fragment_chooser_round_robin_covers_all_and_random_stays_in_range():
 
 def test_lr_schedule_warmup_then_cosine_to_the_floor():
     cfg = TrainConfig(lr=1e-3, warmup_steps=10, lr_horizon_steps=110, min_lr_ratio=0.1)
-    assert lr_at(cfg, 0) == 1e-4 and lr_at(cfg, 9) == 1e-3
-    assert abs(lr_at(cfg, 60) - 0.55e-3) < 1e-12  # halfway down the cosine
-    assert abs(lr_at(cfg, 110) - 1e-4) < 1e-12 and lr_at(cfg, 10_000) == lr_at(cfg, 110)
+    lr_at = inner_settings(cfg)[0].at
+    assert lr_at(0) == 1e-4 and lr_at(9) == 1e-3
+    assert abs(lr_at(60) - 0.55e-3) < 1e-12  # halfway down the cosine
+    assert abs(lr_at(110) - 1e-4) < 1e-12 and lr_at(10_000) == lr_at(110)
+
+
+def test_decay_vectors_flag_reaches_the_optimizer():
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    model = build_model(TrainConfig(n_layer=1, n_embd=16, n_head=2, seq_len=8).gpt(), 0)
+    for argv, decays in (([], [0.1, 0.0]), (["--decay-vectors"], [0.1])):
+        cfg = build_config(parser.parse_args(argv), environ={}).train
+        opt = build_adamw(model, 1e-3, inner_settings(cfg)[1])
+        assert [g["weight_decay"] for g in opt.param_groups] == decays
 
 
 def test_training_lock_serves_urgent_work_before_the_next_step():

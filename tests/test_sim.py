@@ -11,7 +11,8 @@ from gasloc_p2p.core.flat import FlatParams
 from gasloc_p2p.model import GPTConfig, build_model
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.run import run
-from gasloc_p2p.sim.workers import Swarm, load_token_data, lr_at
+from gasloc_p2p.sim.workers import SimWorkers, load_token_data
+from gasloc_p2p.train import LRSchedule
 
 TINY = SimConfig(workers=4, steps=20, H=5, n_layer=1, n_embd=32, n_head=2, seq_len=32,
                  batch_size=4, eval_every=5, eval_batches=2, warmup_steps=4, threads=1)
@@ -25,13 +26,13 @@ def data():
 def final_params(cfg: SimConfig, data) -> torch.Tensor:
     from gasloc_p2p.sim import async_, sync
 
-    swarm = Swarm(cfg, data)
+    sim = SimWorkers(cfg, data)
     clock = sync.Clock(cfg.workers)
     if cfg.mode == "async":
-        async_.run_async(swarm, clock, lambda now: None)
+        async_.run_async(sim, clock, lambda now: None)
     else:
-        sync.SYNC_DRIVERS[cfg.algorithm](swarm, clock, lambda now: None)
-    return swarm.thetas.clone()
+        sync.SYNC_DRIVERS[cfg.algorithm](sim, clock, lambda now: None)
+    return sim.thetas.clone()
 
 
 @pytest.mark.parametrize("algorithm", ["local", "gasloc"])
@@ -41,12 +42,18 @@ def test_one_worker_equals_plain_local_training(data, algorithm):
     # plain training loop, written out
     model = build_model(GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_embd=32, n_head=2), 0)
     flat = FlatParams(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                             {"params": vectors, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95))
+    # the simulator's cosine spans the whole run and ends at 10% of the peak
+    schedule = LRSchedule(cfg.lr, cfg.warmup_steps, min_lr_ratio=0.1, horizon_steps=cfg.steps)
     shard = data.shards(1, True, 0)[0]
     gen = torch.Generator().manual_seed(0)
     for step in range(cfg.steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
+            g["lr"] = schedule.at(step)
         x, y = shard.batch(cfg.batch_size, cfg.seq_len, gen)
         opt.zero_grad()
         model(x, y)[1].backward()
@@ -92,6 +99,51 @@ def test_slow_link_makes_diloco_wait_but_not_async_gasloc(data):
     gasloc = run(dataclasses.replace(TINY, algorithm="gasloc", mode="async", **slow), data)
     assert diloco["final"]["sim_seconds"] > 3 * fast_diloco["final"]["sim_seconds"]
     assert gasloc["final"]["sim_seconds"] < 0.5 * diloco["final"]["sim_seconds"]
+
+
+@pytest.mark.parametrize("algorithm,mode", [("gasloc", "sync"), ("diloco", "sync"),
+                                            ("local", "sync"), ("gasloc", "aligned")])
+def test_per_worker_H_sets_each_workers_steps_per_round(data, algorithm, mode):
+    """Round-based drivers: worker i takes H_i steps per round; the faster ones wait."""
+    cfg = dataclasses.replace(TINY, workers=3, steps=6, H_per_worker=(1, 2, 3),
+                              algorithm=algorithm, mode="async" if mode == "aligned" else mode,
+                              aligned=mode == "aligned")
+    cfg.validate()
+    from gasloc_p2p.sim import async_, sync
+
+    sim = SimWorkers(cfg, data)
+    clock = sync.Clock(cfg.workers)
+    rounds: list[list[int]] = []
+
+    def record(now: float) -> None:
+        rounds.append([w.steps for w in sim.workers])
+
+    if mode == "aligned":
+        async_.run_async(sim, clock, record)
+    else:
+        sync.SYNC_DRIVERS[algorithm](sim, clock, record)
+    assert rounds[:3] == [[1, 2, 3], [2, 4, 6], [3, 6, 6]]
+    assert len(rounds) == 6 and rounds[-1] == [6, 6, 6]
+    # simulated time: the slowest worker's compute per round (3, 3, 2, then 1 step)
+    assert clock.now >= (3 + 3 + 2 + 1 + 1 + 1) * cfg.step_time_s - 1e-12
+
+
+def test_async_round_ends_follow_per_worker_H(data):
+    from gasloc_p2p.sim import async_, sync
+
+    cfg = dataclasses.replace(TINY, workers=3, steps=6, H_per_worker=(1, 2, 3), mode="async")
+    driver = async_.AsyncSim(SimWorkers(cfg, data), sync.Clock(3), lambda now: None)
+    driver.run()
+    assert [w.steps for w in driver.sim.workers] == [6, 6, 6]
+    assert [s.rounds for s in driver.states] == [6, 3, 2]
+
+
+@pytest.mark.parametrize("algorithm", ["streaming-diloco", "gossip-sgd"])
+def test_per_worker_H_is_rejected_where_it_has_no_meaning(algorithm):
+    cfg = SimConfig(algorithm=algorithm, workers=2, H_per_worker=(2, 3))
+    with pytest.raises(ValueError, match="drop --H-per-worker"):
+        cfg.validate()
+    dataclasses.replace(cfg, H_per_worker=()).validate()
 
 
 def test_config_errors_are_actionable():

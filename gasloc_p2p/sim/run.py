@@ -17,7 +17,7 @@ from gasloc_p2p.data import TokenData
 from gasloc_p2p.sim.async_ import run_async
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.sync import SYNC_DRIVERS, Clock
-from gasloc_p2p.sim.workers import Swarm, load_token_data
+from gasloc_p2p.sim.workers import SimWorkers, load_token_data
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]  # (mean steps done, total steps per worker)
@@ -29,33 +29,33 @@ def run(cfg: SimConfig, data: TokenData | None = None,
     cfg.validate()
     torch.set_num_threads(cfg.threads)
     started = time.perf_counter()
-    swarm = Swarm(cfg, data if data is not None else load_token_data(cfg.data, cfg.tokenizer))
+    sim = SimWorkers(cfg, data if data is not None else load_token_data(cfg.data, cfg.tokenizer))
     clock = Clock(cfg.workers)
     history: list[dict[str, float]] = []
 
     def record(now: float, force: bool = False) -> None:
-        steps = sum(w.steps for w in swarm.workers) / cfg.workers
+        steps = sum(w.steps for w in sim.workers) / cfg.workers
         if progress is not None:
             progress(int(steps), cfg.steps)
         if not force and history and steps - history[-1]["steps"] < cfg.eval_every:
             return
-        point = {"steps": steps, "tokens": steps * cfg.workers * swarm.tokens_per_step,
+        point = {"steps": steps, "tokens": steps * cfg.workers * sim.tokens_per_step,
                  "sim_seconds": now,
                  "bytes_per_worker": sum(clock.bytes_sent) / cfg.workers}
-        point.update(swarm.evaluate())
+        point.update(sim.evaluate())
         history.append(point)
 
     record(0.0, force=True)
     stats: dict[str, int] = {}
     if cfg.mode == "async":
-        stats = run_async(swarm, clock, record)
+        stats = run_async(sim, clock, record)
     else:
-        SYNC_DRIVERS[cfg.algorithm](swarm, clock, record)
+        SYNC_DRIVERS[cfg.algorithm](sim, clock, record)
     if history[-1]["sim_seconds"] != clock.now or len(history) == 1:
         record(clock.now, force=True)
     final = history[-1]
     return {"config": dataclasses.asdict(cfg), "label": label(cfg), "history": history,
-            "final": final, "stats": stats, "params": int(swarm.theta0.numel()),
+            "final": final, "stats": stats, "params": int(sim.theta0.numel()),
             "wall_seconds": time.perf_counter() - started}
 
 

@@ -20,7 +20,7 @@ from gasloc_p2p.core.streaming import StreamingConfig, StreamingDiloco
 from gasloc_p2p.core.topology import default_weight, graph_edges, round_edges
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.sim.exchange import Exchanger
-from gasloc_p2p.sim.workers import Swarm
+from gasloc_p2p.sim.workers import SimWorkers
 
 Record = Callable[[float], None]  # called with the simulated time after each round
 
@@ -33,37 +33,37 @@ class Clock:
         self.bytes_sent = [0] * n
 
 
-def allreduce_seconds(swarm: Swarm, nbytes: int) -> float:
-    cfg, n = swarm.cfg, swarm.cfg.workers
+def allreduce_seconds(sim: SimWorkers, nbytes: int) -> float:
+    cfg, n = sim.cfg, sim.cfg.workers
     if n == 1:
         return 0.0
     slowest = min(cfg.bandwidth_bytes_s(i) for i in range(n))
     return 2 * (n - 1) / n * nbytes / slowest + 2 * (n - 1) * cfg.latency_s
 
 
-def compute_seconds(swarm: Swarm, steps: list[int]) -> float:
-    cfg = swarm.cfg
+def compute_seconds(sim: SimWorkers, steps: list[int]) -> float:
+    cfg = sim.cfg
     return max(s * cfg.step_time_s * cfg.compute_factor(i) for i, s in enumerate(steps))
 
 
-def run_gasloc_sync(swarm: Swarm, clock: Clock, record: Record) -> None:
-    cfg, n = swarm.cfg, swarm.cfg.workers
+def run_gasloc_sync(sim: SimWorkers, clock: Clock, record: Record) -> None:
+    cfg, n = sim.cfg, sim.cfg.workers
     gossip = cfg.algorithm == "gossip-sgd"
     outer = OuterConfig(eta=1.0 if gossip else cfg.eta, gamma=cfg.outer_gamma,
                         variant=cfg.variant)
-    state = SyncGasloc(swarm.theta0, n, outer)
+    state = SyncGasloc(sim.theta0, n, outer)
     edges = graph_edges(cfg.graph, n)
     w = cfg.w if cfg.w is not None else default_weight(cfg.graph, n, cfg.matching)
-    exchanger = Exchanger(swarm.theta0, n, cfg.codec)
-    frag = whole(swarm.theta0.numel())
+    exchanger = Exchanger(sim.theta0, n, cfg.codec)
+    frag = whole(sim.theta0.numel())
     rng = random.Random(cfg.seed)
-    while min(wk.steps for wk in swarm.workers) < cfg.steps:
-        anchors = swarm.thetas.clone()
-        steps = [min(cfg.h_of(i), cfg.steps - swarm.workers[i].steps) for i in range(n)]
+    while min(wk.steps for wk in sim.workers) < cfg.steps:
+        anchors = sim.thetas.clone()
+        steps = [min(cfg.h_of(i), cfg.steps - sim.workers[i].steps) for i in range(n)]
         for i in range(n):
             for _ in range(steps[i]):
-                swarm.inner_step(i)
-        y = propose(anchors, swarm.thetas, outer.eta)
+                sim.inner_step(i)
+        y = propose(anchors, sim.thetas, outer.eta)
         z = y.clone()
         comm = 0.0
         for i, j in round_edges(edges, cfg.matching, rng):
@@ -75,53 +75,53 @@ def run_gasloc_sync(swarm: Swarm, clock: Clock, record: Record) -> None:
             clock.bytes_sent[j] += nbytes
             link = min(cfg.bandwidth_bytes_s(i), cfg.bandwidth_bytes_s(j))
             comm = max(comm, nbytes / link + cfg.latency_s)
-        state.accelerate(y, z, swarm.thetas)
-        clock.now += compute_seconds(swarm, steps) + comm
+        state.accelerate(y, z, sim.thetas)
+        clock.now += compute_seconds(sim, steps) + comm
         record(clock.now)
 
 
-def run_diloco(swarm: Swarm, clock: Clock, record: Record) -> None:
-    cfg, n = swarm.cfg, swarm.cfg.workers
-    anchor = swarm.theta0.clone()
+def run_diloco(sim: SimWorkers, clock: Clock, record: Record) -> None:
+    cfg, n = sim.cfg, sim.cfg.workers
+    anchor = sim.theta0.clone()
     outer = NesterovOuter(anchor.numel(), cfg.eta, cfg.outer_gamma, anchor.dtype)
     codec = None if cfg.codec == "none" else get_codec(cfg.codec)
-    while min(wk.steps for wk in swarm.workers) < cfg.steps:
-        steps = [min(cfg.h_of(i), cfg.steps - swarm.workers[i].steps) for i in range(n)]
+    while min(wk.steps for wk in sim.workers) < cfg.steps:
+        steps = [min(cfg.h_of(i), cfg.steps - sim.workers[i].steps) for i in range(n)]
         for i in range(n):
             for _ in range(steps[i]):
-                swarm.inner_step(i)
+                sim.inner_step(i)
         grad = torch.zeros_like(anchor)
-        for row in swarm.thetas:  # each worker's outer gradient, as it would go on the wire
+        for row in sim.thetas:  # each worker's outer gradient, as it would go on the wire
             delta = anchor - row
             grad += delta if codec is None else codec.decode(codec.encode(delta)).to(grad.dtype)
         outer.step_(anchor, grad.div_(n))
-        swarm.thetas.copy_(anchor.expand_as(swarm.thetas))
+        sim.thetas.copy_(anchor.expand_as(sim.thetas))
         nbytes = (anchor.numel() * anchor.element_size() if codec is None
                   else codec.wire_bytes(anchor.numel()))
         for i in range(n):
             clock.bytes_sent[i] += int(2 * (n - 1) / n * nbytes)
-        clock.now += compute_seconds(swarm, steps) + allreduce_seconds(swarm, nbytes)
+        clock.now += compute_seconds(sim, steps) + allreduce_seconds(sim, nbytes)
         record(clock.now)
 
 
-def run_streaming(swarm: Swarm, clock: Clock, record: Record) -> None:
-    cfg, n = swarm.cfg, swarm.cfg.workers
-    frags = layer_fragments(swarm.spans, layer_index, cfg.fragments, "strided")
+def run_streaming(sim: SimWorkers, clock: Clock, record: Record) -> None:
+    cfg, n = sim.cfg, sim.cfg.workers
+    frags = layer_fragments(sim.spans, layer_index, cfg.fragments, "strided")
     scfg = StreamingConfig(H=cfg.H, tau=min(cfg.tau, cfg.H - 1), alpha=cfg.alpha, eta=cfg.eta,
                            gamma=cfg.outer_gamma, codec=cfg.codec)
-    sd = StreamingDiloco(swarm.theta0, frags, scfg)
+    sd = StreamingDiloco(sim.theta0, frags, scfg)
     in_flight = 0.0  # seconds of communication still to hide behind compute
     for step in range(1, cfg.steps + 1):
         for i in range(n):
-            swarm.inner_step(i)
-        step_s = compute_seconds(swarm, [1] * n)
+            sim.inner_step(i)
+        step_s = compute_seconds(sim, [1] * n)
         in_flight = max(0.0, in_flight - step_s)
         for f in sd.due(step):
-            nbytes = sd.begin(f, step, swarm.thetas)
+            nbytes = sd.begin(f, step, sim.thetas)
             for i in range(n):
                 clock.bytes_sent[i] += int(2 * (n - 1) / n * nbytes)
-            in_flight += allreduce_seconds(swarm, nbytes)
-        landed = sd.land(step, swarm.thetas)
+            in_flight += allreduce_seconds(sim, nbytes)
+        landed = sd.land(step, sim.thetas)
         stall = in_flight if landed or scfg.tau == 0 else 0.0  # merging waits for the data
         in_flight -= stall
         clock.now += step_s + stall
@@ -129,18 +129,18 @@ def run_streaming(swarm: Swarm, clock: Clock, record: Record) -> None:
             record(clock.now)
 
 
-def run_local(swarm: Swarm, clock: Clock, record: Record) -> None:
-    cfg, n = swarm.cfg, swarm.cfg.workers
-    while min(wk.steps for wk in swarm.workers) < cfg.steps:
-        steps = [min(cfg.H, cfg.steps - swarm.workers[i].steps) for i in range(n)]
+def run_local(sim: SimWorkers, clock: Clock, record: Record) -> None:
+    cfg, n = sim.cfg, sim.cfg.workers
+    while min(wk.steps for wk in sim.workers) < cfg.steps:
+        steps = [min(cfg.h_of(i), cfg.steps - sim.workers[i].steps) for i in range(n)]
         for i in range(n):
             for _ in range(steps[i]):
-                swarm.inner_step(i)
-        clock.now += compute_seconds(swarm, steps)
+                sim.inner_step(i)
+        clock.now += compute_seconds(sim, steps)
         record(clock.now)
 
 
-SYNC_DRIVERS: dict[str, Callable[[Swarm, Clock, Record], None]] = {
+SYNC_DRIVERS: dict[str, Callable[[SimWorkers, Clock, Record], None]] = {
     "gasloc": run_gasloc_sync, "gossip-sgd": run_gasloc_sync, "diloco": run_diloco,
     "streaming-diloco": run_streaming, "local": run_local,
 }

@@ -1,42 +1,53 @@
 """Simulated workers: real tiny-GPT replicas whose parameters are rows of one buffer.
 
 All workers' flat parameters live in ``thetas: [n, numel]``, so outer updates, mixing and
-consensus distance are whole-tensor ops. Each worker keeps its own AdamW state, data shard and
-batch generator; the data is loaded once and shared read-only.
+consensus distance are whole-tensor ops. Each worker keeps its own inner loop (the daemon's
+:class:`~gasloc_p2p.train.InnerLoop`: AdamW state and schedule), data shard and batch generator;
+the data is loaded once and shared read-only.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from gasloc_p2p.core.flat import FlatParams
-from gasloc_p2p.data import BPETokenizer, ByteTokenizer, TokenData, evaluate, load_corpus
-from gasloc_p2p.model import GPT, GPTConfig, build_model
+from gasloc_p2p.data import BPETokenizer, ByteTokenizer, Shard, TokenData, load_corpus
+from gasloc_p2p.model import GPTConfig, build_model
 from gasloc_p2p.sim.config import SimConfig
+from gasloc_p2p.train import AdamWConfig, InnerLoop, LRSchedule, evaluate
 
 
-def lr_at(step: int, base_lr: float, warmup: int, total: int) -> float:
-    """Linear warmup then cosine decay to 10% of ``base_lr``; ``step`` counts from 0."""
-    if step < warmup:
-        return base_lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+def worker_data_seed(seed: int, worker: int) -> int:
+    """Seed of simulated worker ``worker``'s batch sampling in a run seeded ``seed``.
+
+    A daemon started with ``--seed seed --shard worker/n --data-seed`` set to this value, on
+    the same corpus, draws exactly the batches this worker draws in an i.i.d. run
+    (``tests/test_train_equivalence.py`` relies on it).
+    """
+    return seed * 100_003 + worker
+
+
+def inner_settings(cfg: SimConfig) -> tuple[LRSchedule, AdamWConfig]:
+    """The simulator's inner schedule and optimizer: the cosine spans the whole run."""
+    schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                          min_lr_ratio=cfg.min_lr_ratio, horizon_steps=cfg.steps)
+    return schedule, AdamWConfig(weight_decay=cfg.weight_decay, decay_vectors=cfg.decay_vectors)
 
 
 @dataclass
 class Worker:
+    """One simulated worker: its inner loop, data shard, batch RNG and step count."""
+
     index: int
-    model: GPT
-    opt: torch.optim.AdamW
-    shard_batch: object
+    inner: InnerLoop
+    shard: Shard
     gen: torch.Generator
     steps: int = 0
 
 
-class Swarm:
+class SimWorkers:
     """n workers sharing data; ``thetas`` rows are their live flat parameters."""
 
     def __init__(self, cfg: SimConfig, data: TokenData | None = None) -> None:
@@ -52,14 +63,13 @@ class Swarm:
         n = cfg.workers
         self.thetas = self.theta0.repeat(n, 1)
         shards = self.data.shards(n, cfg.iid, cfg.seed)
+        schedule, adamw = inner_settings(cfg)
         self.workers: list[Worker] = []
         for i in range(n):
             model = build_model(self.gpt, cfg.seed, dtype)
             FlatParams(model, self.thetas[i])
-            opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                    weight_decay=cfg.weight_decay)
-            gen = torch.Generator().manual_seed(cfg.seed * 100_003 + i)
-            self.workers.append(Worker(i, model, opt, shards[i].batch, gen))
+            gen = torch.Generator().manual_seed(worker_data_seed(cfg.seed, i))
+            self.workers.append(Worker(i, InnerLoop(model, schedule, adamw), shards[i], gen))
         self.val = self.data.val_batches(cfg.batch_size * 2, cfg.seq_len, cfg.eval_batches)
         self.spans = self.flat0.spans
 
@@ -70,17 +80,10 @@ class Swarm:
     def inner_step(self, i: int) -> float:
         """One AdamW step of worker ``i`` on its shard; returns the training loss."""
         w = self.workers[i]
-        cfg = self.cfg
-        for group in w.opt.param_groups:
-            group["lr"] = lr_at(w.steps, cfg.lr, cfg.warmup_steps, cfg.steps)
-        x, y = w.shard_batch(cfg.batch_size, cfg.seq_len, w.gen)  # type: ignore[operator]
-        w.opt.zero_grad(set_to_none=True)
-        _, loss = w.model(x, y)
-        assert loss is not None
-        loss.backward()
-        w.opt.step()
+        x, y = w.shard.batch(self.cfg.batch_size, self.cfg.seq_len, w.gen)
+        loss = w.inner.step(x, y, w.steps)
         w.steps += 1
-        return float(loss.detach())
+        return float(loss)
 
     def eval_params(self, flat: torch.Tensor) -> float:
         """Validation loss of the model with flat parameters ``flat: [numel]``."""

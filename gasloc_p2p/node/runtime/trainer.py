@@ -23,23 +23,22 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import FlatParams, Fragment, layer_fragments, whole
-from gasloc_p2p.data import ByteTokenizer, Shard, TokenData, evaluate, load_corpus
+from gasloc_p2p.data import ByteTokenizer, Shard, TokenData, load_corpus
 from gasloc_p2p.model import build_model, layer_index, model_fingerprint
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.train import AdamWConfig, InnerLoop, LRSchedule, evaluate
 
 log = logging.getLogger(__name__)
 _EMA = 0.9  # smoothing of step time and throughput
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup to ``cfg.lr`` then cosine decay to ``min_lr_ratio * lr`` (then constant)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.lr_horizon_steps - cfg.warmup_steps))
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * t))
+def inner_settings(cfg: TrainConfig) -> tuple[LRSchedule, AdamWConfig]:
+    """This node's inner schedule and optimizer (the cosine spans ``--lr-horizon-steps``)."""
+    schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                          min_lr_ratio=cfg.min_lr_ratio, horizon_steps=cfg.lr_horizon_steps)
+    return schedule, AdamWConfig(weight_decay=cfg.weight_decay, decay_vectors=cfg.decay_vectors)
 
 
 def load_data(cfg: TrainConfig, seed: int) -> tuple[Shard, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -70,11 +69,8 @@ class Trainer:
         self.flat = FlatParams(self.model)
         self.theta0 = self.flat.buffer.detach().clone()
         self.state = AsyncGaslocState(self.flat.buffer, self.theta0, outer)
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.inner = InnerLoop(self.model, *inner_settings(cfg))
+        self.optimizer = self.inner.optimizer
         self.fragments: list[Fragment] = (
             [whole(self.flat.numel)] if fragments == 1
             else layer_fragments(self.flat.spans, layer_index, fragments, "strided"))
@@ -120,13 +116,7 @@ class Trainer:
         x, y = self.shard.batch(cfg.batch_size, cfg.seq_len, self.generator)
         t0 = time.perf_counter()
         with self.lock.step():
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr_at(cfg, st.step)
-            _, loss = self.model(x, y)
-            assert loss is not None
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+            loss = self.inner.step(x, y, st.step)
             st.step += 1
             round_end = st.step % cfg.inner_steps == 0
             if round_end and self.round_end_hook is None:

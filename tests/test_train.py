@@ -1,0 +1,78 @@
+"""The shared training package: schedule, parameter groups, inner step and evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gasloc_p2p.data import DataError
+from gasloc_p2p.model import GPTConfig, build_model
+from gasloc_p2p.train import AdamWConfig, InnerLoop, LRSchedule, evaluate, param_groups
+
+TINY = GPTConfig(vocab_size=256, seq_len=16, n_layer=1, n_embd=16, n_head=2)
+
+
+def test_schedule_warmup_cosine_floor():
+    s = LRSchedule(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, horizon_steps=110)
+    assert s.at(0) == 1e-4 and s.at(9) == 1e-3 and s.at(10) == 1e-3
+    assert s.at(60) == pytest.approx(0.55e-3, abs=1e-15)  # halfway down the cosine
+    assert s.at(110) == pytest.approx(1e-4, abs=1e-15) and s.at(10_000) == s.at(110)
+    lrs = [s.at(k) for k in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_schedule_matches_the_old_simulator_formula():
+    """The simulator's former schedule: cosine over the run down to 10%, no separate floor."""
+    lr, warmup, total = 3e-3, 20, 200
+    s = LRSchedule(lr, warmup, min_lr_ratio=0.1, horizon_steps=total)
+    for step in range(warmup, total + 5):
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        old = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        assert s.at(step) == pytest.approx(old, rel=1e-14)
+
+
+def test_schedule_rejects_nonsense():
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        LRSchedule(1e-3, min_lr_ratio=1.5)
+    with pytest.raises(ValueError, match="horizon_steps"):
+        LRSchedule(1e-3, horizon_steps=0)
+    with pytest.raises(ValueError, match="weight_decay"):
+        AdamWConfig(weight_decay=-0.1)
+
+
+def test_param_groups_decay_matrices_only_unless_asked():
+    model = build_model(TINY, 0)
+    groups = param_groups(model, AdamWConfig(weight_decay=0.1))
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert all(p.dim() >= 2 for p in groups[0]["params"])
+    assert all(p.dim() < 2 for p in groups[1]["params"]) and groups[1]["params"]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    (everything,) = param_groups(model, AdamWConfig(weight_decay=0.1, decay_vectors=True))
+    assert len(everything["params"]) == len(list(model.parameters()))
+
+
+def test_inner_loop_sets_the_lr_and_learns():
+    model = build_model(TINY, 0)
+    loop = InnerLoop(model, LRSchedule(3e-3, warmup_steps=4, horizon_steps=40))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 8, (8, TINY.seq_len), generator=gen)  # a tiny, learnable language
+    y = (x + 1) % 8
+    first = loop.step(x, y, 0)
+    assert loop.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 / 4)
+    assert not first.requires_grad
+    for step in range(1, 41):  # step 40 is the end of the horizon: the floor
+        last = loop.step(x, y, step)
+    assert loop.optimizer.param_groups[1]["lr"] == pytest.approx(3e-4)
+    assert float(last) < float(first) - 1.0
+    assert evaluate(model, [(x, y)]) < float(first) - 1.0
+
+
+def test_evaluate_needs_batches_and_restores_the_mode():
+    model = build_model(TINY, 0)
+    with pytest.raises(DataError):
+        evaluate(model, [])
+    model.eval()
+    evaluate(model, [(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))])
+    assert not model.training
