@@ -86,8 +86,10 @@ def add_flags(parser: argparse.ArgumentParser, opts: Mapping[str, Option],
         if groups:
             target = made.get(opt.section) or made.setdefault(
                 opt.section, parser.add_argument_group(opt.section))
-        env = f"; env {env_prefix}{opt.name.upper()}" if env_prefix else ""
-        text = f"{opt.help} (default: {opt.default!r}{env})".replace("%", "%%")
+        notes = [] if "default" in opt.help else [f"default: {opt.default!r}"]
+        if env_prefix:
+            notes.append(f"env {env_prefix}{opt.name.upper()}")
+        text = (f"{opt.help} ({'; '.join(notes)})" if notes else opt.help).replace("%", "%%")
         kw: dict[str, Any] = {"dest": opt.name, "default": argparse.SUPPRESS, "help": text}
         if opt.metavar:
             kw["metavar"] = opt.metavar

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gasloc_p2p.flags import add_flags, given, options
 from gasloc_p2p.tools.procs import ChildError
 from gasloc_p2p.tools.prometheus import PrometheusError
 from gasloc_p2p.tools.swarm import DEFAULT_NODE_ARGS, Swarm, SwarmConfig
@@ -29,30 +30,7 @@ def add_swarm_parser(sub: Any) -> None:
                     "one progress line per node; Ctrl+C stops everything. Node flags go after "
                     "`--`, e.g. `gasloc-node swarm --nodes 4 -- --codec int4 --data my.txt`; "
                     f"they override the swarm's defaults: {' '.join(DEFAULT_NODE_ARGS)}")
-    d = SwarmConfig()
-    p.add_argument("--nodes", type=int, default=d.nodes, help="number of nodes")
-    p.add_argument("--prometheus", action=argparse.BooleanOptionalAction, default=None,
-                   help="run a local Prometheus (default: if the binary is installed)")
-    p.add_argument("--prometheus-port", type=int, default=d.prometheus_port,
-                   help="Prometheus port on 127.0.0.1 (0: any free port)")
-    p.add_argument("--scrape-interval", type=float, default=d.scrape_interval_s,
-                   metavar="S", help="Prometheus scrape interval, seconds")
-    p.add_argument("--dashboard-port", type=int, default=d.dashboard_port,
-                   help="dashboard port (0: any free port; -1: no dashboard)")
-    p.add_argument("--dashboard-host", default=d.dashboard_host, help="dashboard address")
-    p.add_argument("--duration", type=float, default=d.duration_s, metavar="S",
-                   help="stop after this many seconds (0: run until Ctrl+C)")
-    p.add_argument("--refresh", type=float, default=d.refresh_s, metavar="S",
-                   help="progress view refresh period, seconds")
-    p.add_argument("--run-dir", default="", help="logs and Prometheus data (default: a new "
-                                                 "temporary directory, kept for the logs)")
-    p.add_argument("--start-timeout", type=float, default=d.start_timeout_s, metavar="S",
-                   help="deadline for each node to come up, seconds")
-    p.add_argument("--stop-grace", type=float, default=d.stop_grace_s, metavar="S",
-                   help="on stop, wait this long for each node before SIGKILL")
-    p.add_argument("--node-log-level", default=d.node_log_level,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="log level of the nodes (their logs are in --run-dir)")
+    add_flags(p, options({"swarm": SwarmConfig}), groups=False, skip=("node_args",))
     p.add_argument("node_args", nargs=argparse.REMAINDER, metavar="-- NODE_FLAGS",
                    help="flags passed to every `gasloc-node join`")
     p.set_defaults(func=run_swarm)
@@ -93,12 +71,9 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
     node_args = list(args.node_args)
     if node_args[:1] == ["--"]:
         node_args = node_args[1:]
-    return SwarmConfig(
-        nodes=args.nodes, prometheus=args.prometheus, prometheus_port=args.prometheus_port,
-        scrape_interval_s=args.scrape_interval, dashboard_port=args.dashboard_port,
-        dashboard_host=args.dashboard_host, duration_s=args.duration, refresh_s=args.refresh,
-        run_dir=args.run_dir, node_args=tuple(node_args), start_timeout_s=args.start_timeout,
-        stop_grace_s=args.stop_grace, node_log_level=args.node_log_level).validate()
+    flags = {k: v for k, v in given(args, options({"swarm": SwarmConfig})).items()
+             if k != "node_args"}
+    return SwarmConfig(**flags, node_args=tuple(node_args)).validate()
 
 
 def run_swarm(args: argparse.Namespace) -> int:

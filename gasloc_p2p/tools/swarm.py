@@ -27,6 +27,7 @@ from typing import TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gasloc_p2p.core.options import opt
 from gasloc_p2p.tools.dashboard import DashboardServer
 from gasloc_p2p.tools.nodes import JOIN_HINT, METRICS_LINE, NodeChild
 from gasloc_p2p.tools.prometheus import INSTALL_HINT, LocalPrometheus, find_prometheus
@@ -50,19 +51,27 @@ DEFAULT_NODE_ARGS: tuple[str, ...] = (
 class SwarmConfig:
     """What ``gasloc-node swarm`` starts; ``prometheus`` None means "if installed"."""
 
-    nodes: int = 3
-    prometheus: bool | None = None
-    prometheus_port: int = 0
-    scrape_interval_s: float = 2.0
-    dashboard_port: int = 0  # -1: no dashboard
-    dashboard_host: str = "127.0.0.1"
-    duration_s: float = 0.0  # 0: until Ctrl+C (or every node has exited)
-    refresh_s: float = 3.0
-    run_dir: str = ""  # empty: a new temporary directory (kept: it holds the logs)
-    node_args: tuple[str, ...] = ()
-    start_timeout_s: float = 300.0
-    stop_grace_s: float = 30.0
-    node_log_level: str = "INFO"
+    nodes: int = opt(3, "number of nodes")
+    prometheus: bool | None = opt(None, "run a local Prometheus (default: if the binary is "
+                                        "installed)")
+    prometheus_port: int = opt(0, "Prometheus port on 127.0.0.1 (0: any free port)")
+    scrape_interval_s: float = opt(2.0, "Prometheus scrape interval, seconds",
+                                   flag="--scrape-interval", metavar="S")
+    dashboard_port: int = opt(0, "dashboard port (0: any free port; -1: no dashboard)")
+    dashboard_host: str = opt("127.0.0.1", "dashboard address")
+    duration_s: float = opt(0.0, "stop after this many seconds (0: run until Ctrl+C or every "
+                                 "node has exited)", flag="--duration", metavar="S")
+    refresh_s: float = opt(3.0, "progress view refresh period, seconds", flag="--refresh",
+                           metavar="S")
+    run_dir: str = opt("", "logs and Prometheus data (default: a new temporary directory, "
+                           "kept for the logs)")
+    start_timeout_s: float = opt(300.0, "deadline for each node to come up, seconds",
+                                 flag="--start-timeout", metavar="S")
+    stop_grace_s: float = opt(30.0, "on stop, wait this long for each node before SIGKILL",
+                              flag="--stop-grace", metavar="S")
+    node_log_level: str = opt("INFO", "log level of the nodes (their logs are in --run-dir)",
+                              choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    node_args: tuple[str, ...] = ()  # flags for every node: the command's `-- NODE_FLAGS`
 
     def validate(self) -> SwarmConfig:
         problems = [
