@@ -51,10 +51,12 @@ def tiny_node_args(corpus: Path) -> tuple[str, ...]:
 
 
 @contextmanager
-def live_swarm(tmp_path: Path, nodes: int = 2, dashboard: bool = False) -> Iterator[Swarm]:
-    """A started swarm (real processes, real Prometheus scraping every second); stopped after."""
+def live_swarm(tmp_path: Path, nodes: int = 2, dashboard: bool = False,
+               prometheus: bool = True) -> Iterator[Swarm]:
+    """A started swarm (real processes; a real Prometheus, or with ``prometheus=False`` the
+    dashboard's own scraper, reading every second); stopped after."""
     corpus = write_corpus(tmp_path / "corpus")
-    cfg = SwarmConfig(nodes=nodes, prometheus=True, scrape_interval_s=1.0,
+    cfg = SwarmConfig(nodes=nodes, prometheus=prometheus, scrape_interval_s=1.0,
                       dashboard_port=0 if dashboard else -1, run_dir=str(tmp_path / "run"),
                       node_args=tiny_node_args(corpus), start_timeout_s=scaled(90),
                       stop_grace_s=scaled(20))

@@ -9,6 +9,8 @@ Panels are PromQL over the metrics of :mod:`gasloc_p2p.node.observability.metric
 
 from __future__ import annotations
 
+from gasloc_p2p.tools.direct_metrics import Recipe
+
 # (title, PromQL, unit shown on the axis, legend label key)
 PANELS: tuple[tuple[str, str, str, str], ...] = (
     ("Validation loss per node", "gasloc_val_loss", "nats/token", "node"),
@@ -24,6 +26,17 @@ PANELS: tuple[tuple[str, str, str, str], ...] = (
      'label_replace(histogram_quantile(0.95, sum by (le) '
      '(rate(gasloc_exchange_duration_seconds_bucket[1m]))), "q", "p95", "", "")', "s", "q"),
 )
+
+# What each panel's query computes, for the dashboard without Prometheus (direct_metrics).
+RECIPES: dict[str, Recipe] = {
+    PANELS[0][1]: Recipe("gauge", "gasloc_val_loss"),
+    PANELS[1][1]: Recipe("gauge", "gasloc_tokens_per_second"),
+    PANELS[2][1]: Recipe("rate", "gasloc_exchanges_total", by="outcome", window_s=30),
+    PANELS[3][1]: Recipe("rate", "gasloc_sent_bytes_total", by="node", window_s=30),
+    PANELS[4][1]: Recipe("gauge", "gasloc_consensus_estimate"),
+    PANELS[5][1]: Recipe("quantiles", "gasloc_exchange_duration_seconds_bucket", window_s=60,
+                         quantiles=(0.5, 0.95)),
+}
 
 _STYLE = """
 body { font: 13px system-ui, sans-serif; margin: 0; background: #f6f7f9; color: #222; }

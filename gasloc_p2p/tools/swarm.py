@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gasloc_p2p.core.options import opt
 from gasloc_p2p.tools.dashboard import DashboardServer
+from gasloc_p2p.tools.direct_metrics import DirectMetrics
 from gasloc_p2p.tools.nodes import JOIN_HINT, METRICS_LINE, NodeChild
 from gasloc_p2p.tools.prometheus import INSTALL_HINT, LocalPrometheus, find_prometheus
 
@@ -155,6 +156,7 @@ class Swarm:
         self.metrics_urls: list[str] = []
         self.prometheus: LocalPrometheus | None = None
         self.dashboard: DashboardServer | None = None
+        self.direct: DirectMetrics | None = None
         self._exited: list[str] = []
         self._temporary = not cfg.run_dir
 
@@ -221,14 +223,19 @@ class Swarm:
     def _start_dashboard(self) -> None:
         if self.cfg.dashboard_port < 0:
             return
-        if self.prometheus is None:
-            self._say("dashboard: not started (it reads Prometheus, which is not running)")
-            return
-        board = DashboardServer(self.prometheus.url, self.cfg.dashboard_host,
-                                self.cfg.dashboard_port)
+        if self.prometheus is not None:
+            board = DashboardServer(self.prometheus.url, self.cfg.dashboard_host,
+                                    self.cfg.dashboard_port)
+        else:  # no Prometheus: the dashboard scrapes the nodes itself
+            self.direct = DirectMetrics(
+                [(c.name, url) for c, url in zip(self.nodes, self.metrics_urls, strict=True)],
+                self.cfg.scrape_interval_s)
+            self.direct.start()
+            board = DashboardServer("", self.cfg.dashboard_host, self.cfg.dashboard_port,
+                                    direct=self.direct)
         self.dashboard = board
         board.start()
-        self._say(f"dashboard: {board.url}")
+        self._say(f"dashboard: {board.url}  (reads {board.source})")
 
     # ------------------------------------------------------------------ run
     def watch(self, cancel: threading.Event) -> None:
@@ -275,6 +282,9 @@ class Swarm:
         board, self.dashboard = self.dashboard, None
         if board is not None:
             board.stop()
+        direct, self.direct = self.direct, None
+        if direct is not None:
+            direct.stop()
         prom, self.prometheus = self.prometheus, None
         if prom is not None:
             prom.stop()
