@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.discovery.base import (
     CompatibilityFilter,
@@ -19,6 +18,7 @@ from gasloc_p2p.node.discovery.base import (
     InMemoryRegistry,
     PeerInfo,
 )
+from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.settings import build_config
 from gasloc_p2p.node.transport.service import download_state, fetch_info

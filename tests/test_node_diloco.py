@@ -23,7 +23,6 @@ import torch
 from google.protobuf.json_format import MessageToDict
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
-from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.cli_node import _print_report
 from gasloc_p2p.node.config import ConfigError, DilocoConfig
 from gasloc_p2p.node.discovery.base import (
@@ -39,6 +38,7 @@ from gasloc_p2p.node.modes.diloco import (
     digests_match,
     state_digest,
 )
+from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import TrainStats

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gasloc_p2p.core.codecs import CODEC_NAMES
+from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec, parse_optional
 from gasloc_p2p.core.topology import GRAPHS, MATCHINGS
 
 ALGORITHMS = ("gasloc", "diloco", "streaming-diloco", "gossip-sgd", "local")
@@ -34,7 +34,7 @@ class SimConfig:
     staleness_policy: str = "downweight"
     max_staleness: int = 1
     exchanges_per_round: float = 2.0  # async gossip rate per worker
-    codec: str = "int8"  # or "none": exact float exchange, no quantization
+    codec: str = "int8"  # a CodecSpec ("int8", "int4:256", ...) or "none": exact, unquantized
     fragments: int = 1
     tau: int = 1
     alpha: float = 0.0
@@ -66,6 +66,11 @@ class SimConfig:
     eval_workers: bool = True  # also evaluate each worker (worst-worker loss); costs n evals
 
     @property
+    def codec_spec(self) -> CodecSpec | None:
+        """The exchanges' codec; None for "none" (exact float exchange, no references)."""
+        return parse_optional(self.codec)
+
+    @property
     def outer_gamma(self) -> float:
         return DEFAULT_GAMMA[self.algorithm] if self.gamma is None else self.gamma
 
@@ -85,7 +90,7 @@ class SimConfig:
              f"--H-per-worker needs {self.workers} values, one per worker"),
             (self.graph in GRAPHS, f"unknown graph {self.graph!r}; choose from {GRAPHS}"),
             (self.matching in MATCHINGS, f"unknown matching {self.matching!r}; {MATCHINGS}"),
-            (self.codec == "none" or self.codec in CODEC_NAMES,
+            (_parses(self.codec),
              f"unknown codec {self.codec!r}; choose none or one of {CODEC_NAMES}"),
             (self.dtype in ("float32", "float64"), "--dtype must be float32 or float64"),
             (self.tokenizer in ("byte", "bpe"), "--tokenizer must be byte or bpe"),
@@ -111,3 +116,11 @@ class SimConfig:
     def bandwidth_bytes_s(self, worker: int) -> float:
         bw = self.bandwidth_mbps * 1e6 / 8
         return bw / self.slow_link_factor if worker < self.slow_workers else bw
+
+
+def _parses(codec: str) -> bool:
+    try:
+        parse_optional(codec)
+    except ValueError:
+        return False
+    return True

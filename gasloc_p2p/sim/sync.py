@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import torch
 
-from gasloc_p2p.core.codecs import get_codec
 from gasloc_p2p.core.diloco import NesterovOuter
 from gasloc_p2p.core.flat import layer_fragments, whole
 from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc, propose
@@ -84,7 +83,8 @@ def run_diloco(swarm: Swarm, clock: Clock, record: Record) -> None:
     cfg, n = swarm.cfg, swarm.cfg.workers
     anchor = swarm.theta0.clone()
     outer = NesterovOuter(anchor.numel(), cfg.eta, cfg.outer_gamma, anchor.dtype)
-    codec = None if cfg.codec == "none" else get_codec(cfg.codec)
+    spec = cfg.codec_spec
+    codec = spec.codec() if spec is not None else None
     while min(wk.steps for wk in swarm.workers) < cfg.steps:
         steps = [min(cfg.h_of(i), cfg.steps - swarm.workers[i].steps) for i in range(n)]
         for i in range(n):
