@@ -18,7 +18,7 @@ from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc, propose
 from gasloc_p2p.core.streaming import StreamingConfig, StreamingDiloco
 from gasloc_p2p.core.topology import default_weight, graph_edges, round_edges
 from gasloc_p2p.model import layer_index
-from gasloc_p2p.sim.exchange import Exchanger
+from gasloc_p2p.sim.exchange import SimExchanger
 from gasloc_p2p.sim.workers import Swarm
 
 Record = Callable[[float], None]  # called with the simulated time after each round
@@ -53,7 +53,7 @@ def run_gasloc_sync(swarm: Swarm, clock: Clock, record: Record) -> None:
     state = SyncGasloc(swarm.theta0, n, outer)
     edges = graph_edges(cfg.graph, n)
     w = cfg.w if cfg.w is not None else default_weight(cfg.graph, n, cfg.matching)
-    exchanger = Exchanger(swarm.theta0, n, cfg.codec)
+    exchanger = SimExchanger(swarm.theta0, n, cfg.codec_spec)
     frag = whole(swarm.theta0.numel())
     rng = random.Random(cfg.seed)
     while min(wk.steps for wk in swarm.workers) < cfg.steps:
