@@ -19,7 +19,7 @@ from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.transport.exchange import GossipTransport, Outcome
+from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
@@ -27,6 +27,7 @@ from gasloc_p2p.node.transport.service import (
     start_server,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import Identity
 

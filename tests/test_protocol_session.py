@@ -11,6 +11,12 @@ import torch
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.actions import (
+    Admit,
+    Prepare,
+    Send,
+    SendPayload,
+)
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.memory import MemoryExchange
 from gasloc_p2p.protocol.messages import (
@@ -20,16 +26,7 @@ from gasloc_p2p.protocol.messages import (
     ProtocolError,
     make_header,
 )
-from gasloc_p2p.protocol.session import (
-    Admit,
-    ExchangeSession,
-    Prepare,
-    Rules,
-    Send,
-    SendPayload,
-    Stage,
-    Timeouts,
-)
+from gasloc_p2p.protocol.session import ExchangeSession, Rules, Stage, Timeouts
 from tests.node_helpers import NUMEL, fragments, theta0
 
 OUTER = AsyncConfig(eta=0.7, gamma=0.5, w=0.5)

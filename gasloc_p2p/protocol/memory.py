@@ -14,22 +14,21 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.protocol.engine import ExchangeEngine
-from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES, chunks
-from gasloc_p2p.protocol.session import (
+from gasloc_p2p.protocol.actions import (
     Action,
     Admit,
     Apply,
     Check,
     Done,
-    ExchangeSession,
     FlushPayload,
     Outcome,
     Prepare,
-    Rules,
     Send,
     SendPayload,
 )
+from gasloc_p2p.protocol.engine import ExchangeEngine
+from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES, chunks
+from gasloc_p2p.protocol.session import ExchangeSession, Rules
 
 
 @dataclass

@@ -22,8 +22,9 @@ import grpc
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.node.runtime.stats import TrainStats
-from gasloc_p2p.node.transport.exchange import GossipTransport, Outcome
+from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels
+from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
 
 log = logging.getLogger(__name__)

@@ -31,6 +31,18 @@ from gasloc_p2p.node.config import GossipConfig
 from gasloc_p2p.node.runtime.stats import ExchangeStats
 from gasloc_p2p.node.transport.ratelimit import TokenBucket
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.actions import (
+    Action,
+    Admit,
+    Apply,
+    Check,
+    Done,
+    FlushPayload,
+    Outcome,
+    Prepare,
+    Send,
+    SendPayload,
+)
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import (
     BUSY,
@@ -40,24 +52,7 @@ from gasloc_p2p.protocol.messages import (
     MessageStream,
     chunks,
 )
-from gasloc_p2p.protocol.session import (
-    Action,
-    Admit,
-    Apply,
-    Check,
-    Done,
-    ExchangeSession,
-    FlushPayload,
-    Outcome,
-    Prepare,
-    Rules,
-    Send,
-    SendPayload,
-    Stage,
-    Timeouts,
-)
-
-__all__ = ["CallFactory", "GossipTransport", "Outcome", "is_eof"]
+from gasloc_p2p.protocol.session import ExchangeSession, Rules, Stage, Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +69,24 @@ class GossipTransport:
                  stats: ExchangeStats | None = None) -> None:
         self.me = me
         self.engine = engine
-        self.cfg = gossip
         self.outer = outer
-        self.rules = Rules.build(me, gossip.codec_spec, outer, Timeouts(
-            gossip.header_timeout_s, gossip.chunk_timeout_s, gossip.commit_timeout_s))
+        self.cfg = gossip  # also builds self.rules
         self.bucket = bucket or TokenBucket.from_mbps(gossip.max_upload_mbps, MAX_CHUNK_BYTES)
         self.stats = stats or ExchangeStats()
         self.inflight: set[str] = set()  # peers with an exchange in flight, either role
         self.inbound = 0
         self.accepting = True
+
+    @property
+    def cfg(self) -> GossipConfig:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, gossip: GossipConfig) -> None:
+        """Replacing the config (codec, timeouts) rebuilds the sessions' rules to match."""
+        self._cfg = gossip
+        self.rules = Rules.build(self.me, gossip.codec_spec, self.outer, Timeouts(
+            gossip.header_timeout_s, gossip.chunk_timeout_s, gossip.commit_timeout_s))
 
     # ----------------------------------------------------------------- initiator
     async def initiate(self, open_call: CallFactory, peer_id: str, fragment_index: int) -> Outcome:
