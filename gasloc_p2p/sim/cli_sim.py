@@ -27,7 +27,7 @@ HELP = {
     "momentum": "async gasloc momentum form: mixed (paper) or local (own drift only)",
     "staleness_policy": "async exchanges spanning > max-staleness round ends: drop, downweight, keep",
     "exchanges_per_round": "async: mean gossip exchanges a worker starts per own round",
-    "codec": "payload codec: none (exact), fp32, fp16, int8, int4, fp4",
+    "codec": "payload codec: none (exact), fp32, fp16, int8, int4, fp4; block size: int8:256",
     "fragments": "parameter fragments (strided layers); one fragment per exchange or sync",
     "tau": "streaming-diloco: inner steps a sync overlaps",
     "alpha": "streaming-diloco: weight of the local copy when merging",
