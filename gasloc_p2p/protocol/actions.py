@@ -24,7 +24,7 @@ class Outcome:
     correction_norm: float
     bytes_sent: int
     bytes_received: int
-    numel: int = 0  # elements of the fragment
+    numel: int  # elements of the fragment
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One exchange as a state machine without I/O, for either role (the Exchange stream of gasloc.proto).
+"""One exchange as a sans-I/O state machine, for either role (the Exchange stream of gasloc.proto).
 
 A shell (the gRPC client and servicer, or :class:`~gasloc_p2p.protocol.memory.MemoryExchange`)
 feeds an :class:`ExchangeSession` what happened, and runs the actions it returns:
