@@ -34,7 +34,7 @@ from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState  # noqa: E
 from gasloc_p2p.core.flat import whole  # noqa: E402
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig  # noqa: E402
 from gasloc_p2p.node.runtime.lock import TrainingLock  # noqa: E402
-from gasloc_p2p.node.transport.exchange import Exchanger  # noqa: E402
+from gasloc_p2p.node.transport.exchange import GossipTransport  # noqa: E402
 from gasloc_p2p.node.transport.service import GossipServicer, StateSnapshot, grpc_options
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc  # noqa: E402
@@ -50,7 +50,7 @@ RAW_METHOD = "/bench.Raw/Stream"
 GRPC_FRAME = 5  # gRPC length-prefixed message header, bytes
 
 
-def build_side(name: str, numel: int, seed: int) -> tuple[Exchanger, Identity]:
+def build_side(name: str, numel: int, seed: int) -> tuple[GossipTransport, Identity]:
     gen = torch.Generator().manual_seed(0)
     theta0 = torch.randn(numel, generator=gen)
     theta = theta0 + 0.01 * torch.randn(numel, generator=torch.Generator().manual_seed(seed))
@@ -60,7 +60,7 @@ def build_side(name: str, numel: int, seed: int) -> tuple[Exchanger, Identity]:
     me = Identity("bench", "f" * 64, name)
     gossip = GossipConfig(header_timeout_s=60, chunk_timeout_s=60, commit_timeout_s=60,
                           exchange_timeout_s=300)
-    return Exchanger(me, engine, gossip, outer), me
+    return GossipTransport(me, engine, gossip, outer), me
 
 
 async def _raw_handler(request_iterator: Any, context: Any) -> None:

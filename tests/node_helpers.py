@@ -19,7 +19,7 @@ from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.transport.exchange import Exchanger, Outcome
+from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
@@ -27,6 +27,7 @@ from gasloc_p2p.node.transport.service import (
     start_server,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import Identity
 
@@ -75,7 +76,7 @@ class Peer:
     me: Identity
     state: AsyncGaslocState
     engine: ExchangeEngine
-    exchanger: Exchanger
+    exchanger: GossipTransport
     server: grpc.aio.Server
     endpoint: str
     channels: PeerChannels
@@ -104,7 +105,7 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
     gossip = gossip or gossip_config()
     engine = ExchangeEngine(state, t0, fragments(), lock, gossip.reference_capacity)
     me = Identity(RUN, fingerprint, name)
-    exchanger = Exchanger(me, engine, gossip, outer)
+    exchanger = GossipTransport(me, engine, gossip, outer)
 
     def snapshot() -> StateSnapshot:
         return StateSnapshot(0, state.rounds, outer.momentum, state.public_iterate(),

@@ -9,9 +9,11 @@ import torch
 
 from gasloc_p2p.core.codecs import (
     CODEC_NAMES,
+    CodecSpec,
     Encoded,
     NonFiniteError,
     get_codec,
+    parse_optional,
 )
 
 BLOCK_CODECS = ("int8", "int4", "fp4")
@@ -260,3 +262,18 @@ def test_misuse_gives_clear_errors() -> None:
         get_codec("int8", 64).decode(enc, out=torch.empty(10, dtype=torch.float64))
     with pytest.raises(ValueError, match="Encoded.data"):
         Encoded("int8", 10, 64, torch.zeros(9, dtype=torch.uint8), torch.zeros(1))
+
+
+def test_codec_spec_parses_prints_and_validates_in_one_place():
+    assert CodecSpec.parse("int8:256") == CodecSpec("int8", 256)
+    assert CodecSpec.parse("int4") == CodecSpec("int4", 1024)  # the default block size
+    assert CodecSpec.parse("fp32") == CodecSpec.of("fp32", 4096) == CodecSpec("fp32", 0)
+    for text in ("int8:256", "fp4:1024", "fp16"):
+        assert str(CodecSpec.parse(text)) == text
+    assert parse_optional("none") is None and parse_optional("int8") == CodecSpec("int8", 1024)
+    for bad in ("int8:3", "int8:0", "fp32:1024", "int3", "int8:x", f"int8:{1 << 17}"):
+        with pytest.raises(ValueError):
+            CodecSpec.parse(bad)
+    spec = CodecSpec("int8", 64)
+    assert spec.codec() is spec.codec() and spec.codec().block_size == 64  # shared, stateless
+    assert get_codec("int8", 64).encode(gaussian(100)).spec == spec

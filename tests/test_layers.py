@@ -104,6 +104,15 @@ def test_importing_core_loads_no_network_module():
     assert out.stdout.strip() == ""
 
 
+def test_simulator_and_protocol_load_no_network_module():
+    """The simulator runs the exchange protocol in memory: that must not pull gRPC in."""
+    code = ("import sys, gasloc_p2p.sim.run, gasloc_p2p.sim.async_, gasloc_p2p.protocol.memory; "
+            "print(','.join(m for m in ('grpc', 'hivemind', 'prometheus_client', 'uvloop') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
 def test_layer_check_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import grpc\nfrom asyncio import sleep\nimport torch\n")

@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES, PROTOCOL_VERSION, Rejected, make_header
@@ -114,7 +115,7 @@ def test_incompatible_peer_is_rejected_with_its_code(what):
 
 async def _raw_exchange(a, b, what):
     """Send a header with a wrong version or run id; return the peer's reply as an error."""
-    codec = a.engine.codec("int8", 1024)
+    codec = CodecSpec("int8", 1024)
     prep = a.engine.prepare("B", 0, codec, False)
     msg = make_header(a.me, prep, 2)
     if what == "version":
@@ -130,7 +131,7 @@ async def _raw_exchange(a, b, what):
 
 
 def _start_raw(a, b, fragment=0):
-    codec = a.engine.codec("int8", 1024)
+    codec = CodecSpec("int8", 1024)
     prep = a.engine.prepare("B", fragment, codec, False)
     return prep, make_header(a.me, prep, 2)
 
@@ -224,7 +225,7 @@ def test_responder_dying_mid_stream_changes_nothing_on_the_initiator():
 
             async def dying(stream):  # B sends its header and part of its payload, then dies
                 first = await stream.read()
-                prep = b.engine.prepare("A", 0, b.engine.codec("int8", 1024), False)
+                prep = b.engine.prepare("A", 0, CodecSpec("int8", 1024), False)
                 await stream.write(make_header(b.me, prep, 2))
                 await stream.write(pb.ExchangeMsg(chunk=pb.Chunk(data=prep.payload[:1000])))
                 assert first.WhichOneof("kind") == "header"
@@ -296,6 +297,31 @@ def test_upload_cap_slows_the_transfer():
             t0 = loop.time()
             await a.exchange(b, 0)
             assert loop.time() - t0 >= 0.9 * sent / 250_000
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("block_size", [2, 6, 1 << 16, 1 << 30])
+def test_header_block_size_outside_the_allowed_set_is_rejected(block_size):
+    """A peer's header never chooses how much memory the responder's codec uses."""
+
+    async def main():
+        a, b = await make_peer("A", 1), await make_peer("B", 2)
+        try:
+            before_b = full_state(b)
+            _, header = _start_raw(a, b)
+            header.header.block_size = block_size
+            call = a.open_call(b)
+            await call.write(header)
+            reply = await call.read()
+            call.cancel()
+            assert reply.WhichOneof("kind") == "reject"
+            assert reply.reject.code == pb.BAD_REQUEST, reply
+            assert b.exchanger.stats.rejected_inbound == 1
+            assert_same_state(before_b, full_state(b))
         finally:
             await a.close()
             await b.close()

@@ -156,12 +156,13 @@ def test_config_errors_are_actionable():
 
 
 def test_exchanger_resets_links_evicted_on_one_side():
+    from gasloc_p2p.core.codecs import CodecSpec
     from gasloc_p2p.core.flat import whole
-    from gasloc_p2p.sim.exchange import Exchanger
+    from gasloc_p2p.sim.exchange import SimExchanger
 
     n, numel = 5, 256
     gen = torch.Generator().manual_seed(0)
-    ex = Exchanger(torch.zeros(numel), n, "int4", capacity=2)
+    ex = SimExchanger(torch.zeros(numel), n, CodecSpec.of("int4"), capacity=2)
     ps = [torch.randn(numel, generator=gen) for _ in range(n)]
     frag = whole(numel)
     rng = __import__("random").Random(0)

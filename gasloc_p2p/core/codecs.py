@@ -25,16 +25,18 @@ to exact zeros and no reciprocal can overflow.
 from __future__ import annotations
 
 import abc
-import ctypes
+import functools
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "fp16", "int8", "int4", "fp4")
-_BLOCK_CODECS = frozenset({"int8", "int4", "fp4"})
-_NIBBLE_CODECS = frozenset({"int4", "fp4"})
+from gasloc_p2p.core.wire import BLOCK_CODECS, CODEC_NAMES, Encoded, layout
+
+__all__ = ["BLOCK_CODECS", "CODEC_NAMES", "Codec", "CodecSpec", "Encoded", "NonFiniteError",
+           "get_codec",
+           "parse_optional"]
+
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP16_MAX = 65504.0
 # levels / absmax would overflow float32 for smaller absmax; such blocks carry no signal.
@@ -51,89 +53,6 @@ _F32_BIAS = 127
 
 class NonFiniteError(ValueError):
     """Raised by ``Codec.encode`` when the input holds NaN or Inf."""
-
-
-def _layout(codec: str, numel: int, block_size: int) -> tuple[int, int]:
-    """Return (number of float32 scales, number of data bytes) for ``numel`` elements."""
-    if codec not in CODEC_NAMES:
-        raise ValueError(f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    if codec in _BLOCK_CODECS:
-        if block_size < 2 or block_size % 2:
-            raise ValueError(f"{codec}: block_size must be a positive even int, got {block_size}")
-        n_data = (numel + 1) // 2 if codec in _NIBBLE_CODECS else numel
-        return -(-numel // block_size), n_data
-    if block_size != 0:
-        raise ValueError(f"{codec} has no blocks: block_size must be 0, got {block_size}")
-    return 0, numel * (4 if codec == "fp32" else 2)
-
-
-def _require_little_endian() -> None:
-    if sys.byteorder != "little":
-        raise RuntimeError("the codec wire format is little-endian; big-endian hosts unsupported")
-
-
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    """Copy the memory of a contiguous CPU tensor into ``bytes``, without numpy."""
-    t = t.contiguous().cpu()
-    n = t.numel() * t.element_size()
-    return ctypes.string_at(t.data_ptr(), n) if n else b""
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: tensors have no boolean equality
-class Encoded:
-    """One encoded flat tensor: ``scales`` float32 [n_blocks], ``data`` uint8 [n_bytes]."""
-
-    codec: str
-    numel: int
-    block_size: int
-    data: torch.Tensor
-    scales: torch.Tensor
-
-    def __post_init__(self) -> None:
-        n_scales, n_data = _layout(self.codec, self.numel, self.block_size)
-        for name, t, dtype, size in (
-            ("data", self.data, torch.uint8, n_data),
-            ("scales", self.scales, torch.float32, n_scales),
-        ):
-            if t.dtype != dtype or t.dim() != 1 or t.numel() != size or not t.is_contiguous():
-                raise ValueError(
-                    f"{self.codec} Encoded.{name}: expected contiguous {dtype} [{size}], "
-                    f"got {t.dtype} {list(t.shape)}"
-                )
-
-    @property
-    def nbytes(self) -> int:
-        """Exact wire size in bytes: data bytes + 4 bytes per scale."""
-        return self.data.numel() + 4 * self.scales.numel()
-
-    def to_bytes(self) -> bytes:
-        """Serialize as scales bytes then data bytes (``nbytes`` long)."""
-        _require_little_endian()
-        return _raw_bytes(self.scales) + _raw_bytes(self.data)
-
-    @classmethod
-    def from_bytes(
-        cls, codec: str, numel: int, block_size: int, buf: bytes | bytearray | memoryview
-    ) -> Encoded:
-        """Parse ``to_bytes`` output (copied); ValueError on a wrong length or bad scales."""
-        _require_little_endian()
-        n_scales, n_data = _layout(codec, numel, block_size)
-        expected, got = 4 * n_scales + n_data, memoryview(buf).nbytes
-        if got != expected:
-            raise ValueError(
-                f"{codec} payload for numel={numel}, block_size={block_size} must be "
-                f"{expected} bytes, got {got}"
-            )
-        # bytearray copy: the payload must not alias a buffer the transport will reuse.
-        empty = torch.empty(0, dtype=torch.uint8)
-        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if got else empty
-        scales = raw[: 4 * n_scales].view(torch.float32)
-        # A scale from a peer feeds straight into the references: reject NaN/Inf/negative.
-        if n_scales and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
-            raise ValueError(f"{codec} payload has non-finite or negative scales")
-        return cls(codec, numel, block_size, raw[4 * n_scales :], scales)
 
 
 def _check_input(x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +101,7 @@ class Codec(abc.ABC):
 
     def wire_bytes(self, numel: int) -> int:
         """Exact ``Encoded.nbytes`` for ``numel`` elements, without encoding."""
-        n_scales, n_data = _layout(self.name, numel, self.block_size)
+        n_scales, n_data = layout(self.name, numel, self.block_size)
         return 4 * n_scales + n_data
 
     def __repr__(self) -> str:
@@ -236,14 +155,14 @@ class _BlockCodec(Codec):
     _bits: int  # bits per element on the wire
 
     def __init__(self, block_size: int = 1024) -> None:
-        _layout(self.name, 0, block_size)  # validates block_size
+        layout(self.name, 0, block_size)  # validates block_size
         self.block_size = block_size
         self._block_bytes = block_size * self._bits // 8
         self._chunk_blocks = max(1, _CHUNK_ELEMS // block_size)
 
     def _encode(self, x: torch.Tensor) -> Encoded:
         n, bs, bb = x.numel(), self.block_size, self._block_bytes
-        n_scales, n_data = _layout(self.name, n, bs)
+        n_scales, n_data = layout(self.name, n, bs)
         scales = torch.empty(n_scales, dtype=torch.float32)
         data = torch.empty(n_data, dtype=torch.uint8)
         full = n // bs  # blocks not needing padding
@@ -398,3 +317,65 @@ def get_codec(name: str, block_size: int = 1024) -> Codec:
         raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}")
     cls = _CODECS[name]
     return cls(block_size) if issubclass(cls, _BlockCodec) else cls()
+
+
+DEFAULT_BLOCK_SIZE = 1024
+MAX_BLOCK_SIZE = 1 << 16  # a block's scratch is block_size floats per chunk; cap what it costs
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """Which codec and block size a payload uses: the value configs, headers and links share.
+
+    ``block_size`` is elements per scale for the block codecs (int8/int4/fp4: even, in
+    [2, 65536]) and 0 for fp32/fp16. All validation lives here; build one with :meth:`of`
+    (fills in the block size a name implies) or :meth:`parse` (``"int8:1024"``, ``"fp32"``).
+    """
+
+    name: str
+    block_size: int
+
+    def __post_init__(self) -> None:
+        layout(self.name, 0, self.block_size)  # unknown name, odd or non-zero raw block size
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"{self.name}: block_size {self.block_size} exceeds "
+                             f"{MAX_BLOCK_SIZE}")
+
+    @classmethod
+    def of(cls, name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> CodecSpec:
+        """``name`` with ``block_size`` if it has blocks, else with 0 (fp32/fp16)."""
+        return cls(name, block_size if name in BLOCK_CODECS else 0)
+
+    @classmethod
+    def parse(cls, text: str) -> CodecSpec:
+        """``"int8:1024"`` or ``"int8"`` (default block size) or ``"fp32"``; ValueError else."""
+        name, sep, block = text.partition(":")
+        if not sep:
+            return cls.of(name)
+        try:
+            size = int(block)
+        except ValueError:
+            raise ValueError(f"bad codec spec {text!r}: block size must be an int") from None
+        return cls(name, size)
+
+    @property
+    def has_blocks(self) -> bool:
+        return self.name in BLOCK_CODECS
+
+    def codec(self) -> Codec:
+        """The (shared, stateless) codec object for this spec."""
+        return _codec_for(self)
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.block_size}" if self.has_blocks else self.name
+
+
+def parse_optional(text: str) -> CodecSpec | None:
+    """Like :meth:`CodecSpec.parse`, but ``"none"`` (exact float exchange, simulator and
+    equivalence tests only: no codec on any wire) gives None."""
+    return None if text == "none" else CodecSpec.parse(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _codec_for(spec: CodecSpec) -> Codec:
+    return get_codec(spec.name, spec.block_size or DEFAULT_BLOCK_SIZE)

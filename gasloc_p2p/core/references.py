@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from gasloc_p2p.core.codecs import Codec, Encoded, get_codec
+from gasloc_p2p.core.codecs import Codec, Encoded
 from gasloc_p2p.core.flat import Fragment
 
 
@@ -59,7 +59,7 @@ class PeerLink:
 
 def decode(enc: Encoded) -> torch.Tensor:
     """Decode a message with the codec named in it (float32 ``[numel]``)."""
-    return get_codec(enc.codec, enc.block_size or 1024).decode(enc)
+    return enc.spec.codec().decode(enc)
 
 
 class ReferenceTable:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gasloc_p2p.core.codecs import get_codec
+from gasloc_p2p.core.codecs import parse_optional
 from gasloc_p2p.core.diloco import NesterovOuter
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.options import check_outer_step
@@ -38,6 +38,7 @@ class StreamingConfig:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
         check_outer_step(self.eta, self.gamma)
+        parse_optional(self.codec)  # ValueError for an unknown codec
 
 
 class StreamingDiloco:
@@ -50,7 +51,8 @@ class StreamingDiloco:
         self.fragments = list(fragments)
         self.global_params = theta0.detach().clone()
         self.outer = [NesterovOuter(f.numel, cfg.eta, cfg.gamma, theta0.dtype) for f in fragments]
-        self.codec = None if cfg.codec == "none" else get_codec(cfg.codec)
+        spec = parse_optional(cfg.codec)
+        self.codec = spec.codec() if spec is not None else None
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (land step, global)
 
     def offset(self, f: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from gasloc_p2p.core.async_state import AsyncConfig
-from gasloc_p2p.core.codecs import CODEC_NAMES
+from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
 from gasloc_p2p.core.options import ConfigError, check_outer_step, need, opt
 from gasloc_p2p.model import GPTConfig
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
@@ -123,10 +123,15 @@ class GossipConfig:
     init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any")
     download_timeout_s: float = opt(60.0, "deadline of a state download")
 
+    @property
+    def codec_spec(self) -> CodecSpec:
+        """What this node sends: ``codec`` with ``block_size`` (0 for fp32/fp16)."""
+        return CodecSpec.of(self.codec, self.block_size)
+
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
-        need(self.block_size >= 2 and self.block_size % 2 == 0, "block_size", self.block_size,
-              "must be an even number >= 2 (try 1024)")
+        need(2 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size % 2 == 0, "block_size",
+              self.block_size, f"must be an even number in [2, {MAX_BLOCK_SIZE}] (try 1024)")
         need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
         need(self.fragment_order in FRAGMENT_ORDERS, "fragment_order", self.fragment_order,
               f"choose one of {FRAGMENT_ORDERS}")

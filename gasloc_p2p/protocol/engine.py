@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from gasloc_p2p.core.async_state import AsyncGaslocState
-from gasloc_p2p.core.codecs import Codec, Encoded, get_codec
+from gasloc_p2p.core.codecs import CodecSpec, Encoded
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.references import ReferenceTable
 
@@ -69,18 +69,6 @@ class ExchangeEngine:
         self.lock = lock
         self.refs = ReferenceTable(theta0, capacity=reference_capacity)
         self._refs_lock = threading.Lock()  # the LRU is touched from several worker threads
-        self._codecs: dict[tuple[str, int], Codec] = {}
-
-    def codec(self, name: str, block_size: int) -> Codec:
-        """A cached codec; ValueError for an unknown name or a bad block size."""
-        key = (name, block_size)
-        if key not in self._codecs:
-            codec = get_codec(name, block_size or 1024)
-            if codec.block_size != block_size:
-                raise ValueError(f"codec {name} needs block_size {codec.block_size}, "
-                                 f"got {block_size}")
-            self._codecs[key] = codec
-        return self._codecs[key]
 
     def link_version(self, peer_id: str) -> int:
         with self._refs_lock:
@@ -89,7 +77,8 @@ class ExchangeEngine:
     def rounds_since(self, prep: Prepared) -> int:
         return self.state.rounds - prep.rounds0
 
-    def prepare(self, peer_id: str, fragment_index: int, codec: Codec, reset: bool) -> Prepared:
+    def prepare(self, peer_id: str, fragment_index: int, spec: CodecSpec,
+                reset: bool) -> Prepared:
         """Snapshot the public iterate of one fragment and encode ``Q(p - ref_out)``.
 
         With ``reset`` (or no link yet) the reference is ``theta_0``. Only this exchange can
@@ -104,17 +93,18 @@ class ExchangeEngine:
             version = self.refs.version(peer_id)
             known = peer_id in self.refs
             reference = self.refs.get(peer_id).ref_out if known and not reset else self.theta0
-        encoded = codec.encode(_sub_fragment_(public, reference, fragment))
+        encoded = spec.codec().encode(_sub_fragment_(public, reference, fragment))
         payload = encoded.to_bytes()
         return Prepared(peer_id, fragment, version, reset, rounds0, encoded, payload,
                         zlib.crc32(payload))
 
-    def check(self, codec: Codec, numel: int, payload: bytes | bytearray, crc32: int) -> Encoded:
+    def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray,
+              crc32: int) -> Encoded:
         """Parse the peer's payload; ValueError if it is corrupt or decodes to NaN/Inf."""
         if zlib.crc32(payload) != crc32:
             raise ValueError("payload CRC32 mismatch")
-        received = Encoded.from_bytes(codec.name, numel, codec.block_size, payload)
-        values = codec.decode(received)
+        received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload)
+        values = spec.codec().decode(received)
         # amax/amin propagate NaN and allocate nothing, unlike isfinite() (3x slower here)
         if numel and not (math.isfinite(float(values.amax()))
                           and math.isfinite(float(values.amin()))):

@@ -6,15 +6,20 @@ The message types are the generated ones from ``proto/gasloc/v1/gasloc.proto``. 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from gasloc_p2p.core.codecs import BLOCK_CODECS, CODEC_NAMES, CodecSpec
+from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.protocol.engine import ExchangeEngine, Prepared
+from gasloc_p2p.protocol.engine import Prepared
 
 PROTOCOL_VERSION = 1
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
+# Block sizes a responder accepts besides its own: a peer's header never picks another one, so
+# it cannot make this node allocate (or cache codecs for) sizes of its choosing.
+STANDARD_BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 
 BUSY = pb.BUSY
 VERSION_MISMATCH = pb.VERSION_MISMATCH
@@ -87,7 +92,21 @@ def abort(code: int, message: str) -> pb.ExchangeMsg:
     return pb.ExchangeMsg(abort=pb.Abort(code=cast(pb.RejectCode, code), message=message[:200]))
 
 
-def check_header(h: pb.Header, me: Identity, engine: ExchangeEngine) -> ExchangeError | None:
+def accepted_codecs(own: CodecSpec) -> frozenset[CodecSpec]:
+    """The codec specs a node accepts in a peer's header: every codec, with the standard block
+    sizes and the node's own."""
+    sizes = {*STANDARD_BLOCK_SIZES, *((own.block_size,) if own.has_blocks else ())}
+    return frozenset(CodecSpec(name, size if name in BLOCK_CODECS else 0)
+                     for name in CODEC_NAMES for size in sizes)
+
+
+def header_codec(h: pb.Header) -> CodecSpec:
+    """The codec a header announces; ValueError if it names none."""
+    return CodecSpec(h.codec, h.block_size)
+
+
+def check_header(h: pb.Header, me: Identity, fragments: Sequence[Fragment],
+                 accepted: Collection[CodecSpec]) -> ExchangeError | None:
     """Why a peer's header is unacceptable (an error to send back), or None if it is fine."""
     if h.protocol_version != PROTOCOL_VERSION:
         return ExchangeError(VERSION_MISMATCH, f"protocol {h.protocol_version}, "
@@ -99,7 +118,7 @@ def check_header(h: pb.Header, me: Identity, engine: ExchangeEngine) -> Exchange
                                                    f"node runs {me.fingerprint[:12]}")
     if not h.peer_id or h.peer_id == me.peer_id:
         return ExchangeError(BAD_REQUEST, f"bad sender peer id {h.peer_id!r}")
-    frags = engine.fragments
+    frags = fragments
     if h.fragment_count != len(frags) or h.fragment_index >= len(frags):
         return ExchangeError(BAD_REQUEST, f"fragment {h.fragment_index}/{h.fragment_count}, "
                                           f"this node has {len(frags)} fragments")
@@ -107,9 +126,13 @@ def check_header(h: pb.Header, me: Identity, engine: ExchangeEngine) -> Exchange
         return ExchangeError(BAD_REQUEST, f"fragment numel {h.fragment_numel} != "
                                           f"{frags[h.fragment_index].numel}")
     try:
-        codec = engine.codec(h.codec, h.block_size)
+        spec = header_codec(h)
     except ValueError as exc:
         return ExchangeError(BAD_REQUEST, str(exc))
+    if spec not in accepted:
+        return ExchangeError(BAD_REQUEST, f"codec {spec} not accepted (block sizes "
+                                          f"{', '.join(map(str, STANDARD_BLOCK_SIZES))} or ours)")
+    codec = spec.codec()
     if h.payload_bytes != codec.wire_bytes(h.fragment_numel):
         return ExchangeError(BAD_REQUEST, f"payload {h.payload_bytes} B, {h.codec} needs "
                                           f"{codec.wire_bytes(h.fragment_numel)} B")
@@ -117,9 +140,10 @@ def check_header(h: pb.Header, me: Identity, engine: ExchangeEngine) -> Exchange
 
 
 def check_reply_header(h: pb.Header, mine: pb.Header, me: Identity,
-                       engine: ExchangeEngine) -> ExchangeError | None:
+                       fragments: Sequence[Fragment],
+                       accepted: Collection[CodecSpec]) -> ExchangeError | None:
     """The responder's header must also echo our fragment and codec."""
-    problem = check_header(h, me, engine)
+    problem = check_header(h, me, fragments, accepted)
     if problem is None and (h.fragment_index, h.codec, h.block_size) != (
             mine.fragment_index, mine.codec, mine.block_size):
         problem = ExchangeError(BAD_REQUEST, "reply header names another fragment or codec")

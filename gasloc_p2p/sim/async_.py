@@ -18,7 +18,7 @@ from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState, exchange_
 from gasloc_p2p.core.flat import Fragment, layer_fragments, whole
 from gasloc_p2p.core.topology import default_weight, graph_edges, random_matching
 from gasloc_p2p.model import layer_index
-from gasloc_p2p.sim.exchange import Exchanger, Pending
+from gasloc_p2p.sim.exchange import Pending, ProtocolExchanger, SimExchanger
 from gasloc_p2p.sim.sync import Clock, Record
 from gasloc_p2p.sim.workers import SimWorkers
 
@@ -35,11 +35,19 @@ class AsyncSim:
                                 max_staleness=cfg.max_staleness)
         self.states = [AsyncGaslocState(sim.thetas[i], sim.theta0, self.acfg)
                        for i in range(n)]
-        self.exchanger = Exchanger(sim.theta0, n, cfg.codec)
         numel = sim.theta0.numel()
         self.fragments: list[Fragment] = (
             [whole(numel)] if cfg.fragments == 1
             else layer_fragments(sim.spans, layer_index, cfg.fragments, "strided"))
+        # the aligned driver exchanges the whole vector: the last fragment the engines know
+        self.whole = len(self.fragments) - 1 if cfg.fragments == 1 else len(self.fragments)
+        known = self.fragments + ([] if cfg.fragments == 1
+                                  else [Fragment(self.whole, whole(numel).ranges)])
+        spec = cfg.codec_spec
+        # quantized: the daemon's protocol and engine, in memory; "none": exact, no references
+        self.exchanger: ProtocolExchanger | SimExchanger = (
+            SimExchanger(sim.theta0, n, None) if spec is None
+            else ProtocolExchanger(self.states, sim.theta0, known, spec, self.acfg))
         self.neighbours: list[list[int]] = [[] for _ in range(n)]
         for i, j in graph_edges(cfg.graph, n):
             self.neighbours[i].append(j)
@@ -101,10 +109,9 @@ class AsyncSim:
             self.stats["busy"] += 1
             return
         j = self.rng.choice(free)
-        frag = self.fragments[self.rng.randrange(len(self.fragments))]
-        si, sj = self.states[i], self.states[j]
-        pend = self.exchanger.begin(i, j, si.public_iterate(frag), sj.public_iterate(frag), frag)
-        pend.rounds_i, pend.rounds_j = si.rounds, sj.rounds
+        index = self.rng.randrange(len(self.fragments))
+        pend = self.begin(i, j, index)
+        frag = pend.fragment
         self.busy.update((i, j))
         nbytes = self.exchanger.payload_bytes(frag)
         self.clock.bytes_sent[i] += nbytes
@@ -112,13 +119,27 @@ class AsyncSim:
         link = min(self.cfg.bandwidth_bytes_s(i), self.cfg.bandwidth_bytes_s(j))
         self.push(t + nbytes / link + self.cfg.latency_s, "commit", pend)
 
+    def begin(self, i: int, j: int, index: int) -> Pending:
+        """Snapshot both sides of an exchange of fragment ``index`` (``self.whole``: all)."""
+        if isinstance(self.exchanger, ProtocolExchanger):
+            return self.exchanger.begin(i, j, index)
+        frag = self.fragments[index] if index < len(self.fragments) else whole(
+            self.sim.theta0.numel())
+        si, sj = self.states[i], self.states[j]
+        pend = self.exchanger.begin(i, j, si.public_iterate(frag), sj.public_iterate(frag), frag)
+        pend.rounds_i, pend.rounds_j = si.rounds, sj.rounds
+        return pend
+
     def commit(self, pend: Pending) -> None:
-        si, sj = self.states[pend.i], self.states[pend.j]
-        staleness = (si.rounds - pend.rounds_i) + (sj.rounds - pend.rounds_j)
-        w = exchange_weight(self.acfg, staleness)
-        c_i, c_j = self.exchanger.commit(pend, w)
-        si.apply_correction(c_i, pend.fragment)
-        sj.apply_correction(c_j, pend.fragment)
+        if isinstance(self.exchanger, ProtocolExchanger):
+            staleness, w = self.exchanger.commit(pend)
+        else:
+            si, sj = self.states[pend.i], self.states[pend.j]
+            staleness = (si.rounds - pend.rounds_i) + (sj.rounds - pend.rounds_j)
+            w = exchange_weight(self.acfg, staleness)
+            c_i, c_j = self.exchanger.commit(pend, w)
+            si.apply_correction(c_i, pend.fragment)
+            sj.apply_correction(c_j, pend.fragment)
         self.busy.difference_update((pend.i, pend.j))
         self.stats["exchanges"] += 1
         self.stats["staleness_sum"] += staleness
@@ -132,25 +153,18 @@ class AsyncSim:
         cfg, n = self.cfg, self.cfg.workers
         edges = graph_edges(cfg.graph, n)
         rng = random.Random(cfg.seed)  # the same matching stream as the synchronous driver
-        frag = whole(self.sim.theta0.numel())
         while min(wk.steps for wk in self.sim.workers) < cfg.steps:
             steps = [min(cfg.h_of(i), cfg.steps - self.sim.workers[i].steps) for i in range(n)]
             for i in range(n):
                 for _ in range(steps[i]):
                     self.sim.inner_step(i)
             for i, j in random_matching(edges, rng) if cfg.matching == "1-peer" else []:
-                self.start_exchange_now(i, j, frag)
+                self.commit(self.begin(i, j, self.whole))
             for s in self.states:
                 s.round_end()
             self.clock.now += max(k * self.step_seconds(i) for i, k in enumerate(steps))
             self.record(self.clock.now)
         return self.stats
-
-    def start_exchange_now(self, i: int, j: int, frag: Fragment) -> None:
-        si, sj = self.states[i], self.states[j]
-        pend = self.exchanger.begin(i, j, si.public_iterate(frag), sj.public_iterate(frag), frag)
-        pend.rounds_i, pend.rounds_j = si.rounds, sj.rounds
-        self.commit(pend)
 
 
 def run_async(sim: SimWorkers, clock: Clock, record: Record) -> dict[str, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gasloc_p2p.core.codecs import CODEC_NAMES
+from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec, parse_optional
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
 from gasloc_p2p.core.topology import GRAPHS, MATCHINGS
 
@@ -43,7 +43,8 @@ class SimConfig:
                                 "applies")
     exchanges_per_round: float = opt(2.0, "async: mean gossip exchanges a worker starts per own "
                                           "round")
-    codec: str = opt("int8", "payload codec: none (exact), fp32, fp16, int8, int4, fp4")
+    codec: str = opt("int8", "payload codec: none (exact), fp32, fp16, int8, int4, fp4; "
+                             "block size: int8:256")
     fragments: int = opt(1, "parameter fragments (strided layers); one fragment per exchange or "
                             "sync")
     tau: int = opt(1, "streaming-diloco: inner steps a sync overlaps")
@@ -84,6 +85,11 @@ class SimConfig:
     eval_workers: bool = opt(True, "also evaluate every worker (worst-worker loss)")
 
     @property
+    def codec_spec(self) -> CodecSpec | None:
+        """The exchanges' codec; None for "none" (exact float exchange, no references)."""
+        return parse_optional(self.codec)
+
+    @property
     def outer_gamma(self) -> float:
         return DEFAULT_GAMMA[self.algorithm] if self.gamma is None else self.gamma
 
@@ -109,7 +115,7 @@ class SimConfig:
              "fragment syncs on it; gossip-sgd takes one step per round): drop --H-per-worker"),
             (self.graph in GRAPHS, f"unknown graph {self.graph!r}; choose from {GRAPHS}"),
             (self.matching in MATCHINGS, f"unknown matching {self.matching!r}; {MATCHINGS}"),
-            (self.codec == "none" or self.codec in CODEC_NAMES,
+            (_parses(self.codec),
              f"unknown codec {self.codec!r}; choose none or one of {CODEC_NAMES}"),
             (self.dtype in ("float32", "float64"), "--dtype must be float32 or float64"),
             (self.tokenizer in ("byte", "bpe"), "--tokenizer must be byte or bpe"),
@@ -139,3 +145,11 @@ class SimConfig:
     def bandwidth_bytes_s(self, worker: int) -> float:
         bw = self.bandwidth_mbps * 1e6 / 8
         return bw / self.slow_link_factor if worker < self.slow_workers else bw
+
+
+def _parses(codec: str) -> bool:
+    try:
+        parse_optional(codec)
+    except ValueError:
+        return False
+    return True

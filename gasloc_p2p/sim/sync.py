@@ -12,14 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from gasloc_p2p.core.codecs import get_codec
 from gasloc_p2p.core.diloco import NesterovOuter
 from gasloc_p2p.core.flat import layer_fragments, whole
 from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc, propose
 from gasloc_p2p.core.streaming import StreamingConfig, StreamingDiloco
 from gasloc_p2p.core.topology import default_weight, graph_edges, round_edges
 from gasloc_p2p.model import layer_index
-from gasloc_p2p.sim.exchange import Exchanger
+from gasloc_p2p.sim.exchange import SimExchanger
 from gasloc_p2p.sim.workers import SimWorkers
 
 Record = Callable[[float], None]  # called with the simulated time after each round
@@ -54,7 +53,7 @@ def run_gasloc_sync(sim: SimWorkers, clock: Clock, record: Record) -> None:
     state = SyncGasloc(sim.theta0, n, outer)
     edges = graph_edges(cfg.graph, n)
     w = cfg.w if cfg.w is not None else default_weight(cfg.graph, n, cfg.matching)
-    exchanger = Exchanger(sim.theta0, n, cfg.codec)
+    exchanger = SimExchanger(sim.theta0, n, cfg.codec_spec)
     frag = whole(sim.theta0.numel())
     rng = random.Random(cfg.seed)
     while min(wk.steps for wk in sim.workers) < cfg.steps:
@@ -84,7 +83,8 @@ def run_diloco(sim: SimWorkers, clock: Clock, record: Record) -> None:
     cfg, n = sim.cfg, sim.cfg.workers
     anchor = sim.theta0.clone()
     outer = NesterovOuter(anchor.numel(), cfg.eta, cfg.outer_gamma, anchor.dtype)
-    codec = None if cfg.codec == "none" else get_codec(cfg.codec)
+    spec = cfg.codec_spec
+    codec = spec.codec() if spec is not None else None
     while min(wk.steps for wk in sim.workers) < cfg.steps:
         steps = [min(cfg.h_of(i), cfg.steps - sim.workers[i].steps) for i in range(n)]
         for i in range(n):

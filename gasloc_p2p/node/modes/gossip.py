@@ -22,8 +22,9 @@ import grpc
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.node.runtime.stats import TrainStats
-from gasloc_p2p.node.transport.exchange import Exchanger, Outcome
+from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels
+from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class FragmentChooser:
 class GossipLoop:
     """Starts exchanges at exponential waiting times; run :meth:`run` as one task."""
 
-    def __init__(self, exchanger: Exchanger, book: PeerBook, channels: PeerChannels,
+    def __init__(self, exchanger: GossipTransport, book: PeerBook, channels: PeerChannels,
                  gossip: GossipConfig, net: NetworkConfig, train_stats: TrainStats,
                  inner_steps: int, seed: int, active: Callable[[], bool] = lambda: True) -> None:
         self.exchanger = exchanger

@@ -33,7 +33,7 @@ from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
-from gasloc_p2p.node.transport.exchange import Exchanger
+from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
@@ -66,7 +66,7 @@ class Node:
         self.endpoint = ""
         self.port = 0
         self.trainer: Trainer | None = None
-        self.exchanger: Exchanger | None = None
+        self.exchanger: GossipTransport | None = None
         self.book: PeerBook | None = None
         self.channels = PeerChannels(cfg.network)
         self.averager = averager
@@ -109,7 +109,7 @@ class Node:
         self.me = Identity(cfg.discovery.run_id, trainer.fingerprint, me_id)
         engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, self.lock,
                                 cfg.gossip.reference_capacity)
-        self.exchanger = Exchanger(self.me, engine, cfg.gossip, cfg.outer.async_config(),
+        self.exchanger = GossipTransport(self.me, engine, cfg.gossip, cfg.outer.async_config(),
                                    stats=self.stats)
         self.book = PeerBook(me_id)
         self.filter = CompatibilityFilter(PROTOCOL_VERSION, trainer.fingerprint, me_id,

@@ -19,7 +19,7 @@ import grpc
 import torch
 
 from gasloc_p2p.node.config import NetworkConfig
-from gasloc_p2p.node.transport.exchange import Exchanger
+from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.messages import (
@@ -70,9 +70,9 @@ class StateSnapshot:
 
 
 class GossipServicer(pb_grpc.GossipServicer):
-    """Serves Exchange (via the node's :class:`Exchanger`), Info and DownloadState."""
+    """Serves Exchange (via the node's :class:`GossipTransport`), Info and DownloadState."""
 
-    def __init__(self, me: Identity, exchanger: Exchanger, info: Callable[[], pb.InfoReply],
+    def __init__(self, me: Identity, exchanger: GossipTransport, info: Callable[[], pb.InfoReply],
                  snapshot: Callable[[], StateSnapshot]) -> None:
         self.me = me
         self.exchanger = exchanger

@@ -1,0 +1,119 @@
+"""The codecs' wire format: payload layout and the :class:`Encoded` value (ALGORITHM.md s. 4).
+
+Wire layout (``Encoded.to_bytes``): ``scales`` (float32, little-endian, one per block) then
+``data`` (uint8). No padding is sent: a partial last block is padded with zeros only in
+memory. Sizes for ``n`` elements and block size ``B``:
+
+- ``fp32``: 4n data bytes. ``fp16``: 2n data bytes (IEEE half, raw bytes).
+- ``int8``: ceil(n/B) scales + n bytes.
+- ``int4`` and ``fp4``: ceil(n/B) scales + ceil(n/2) bytes.
+
+The value of each code is documented in :mod:`gasloc_p2p.core.codecs`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from gasloc_p2p.core.codecs import CodecSpec
+
+CODEC_NAMES: tuple[str, ...] = ("fp32", "fp16", "int8", "int4", "fp4")
+BLOCK_CODECS = frozenset({"int8", "int4", "fp4"})
+_NIBBLE_CODECS = frozenset({"int4", "fp4"})
+
+
+def layout(codec: str, numel: int, block_size: int) -> tuple[int, int]:
+    """Return (number of float32 scales, number of data bytes) for ``numel`` elements."""
+    if codec not in CODEC_NAMES:
+        raise ValueError(f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if codec in BLOCK_CODECS:
+        if block_size < 2 or block_size % 2:
+            raise ValueError(f"{codec}: block_size must be a positive even int, got {block_size}")
+        n_data = (numel + 1) // 2 if codec in _NIBBLE_CODECS else numel
+        return -(-numel // block_size), n_data
+    if block_size != 0:
+        raise ValueError(f"{codec} has no blocks: block_size must be 0, got {block_size}")
+    return 0, numel * (4 if codec == "fp32" else 2)
+
+
+def _require_little_endian() -> None:
+    if sys.byteorder != "little":
+        raise RuntimeError("the codec wire format is little-endian; big-endian hosts unsupported")
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """Copy the memory of a contiguous CPU tensor into ``bytes``, without numpy."""
+    t = t.contiguous().cpu()
+    n = t.numel() * t.element_size()
+    return ctypes.string_at(t.data_ptr(), n) if n else b""
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: tensors have no boolean equality
+class Encoded:
+    """One encoded flat tensor: ``scales`` float32 [n_blocks], ``data`` uint8 [n_bytes]."""
+
+    codec: str
+    numel: int
+    block_size: int
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n_scales, n_data = layout(self.codec, self.numel, self.block_size)
+        for name, t, dtype, size in (
+            ("data", self.data, torch.uint8, n_data),
+            ("scales", self.scales, torch.float32, n_scales),
+        ):
+            if t.dtype != dtype or t.dim() != 1 or t.numel() != size or not t.is_contiguous():
+                raise ValueError(
+                    f"{self.codec} Encoded.{name}: expected contiguous {dtype} [{size}], "
+                    f"got {t.dtype} {list(t.shape)}"
+                )
+
+    @property
+    def spec(self) -> CodecSpec:
+        """The codec and block size this payload was encoded with."""
+        from gasloc_p2p.core.codecs import CodecSpec  # codecs imports this module
+
+        return CodecSpec(self.codec, self.block_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact wire size in bytes: data bytes + 4 bytes per scale."""
+        return self.data.numel() + 4 * self.scales.numel()
+
+    def to_bytes(self) -> bytes:
+        """Serialize as scales bytes then data bytes (``nbytes`` long)."""
+        _require_little_endian()
+        return _raw_bytes(self.scales) + _raw_bytes(self.data)
+
+    @classmethod
+    def from_bytes(
+        cls, codec: str, numel: int, block_size: int, buf: bytes | bytearray | memoryview
+    ) -> Encoded:
+        """Parse ``to_bytes`` output (copied); ValueError on a wrong length or bad scales."""
+        _require_little_endian()
+        n_scales, n_data = layout(codec, numel, block_size)
+        expected, got = 4 * n_scales + n_data, memoryview(buf).nbytes
+        if got != expected:
+            raise ValueError(
+                f"{codec} payload for numel={numel}, block_size={block_size} must be "
+                f"{expected} bytes, got {got}"
+            )
+        # bytearray copy: the payload must not alias a buffer the transport will reuse.
+        empty = torch.empty(0, dtype=torch.uint8)
+        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if got else empty
+        scales = raw[: 4 * n_scales].view(torch.float32)
+        # A scale from a peer feeds straight into the references: reject NaN/Inf/negative.
+        if n_scales and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            raise ValueError(f"{codec} payload has non-finite or negative scales")
+        return cls(codec, numel, block_size, raw[4 * n_scales :], scales)
+

@@ -1,0 +1,346 @@
+"""One exchange as a sans-I/O state machine, for either role (the Exchange stream of gasloc.proto).
+
+A shell (the gRPC client and servicer, or :class:`~gasloc_p2p.protocol.memory.MemoryExchange`)
+feeds an :class:`ExchangeSession` what happened, and runs the actions it returns:
+
+- events: :meth:`~ExchangeSession.start` (initiator), :meth:`~ExchangeSession.receive` (a
+  message arrived), :meth:`~ExchangeSession.timed_out` and :meth:`~ExchangeSession.closed` (the
+  awaited message did not come), and the results of actions: ``prepared``, ``admitted`` /
+  ``refused``, ``checked`` / ``check_failed``, ``payload_sent``, ``applied``;
+- actions: :class:`Send` a message, :class:`Prepare` (snapshot + encode), :class:`Admit` (ask
+  the shell's admission control), :class:`SendPayload` (stream our payload, concurrently with
+  reading), :class:`Check` (parse the peer's payload), :class:`FlushPayload` (wait until our
+  payload is written), :class:`Apply` (commit: fold into the link, add the correction), and
+  :class:`Done` with the :class:`Outcome`.
+
+:meth:`~ExchangeSession.expecting` names the message the session waits for and its timeout
+(None: run the pending actions first). A protocol violation raises :class:`ExchangeError`;
+the shell then asks :meth:`~ExchangeSession.fail` what to tell the peer. Nothing is applied
+before :class:`Apply`, which the initiator gets right after its ``Commit`` message and the
+responder once it has read that ``Commit``.
+
+Order on the stream: initiator Header -> responder Header (or Reject); if the link versions
+differ, the initiator re-encodes against ``theta_0`` and re-sends its Header; then both
+payloads (Chunks) cross, each side sends Ready (with its round ends since its snapshot) once
+it holds the peer's payload; the initiator sends Commit; both apply with the same weight.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from gasloc_p2p.core.async_state import AsyncConfig, exchange_weight
+from gasloc_p2p.core.codecs import CodecSpec, Encoded
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.actions import (
+    Action,
+    Admit,
+    Apply,
+    Check,
+    Done,
+    FlushPayload,
+    Outcome,
+    Prepare,
+    Send,
+    SendPayload,
+)
+from gasloc_p2p.protocol.engine import ExchangeEngine, Prepared
+from gasloc_p2p.protocol.messages import (
+    BAD_REQUEST,
+    BUSY,
+    INTERNAL,
+    MAX_CHUNK_BYTES,
+    ExchangeError,
+    Identity,
+    PeerAborted,
+    ProtocolError,
+    Rejected,
+    abort,
+    accepted_codecs,
+    check_header,
+    check_reply_header,
+    header_codec,
+    make_header,
+    reject,
+)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds to wait for the peer's Header, for any one message of the transfer, for Commit."""
+
+    header_s: float
+    chunk_s: float
+    commit_s: float
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What one node sends, accepts and how it weighs exchanges: shared by all its sessions."""
+
+    me: Identity
+    codec: CodecSpec  # what this node sends when it initiates
+    accepted: frozenset[CodecSpec]  # what it accepts in a peer's header
+    outer: AsyncConfig  # gossip weight and staleness policy
+    timeouts: Timeouts
+
+    @classmethod
+    def build(cls, me: Identity, codec: CodecSpec, outer: AsyncConfig,
+              timeouts: Timeouts) -> Rules:
+        return cls(me, codec, accepted_codecs(codec), outer, timeouts)
+
+    def weight(self, staleness: int) -> float:
+        """The exchange's gossip weight; both sides know both round counts, so they agree."""
+        return exchange_weight(self.outer, staleness)
+
+
+class Role(enum.Enum):
+    INITIATOR = "initiator"
+    RESPONDER = "responder"
+
+
+class Stage(enum.Enum):
+    HEADER = "header"  # reading the peer's Header
+    ADMIT = "admit"  # responder: the shell's admission decides
+    PREPARING = "preparing"  # our snapshot is being encoded
+    TRANSFER = "transfer"  # payloads cross, Ready both ways
+    FLUSH = "flush"  # our payload is being written out
+    COMMIT = "commit"  # responder: reading Commit
+    APPLYING = "applying"  # decided: the shell applies
+    DONE = "done"
+    REJECTED = "rejected"  # responder: refused with Reject
+    FAILED = "failed"
+
+
+class ExchangeSession:
+    """The protocol state of one exchange (see the module docstring for events and actions).
+
+    ``engine`` is only read here (fragments, link versions, round counts); its heavy work is
+    requested through actions so the shell can run it off its event loop.
+    """
+
+    def __init__(self, rules: Rules, engine: ExchangeEngine, role: Role, peer_id: str = "",
+                 fragment: int = 0) -> None:
+        self.rules = rules
+        self.engine = engine
+        self.role = role
+        self.stage = Stage.PREPARING if role is Role.INITIATOR else Stage.HEADER
+        self.peer_id = peer_id
+        self.fragment = fragment
+        self.problem: ExchangeError | None = None  # why a responder rejected
+        self._prep: Prepared | None = None
+        self._mine: pb.Header | None = None
+        self._peer: pb.Header | None = None
+        self._await_header = False  # responder: the initiator re-sends its Header (link reset)
+        self._buf = bytearray()
+        self._received: Encoded | None = None
+        self._my_rounds: int | None = None
+        self._peer_rounds: int | None = None
+        self._staleness = 0
+
+    @classmethod
+    def initiator(cls, rules: Rules, engine: ExchangeEngine, peer_id: str,
+                  fragment: int) -> ExchangeSession:
+        return cls(rules, engine, Role.INITIATOR, peer_id, fragment)
+
+    @classmethod
+    def responder(cls, rules: Rules, engine: ExchangeEngine) -> ExchangeSession:
+        return cls(rules, engine, Role.RESPONDER)
+
+    # ----------------------------------------------------------------- what to wait for
+    def expecting(self) -> tuple[str, float] | None:
+        """``(what, timeout_s)`` of the message to read next, or None (no read now)."""
+        t = self.rules.timeouts
+        if self.stage is Stage.HEADER:
+            side = "responder" if self.role is Role.INITIATOR else "initiator"
+            return f"the {side}'s Header", t.header_s
+        if self.stage is Stage.TRANSFER:
+            return "payload", t.chunk_s
+        if self.stage is Stage.COMMIT:
+            return "Commit", t.commit_s
+        return None
+
+    @property
+    def peer_codec(self) -> str:
+        return self._peer.codec if self._peer is not None else ""
+
+    def timed_out(self) -> list[Action]:
+        what, timeout_s = self.expecting() or ("a message", 0.0)
+        raise ProtocolError(f"no {what} within {timeout_s:g} s")
+
+    def closed(self) -> list[Action]:
+        what, _ = self.expecting() or ("a message", 0.0)
+        raise ProtocolError(f"stream closed while waiting for {what}")
+
+    # ----------------------------------------------------------------- events
+    def start(self) -> list[Action]:
+        """Initiator: snapshot and encode against the link's reference."""
+        assert self.role is Role.INITIATOR and self.stage is Stage.PREPARING
+        return [Prepare(self.peer_id, self.fragment, self.rules.codec, False)]
+
+    def prepared(self, prep: Prepared) -> list[Action]:
+        assert self.stage is Stage.PREPARING
+        first = self._prep is None
+        self._prep = prep
+        header = make_header(self.rules.me, prep, len(self.engine.fragments))
+        self._mine = self._mine or header.header
+        if self.role is Role.INITIATOR and first:
+            self.stage = Stage.HEADER
+            return [Send(header)]
+        # responder (its header carries its version before any reset, so the initiator resets
+        # too), or the initiator's re-encoded Header after a link reset
+        self.stage = Stage.TRANSFER
+        return [Send(header), SendPayload(prep.payload, prep.encoded.spec)]
+
+    def receive(self, msg: pb.ExchangeMsg) -> list[Action]:
+        kind = msg.WhichOneof("kind")
+        if self.stage is Stage.HEADER:
+            if self.role is Role.INITIATOR:
+                return self._reply_header(msg, kind)
+            return self._first_header(msg, kind)
+        if self.stage is Stage.TRANSFER:
+            return self._transfer(msg, kind)
+        if self.stage is Stage.COMMIT:
+            if kind == "abort":
+                raise PeerAborted(msg.abort.code, msg.abort.message)
+            if kind != "commit":
+                raise ProtocolError(f"expected Commit, got {kind}")
+            return [self._apply()]
+        raise ProtocolError(f"unexpected {kind} in stage {self.stage.value}")
+
+    def admitted(self) -> list[Action]:
+        assert self.stage is Stage.ADMIT and self._peer is not None
+        h = self._peer
+        self._await_header = h.link_version != self.engine.link_version(h.peer_id)
+        self.stage = Stage.PREPARING
+        return [Prepare(h.peer_id, h.fragment_index, header_codec(h), self._await_header)]
+
+    def refused(self) -> list[Action]:
+        return self._reject(ExchangeError(BUSY, "at the inbound limit or already exchanging "
+                                                "with you"))
+
+    def checked(self, received: Encoded) -> list[Action]:
+        """The peer's payload is valid: send Ready with our round ends since the snapshot."""
+        assert self._prep is not None
+        self._received = received
+        self._my_rounds = self.engine.rounds_since(self._prep)
+        ready = pb.ExchangeMsg(ready=pb.Ready(rounds_since_snapshot=self._my_rounds))
+        return [Send(ready), *self._maybe_flush()]
+
+    def check_failed(self, exc: Exception) -> list[Action]:
+        raise ProtocolError(f"bad payload: {exc}")
+
+    def payload_sent(self) -> list[Action]:
+        assert self.stage is Stage.FLUSH
+        assert self._my_rounds is not None and self._peer_rounds is not None
+        self._staleness = self._my_rounds + self._peer_rounds
+        if self.role is Role.RESPONDER:
+            self.stage = Stage.COMMIT
+            return []
+        return [Send(pb.ExchangeMsg(commit=pb.Commit())), self._apply()]
+
+    def applied(self, correction_norm: float) -> list[Action]:
+        assert self.stage is Stage.APPLYING and self._prep is not None
+        assert self._received is not None
+        self.stage = Stage.DONE
+        prep = self._prep
+        return [Done(Outcome(prep.peer_id, prep.fragment.index, self._staleness,
+                             self.rules.weight(self._staleness), correction_norm,
+                             len(prep.payload), self._received.nbytes, prep.fragment.numel))]
+
+    def fail(self, exc: BaseException, transport_lost: bool = False) -> list[Action]:
+        """The exchange failed with ``exc`` (nothing applied): what to tell the peer.
+
+        Nothing when the commit was already decided, when the peer ended it (Abort, Reject) or
+        when the stream is gone (``transport_lost``); else an Abort with the error's code.
+        """
+        if self.stage in (Stage.APPLYING, Stage.DONE, Stage.REJECTED, Stage.FAILED):
+            return []
+        self.stage = Stage.FAILED
+        if transport_lost or isinstance(exc, PeerAborted | Rejected):
+            return []
+        code = exc.code if isinstance(exc, ExchangeError) else INTERNAL
+        return [Send(abort(code, str(exc)))]
+
+    # ----------------------------------------------------------------- stages
+    def _first_header(self, msg: pb.ExchangeMsg, kind: str | None) -> list[Action]:
+        if kind != "header":
+            return self._reject(ExchangeError(BAD_REQUEST, "the first message must be a Header"))
+        h = msg.header
+        problem = check_header(h, self.rules.me, self.engine.fragments, self.rules.accepted)
+        if problem is not None:
+            return self._reject(problem)
+        self._peer, self.peer_id, self.fragment = h, h.peer_id, h.fragment_index
+        self.stage = Stage.ADMIT
+        return [Admit(h.peer_id)]
+
+    def _reject(self, problem: ExchangeError) -> list[Action]:
+        self.problem = problem
+        self.stage = Stage.REJECTED
+        return [Send(reject(problem.code, problem.message))]
+
+    def _reply_header(self, msg: pb.ExchangeMsg, kind: str | None) -> list[Action]:
+        if kind == "reject":
+            raise Rejected(msg.reject.code, msg.reject.message)
+        if kind != "header":
+            raise ProtocolError(f"expected Header or Reject, got {kind}")
+        assert self._mine is not None and self._prep is not None
+        problem = check_reply_header(msg.header, self._mine, self.rules.me, self.engine.fragments,
+                                     self.rules.accepted)
+        if problem is not None:
+            raise problem
+        if msg.header.peer_id != self.peer_id:
+            raise ProtocolError(f"dialed {self.peer_id}, answered by {msg.header.peer_id}")
+        self._peer = msg.header
+        if msg.header.link_version != self._prep.link_version:  # both restart from theta_0
+            self.stage = Stage.PREPARING
+            return [Prepare(self.peer_id, self.fragment, self.rules.codec, True)]
+        self.stage = Stage.TRANSFER
+        return [SendPayload(self._prep.payload, self._prep.encoded.spec)]
+
+    def _transfer(self, msg: pb.ExchangeMsg, kind: str | None) -> list[Action]:
+        assert self._peer is not None
+        if kind == "header" and self._await_header:
+            self._peer = self._replacement_header(msg.header, self._peer)
+            self._await_header = False
+            return []
+        if kind == "chunk" and self._received is None and not self._await_header:
+            return self._chunk(msg.chunk.data, self._peer)
+        if kind == "ready" and self._peer_rounds is None:
+            self._peer_rounds = msg.ready.rounds_since_snapshot
+            return self._maybe_flush()
+        if kind == "abort":
+            raise PeerAborted(msg.abort.code, msg.abort.message)
+        raise ProtocolError(f"unexpected {kind} during the transfer")
+
+    def _chunk(self, data: bytes, peer: pb.Header) -> list[Action]:
+        if not data or len(data) > MAX_CHUNK_BYTES:
+            raise ProtocolError(f"chunk of {len(data)} B (limit {MAX_CHUNK_BYTES})")
+        if len(self._buf) + len(data) > peer.payload_bytes:
+            raise ProtocolError(f"payload exceeds the announced {peer.payload_bytes} B")
+        self._buf += data
+        if len(self._buf) < peer.payload_bytes:
+            return []
+        return [Check(header_codec(peer), peer.fragment_numel, self._buf, peer.payload_crc32)]
+
+    def _replacement_header(self, new: pb.Header, old: pb.Header) -> pb.Header:
+        problem = check_header(new, self.rules.me, self.engine.fragments, self.rules.accepted)
+        if problem is None and (new.peer_id, new.fragment_index, new.codec, new.block_size) != (
+                old.peer_id, old.fragment_index, old.codec, old.block_size):
+            problem = ProtocolError("the re-sent Header changed peer, fragment or codec")
+        if problem is not None:
+            raise problem
+        return new
+
+    def _maybe_flush(self) -> list[Action]:
+        if self._received is None or self._peer_rounds is None:
+            return []
+        self.stage = Stage.FLUSH
+        return [FlushPayload(self.rules.timeouts.chunk_s)]
+
+    def _apply(self) -> Apply:
+        assert self._prep is not None and self._received is not None
+        self.stage = Stage.APPLYING
+        return Apply(self._prep, self._received, self.rules.weight(self._staleness),
+                     self._staleness)

@@ -1,0 +1,105 @@
+"""A daemon exchange (two gRPC shells on 127.0.0.1) and a simulated one give identical tensors.
+
+The same two parameter states go through a sequence of exchanges twice: once through the node's
+:class:`GossipTransport` over real sockets, once through the simulator's
+:class:`ProtocolExchanger` (in memory). The sequence covers a fresh link, the reverse direction
+on the same link, a round end on one side between snapshot and commit (staleness 1: the
+down-weighted gossip weight), and a link one side lost (reset to ``theta_0`` on both). After
+every exchange both paths must hold bit-identical parameters, anchors, momentum memories,
+references and link versions, and report the same staleness, weight and correction norm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.sim.exchange import ProtocolExchanger
+from tests.node_helpers import Peer, fragments, gossip_config, make_peer, run, wait_until
+
+OUTER = AsyncConfig(eta=0.7, gamma=0.5, w=0.5, staleness_policy="downweight", max_staleness=0)
+# (initiator, fragment, round end on the responder mid-exchange, responder loses the link)
+STEPS = [(0, 0, False, False), (1, 1, False, False), (0, 1, True, False), (0, 0, False, True),
+         (1, 0, True, False)]
+
+
+def _clone_state(state: AsyncGaslocState, theta0: torch.Tensor) -> AsyncGaslocState:
+    copy = AsyncGaslocState(state.theta.clone(), theta0, state.cfg)
+    copy.anchor.copy_(state.anchor)
+    copy.memory.copy_(state.memory)
+    copy.rounds = state.rounds
+    return copy
+
+
+def _tensors(state: AsyncGaslocState, refs: object, other: str) -> dict[str, object]:
+    link = refs.get(other)  # type: ignore[attr-defined]
+    return {"theta": state.theta, "anchor": state.anchor, "memory": state.memory,
+            "rounds": state.rounds, "ref_out": link.ref_out, "ref_in": link.ref_in,
+            "version": link.version}
+
+
+def _assert_identical(daemon: dict[str, object], sim: dict[str, object], where: str) -> None:
+    for key, value in daemon.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, sim[key]), f"{where}: {key} differs"
+        else:
+            assert value == sim[key], f"{where}: {key} {value} != {sim[key]}"
+
+
+def _round_end_before_check(peer: Peer) -> None:
+    """The peer ends a round after its snapshot, while it checks the payload it received."""
+    check = peer.engine.check
+
+    def late_round_end(*args):
+        with peer.engine.lock.urgent():
+            peer.state.round_end()
+        peer.engine.check = check  # once
+        return check(*args)
+
+    peer.engine.check = late_round_end
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp4"])
+def test_daemon_and_simulator_exchanges_are_bit_identical(codec):
+    async def main():
+        peers = [await make_peer("0", 1, gossip_config(codec=codec), outer=OUTER),
+                 await make_peer("1", 2, gossip_config(codec=codec), outer=OUTER)]
+        try:
+            t0 = peers[0].engine.theta0
+            sim_states = [_clone_state(p.state, t0) for p in peers]
+            sim = ProtocolExchanger(sim_states, t0, fragments(), CodecSpec.of(codec), OUTER)
+            start = peers[0].state.theta.clone()
+            for n, (i, frag, late_round, lost) in enumerate(STEPS):
+                j = 1 - i
+                if lost:  # the responder evicted the link: both paths must reset it
+                    peers[j].engine.refs.get(str(i)).reset(t0)
+                    sim.engines[j].refs.get(str(i)).reset(t0)
+                if late_round:
+                    _round_end_before_check(peers[j])
+                ok = peers[j].exchanger.stats.ok_responder
+                daemon_out = await peers[i].exchange(peers[j], frag)
+                await wait_until(lambda j=j, ok=ok: peers[j].exchanger.stats.ok_responder > ok,
+                                 what="the responder's commit")
+                pend = sim.begin(i, j, frag)
+                if late_round:
+                    sim_states[j].round_end()
+                staleness, weight = sim.commit(pend)
+                assert (staleness, weight) == (daemon_out.staleness, daemon_out.weight)
+                assert weight == (0.25 if late_round else 0.5)
+                for k in (i, j):
+                    _assert_identical(_tensors(peers[k].state, peers[k].engine.refs, str(1 - k)),
+                                      _tensors(sim_states[k], sim.engines[k].refs, str(1 - k)),
+                                      f"step {n}, side {k}")
+                link = sim.engines[i].refs.get(str(j))
+                want = torch.tensor(weight) * (fragments()[frag].gather(link.ref_in)
+                                               - fragments()[frag].gather(link.ref_out))
+                assert daemon_out.correction_norm == pytest.approx(float(want.norm()), rel=1e-6)
+            assert peers[0].engine.refs.get("1").version == 2  # reset once, then one more
+            assert not torch.equal(peers[0].state.theta, start)  # the exchanges did something
+        finally:
+            for p in peers:
+                await p.close()
+
+    run(main())
