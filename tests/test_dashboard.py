@@ -8,15 +8,11 @@ copied to ``docs/dashboard.png`` (the README's picture). Skipped without Chromiu
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import urllib.error
 import urllib.request
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -24,50 +20,11 @@ import pytest
 from gasloc_p2p.tools.dashboard import DashboardServer
 from gasloc_p2p.tools.dashboard_page import PANELS, render_page
 from gasloc_p2p.tools.prometheus import INSTALL_HINT, find_prometheus, query, query_range
+from tests.browser_helpers import CHROMIUM, Panels, chromium
 from tests.node_helpers import scaled
 from tests.swarm_helpers import live_swarm, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))
-                 if p), None)
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                  "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-                  "--window-size=1280,900", "--virtual-time-budget=5000"]
-
-
-class Panels(HTMLParser):
-    """Collects each panel's attributes, its chart's attributes and its lines' labels."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.panels: list[dict] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = dict(attrs)
-        if tag == "section" and a.get("class") == "panel":
-            self.panels.append({"panel": a, "svg": {}, "lines": {}})
-        elif tag == "svg" and self.panels:
-            self.panels[-1]["svg"] = a
-        elif tag == "path" and self.panels and a.get("data-label"):
-            self.panels[-1]["lines"][a["data-label"]] = int(a.get("data-points") or 0)
-
-
-def chromium(args: list[str], profile: Path, timeout_s: float) -> subprocess.CompletedProcess:
-    """Run headless Chromium in its own process group; kill the whole group afterwards."""
-    assert CHROMIUM is not None
-    proc = subprocess.Popen([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # renderer and zygote children too
-        proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install -y chromium")
 @pytest.mark.skipif(find_prometheus() is None, reason=f"no 'prometheus' binary: {INSTALL_HINT}")
 def test_dashboard_shows_a_live_swarm_in_chromium(tmp_path):

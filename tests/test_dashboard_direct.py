@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from gasloc_p2p.tools.dashboard import DashboardServer
 from gasloc_p2p.tools.dashboard_page import PANELS, RECIPES
 from gasloc_p2p.tools.direct_metrics import DirectMetrics, Recipe, Scrape, histogram_quantile
+from tests.browser_helpers import CHROMIUM, Panels, chromium
 from tests.node_helpers import scaled
 from tests.swarm_helpers import live_swarm, wait_for
-from tests.test_dashboard import CHROMIUM, Panels, chromium
 
 
 def test_every_panel_has_a_direct_recipe():

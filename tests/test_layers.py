@@ -117,3 +117,13 @@ def test_layer_check_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import grpc\nfrom asyncio import sleep\nimport torch\n")
     assert imported_modules(bad) == {"grpc", "asyncio", "torch"}
+
+
+def test_tests_and_benchmarks_share_helpers_not_test_modules():
+    """Shared test code lives in tests/*_helpers.py, tests/toy.py and conftest.py: a test module
+    importing another test module would run (or break) with it."""
+    root = PKG.parent
+    paths = [*sorted((root / "tests").glob("*.py")), *sorted((root / "benchmarks").glob("*.py"))]
+    bad = [f"{p.relative_to(root)}: {name}" for p in paths for name in imported_modules(p)
+           if name.startswith("tests.test_")]
+    assert not bad, bad
