@@ -19,7 +19,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gasloc_p2p.node.config import ConfigError, NetworkConfig, NodeConfig
+from gasloc_p2p.node.config import (
+    ConfigError,
+    NetworkConfig,
+    NodeConfig,
+    check_bootstrap_peers,
+)
 from gasloc_p2p.node.settings import add_config_flags, build_config
 
 log = logging.getLogger(__name__)
@@ -59,11 +64,26 @@ def run_join(args: argparse.Namespace) -> int:
     """Entry point of ``gasloc-node join``; returns the exit code."""
     try:
         cfg = build_config(args)
-    except ConfigError as exc:
+        check_bootstrap_peers(cfg.discovery.peers)
+        _check_ports(cfg)
+    except (ConfigError, OSError) as exc:
         return _fail_config("join", exc)
     import uvloop
 
     return int(uvloop.run(_join(cfg)))
+
+
+def _check_ports(cfg: NodeConfig) -> None:
+    """Fail at once, naming the flag, if a fixed port is taken (before the DHT starts)."""
+    from gasloc_p2p.node.transport.service import check_bindable
+
+    net, m = cfg.network, cfg.metrics
+    if net.port:
+        check_bindable(net.host, net.port, "--port", "the gRPC port")
+    if cfg.discovery.dht_port:
+        check_bindable(net.host, cfg.discovery.dht_port, "--dht-port", "the DHT")
+    if m.metrics_port > 0:
+        check_bindable(m.metrics_host or net.host, m.metrics_port, "--metrics-port", "/metrics")
 
 
 async def _join(cfg: NodeConfig) -> int:
@@ -108,18 +128,37 @@ def run_status(args: argparse.Namespace) -> int:
         return _fail_config("status", ValueError("give --endpoint HOST:PORT or --peers MADDR"))
     if args.timeout_s <= 0:
         return _fail_config("status", ValueError("--timeout-s must be > 0"))
+    try:
+        check_bootstrap_peers(tuple(args.peers))
+    except ConfigError as exc:
+        return _fail_config("status", exc)
     import uvloop
 
     try:
         report = uvloop.run(asyncio.wait_for(_status(args), args.timeout_s))
     except Exception as exc:
-        print(f"gasloc-node status: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"gasloc-node status: error: {_one_line(exc, args)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
         _print_report(report)
     return 0
+
+
+def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
+    """A failure of ``status`` as one line that says what to check."""
+    import grpc
+
+    if isinstance(exc, grpc.aio.AioRpcError | grpc.RpcError) and hasattr(exc, "code"):
+        details = (exc.details() or "").splitlines()[0] if exc.details() else ""
+        return (f"no gasloc node answered at {args.endpoint} ({exc.code().name}: {details}); "
+                "check --endpoint: the node's gRPC host:port, printed when it starts")
+    if isinstance(exc, TimeoutError):
+        return (f"no answer within --timeout-s={args.timeout_s:g}; check --endpoint/--peers "
+                "and that the node is running")
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"
 
 
 async def _status(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,6 +188,7 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
 
         report["info"] = MessageToDict(info, preserving_proto_field_name=True,
                                        always_print_fields_with_no_presence=True)
+        report["info"].pop("probe_ok", None)  # only meaningful in a reachability probe
     return report
 
 

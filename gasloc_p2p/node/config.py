@@ -215,8 +215,34 @@ class DiscoveryConfig:
               f"must exceed --announce-interval-s={self.announce_interval_s}, or the node "
               "vanishes between refreshes")
         for peer in self.peers:
-            need(peer.startswith("/"), "peers", peer,
-                  "each peer is a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
+            need(peer.startswith("/"), "peers", peer, PEERS_HINT)
+
+
+PEERS_HINT = ("each peer is a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/Qm... (the line a "
+              "running node prints)")
+
+
+def check_bootstrap_peers(peers: tuple[str, ...]) -> None:
+    """ConfigError unless every peer parses as a libp2p multiaddr with a peer id (the DHT
+    would otherwise fail seconds later with a less helpful message)."""
+    for peer in peers:
+        problem = multiaddr_problem(peer)
+        need(problem is None, "peers", peer, f"{problem}; {PEERS_HINT}")
+
+
+def multiaddr_problem(text: str) -> str | None:
+    """Why ``text`` is not a bootstrap multiaddr (with a ``/p2p/`` peer id), or None."""
+    if not text.startswith("/"):
+        return "not a multiaddr"
+    from hivemind.utils.multiaddr import Multiaddr  # heavy: only when peers are given
+
+    try:
+        addr = Multiaddr(text)
+    except Exception as exc:  # noqa: BLE001 - the parser raises several types
+        return f"not a valid multiaddr ({str(exc).split(': ', 1)[-1]})"
+    if "p2p" not in [p.name for p in addr.protocols()]:
+        return "no /p2p/<peer id> part"
+    return None
 
 
 @dataclass(frozen=True)

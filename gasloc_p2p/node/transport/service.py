@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -129,15 +130,36 @@ class GossipServicer(pb_grpc.GossipServicer):
 
 async def start_server(servicer: GossipServicer, host: str, port: int, net: NetworkConfig,
                        max_inbound: int) -> tuple[grpc.aio.Server, int]:
-    """Start serving on ``host:port`` (0: any free port); returns the server and its port."""
+    """Start serving on ``host:port`` (0: any free port); returns the server and its port.
+
+    OSError naming ``--port`` if the address cannot be bound (checked with a plain socket
+    first, so gRPC's own multi-line bind failure never reaches the user's terminal).
+    """
+    if port:
+        check_bindable(host, port, "--port", "the gRPC port")
     server = grpc.aio.server(options=grpc_options(net, server=True),
                              maximum_concurrent_rpcs=2 * max_inbound + 16)
     pb_grpc.add_GossipServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port} (address in use or not local?)")
+        raise OSError(f"cannot listen on {host}:{port} for gRPC (address in use or not local?): "
+                      "choose another --port (0: any free port) or --host")
     await server.start()
     return server, bound
+
+
+def check_bindable(host: str, port: int, flag: str, what: str) -> None:
+    """OSError with ``flag`` in its message if ``host:port`` cannot be bound right now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is ok
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            error = OSError(f"cannot listen on {host}:{port} for {what} ({exc.strerror}): "
+                            f"choose another {flag} (0: any free port)")
+            error.errno = exc.errno
+            raise error from None
 
 
 class PeerChannels:

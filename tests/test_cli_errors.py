@@ -1,0 +1,65 @@
+"""What a new user sees when something is wrong: one line on stderr, naming the flag to fix,
+and at once (before the DHT or the model starts). Every case runs the real CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+CLI = [sys.executable, "-m", "gasloc_p2p.cli"]
+ENV = dict(os.environ, HIVEMIND_LOGLEVEL="ERROR")
+
+
+def run_cli(*args: str, timeout_s: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout_s,
+                            env=ENV)
+    return result, time.monotonic() - start
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_status_of_a_dead_endpoint_is_one_line():
+    result, _ = run_cli("status", "--endpoint", "127.0.0.1:1", "--timeout-s", "10")
+    assert result.returncode == 1
+    line = one_line(result)
+    assert line.startswith("gasloc-node status: error: no gasloc node answered at 127.0.0.1:1")
+    assert "--endpoint" in line and "UNAVAILABLE" in line
+
+
+@pytest.mark.parametrize("peer, problem", [
+    ("/ip4/127.0.0.1/tcp/1/p2p/QmNotARealPeer", "not a valid multiaddr"),
+    ("/ip4/127.0.0.1/tcp/1", "no /p2p/<peer id> part"),
+    ("/ip4/1.2.3/tcp/5/p2p/QmXpQZ5i5WGi6pgc3yXfELRRtZmkXo8Nqkp1UG3ziodZxX", "not IPv4"),
+])
+@pytest.mark.parametrize("command", ["join", "status"])
+def test_a_malformed_bootstrap_peer_fails_at_once(command, peer, problem):
+    result, _ = run_cli(command, "--peers", peer)
+    assert result.returncode == 2
+    line = one_line(result)
+    assert line.startswith(f"gasloc-node {command}: error: --peers='{peer}'") and problem in line
+
+
+@pytest.mark.parametrize("flag, what", [("--port", "the gRPC port"), ("--dht-port", "the DHT"),
+                                        ("--metrics-port", "/metrics")])
+def test_a_port_in_use_names_its_flag(flag, what):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result, seconds = run_cli("join", "--host", "127.0.0.1", flag, str(port))
+    assert result.returncode == 2
+    line = one_line(result)
+    assert line == (f"gasloc-node join: error: cannot listen on 127.0.0.1:{port} for {what} "
+                    f"(Address already in use): choose another {flag} (0: any free port)")
+    assert seconds < 30, "the check must come before the DHT starts"
