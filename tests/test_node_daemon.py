@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.discovery.base import (
     CompatibilityFilter,
@@ -19,6 +18,7 @@ from gasloc_p2p.node.discovery.base import (
     InMemoryRegistry,
     PeerInfo,
 )
+from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.settings import build_config
 from gasloc_p2p.node.transport.service import download_state, fetch_info
@@ -145,7 +145,7 @@ def test_client_mode_node_gossips_by_dialing_out_only(corpus):
             await wait_until(lambda: b.stats.ok_initiator >= 3, timeout_s=60,
                              what="the NAT'ed node's outbound exchanges")
             assert not b.peer_info().reachable
-            assert a.book.candidates() == []  # the open node never dials the NAT'ed one
+            assert a.mode.book.candidates() == []  # the open node never dials the NAT'ed one
             assert a.stats.ok_initiator == 0 and b.stats.ok_responder == 0
             outbound = b.stats.ok_initiator  # read first: a's count is never behind it
             assert a.stats.ok_responder >= outbound
@@ -168,12 +168,12 @@ def test_unreachable_node_is_detected_and_gossips_by_dialing_out(corpus):
             await wait_until(lambda: not b.reachable, timeout_s=scaled(30),
                              what="b detects it cannot be dialed")
             assert a.reachable
-            await wait_until(lambda: a.book is not None and "node-b" in a.book.peers
-                             and not a.book.peers["node-b"].reachable,
+            await wait_until(lambda: "node-b" in a.mode.book.peers
+                             and not a.mode.book.peers["node-b"].reachable,
                              timeout_s=scaled(10), what="a learns b is unreachable")
             before = a.stats.ok_responder
             await wait_until(lambda: a.stats.ok_responder >= before + 2, timeout_s=scaled(60),
                              what="b still gossips by dialing out")
-            assert not a.book.candidates()  # a never dials b now
+            assert not a.mode.book.candidates()  # a never dials b now
 
     run(main(), timeout_s=scaled(150))
