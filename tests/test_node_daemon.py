@@ -19,6 +19,7 @@ from gasloc_p2p.node.discovery.base import (
     PeerInfo,
 )
 from gasloc_p2p.node.runtime import checkpoint as ckpt
+from gasloc_p2p.node.runtime.clock import ManualClock
 from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.settings import build_config
 from gasloc_p2p.node.transport.service import download_state, fetch_info
@@ -111,6 +112,28 @@ def test_resume_from_checkpoint_and_full_disk_keeps_running(corpus, tmp_path, mo
         assert not list(tmp_path.glob(".node-*.tmp"))  # no temporary left behind
 
     run(main(), timeout_s=120)
+
+
+def test_node_timers_run_on_the_injected_clock(corpus, tmp_path):
+    # The checkpoint timer fires when the node's (manual) clock says so, never on wall time.
+    async def main():
+        slow = {"announce_interval_s": 600.0, "announce_ttl_s": 1800.0,
+                "refresh_interval_s": 600.0, "log_interval_s": 600.0}
+        cfg = tiny_config(corpus, checkpoint_dir=str(tmp_path), checkpoint_interval_s=3600.0,
+                          **slow)
+        clock = ManualClock()
+        node = Node(cfg, InMemoryDiscovery(InMemoryRegistry(), "gasloc", "solo"), clock=clock)
+        async with node:
+            await wait_until(lambda: node.train_stats.step >= 3, what="training steps")
+            await clock.advance(3599.0)
+            assert not (tmp_path / ckpt.FILENAME).exists()  # not due yet, however long it ran
+            await clock.advance(2.0)
+            await wait_until(lambda: (tmp_path / ckpt.FILENAME).exists(),
+                             what="the checkpoint timer's save")
+            saved = ckpt.load(tmp_path)
+            assert saved is not None and saved["step"] >= 3
+
+    run(main(), timeout_s=60)
 
 
 def test_incompatible_peers_are_skipped_and_logged_once(caplog):
