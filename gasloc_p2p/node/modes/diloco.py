@@ -344,8 +344,8 @@ class DilocoMode(Mode):
             self.averager = HivemindAverager(
                 dht, trainer.flat.numel,
                 averaging_prefix(cfg.discovery.run_id, trainer.fingerprint), cfg.diloco)
+        self._averaging = True  # close even a half-started averager (close is safe twice)
         await asyncio.to_thread(self.averager.start)
-        self._averaging = True
 
         async def download(peer_endpoint: str) -> Any:
             return await download_state(ctx.channels.stub(peer_endpoint), ctx.me,

@@ -111,12 +111,13 @@ class Node:
         self.me = Identity(cfg.discovery.run_id, trainer.fingerprint, me_id)
         self.filter = CompatibilityFilter(PROTOCOL_VERSION, trainer.fingerprint, me_id,
                                           cfg.outer.algorithm)
+        stack.push_async_callback(_timed, "mode stop", self.mode.stop)  # safe if start fails
         # before any gRPC channel and the trainer thread exist: DiLoCo's averager forks
         await self.mode.start(ModeContext(
-            cfg, trainer, self.lock, self.train_stats, self.stats, self.discovery, self.channels,
-            self.me, self.clock, self._train_stop, lambda: self.peers, lambda: self.endpoint,
-            seed))
-        stack.push_async_callback(_timed, "mode stop", self.mode.stop)
+            cfg=cfg, trainer=trainer, lock=self.lock, train_stats=self.train_stats,
+            exchange_stats=self.stats, discovery=self.discovery, channels=self.channels,
+            me=self.me, clock=self.clock, stop=self._train_stop, peers=lambda: self.peers,
+            endpoint=lambda: self.endpoint, seed=seed))
         await self._initial_state()
         await self._start_server(stack)
         stack.push_async_callback(_timed, "channels close", self.channels.close)
