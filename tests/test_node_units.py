@@ -4,6 +4,7 @@ and the timers on a manual clock (virtual time: no test here sleeps for a timer)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -160,3 +161,24 @@ def test_periodic_job_runs_every_period_and_survives_errors():
         return calls
 
     assert run(main()) == [60.0, 120.0, 180.0, 240.0, 259.0]
+
+
+def test_node_stop_recancels_a_task_that_lost_its_cancellation(caplog):
+    from gasloc_p2p.node.runtime.daemon import _cancel_all
+
+    async def stubborn() -> None:
+        for _ in range(2):  # the first cancellation is lost, as in a race with a gRPC call
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(stubborn(), name="stubborn"),
+                 asyncio.create_task(asyncio.sleep(3600), name="plain")]
+        await asyncio.sleep(0)
+        await asyncio.wait_for(_cancel_all(tasks, recheck_s=0.05), scaled(5))
+        assert all(t.cancelled() for t in tasks)
+
+    with caplog.at_level("WARNING"):
+        run(main())
+    assert any("stubborn still runs" in r.getMessage() for r in caplog.records)

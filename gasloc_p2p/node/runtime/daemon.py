@@ -128,11 +128,7 @@ class Node:
         tasks += [tg.create_task(job(), name=name) for name, job in self.mode.tasks()]
         tasks.append(tg.create_task(self._watch_trainer(), name="watch-trainer"))
 
-        async def cancel_tasks() -> None:
-            for task in tasks:
-                task.cancel()
-
-        stack.push_async_callback(cancel_tasks)  # runs before the TaskGroup exits
+        stack.push_async_callback(_cancel_all, tasks)  # runs before the TaskGroup exits
         log.info("node %s up: gRPC %s, model %d params (%s), %d fragment(s), codec %s, "
                  "metrics %s", me_id, self.endpoint, trainer.flat.numel, trainer.fingerprint[:12],
                  len(trainer.fragments), cfg.gossip.codec, self.metrics.url or "off")
@@ -362,6 +358,21 @@ class Node:
             if value != getattr(defaults, name):
                 extra.append(f"--{name.replace('_', '-')} {value}")
         return " ".join(["gasloc-node join", *extra, "--peers", *addrs])
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]], recheck_s: float = 1.0) -> None:
+    """Cancel ``tasks`` and wait until all are done. A cancellation can be lost in a race (a
+    gRPC call ending as CANCELLED, 3.11's ``wait_for``) and the task would then run on and
+    hold the TaskGroup's exit forever: a task still running after ``recheck_s`` is cancelled
+    again."""
+    pending: set[asyncio.Task[None]] = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=recheck_s)
+        for task in pending:
+            log.warning("task %s still runs after its cancellation; cancelling it again",
+                        task.get_name())
 
 
 async def _timed(name: str, fn: Callable[[], Awaitable[None]]) -> None:
