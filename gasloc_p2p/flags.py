@@ -99,9 +99,9 @@ def add_flags(parser: argparse.ArgumentParser, opts: Mapping[str, Option],
             kw.setdefault("metavar", "VALUE")
             target.add_argument(opt.cli, nargs="+", action=_Flatten,
                                 type=_argparse_type(opt), **kw)
-        else:
-            if opt.choices:
-                kw["choices"] = opt.choices
+        else:  # choices are checked by the config's validate(), one error path for all sources
+            if opt.choices and "metavar" not in kw:
+                kw["metavar"] = "{" + ",".join(opt.choices) + "}"
             target.add_argument(opt.cli, type=_argparse_type(opt), **kw)
 
 

@@ -7,7 +7,9 @@ import importlib
 from pathlib import Path
 
 from gasloc_p2p.node.config import NodeConfig
+from gasloc_p2p.node.modes import gossip
 from gasloc_p2p.node.settings import build_config
+from gasloc_p2p.node.transport.exchange import GossipTransport
 from tests.node_helpers import scaled
 
 STDLIB_TEXTS = ("argparse", "ast", "typing", "inspect", "textwrap")
@@ -32,3 +34,17 @@ def tiny_config(corpus: Path, **flags: object) -> NodeConfig:
             "warmup_steps": 10}
     base.update(flags)
     return build_config(argparse.Namespace(**base), environ={})
+
+
+def spy_on_gossip_machinery(monkeypatch) -> list[str]:
+    """Record every construction of a GossipTransport, PeerBook or GossipLoop (by class name)."""
+    built: list[str] = []
+    for cls in (GossipTransport, gossip.PeerBook, gossip.GossipLoop):
+        init = cls.__init__
+
+        def spy(self, *args, _init=init, _name=cls.__name__, **kw):
+            built.append(_name)
+            _init(self, *args, **kw)
+
+        monkeypatch.setattr(cls, "__init__", spy)
+    return built

@@ -16,6 +16,7 @@ from gasloc_p2p.node.discovery.base import (
     PeerInfo,
 )
 from gasloc_p2p.node.runtime import checkpoint as ckpt
+from gasloc_p2p.node.runtime.clock import ManualClock
 from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.transport.service import download_state, fetch_info
 from tests.daemon_helpers import tiny_config
@@ -80,6 +81,28 @@ def test_resume_from_checkpoint_and_full_disk_keeps_running(corpus, tmp_path, mo
     run(main(), timeout_s=120)
 
 
+def test_node_timers_run_on_the_injected_clock(corpus, tmp_path):
+    # The checkpoint timer fires when the node's (manual) clock says so, never on wall time.
+    async def main():
+        slow = {"announce_interval_s": 600.0, "announce_ttl_s": 1800.0,
+                "refresh_interval_s": 600.0, "log_interval_s": 600.0}
+        cfg = tiny_config(corpus, checkpoint_dir=str(tmp_path), checkpoint_interval_s=3600.0,
+                          **slow)
+        clock = ManualClock()
+        node = Node(cfg, InMemoryDiscovery(InMemoryRegistry(), "gasloc", "solo"), clock=clock)
+        async with node:
+            await wait_until(lambda: node.train_stats.step >= 3, what="training steps")
+            await clock.advance(3599.0)
+            assert not (tmp_path / ckpt.FILENAME).exists()  # not due yet, however long it ran
+            await clock.advance(2.0)
+            await wait_until(lambda: (tmp_path / ckpt.FILENAME).exists(),
+                             what="the checkpoint timer's save")
+            saved = ckpt.load(tmp_path)
+            assert saved is not None and saved["step"] >= 3
+
+    run(main(), timeout_s=60)
+
+
 def test_incompatible_peers_are_skipped_and_logged_once(caplog):
     filt = CompatibilityFilter(1, "f" * 64, "me")
     good = PeerInfo("good", "h:1", 1, "f" * 64)
@@ -112,7 +135,7 @@ def test_client_mode_node_gossips_by_dialing_out_only(corpus):
             await wait_until(lambda: b.stats.ok_initiator >= 3, timeout_s=60,
                              what="the NAT'ed node's outbound exchanges")
             assert not b.peer_info().reachable
-            assert a.book.candidates() == []  # the open node never dials the NAT'ed one
+            assert a.mode.book.candidates() == []  # the open node never dials the NAT'ed one
             assert a.stats.ok_initiator == 0 and b.stats.ok_responder == 0
             outbound = b.stats.ok_initiator  # read first: a's count is never behind it
             assert a.stats.ok_responder >= outbound
@@ -135,12 +158,12 @@ def test_unreachable_node_is_detected_and_gossips_by_dialing_out(corpus):
             await wait_until(lambda: not b.reachable, timeout_s=scaled(30),
                              what="b detects it cannot be dialed")
             assert a.reachable
-            await wait_until(lambda: a.book is not None and "node-b" in a.book.peers
-                             and not a.book.peers["node-b"].reachable,
+            await wait_until(lambda: "node-b" in a.mode.book.peers
+                             and not a.mode.book.peers["node-b"].reachable,
                              timeout_s=scaled(10), what="a learns b is unreachable")
             before = a.stats.ok_responder
             await wait_until(lambda: a.stats.ok_responder >= before + 2, timeout_s=scaled(60),
                              what="b still gossips by dialing out")
-            assert not a.book.candidates()  # a never dials b now
+            assert not a.mode.book.candidates()  # a never dials b now
 
     run(main(), timeout_s=scaled(150))

@@ -32,6 +32,7 @@ from gasloc_p2p.node.discovery.base import (
 )
 from gasloc_p2p.node.modes.averaging import AveragingResult, InMemoryAveragingHub
 from gasloc_p2p.node.modes.diloco import (
+    DilocoMode,
     DilocoRounds,
     choose_reference,
     digests_match,
@@ -42,7 +43,9 @@ from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.settings import add_config_flags, build_config
-from tests.daemon_helpers import tiny_config, write_corpus
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.messages import BUSY, PROTOCOL_VERSION
+from tests.daemon_helpers import spy_on_gossip_machinery, tiny_config, write_corpus
 from tests.node_helpers import run, scaled, wait_until
 from tests.swarm_helpers import NodeProc, wait_for
 
@@ -222,28 +225,33 @@ def test_in_memory_averaging_result_shapes():
 
 
 # ------------------------------------------------------------------ nodes in one process
-def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, capsys):
+def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, capsys,
+                                                           monkeypatch):
+    built = spy_on_gossip_machinery(monkeypatch)
+
     async def main():
         reg, hub = InMemoryRegistry(), InMemoryAveragingHub(matchmaking_time_s=scaled(2))
         hub.fail_at("node-b", 3)  # one failed round on b: a waits out the window, fails too
         flags = {"algorithm": "diloco", "n_layer": 1, "n_embd": 32, "seq_len": 32,
                  "batch_size": 4, "inner_steps": 5, "eval_interval_steps": 20}
         a = Node(tiny_config(corpus, **flags, checkpoint_dir=str(tmp_path)),
-                 InMemoryDiscovery(reg, "gasloc", "node-a"), averager=hub.averager("node-a"))
+                 InMemoryDiscovery(reg, "gasloc", "node-a"), DilocoMode(hub.averager("node-a")))
         b = Node(tiny_config(corpus, **flags, peers=("/memory/node-a",)),
-                 InMemoryDiscovery(reg, "gasloc", "node-b"), averager=hub.averager("node-b"))
+                 InMemoryDiscovery(reg, "gasloc", "node-b"), DilocoMode(hub.averager("node-b")))
         async with a, b:
-            assert a.diloco is not None and b.diloco is not None
-            assert not a.exchanger.accepting  # no gossip in diloco mode
-            await wait_until(lambda: min(a.diloco.stats.rounds_ok, b.diloco.stats.rounds_ok)
+            assert isinstance(a.mode, DilocoMode) and isinstance(b.mode, DilocoMode)
+            ra, rb = a.mode.rounds, b.mode.rounds
+            assert ra is not None and rb is not None
+            assert a.mode.exchanger is None and not hasattr(a.mode, "book")  # no gossip here
+            await wait_until(lambda: min(ra.stats.rounds_ok, rb.stats.rounds_ok)
                              >= 12, timeout_s=60, what="averaged rounds on both nodes")
-            assert a.diloco.stats.resyncs + b.diloco.stats.resyncs >= 1
-            assert b.diloco.stats.failures["injected failure"] == 1
+            assert ra.stats.resyncs + rb.stats.resyncs >= 1
+            assert rb.stats.failures["injected failure"] == 1
             info = b.info()
             assert info.algorithm == "diloco" and info.averaging_rounds_ok >= 12
             assert info.last_group_size == 2 and info.outer_epoch >= 12
             for _ in range(200):  # equal epochs: the anchors agree
-                (ea, pa, ma), (eb, pb, mb) = a.diloco.snapshot(), b.diloco.snapshot()
+                (ea, pa, ma), (eb, pb, mb) = ra.snapshot(), rb.snapshot()
                 if ea == eb:
                     break
             assert ea == eb
@@ -254,13 +262,28 @@ def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, cap
                 info, preserving_proto_field_name=True,
                 always_print_fields_with_no_presence=True)})
             assert "diloco epoch" in capsys.readouterr().out  # gasloc-node status
+            assert await stray_exchange(a, b.endpoint) == BUSY  # as before: no gossip
         for node in (a, b):
             assert not node.train_stats.error
         saved = ckpt.load(tmp_path)  # written at stop: the epoch travels with the anchor
-        assert saved is not None and saved["rounds"] == a.diloco.epoch
+        assert saved is not None and saved["rounds"] == ra.epoch
         assert torch.equal(saved["anchor"], a.trainer.state.anchor)
 
     run(main(), timeout_s=120)
+    assert built == []  # no exchanger, peer book or gossip loop was ever built
+
+
+async def stray_exchange(node: Node, endpoint: str) -> int:
+    """Open an Exchange stream to ``endpoint`` with a well-formed header; the reject code."""
+    header = pb.Header(protocol_version=PROTOCOL_VERSION, run_id=node.me.run_id,
+                       model_fingerprint=node.me.fingerprint, peer_id="stray", codec="int8",
+                       block_size=1024, fragment_count=1, fragment_numel=node.trainer.flat.numel)
+    call = node.channels.stub(endpoint).Exchange(timeout=scaled(10))
+    await call.write(pb.ExchangeMsg(header=header))
+    reply = await call.read()
+    call.cancel()
+    assert reply.WhichOneof("kind") == "reject", reply
+    return int(reply.reject.code)
 
 
 # ------------------------------------------------------------------ real processes

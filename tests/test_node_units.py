@@ -1,18 +1,25 @@
-"""Small pieces of the node: peer choice, fragment order, lr schedule, lock fairness, rate cap."""
+"""Small pieces of the node: peer choice, fragment order, lr schedule, lock fairness, rate cap,
+and the timers on a manual clock (virtual time: no test here sleeps for a timer)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import threading
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from gasloc_p2p.model import build_model
-from gasloc_p2p.node.config import TrainConfig
+from gasloc_p2p.node.config import GossipConfig, NetworkConfig, TrainConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
-from gasloc_p2p.node.modes.gossip import FragmentChooser, PeerBook
+from gasloc_p2p.node.modes.gossip import FragmentChooser, GossipLoop, PeerBook
+from gasloc_p2p.node.runtime.clock import ManualClock, every
 from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.runtime.trainer import inner_settings
 from gasloc_p2p.node.settings import add_config_flags, build_config
 from gasloc_p2p.node.transport.ratelimit import TokenBucket
@@ -98,3 +105,95 @@ def test_token_bucket_caps_the_rate():
     assert 0.25 <= elapsed < scaled(5.0)
     unlimited = TokenBucket(0, 1)
     assert run(asyncio.wait_for(unlimited.take(10**9), 1)) is None
+
+
+# ------------------------------------------------------------------ timers on a manual clock
+def test_peer_book_backoff_expires_on_the_clock():
+    clock = ManualClock(100.0)
+    book = PeerBook("me", clock)
+    book.update([PeerInfo("a", "h:1", 1, "f")])
+    book.backoff("a", 30)
+    clock.now = 129.9
+    assert book.candidates() == []
+    clock.now = 130.1
+    assert [p.peer_id for p in book.candidates()] == ["a"]
+
+
+class CountingLoop(GossipLoop):
+    """A gossip loop whose events only record when they happen (virtual seconds)."""
+
+    def __init__(self, clock: ManualClock, stats: TrainStats, per_round: float) -> None:
+        exchanger = SimpleNamespace(engine=SimpleNamespace(fragments=[0, 1]), inflight=set(),
+                                    stats=ExchangeStats())
+        super().__init__(exchanger, PeerBook("me", clock), None,  # type: ignore[arg-type]
+                         GossipConfig(exchanges_per_round=per_round), NetworkConfig(), stats,
+                         inner_steps=10, seed=7, active=lambda: stats.running, clock=clock)
+        self.events: list[float] = []
+
+    async def gossip_once(self) -> None:  # type: ignore[override]
+        self.events.append(self.clock.monotonic())
+
+
+@pytest.mark.parametrize("per_round", [1.0, 4.0])
+def test_gossip_loop_starts_exchanges_at_the_configured_rate(per_round):
+    async def main() -> CountingLoop:
+        clock = ManualClock()
+        stats = TrainStats(step_time_s=0.1, running=False)  # rounds of 10 steps: 1 s each
+        loop = CountingLoop(clock, stats, per_round)
+        task = asyncio.create_task(loop.run())
+        await clock.advance(50.0)
+        assert loop.events == []  # no exchange while the trainer does not run
+        stats.running = True
+        await clock.advance(400.0)
+        task.cancel()
+        return loop
+
+    loop = run(main())
+    expected = per_round * 400  # exponential waits at rate per_round / round duration
+    assert abs(len(loop.events) - expected) < 4 * expected ** 0.5, len(loop.events)
+    assert all(50.0 <= t <= 450.0 for t in loop.events)
+    gaps = [b - a for a, b in zip(loop.events, loop.events[1:], strict=False)]
+    assert abs(sum(gaps) / len(gaps) - 1 / per_round) < 0.15 / per_round
+
+
+def test_periodic_job_runs_every_period_and_survives_errors():
+    async def main() -> list[float]:
+        clock, calls = ManualClock(), []
+
+        async def job() -> None:
+            calls.append(clock.monotonic())
+            if len(calls) == 2:
+                raise OSError("disk full")  # logged, retried at the next period
+
+        task = asyncio.create_task(every(clock, 60.0, job, "checkpoint"))
+        await clock.advance(59.0)
+        assert calls == []  # not at start: the first run is one period in
+        await clock.advance(200.0)
+        task.cancel()
+        first = asyncio.create_task(every(clock, 60.0, job, "announce", first_now=True))
+        await clock.advance(0.0)
+        first.cancel()
+        return calls
+
+    assert run(main()) == [60.0, 120.0, 180.0, 240.0, 259.0]
+
+
+def test_node_stop_recancels_a_task_that_lost_its_cancellation(caplog):
+    from gasloc_p2p.node.runtime.daemon import _cancel_all
+
+    async def stubborn() -> None:
+        for _ in range(2):  # the first cancellation is lost, as in a race with a gRPC call
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(stubborn(), name="stubborn"),
+                 asyncio.create_task(asyncio.sleep(3600), name="plain")]
+        await asyncio.sleep(0)
+        await asyncio.wait_for(_cancel_all(tasks, recheck_s=0.05), scaled(5))
+        assert all(t.cancelled() for t in tasks)
+
+    with caplog.at_level("WARNING"):
+        run(main())
+    assert any("stubborn still runs" in r.getMessage() for r in caplog.records)

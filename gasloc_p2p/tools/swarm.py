@@ -82,6 +82,8 @@ class SwarmConfig:
             (self.scrape_interval_s > 0, "--scrape-interval must be > 0 seconds"),
             (-1 <= self.dashboard_port < 65536, "--dashboard-port must be in [0, 65535] or -1"),
             (0 <= self.prometheus_port < 65536, "--prometheus-port must be in [0, 65535]"),
+            (self.node_log_level in ("DEBUG", "INFO", "WARNING", "ERROR"),
+             "--node-log-level must be DEBUG, INFO, WARNING or ERROR"),
             ("--peers" not in self.node_args, "node flags must not set --peers: the first "
                                               "node starts the swarm, the others join it"),
         ]

@@ -82,6 +82,11 @@ class Discovery(abc.ABC):
     @abc.abstractmethod
     async def stop(self) -> None: ...
 
+    def averaging_backend(self) -> Any | None:
+        """The running ``hivemind.DHT`` that hivemind averaging (``--algorithm diloco``) can
+        share, or None when this discovery runs none (in-memory: inject an averager)."""
+        return None
+
 
 class CompatibilityFilter:
     """Keeps peers this node can exchange with; logs each incompatible peer once."""

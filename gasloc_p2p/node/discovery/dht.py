@@ -91,8 +91,13 @@ class HivemindDiscovery(Discovery):
 
     @property
     def dht(self) -> Any:
-        """The running ``hivemind.DHT`` (None before start and after stop): hivemind averaging
-        (``--algorithm diloco``) runs on it rather than on a second DHT."""
+        """The running ``hivemind.DHT`` (None before start and after stop)."""
+        return self._dht
+
+    def averaging_backend(self) -> Any:
+        """The running DHT: hivemind averaging runs on it rather than on a second DHT."""
+        if self._dht is None:
+            raise RuntimeError("the DHT is not running (start the discovery first)")
         return self._dht
 
     async def start(self) -> None:

@@ -1,7 +1,8 @@
 """``--algorithm diloco``: the DiLoCo baseline inside the node daemon (ALGORITHM.md section 3).
 
-The node does not gossip. At each of its round ends (every H inner steps) the trainer thread
-calls :meth:`DilocoRounds.round_end`, which
+The node does not gossip (:class:`DilocoMode` builds no exchanger, peer book or gossip loop).
+At each of its round ends (every H inner steps) the trainer thread calls
+:meth:`DilocoRounds.round_end`, which
 
 1. under the training lock takes the outer gradient ``g = anchor - theta`` (``[numel]``), and a
    small digest of ``(anchor, Nesterov buffer)``;
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import math
 import threading
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from gasloc_p2p.core.async_state import AsyncGaslocState
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.diloco import NesterovOuter
 from gasloc_p2p.node.config import DilocoConfig, NodeConfig
 from gasloc_p2p.node.modes.averaging import (
@@ -51,11 +51,11 @@ from gasloc_p2p.node.modes.averaging import (
     HivemindAverager,
     averaging_prefix,
 )
+from gasloc_p2p.node.modes.base import Mode, ModeContext
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import TrainStats
-from gasloc_p2p.node.runtime.trainer import Trainer
-from gasloc_p2p.node.transport.service import PeerChannels, download_state
-from gasloc_p2p.protocol.messages import Identity
+from gasloc_p2p.node.transport.service import StateSnapshot, download_state
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 
 log = logging.getLogger(__name__)
 DIGEST_PARTS = 8  # contiguous chunks per tensor in the digest
@@ -316,32 +316,72 @@ def state_fetcher(loop: asyncio.AbstractEventLoop,
     return fetch
 
 
-async def start_diloco(stack: contextlib.AsyncExitStack, *, cfg: NodeConfig, trainer: Trainer,
-                       lock: TrainingLock, dht: Any, averager: Averager | None,
-                       stop: threading.Event, peer_count: Callable[[], int],
-                       endpoint: Callable[[], str], channels: PeerChannels,
-                       me: Identity) -> DilocoRounds:
-    """Start the averager (on ``dht``, the node's own hivemind DHT, unless one is given), hook
-    the round logic into ``trainer`` and register the averager's stop on ``stack``. Call it
-    before the trainer thread and any gRPC channel exist: the hivemind averager forks."""
-    if averager is None:
-        if dht is None:
-            raise RuntimeError("--algorithm diloco needs the hivemind DHT discovery")
-        averager = HivemindAverager(dht, trainer.flat.numel,
-                                    averaging_prefix(cfg.discovery.run_id, trainer.fingerprint),
-                                    cfg.diloco)
-    await asyncio.to_thread(averager.start)
-    stack.push_async_callback(asyncio.to_thread, averager.close)
+class DilocoMode(Mode):
+    """DiLoCo: an all-reduce of the outer gradient at each round end; no gossip machinery
+    (inbound Exchange streams are answered BUSY). Start it before the trainer thread and any
+    gRPC channel exist: the hivemind averager forks."""
 
-    async def download(peer_endpoint: str) -> Any:
-        return await download_state(channels.stub(peer_endpoint), me,
-                                    cfg.gossip.download_timeout_s)
+    name = "diloco"
 
-    rounds = DilocoRounds(trainer.state, lock, averager, cfg.diloco, trainer.stats, stop,
-                          peer_count, endpoint,
-                          state_fetcher(asyncio.get_running_loop(), download, stop))
-    trainer.round_end_hook = rounds.round_end
-    log.info("DiLoCo mode: all-reduce every %d inner steps (%s payload), outer Nesterov "
-             "eta %g gamma %g", cfg.train.inner_steps, cfg.diloco.diloco_codec,
-             cfg.diloco.diloco_eta, cfg.diloco.diloco_gamma)
-    return rounds
+    def __init__(self, averager: Averager | None = None) -> None:
+        """``averager``: default hivemind's, on the discovery's DHT (tests inject their own)."""
+        self.averager = averager
+        self.rounds: DilocoRounds | None = None
+        self.ctx: ModeContext | None = None
+        self._averaging = False  # the averager started and is not closed yet
+
+    @staticmethod
+    def outer_config(cfg: NodeConfig) -> AsyncConfig:
+        return cfg.diloco.async_config()
+
+    async def start(self, ctx: ModeContext) -> None:
+        cfg, trainer = ctx.cfg, ctx.trainer
+        self.ctx = ctx
+        if self.averager is None:
+            dht = ctx.discovery.averaging_backend()
+            if dht is None:
+                raise RuntimeError("--algorithm diloco needs the hivemind DHT discovery")
+            self.averager = HivemindAverager(
+                dht, trainer.flat.numel,
+                averaging_prefix(cfg.discovery.run_id, trainer.fingerprint), cfg.diloco)
+        self._averaging = True  # close even a half-started averager (close is safe twice)
+        await asyncio.to_thread(self.averager.start)
+
+        async def download(peer_endpoint: str) -> Any:
+            return await download_state(ctx.channels.stub(peer_endpoint), ctx.me,
+                                        cfg.gossip.download_timeout_s)
+
+        self.rounds = DilocoRounds(
+            trainer.state, ctx.lock, self.averager, cfg.diloco, ctx.train_stats, ctx.stop,
+            lambda: len(ctx.peers()), ctx.endpoint,
+            state_fetcher(asyncio.get_running_loop(), download, ctx.stop))
+        log.info("DiLoCo mode: all-reduce every %d inner steps (%s payload), outer Nesterov "
+                 "eta %g gamma %g", cfg.train.inner_steps, cfg.diloco.diloco_codec,
+                 cfg.diloco.diloco_eta, cfg.diloco.diloco_gamma)
+
+    def _started(self) -> DilocoRounds:
+        assert self.rounds is not None, "start the mode first"
+        return self.rounds
+
+    def round_end(self) -> None:
+        self._started().round_end()
+
+    def adopted(self, meta: pb.StateMeta) -> None:
+        self._started().set_epoch(int(meta.rounds))  # a DiLoCo peer's "rounds" is its epoch
+
+    def snapshot(self) -> StateSnapshot:
+        """The anchor (shared by nodes in step), not mid-round theta, and the buffer."""
+        assert self.ctx is not None
+        epoch, anchor, buf = self._started().snapshot()
+        return StateSnapshot(self.ctx.train_stats.step, epoch, "diloco", anchor, buf)
+
+    def info_fields(self) -> dict[str, Any]:
+        return self._started().info_fields()
+
+    def progress(self) -> str:
+        return self._started().progress_text()
+
+    async def stop(self) -> None:
+        if self._averaging and self.averager is not None:
+            self._averaging = False
+            await asyncio.to_thread(self.averager.close)

@@ -1,4 +1,10 @@
-"""The outbound gossip loop: when to exchange, with whom, and which fragment.
+"""``--algorithm gasloc``: the gossip mode of the node, and its outbound gossip loop.
+
+:class:`GossipMode` builds the gossip machinery (an :class:`GossipTransport` over the protocol
+engine, a :class:`PeerBook` and a :class:`GossipLoop`), serves inbound Exchange streams, and
+runs the GASLoC outer update at each round end.
+
+The loop decides when to exchange, with whom, and which fragment.
 
 Waiting times are exponential with rate ``exchanges_per_round / round duration`` (the round
 duration is estimated from the trainer's recent step time), so each node starts on average
@@ -14,17 +20,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
-from gasloc_p2p.node.config import GossipConfig, NetworkConfig
+from gasloc_p2p.core.async_state import AsyncConfig
+from gasloc_p2p.node.config import GossipConfig, NetworkConfig, NodeConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
+from gasloc_p2p.node.modes.base import Mode, ModeContext, ModeTask
+from gasloc_p2p.node.runtime.clock import Clock, WallClock
 from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.transport.exchange import GossipTransport
-from gasloc_p2p.node.transport.service import PeerChannels
+from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.protocol.actions import Outcome
+from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
 
 log = logging.getLogger(__name__)
@@ -34,8 +43,9 @@ _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no pe
 class PeerBook:
     """Compatible peers from discovery, with per-peer backoff after failures."""
 
-    def __init__(self, self_id: str) -> None:
+    def __init__(self, self_id: str, clock: Clock | None = None) -> None:
         self.self_id = self_id
+        self.clock = clock or WallClock()
         self.peers: dict[str, PeerInfo] = {}
         self._backoff_until: dict[str, float] = {}
 
@@ -43,10 +53,10 @@ class PeerBook:
         self.peers = {p.peer_id: p for p in peers if p.peer_id != self.self_id}
 
     def backoff(self, peer_id: str, seconds: float) -> None:
-        self._backoff_until[peer_id] = time.monotonic() + seconds
+        self._backoff_until[peer_id] = self.clock.monotonic() + seconds
 
     def candidates(self, exclude: Iterable[str] = ()) -> list[PeerInfo]:
-        now, skip = time.monotonic(), set(exclude)
+        now, skip = self.clock.monotonic(), set(exclude)
         return [p for p in self.peers.values()
                 if p.peer_id not in skip and self._backoff_until.get(p.peer_id, 0.0) <= now
                 and p.reachable]  # nobody can dial a NAT'ed node: it gossips by dialing out
@@ -71,7 +81,9 @@ class GossipLoop:
 
     def __init__(self, exchanger: GossipTransport, book: PeerBook, channels: PeerChannels,
                  gossip: GossipConfig, net: NetworkConfig, train_stats: TrainStats,
-                 inner_steps: int, seed: int, active: Callable[[], bool] = lambda: True) -> None:
+                 inner_steps: int, seed: int, active: Callable[[], bool] = lambda: True,
+                 clock: Clock | None = None) -> None:
+        """``active``: whether to gossip now (the trainer runs); ``clock``: for the waits."""
         self.exchanger = exchanger
         self.book = book
         self.channels = channels
@@ -83,6 +95,7 @@ class GossipLoop:
         self.choose_fragment = FragmentChooser(len(exchanger.engine.fragments),
                                                gossip.fragment_order, self.rng)
         self.active = active
+        self.clock = clock or WallClock()
 
     def rate_per_s(self) -> float:
         """Exchanges per second this node starts now (0 before the first timed step)."""
@@ -95,9 +108,9 @@ class GossipLoop:
         while True:
             rate = self.rate_per_s()
             if rate <= 0 or not self.active():
-                await asyncio.sleep(_IDLE_S)
+                await self.clock.sleep(_IDLE_S)
                 continue
-            await asyncio.sleep(self.rng.expovariate(rate))
+            await self.clock.sleep(self.rng.expovariate(rate))
             try:
                 await self.gossip_once()
             except Exception:  # a bug must not end gossip: log it, keep training and serving
@@ -147,3 +160,81 @@ class GossipLoop:
 def compatible_codecs(peers: Sequence[PeerInfo], codec: str) -> list[PeerInfo]:
     """Peers that announced they can decode ``codec`` (or announced no list at all)."""
     return [p for p in peers if not p.codecs or codec in p.codecs]
+
+
+class GossipMode(Mode):
+    """GASLoC: pairwise gossip exchanges between round ends (ALGORITHM.md section 2)."""
+
+    name = "gasloc"
+
+    def __init__(self) -> None:
+        self.ctx: ModeContext | None = None
+        self._exchanger: GossipTransport | None = None
+        self.book: PeerBook | None = None
+        self.loop: GossipLoop | None = None
+
+    @staticmethod
+    def outer_config(cfg: NodeConfig) -> AsyncConfig:
+        return cfg.outer.async_config()
+
+    async def start(self, ctx: ModeContext) -> None:
+        cfg, trainer = ctx.cfg, ctx.trainer
+        self.ctx = ctx
+        engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, ctx.lock,
+                                cfg.gossip.reference_capacity)
+        self._exchanger = GossipTransport(ctx.me, engine, cfg.gossip, cfg.outer.async_config(),
+                                    stats=ctx.exchange_stats)
+        self.book = PeerBook(ctx.me.peer_id, ctx.clock)
+        self.book.update(ctx.peers())
+        self.loop = GossipLoop(self._exchanger, self.book, ctx.channels, cfg.gossip, cfg.network,
+                               ctx.train_stats, cfg.train.inner_steps, ctx.seed,
+                               active=lambda: ctx.train_stats.running, clock=ctx.clock)
+
+    def tasks(self) -> list[ModeTask]:
+        assert self.loop is not None, "start the mode first"
+        return [("gossip", self.loop.run)]
+
+    @property
+    def exchanger(self) -> GossipTransport | None:
+        return self._exchanger
+
+    def trainer_round_end(self) -> None:
+        """None: the trainer runs the GASLoC update in the H-th step's own lock hold."""
+        return None
+
+    def round_end(self) -> None:
+        """The GASLoC outer update (``AsyncGaslocState.round_end``) under the training lock
+        (what the trainer does itself, atomically with the round's last step)."""
+        assert self.ctx is not None
+        state = self.ctx.trainer.state
+        with self.ctx.lock.step():
+            state.round_end()
+            self.ctx.train_stats.rounds = state.rounds
+
+    def peers_changed(self, peers: Sequence[PeerInfo]) -> None:
+        if self.book is not None:
+            self.book.update(peers)
+
+    def candidates(self, peers: Sequence[PeerInfo]) -> list[PeerInfo]:
+        """Reachable peers not in backoff after a failed exchange."""
+        return self.book.candidates() if self.book is not None else super().candidates(peers)
+
+    def snapshot(self) -> StateSnapshot:
+        """The public iterate and momentum memory, copied under the lock."""
+        assert self.ctx is not None
+        state = self.ctx.trainer.state
+        with self.ctx.lock.urgent():
+            return StateSnapshot(self.ctx.train_stats.step, state.rounds, state.cfg.momentum,
+                                 state.public_iterate(), state.memory.clone())
+
+    def progress(self) -> str:
+        assert self.ctx is not None
+        x, limit = self.ctx.exchange_stats, self.ctx.cfg.outer.max_staleness
+        stale = sum(n for k, n in x.staleness.items() if k > limit)
+        return (f"exchanges ok {x.ok} (init {x.ok_initiator} resp {x.ok_responder}) failed "
+                f"{x.failed} busy {x.busy} stale {stale} | sent {x.bytes_sent / 1e6:.2f} MB "
+                f"recv {x.bytes_received / 1e6:.2f} MB")
+
+    async def stop(self) -> None:
+        if self._exchanger is not None:
+            self._exchanger.accepting = False

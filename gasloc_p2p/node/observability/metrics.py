@@ -69,7 +69,6 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from gasloc_p2p.node.config import NodeConfig
-    from gasloc_p2p.node.modes.gossip import PeerBook
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,8 @@ OUTCOMES = (
 ROLES = ("initiator", "responder")
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 LOOP_LAG_PERIOD_S = 0.5
-PeerBookGetter = Callable[[], "PeerBook | None"]
+#: (compatible peers known, those dialable now), None before the node knows any
+PeerCounts = Callable[[], "tuple[int, int] | None"]
 
 
 def os_threads() -> int:
@@ -112,11 +112,11 @@ class NodeCollector(Collector):
     and the counters are copied (one C-level call under the GIL) before iterating.
     """
 
-    def __init__(self, train: TrainStats, exchange: ExchangeStats, book: PeerBookGetter,
+    def __init__(self, train: TrainStats, exchange: ExchangeStats, peers: PeerCounts,
                  info: Mapping[str, str], loop_lag_s: Callable[[], float]) -> None:
         self.train = train
         self.exchange = exchange
-        self.book = book
+        self.peers = peers
         self.info = dict(info)
         self.loop_lag_s = loop_lag_s
 
@@ -168,7 +168,7 @@ class NodeCollector(Collector):
         if math.isfinite(x.consensus):
             yield GaugeMetricFamily("gasloc_consensus_estimate", "EMA of ||p_i - p_j||^2 per "
                                     "parameter, from exchange corrections.", value=x.consensus)
-        known, reachable = self._peers()
+        known, reachable = self.peers() or (0, 0)
         yield GaugeMetricFamily("gasloc_peers_known", "Compatible peers from discovery.",
                                 value=known)
         yield GaugeMetricFamily("gasloc_peers_reachable", "Dialable peers not in backoff.",
@@ -184,12 +184,6 @@ class NodeCollector(Collector):
         total = float(sum(k * n for k, n in counts.items()))
         return _histogram("gasloc_exchange_staleness_rounds", "Round ends spanned by commits.",
                           STALENESS_BUCKETS, per_bucket, total)
-
-    def _peers(self) -> tuple[int, int]:
-        book = self.book()
-        if book is None:
-            return 0, 0
-        return len(book.peers), len(book.candidates())
 
     def _system(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("gasloc_event_loop_lag_seconds", "Overshoot of a periodic "
@@ -210,7 +204,7 @@ class NodeMetrics:
     """
 
     def __init__(self, cfg: NodeConfig, train: TrainStats, exchange: ExchangeStats,
-                 book: PeerBookGetter) -> None:
+                 peers: PeerCounts) -> None:
         m = cfg.metrics
         self.port_wanted = m.metrics_port
         self.host = m.metrics_host or cfg.network.host
@@ -218,7 +212,8 @@ class NodeMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         info = {"version": __version__, "run_id": cfg.discovery.run_id,
                 "codec": cfg.gossip.codec, "algorithm": cfg.outer.algorithm}
-        self.registry.register(NodeCollector(train, exchange, book, info, lambda: self.loop_lag_s))
+        self.registry.register(NodeCollector(train, exchange, peers, info,
+                                             lambda: self.loop_lag_s))
         ProcessCollector(registry=self.registry)
         self.port = 0
         self._server: WSGIServer | None = None

@@ -1,9 +1,11 @@
 """The node runtime: an async context manager that owns every subsystem and task.
 
 Start order (stop is the reverse, via one ``AsyncExitStack``): discovery (the DHT), the model
-and data, the checkpoint or swarm state, the gRPC server, the trainer thread, then the periodic
-tasks in one ``asyncio.TaskGroup``: gossip, announcer, peer refresh, progress log,
-checkpoints. ``request_stop`` (signals, limits) ends :meth:`Node.wait`; ``stop`` is safe twice.
+and data, the outer-algorithm mode (:mod:`gasloc_p2p.node.modes`: gossip or DiLoCo), the
+checkpoint or swarm state, the gRPC server, the trainer thread, then the periodic tasks in one
+``asyncio.TaskGroup``: the mode's tasks (gossip), announcer, peer refresh, progress log,
+checkpoints, on the node's :class:`Clock`. ``request_stop`` (signals, limits) ends
+:meth:`Node.wait`; ``stop`` is safe twice.
 """
 
 from __future__ import annotations
@@ -25,24 +27,22 @@ from gasloc_p2p.core.codecs import CODEC_NAMES
 from gasloc_p2p.node.config import AlgorithmConfig, DiscoveryConfig, NodeConfig, TrainConfig
 from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
 from gasloc_p2p.node.discovery.dht import HivemindDiscovery
-from gasloc_p2p.node.modes.averaging import Averager
-from gasloc_p2p.node.modes.diloco import DilocoRounds, start_diloco
-from gasloc_p2p.node.modes.gossip import GossipLoop, PeerBook, compatible_codecs
+from gasloc_p2p.node.modes.base import Mode, ModeContext
+from gasloc_p2p.node.modes.gossip import compatible_codecs
+from gasloc_p2p.node.modes.registry import make_mode
 from gasloc_p2p.node.observability.metrics import NodeMetrics
 from gasloc_p2p.node.runtime import checkpoint as ckpt
+from gasloc_p2p.node.runtime.clock import Clock, WallClock, every
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
-from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
-    StateSnapshot,
     download_state,
     start_server,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,15 @@ class Node:
     """One gasloc node. ``async with Node(cfg) as node: await node.wait()``."""
 
     def __init__(self, cfg: NodeConfig, discovery: Discovery | None = None,
-                 averager: Averager | None = None) -> None:
-        """``averager``: for ``--algorithm diloco`` (default: hivemind's, on the DHT)."""
+                 mode: Mode | None = None, clock: Clock | None = None) -> None:
+        """``discovery``: default the hivemind DHT; ``mode``: the outer algorithm (default
+        the registry's for ``cfg.outer.algorithm``); ``clock``: for the node's timers."""
         self.cfg = cfg.validate()
+        self.mode = mode or make_mode(cfg.outer.algorithm)
+        if self.mode.name != cfg.outer.algorithm:
+            raise ValueError(f"mode {self.mode.name!r} given for --algorithm "
+                             f"{cfg.outer.algorithm!r}")
+        self.clock = clock or WallClock()
         d = cfg.discovery
         self.discovery = discovery or HivemindDiscovery(
             d.run_id, cfg.network.host, d.dht_port, d.peers, d.dht_timeout_s,
@@ -66,12 +72,9 @@ class Node:
         self.endpoint = ""
         self.port = 0
         self.trainer: Trainer | None = None
-        self.exchanger: GossipTransport | None = None
-        self.book: PeerBook | None = None
+        self.peers: list[PeerInfo] = []  # compatible peers from discovery, this node excluded
         self.channels = PeerChannels(cfg.network)
-        self.averager = averager
-        self.diloco: DilocoRounds | None = None  # set in --algorithm diloco
-        self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, lambda: self.book)
+        self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, self._peer_counts)
         self._stop = asyncio.Event()
         self._train_stop = threading.Event()
         self._stack: contextlib.AsyncExitStack | None = None
@@ -100,46 +103,32 @@ class Node:
         await self.discovery.start()
         stack.push_async_callback(_timed, "discovery stop", self.discovery.stop)
         me_id = self.discovery.peer_id
-        diloco = cfg.outer.algorithm == "diloco"
         trainer = self.trainer = await asyncio.to_thread(
-            Trainer, cfg.train, cfg.diloco.async_config() if diloco else cfg.outer.async_config(),
-            cfg.gossip.fragments, self.lock, self.train_stats)
+            Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
+            self.train_stats, self.mode.trainer_round_end())
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
         self.me = Identity(cfg.discovery.run_id, trainer.fingerprint, me_id)
-        engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, self.lock,
-                                cfg.gossip.reference_capacity)
-        self.exchanger = GossipTransport(self.me, engine, cfg.gossip, cfg.outer.async_config(),
-                                   stats=self.stats)
-        self.book = PeerBook(me_id)
         self.filter = CompatibilityFilter(PROTOCOL_VERSION, trainer.fingerprint, me_id,
                                           cfg.outer.algorithm)
-        if diloco:  # no gossip (stray Exchange calls get BUSY); the averager forks: start it now
-            self.exchanger.accepting = False
-            self.diloco = await start_diloco(
-                stack, cfg=cfg, trainer=trainer, lock=self.lock, averager=self.averager,
-                dht=getattr(self.discovery, "dht", None), stop=self._train_stop,
-                peer_count=lambda: len(self.book.peers) if self.book else 0,
-                endpoint=lambda: self.endpoint, channels=self.channels, me=self.me)
+        stack.push_async_callback(_timed, "mode stop", self.mode.stop)  # safe if start fails
+        # before any gRPC channel and the trainer thread exist: DiLoCo's averager forks
+        await self.mode.start(ModeContext(
+            cfg=cfg, trainer=trainer, lock=self.lock, train_stats=self.train_stats,
+            exchange_stats=self.stats, discovery=self.discovery, channels=self.channels,
+            me=self.me, clock=self.clock, stop=self._train_stop, peers=lambda: self.peers,
+            endpoint=lambda: self.endpoint, seed=seed))
         await self._initial_state()
         await self._start_server(stack)
         stack.push_async_callback(_timed, "channels close", self.channels.close)
         await self._start_trainer(stack)
         tg = await stack.enter_async_context(asyncio.TaskGroup())
-        tasks = [tg.create_task(self._forever(name, fn, period), name=name)
-                 for name, fn, period in self._periodic()]
-        gossip = GossipLoop(self.exchanger, self.book, self.channels, cfg.gossip, cfg.network,
-                            self.train_stats, cfg.train.inner_steps, seed,
-                            active=lambda: self.train_stats.running)
-        if not diloco:
-            tasks.append(tg.create_task(gossip.run(), name="gossip"))
+        tasks = [tg.create_task(every(self.clock, period, fn, name, first_now), name=name)
+                 for name, fn, period, first_now in self._periodic()]
+        tasks += [tg.create_task(job(), name=name) for name, job in self.mode.tasks()]
         tasks.append(tg.create_task(self._watch_trainer(), name="watch-trainer"))
 
-        async def cancel_tasks() -> None:
-            for task in tasks:
-                task.cancel()
-
-        stack.push_async_callback(cancel_tasks)  # runs before the TaskGroup exits
+        stack.push_async_callback(_cancel_all, tasks)  # runs before the TaskGroup exits
         log.info("node %s up: gRPC %s, model %d params (%s), %d fragment(s), codec %s, "
                  "metrics %s", me_id, self.endpoint, trainer.flat.numel, trainer.fingerprint[:12],
                  len(trainer.fragments), cfg.gossip.codec, self.metrics.url or "off")
@@ -176,16 +165,14 @@ class Node:
     async def _download_from_swarm(self) -> None:
         assert self.trainer is not None
         await self._refresh_peers()
-        assert self.book is not None
-        peers = sorted(self.book.candidates(), key=lambda p: -p.step)
+        peers = sorted(self.mode.candidates(self.peers), key=lambda p: -p.step)
         for peer in peers[:3]:
             try:
                 stub = self.channels.stub(peer.endpoint)
                 meta, params, memory = await download_state(
                     stub, self.me, self.cfg.gossip.download_timeout_s)
                 await asyncio.to_thread(self.trainer.adopt, params, memory)
-                if self.diloco is not None:  # a DiLoCo peer's "rounds" is its anchor's epoch
-                    self.diloco.set_epoch(int(meta.rounds))
+                self.mode.adopted(meta)
                 log.info("starting from the state of %s (its step %d)", peer.peer_id, meta.step)
                 return
             except Exception as exc:  # any failure: try the next peer, then theta_0
@@ -193,17 +180,16 @@ class Node:
         log.info("starting from theta_0 (%s)", "no peer yet" if not peers else "no download")
 
     async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
-        assert self.exchanger is not None
         net = self.cfg.network
         host = "127.0.0.1" if net.client_mode else net.host
-        servicer = GossipServicer(self.me, self.exchanger, self.info, self._snapshot)
+        servicer = GossipServicer(self.me, self.mode.exchanger, self.info, self.mode.snapshot,
+                                  self.cfg.gossip.header_timeout_s)
         servicer.probe = self._probe_endpoint
         server, self.port = await start_server(servicer, host, net.port, net,
                                                self.cfg.gossip.max_inbound)
 
         async def stop_server() -> None:
-            if self.exchanger is not None:
-                self.exchanger.accepting = False  # new exchanges get BUSY during the grace
+            servicer.drain()  # new exchanges get BUSY during the grace
             await server.stop(net.stop_grace_s)
 
         stack.push_async_callback(_timed, "server stop", stop_server)
@@ -247,18 +233,20 @@ class Node:
         self._log_progress()
         self.request_stop()
 
-    def _periodic(self) -> list[tuple[str, Callable[[], Awaitable[None]], float]]:
+    def _periodic(self) -> list[tuple[str, Callable[[], Awaitable[None]], float, bool]]:
+        """(name, job, period in seconds, run at once first) of the node's timers."""
         cfg = self.cfg
-        jobs: list[tuple[str, Callable[[], Awaitable[None]], float]] = [
-            ("announce", self._announce, cfg.discovery.announce_interval_s),
-            ("refresh-peers", self._refresh_peers, cfg.discovery.refresh_interval_s),
-            ("progress", self._progress, cfg.metrics.log_interval_s),
+        jobs: list[tuple[str, Callable[[], Awaitable[None]], float, bool]] = [
+            ("announce", self._announce, cfg.discovery.announce_interval_s, True),
+            ("refresh-peers", self._refresh_peers, cfg.discovery.refresh_interval_s, True),
+            ("progress", self._progress, cfg.metrics.log_interval_s, False),
         ]
         if cfg.checkpoint.checkpoint_dir:
-            jobs.append(("checkpoint", self._checkpoint, cfg.checkpoint.checkpoint_interval_s))
+            jobs.append(("checkpoint", self._checkpoint, cfg.checkpoint.checkpoint_interval_s,
+                         False))
         if cfg.network.reachability_interval_s > 0 and not cfg.network.client_mode:
             jobs.append(("reachability", self._check_reachability,
-                         cfg.network.reachability_interval_s))
+                         cfg.network.reachability_interval_s, False))
         return jobs
 
     async def _probe_endpoint(self, endpoint: str) -> bool:
@@ -279,9 +267,9 @@ class Node:
         later successful probe marks it reachable again. No peer, or a peer that does not
         answer, teaches nothing.
         """
-        if self.book is None or not self.endpoint:
+        if not self.endpoint:
             return
-        peers = self.book.candidates()
+        peers = self.mode.candidates(self.peers)
         if not peers:
             return
         peer = random.choice(peers)
@@ -301,26 +289,18 @@ class Node:
                             "(as --client-mode); check --announce-host or the firewall",
                             peer.peer_id, self.endpoint)
 
-    async def _forever(self, name: str, fn: Callable[[], Awaitable[None]],
-                       period_s: float) -> None:
-        """Run ``fn`` every ``period_s``; an error is logged and retried, never fatal."""
-        first = name in ("announce", "refresh-peers")
-        while True:
-            if not first:
-                await asyncio.sleep(period_s)
-            first = False
-            try:
-                await fn()
-            except Exception as exc:
-                log.warning("%s failed: %s; retrying in %g s", name, exc, period_s)
-
     async def _announce(self) -> None:
         await self.discovery.announce(self.peer_info(), self.cfg.discovery.announce_ttl_s)
 
     async def _refresh_peers(self) -> None:
-        assert self.book is not None
         peers = self.filter(await self.discovery.peers())
-        self.book.update(compatible_codecs(peers, self.cfg.gossip.codec))
+        self.peers = compatible_codecs(peers, self.cfg.gossip.codec)
+        self.mode.peers_changed(self.peers)
+
+    def _peer_counts(self) -> tuple[int, int]:
+        """(known compatible peers, those dialable now) for the metrics."""
+        peers = self.peers
+        return len(peers), len(self.mode.candidates(peers))
 
     async def _checkpoint(self) -> None:
         assert self.trainer is not None
@@ -341,18 +321,9 @@ class Node:
         self._log_progress()
 
     def _log_progress(self) -> None:
-        t, x = self.train_stats, self.stats
-        if self.diloco is not None:
-            log.info("step %d loss %.4f val %.4f tok/s %.0f | %s | peers %d", t.step, t.train_loss,
-                     t.val_loss, t.tokens_per_s, self.diloco.progress_text(),
-                     len(self.book.peers) if self.book else 0)
-            return
-        stale = sum(n for k, n in x.staleness.items() if k > self.cfg.outer.max_staleness)
-        log.info("step %d loss %.4f val %.4f tok/s %.0f | exchanges ok %d (init %d resp %d) "
-                 "failed %d busy %d stale %d | sent %.2f MB recv %.2f MB | peers %d",
-                 t.step, t.train_loss, t.val_loss, t.tokens_per_s, x.ok, x.ok_initiator,
-                 x.ok_responder, x.failed, x.busy, stale, x.bytes_sent / 1e6,
-                 x.bytes_received / 1e6, len(self.book.peers) if self.book else 0)
+        t = self.train_stats
+        log.info("step %d loss %.4f val %.4f tok/s %.0f | %s | peers %d", t.step, t.train_loss,
+                 t.val_loss, t.tokens_per_s, self.mode.progress(), len(self.peers))
 
     # ------------------------------------------------------------------ views
     def peer_info(self) -> PeerInfo:
@@ -368,22 +339,11 @@ class Node:
             run_id=self.me.run_id, peer_id=self.me.peer_id, model_fingerprint=self.me.fingerprint,
             step=t.step, rounds=t.rounds, tokens_per_s=t.tokens_per_s,
             val_loss=t.val_loss, first_val_loss=t.first_val_loss,
-            peers=sorted(self.book.peers) if self.book else [],
+            peers=sorted(p.peer_id for p in self.peers),
             exchanges_ok_initiator=x.ok_initiator, exchanges_ok_responder=x.ok_responder,
             exchanges_failed=x.failed, bytes_sent=x.bytes_sent, bytes_received=x.bytes_received,
             endpoint=self.endpoint, algorithm=self.cfg.outer.algorithm,
-            **(self.diloco.info_fields() if self.diloco is not None else {}))
-
-    def _snapshot(self) -> StateSnapshot:
-        """Public iterate and memory under the lock (runs in a thread)."""
-        assert self.trainer is not None
-        if self.diloco is not None:  # the anchor (shared by nodes in step), not mid-round theta
-            epoch, anchor, buf = self.diloco.snapshot()
-            return StateSnapshot(self.train_stats.step, epoch, "diloco", anchor, buf)
-        state = self.trainer.state
-        with self.lock.urgent():
-            return StateSnapshot(self.train_stats.step, state.rounds, state.cfg.momentum,
-                                 state.public_iterate(), state.memory.clone())
+            **self.mode.info_fields())
 
     def join_hint(self, addrs: list[str]) -> str:
         """A ready-to-paste command: the run id and model flags (if not defaults) and peers."""
@@ -398,6 +358,21 @@ class Node:
             if value != getattr(defaults, name):
                 extra.append(f"--{name.replace('_', '-')} {value}")
         return " ".join(["gasloc-node join", *extra, "--peers", *addrs])
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]], recheck_s: float = 1.0) -> None:
+    """Cancel ``tasks`` and wait until all are done. A cancellation can be lost in a race (a
+    gRPC call ending as CANCELLED, 3.11's ``wait_for``) and the task would then run on and
+    hold the TaskGroup's exit forever: a task still running after ``recheck_s`` is cancelled
+    again."""
+    pending: set[asyncio.Task[None]] = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=recheck_s)
+        for task in pending:
+            log.warning("task %s still runs after its cancellation; cancelling it again",
+                        task.get_name())
 
 
 async def _timed(name: str, fn: Callable[[], Awaitable[None]]) -> None:

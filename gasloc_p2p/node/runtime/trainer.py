@@ -3,9 +3,9 @@
 One explicit loop (nanoGPT style): sample a batch from this node's shard, forward, backward and
 AdamW step, all under the :class:`TrainingLock` (a gossip correction must not land between the
 forward and the backward: it would change tensors autograd saved). Every ``H`` steps the outer
-update ``AsyncGaslocState.round_end``, or the ``round_end_hook`` if one is set (DiLoCo: it
-takes the lock itself and waits on the network without it). The event loop never runs any of
-this.
+update: GASLoC's ``AsyncGaslocState.round_end`` inside that step's lock hold, or the
+``round_end`` callback a mode injects (DiLoCo: after the step, without the lock, which it takes
+itself around its network wait). The event loop never runs any of this.
 """
 
 from __future__ import annotations
@@ -59,7 +59,12 @@ class Trainer:
     """Model, optimizer and outer state of one node; :meth:`run` is the worker-thread body."""
 
     def __init__(self, cfg: TrainConfig, outer: AsyncConfig, fragments: int,
-                 lock: TrainingLock, stats: TrainStats) -> None:
+                 lock: TrainingLock, stats: TrainStats,
+                 round_end: Callable[[], None] | None = None) -> None:
+        """``round_end``: the mode's outer update, called by :meth:`step` every
+        ``inner_steps`` after the step, without the lock (it may wait on the network); None:
+        the GASLoC update ``AsyncGaslocState.round_end``, inside the H-th step's lock hold (no
+        exchange or checkpoint can fall between a round's last step and its round end)."""
         self.cfg = cfg
         self.lock = lock
         self.stats = stats
@@ -78,7 +83,7 @@ class Trainer:
         self.val: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.generator = torch.Generator()
         self.finished = threading.Event()
-        self.round_end_hook: Callable[[], None] | None = None  # replaces state.round_end
+        self.round_end = round_end
 
     def load_data(self, data_seed: int) -> None:
         self.shard, self.val = load_data(self.cfg, self.cfg.seed)
@@ -119,7 +124,7 @@ class Trainer:
             loss = self.inner.step(x, y, st.step)
             st.step += 1
             round_end = st.step % cfg.inner_steps == 0
-            if round_end and self.round_end_hook is None:
+            if round_end and self.round_end is None:
                 self.state.round_end()
                 st.rounds = self.state.rounds
         if not math.isfinite(float(loss.detach())):
@@ -130,8 +135,8 @@ class Trainer:
         st.tokens += y.numel()
         st.tokens_per_s = y.numel() / st.step_time_s
         st.train_loss = float(loss.detach())
-        if round_end and self.round_end_hook is not None:
-            self.round_end_hook()  # after the timing: tokens/s stays compute throughput
+        if round_end and self.round_end is not None:
+            self.round_end()  # after the timing: tokens/s stays compute throughput
         return st.train_loss
 
     def _evaluate(self) -> None:

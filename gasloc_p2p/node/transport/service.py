@@ -25,6 +25,7 @@ from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
+    BUSY,
     FINGERPRINT_MISMATCH,
     MAX_CHUNK_BYTES,
     PROTOCOL_VERSION,
@@ -71,19 +72,37 @@ class StateSnapshot:
 
 
 class GossipServicer(pb_grpc.GossipServicer):
-    """Serves Exchange (via the node's :class:`GossipTransport`), Info and DownloadState."""
+    """Serves Exchange (via the node's :class:`GossipTransport`), Info and DownloadState.
 
-    def __init__(self, me: Identity, exchanger: GossipTransport, info: Callable[[], pb.InfoReply],
-                 snapshot: Callable[[], StateSnapshot]) -> None:
+    ``exchanger`` None (a mode that does not gossip, e.g. DiLoCo): every Exchange stream is
+    answered BUSY after its first message, as a gossiping node at its inbound limit answers.
+    """
+
+    def __init__(self, me: Identity, exchanger: GossipTransport | None,
+                 info: Callable[[], pb.InfoReply], snapshot: Callable[[], StateSnapshot],
+                 header_timeout_s: float = 10.0) -> None:
         self.me = me
         self.exchanger = exchanger
         self.info = info
         self.snapshot = snapshot  # blocking; runs in a thread
+        self.header_timeout_s = header_timeout_s  # for the BUSY answer without an exchanger
         self.probe: Callable[[str], Awaitable[bool]] | None = None  # set by the node
         self._probing = asyncio.Lock()
 
     async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        await self.exchanger.respond(context)
+        if self.exchanger is not None:
+            await self.exchanger.respond(context)
+            return
+        try:  # read the header first, as the exchanger does, so the initiator sees the reject
+            await asyncio.wait_for(context.read(), self.header_timeout_s)
+            await context.write(reject(BUSY, "this node does not gossip (--algorithm)"))
+        except (TimeoutError, grpc.RpcError, asyncio.InvalidStateError) as exc:
+            log.debug("stray Exchange stream dropped: %s", exc)
+
+    def drain(self) -> None:
+        """New exchanges get BUSY from now on (the server's stop grace)."""
+        if self.exchanger is not None:
+            self.exchanger.accepting = False
 
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoReply:
         reply = self.info()
