@@ -46,7 +46,8 @@ def add_status_parser(sub: Any) -> None:
     p = sub.add_parser("status", help="show one node's Info and the swarm from the DHT",
                        description="Query a node (--endpoint host:port) and/or list the "
                                    "swarm of a run through the DHT (--peers MADDR...).")
-    p.add_argument("--endpoint", help="a node's gRPC host:port")
+    p.add_argument("--endpoint", help="a node's gRPC host:port, or its DHT multiaddr "
+                                      "(/ip4/.../p2p/ID, as printed at its start)")
     p.add_argument("--peers", nargs="+", default=[], metavar="MADDR",
                    help="bootstrap multiaddrs of the swarm's DHT")
     p.add_argument("--run-id", default=NodeConfig().discovery.run_id, help="run to list")
@@ -106,14 +107,8 @@ async def _join(cfg: NodeConfig) -> int:
         loop.add_signal_handler(sig, on_signal)
     try:
         async with node:
-            if node.metrics.url:
-                print(f"metrics: {node.metrics.url}", flush=True)
             addrs = await node.discovery.visible_addrs()
-            hint = node.join_hint(addrs)
-            if not cfg.discovery.peers:
-                print(f"new swarm; other nodes join with:\n  {hint}", flush=True)
-            else:
-                log.info("joined; other nodes may also join with: %s", hint)
+            print(startup_block(node, addrs), flush=True)
             await node.wait()
     except Exception as exc:
         log.error("node failed: %s: %s", type(exc).__name__, exc)
@@ -122,12 +117,34 @@ async def _join(cfg: NodeConfig) -> int:
     return 1 if node.error else 0
 
 
+def startup_block(node: Any, addrs: list[str]) -> str:
+    """What a user needs from a node that just started, in one block: its gRPC endpoint (for
+    ``status --endpoint``), its DHT multiaddrs (for ``join --peers``), its metrics URL, and the
+    line other nodes paste."""
+    hint = node.join_hint(addrs)
+    lines = [f"node {node.discovery.peer_id} is up ({node.cfg.outer.algorithm}, run "
+             f"{node.cfg.discovery.run_id!r})",
+             f"  grpc     {node.endpoint}",
+             *[f"  dht      {a}" for a in addrs[:3]],
+             f"  metrics  {node.metrics.url or 'off (--metrics-port -1)'}",
+             f"  status   gasloc-node status --endpoint {node.endpoint}"]
+    if not node.cfg.discovery.peers:
+        lines += ["new swarm; other nodes join with:", f"  {hint}"]
+    else:
+        lines += ["joined; other nodes may also join with:", f"  {hint}"]
+    return "\n".join(lines)
+
+
 def run_status(args: argparse.Namespace) -> int:
     """Entry point of ``gasloc-node status``; returns the exit code."""
     if not args.endpoint and not args.peers:
         return _fail_config("status", ValueError("give --endpoint HOST:PORT or --peers MADDR"))
     if args.timeout_s <= 0:
         return _fail_config("status", ValueError("--timeout-s must be > 0"))
+    if args.endpoint and args.endpoint.startswith("/"):  # a multiaddr: find it via the DHT
+        args.peers = [*args.peers, args.endpoint]
+        args.node_id = args.endpoint.rsplit("/p2p/", 1)[-1]
+        args.endpoint = None
     try:
         check_bootstrap_peers(tuple(args.peers))
     except ConfigError as exc:
@@ -158,6 +175,8 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
         return (f"no answer within --timeout-s={args.timeout_s:g}; check --endpoint/--peers "
                 "and that the node is running")
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, LookupError):
+        return exc.args[0] if exc.args else text
     return f"{type(exc).__name__}: {text}"
 
 
@@ -176,7 +195,15 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             await dht.stop()
         report["swarm"] = [vars(p) | {"codecs": list(p.codecs)} for p in peers]
-        if endpoint is None and peers:
+        wanted = getattr(args, "node_id", None)
+        if wanted:
+            match = [p for p in peers if p.peer_id == wanted]
+            if not match:
+                raise LookupError(f"no node with peer id {wanted} announces itself in run "
+                                  f"{args.run_id!r} (check --run-id; a node appears a few "
+                                  "seconds after it starts)")
+            endpoint = match[0].endpoint
+        elif endpoint is None and peers:
             endpoint = max(peers, key=lambda p: p.step).endpoint
     if endpoint:
         channels = PeerChannels(NetworkConfig())

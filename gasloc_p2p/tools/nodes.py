@@ -25,7 +25,7 @@ from gasloc_p2p.tools.procs import Child
 
 JOIN_HINT = r"^\s*(gasloc-node join .*--peers (.+))$"  # stdout of a node that can be joined
 UP_LINE = r"up: gRPC (\S+),"  # stderr (log) line once the node serves
-METRICS_LINE = r"^metrics: (http://\S+)$"  # stdout
+METRICS_LINE = r"^  metrics  (http://\S+)$"  # stdout, in the start-up block
 
 
 def join_argv(flags: Sequence[str], log_level: str = "INFO") -> list[str]:

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -16,19 +17,24 @@ from typing import Any
 from gasloc_p2p.node.discovery.base import Discovery, PeerInfo, run_key
 
 log = logging.getLogger(__name__)
+# hivemind's default (3 s) is often too short for a clean DHT + p2pd stop on a loaded machine.
+DHT_SHUTDOWN_GRACE_S = 6.0
 
 
 def _default_signals_in_child() -> None:
-    """After a fork: SIGINT/SIGTERM back to Python's defaults and no wakeup fd.
+    """After a fork: SIGTERM back to its default, SIGINT ignored, no wakeup fd.
 
     The node's event loop routes these signals to a wakeup fd with no-op handlers; a forked
     child (the DHT process) would inherit that and silently ignore SIGTERM, so neither
-    ``DHT.shutdown``'s terminate nor a group kill could stop it.
+    ``DHT.shutdown``'s terminate nor a group kill could stop it. SIGINT is ignored: a
+    terminal's Ctrl+C reaches the whole foreground process group, and the node stops its DHT
+    (and the DHT its p2pd, which inherits the ignored SIGINT) in order; interrupted at once,
+    they would log p2pd's accept errors and hivemind's "terminating it the hard way".
     """
     with contextlib.suppress(ValueError, OSError):
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 _FORK_HOOK = threading.Lock()
@@ -107,13 +113,26 @@ class HivemindDiscovery(Discovery):
         import hivemind  # heavy import, only where a DHT is used
 
         _install_fork_hook()
+        # p2pd's own log (Go) is re-logged by hivemind; at a terminal's Ctrl+C p2pd gets the
+        # SIGINT too (libuv resets the ignored disposition when it spawns it) and reports its
+        # closed socket at ERROR. The node stops the DHT itself: keep p2pd to fatal errors
+        # unless the user asked for its logs (GOLOG_LOG_LEVEL) or for hivemind's debug output.
+        if os.environ.get("HIVEMIND_LOGLEVEL", "").upper() != "DEBUG":
+            os.environ.setdefault("GOLOG_LOG_LEVEL", "fatal")
         maddr = f"/ip{6 if ':' in self.host else 4}/{self.host}/tcp/{self.port}"
         self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
-                                 client_mode=self.client_mode, start=True, await_ready=False)
+                                 client_mode=self.client_mode, start=True, await_ready=False,
+                                 shutdown_timeout=DHT_SHUTDOWN_GRACE_S)
         try:
             self._dht.wait_until_ready(timeout=self.start_timeout_s)
-        except BaseException:
+        except BaseException as exc:
             self._dht.shutdown()
+            if "failed to connect to bootstrap peers" in str(exc):
+                raise ConnectionError(
+                    f"no bootstrap peer answered (--peers {' '.join(self.initial_peers)}): "
+                    "check that the node there is running, that its DHT address and port are "
+                    "reachable from here (firewall, its --host/--dht-port), and that you pasted "
+                    "the multiaddr it printed") from None
             raise
         self.peer_id = self._dht.peer_id.to_base58()
         watchdog = partial(_install_parent_watchdog, parent_pid=os.getpid(), period_s=1.0)
@@ -159,8 +178,16 @@ class HivemindDiscovery(Discovery):
     @staticmethod
     def _shutdown(dht: Any) -> None:
         """Graceful DHT shutdown; if it hangs, kill the DHT process and its p2pd."""
-        dht.shutdown()
+        hivemind_log = logging.getLogger("hivemind.dht.dht")
+        level, started = hivemind_log.level, time.monotonic()
+        hivemind_log.setLevel(logging.ERROR)  # its "terminating it the hard way": said below
+        try:
+            dht.shutdown()
+        finally:
+            hivemind_log.setLevel(level)
         dht.join(2.0)
+        if time.monotonic() - started > DHT_SHUTDOWN_GRACE_S:
+            log.info("the DHT took %.1f s to stop and was terminated", time.monotonic() - started)
         if dht.is_alive():
             log.warning("DHT process %s ignored shutdown; killing it and its p2pd", dht.pid)
             for pid in [*_descendants(dht.pid), dht.pid]:

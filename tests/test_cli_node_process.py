@@ -1,0 +1,84 @@
+"""A node as a new user runs it, in a real process: the start-up block names every port the
+user needs, `status` takes either the gRPC endpoint or the DHT multiaddr, a Ctrl+C (SIGINT to
+the whole foreground process group, as a terminal sends it) prints only the node's own lines,
+and a valid but dead bootstrap peer fails in one line that says what to check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.daemon_helpers import write_corpus
+from tests.node_helpers import scaled
+from tests.swarm_helpers import wait_for
+
+CLI = [sys.executable, "-m", "gasloc_p2p.cli"]
+TINY = ["--host", "127.0.0.1", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32",
+        "--batch-size", "4", "--torch-threads", "1", "--eval-interval-steps", "20",
+        "--eval-batches", "1"]
+# hivemind's own default log level, as in a user's terminal (the test suite quiets it elsewhere)
+ENV = {k: v for k, v in os.environ.items() if k != "HIVEMIND_LOGLEVEL"} | {"PYTHONUNBUFFERED": "1"}
+OWN_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO gasloc_p2p\.")
+
+
+def status(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, "status", *args, "--json", "--timeout-s", str(scaled(30))],
+                          capture_output=True, text=True, timeout=scaled(60), env=ENV)
+
+
+def test_startup_block_status_by_multiaddr_and_a_quiet_ctrl_c(tmp_path: Path):
+    corpus = write_corpus(tmp_path / "corpus")
+    out, err = tmp_path / "node.out", tmp_path / "node.err"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen([*CLI, "join", *TINY, "--data", str(corpus)], stdout=o,
+                                stderr=e, env=ENV, process_group=0)
+    try:
+        block = wait_for(lambda: "new swarm" in out.read_text() and out.read_text(), 90,
+                         "the start-up block")
+        grpc = re.search(r"^  grpc     (127\.0\.0\.1:\d+)$", block, re.M)
+        dht = re.search(r"^  dht      (/ip4/127\.0\.0\.1/tcp/\d+/p2p/(\w+))$", block, re.M)
+        metrics = re.search(r"^  metrics  (http://127\.0\.0\.1:\d+/metrics)$", block, re.M)
+        assert grpc and dht and metrics, block
+        assert f"  status   gasloc-node status --endpoint {grpc.group(1)}" in block
+        assert re.search(rf"^  gasloc-node join .*--peers {re.escape(dht.group(1))}", block, re.M)
+
+        by_endpoint = status("--endpoint", grpc.group(1))
+        assert by_endpoint.returncode == 0, by_endpoint.stderr
+        info = json.loads(by_endpoint.stdout)["info"]
+        assert info["peer_id"] == dht.group(2) and info["endpoint"] == grpc.group(1)
+        assert "probe_ok" not in info  # meaningful only in a reachability probe
+
+        def by_multiaddr() -> dict | None:  # the node announces itself a moment after start
+            result = status("--endpoint", dht.group(1))
+            return json.loads(result.stdout)["info"] if result.returncode == 0 else None
+
+        info = wait_for(by_multiaddr, 60, "status by the DHT multiaddr")
+        assert info["peer_id"] == dht.group(2) and info["endpoint"] == grpc.group(1)
+
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl+C: the whole group
+        assert proc.wait(timeout=scaled(60)) == 0, err.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [line for line in err.read_text().splitlines() if line.strip()]
+    foreign = [line for line in lines if not OWN_LINE.match(line)]
+    assert not foreign, "\n".join(foreign)
+    assert "stopping (signal received" in lines[-1] or any("stopping" in x for x in lines)
+
+
+def test_a_dead_bootstrap_peer_fails_in_one_line_saying_what_to_check(tmp_path: Path):
+    dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWE8ZqNNbnBuXpp8jHyjRrSjLDJ89i8XZhJgaPVCbvaUHe"
+    result = subprocess.run([*CLI, "join", *TINY, "--peers", dead, "--metrics-port", "-1"],
+                            capture_output=True, text=True, timeout=scaled(90), env=ENV)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line or "Error" in line]
+    assert len(errors) == 1, result.stderr
+    assert f"no bootstrap peer answered (--peers {dead}): check that the node there is " \
+           "running" in errors[0]
