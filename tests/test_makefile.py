@@ -61,3 +61,33 @@ def test_make_bench_runs_every_benchmark():
     assert scripts, "no benchmarks found"
     missing = [s for s in scripts if f"benchmarks/{s}" not in result.stdout]
     assert not missing, f"make bench skips {missing}"
+
+
+def step(tmp_path: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "step.sh"), "demo", "--log",
+                           str(tmp_path / "demo.log"), "--", *command],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_a_setup_step_prints_one_timed_line_and_keeps_pip_noise_in_its_log(tmp_path):
+    noisy = "for i in $(seq 30); do echo 'WARNING: Location ... is ignored'; done"
+    ok = step(tmp_path, "bash", "-c", noisy)
+    assert ok.returncode == 0
+    assert re.fullmatch(r"== demo: ok \(\d+\.\d s\)\n", ok.stdout), ok.stdout
+    assert ok.stderr == "" and (tmp_path / "demo.log").read_text().count("WARNING") == 30
+    failed = step(tmp_path, "bash", "-c", noisy + "; echo 'ERROR: no matching dist'; exit 3")
+    assert failed.returncode == 3
+    assert "ERROR: no matching dist" in failed.stdout  # a failure shows its log's tail
+    assert re.search(r"== demo: FAILED \(exit 3, \d+\.\d s\)\n$", failed.stdout)
+
+
+def test_setup_and_test_run_every_step_through_the_timed_wrapper():
+    result = subprocess.run(["make", "-n", "-B", "setup", "test"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    pip_lines = [line for line in result.stdout.splitlines() if "pip install" in line]
+    assert len(pip_lines) == 3, result.stdout  # pip itself, torch, the project
+    assert all("scripts/step.sh" in line and "--log" in line for line in pip_lines)
+    for tool in ("ruff check", "mypy gasloc_p2p", "pytest"):
+        line = next(x for x in result.stdout.splitlines() if tool in x)
+        assert "scripts/step.sh" in line, line
