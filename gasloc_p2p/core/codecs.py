@@ -231,8 +231,7 @@ class _BlockCodec(Codec):
         for b0 in range(0, full, self._chunk_blocks):
             b1 = min(b0 + self._chunk_blocks, full)
             ob = out[b0 * bs : b1 * bs].view(-1, bs)
-            self._unpack(enc.data[b0 * bb : b1 * bb], ob)
-            ob.mul_(enc.scales[b0:b1, None])
+            self._unpack_scaled(enc.data[b0 * bb : b1 * bb], enc.scales[b0:b1, None], ob)
         if full < enc.scales.numel():
             packed = torch.zeros(bb, dtype=torch.uint8)
             packed[: enc.data.numel() - full * bb] = enc.data[full * bb :]
@@ -248,6 +247,12 @@ class _BlockCodec(Codec):
     def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
         """Write the unscaled values of data into out [k, bs] (float32)."""
 
+    def _unpack_scaled(self, data: torch.Tensor, scales: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """``out = unpack(data) * scales`` (scales [k, 1]): code times scale, one rounding."""
+        self._unpack(data, out)
+        out.mul_(scales)
+
 
 class Int8Codec(_BlockCodec):
     name = "int8"
@@ -260,6 +265,11 @@ class Int8Codec(_BlockCodec):
 
     def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(data.view(torch.int8).view_as(out))
+
+    def _unpack_scaled(self, data: torch.Tensor, scales: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        # one pass: int8 promotes exactly to float32, then the one rounding of the product
+        torch.mul(data.view(torch.int8).view_as(out), scales, out=out)
 
 
 class _NibbleCodec(_BlockCodec):

@@ -6,11 +6,13 @@ quantized, ``m_i = Q(p_i + e_i)``, and both sides fold the two decoded messages 
 correction ``c_i = -w (D(m_i) - D(m_j)) = -c_j`` (exact: one IEEE subtraction, negated by
 swapping its operands, then the same multiplication), so the network mean is kept exactly.
 
-- ``feedback``: ``e_i`` is one per-node error-feedback buffer (bfloat16, half a model copy):
-  after encoding, ``e_i <- p_i + e_i - D(m_i)``. This is sigma-delta dithering of the state: over
-  ``T`` messages the mean of what was sent is ``p`` up to ``e_0 - e_T``, so deterministic
-  rounding leaves no consensus floor. ``e`` is local state: it is updated when the message is
-  encoded, and a failed exchange perturbs the dither by at most one quantization step.
+- ``feedback``: ``e_i`` is one per-node error-feedback buffer: after encoding,
+  ``e_i <- p_i + e_i - D(m_i)``. This is sigma-delta dithering of the state: over ``T``
+  messages the mean of what was sent is ``p`` up to ``e_0 - e_T``, so deterministic rounding
+  leaves no consensus floor. ``e`` is stored per fragment (compact), itself quantized (int8 with
+  one float32 scale per 64 elements: 0.27 of a float32 model copy; its own rounding is 1/254 of
+  the largest residual of a 64-element block). ``e`` is local state: it is updated when the
+  message is encoded, and a failed exchange perturbs the dither by at most one quantization step.
 - ``plain``: no feedback buffer (``e = 0``): stateless, no memory at all.
 
 Both need no link versions (never a reset) and no ``theta_0`` after initialisation.
@@ -22,47 +24,63 @@ from collections.abc import Iterable
 
 import torch
 
-from gasloc_p2p.core.codecs import Codec, Encoded
-from gasloc_p2p.core.flat import Piece
+from gasloc_p2p.core.codecs import Codec, CodecSpec, Encoded
+from gasloc_p2p.core.flat import Fragment, Piece
 from gasloc_p2p.core.references import Folder, LinkScheme, ReferenceScheme, Sender
 
 REFERENCE_SCHEMES = ("links", "feedback", "plain")
-FEEDBACK_DTYPE = torch.bfloat16
+FEEDBACK_SPEC = CodecSpec("int8", 64)  # how e is stored; chunks must be multiples of 64
 
 
 class NodeFeedback(ReferenceScheme):
     """Quantized public iterates with one per-node error-feedback buffer (or none)."""
 
     def __init__(self, like: torch.Tensor, feedback: bool = True) -> None:
-        """like: ``[numel]`` parameters (device and size of the buffer)."""
+        """like: ``[numel]`` parameters (the device of the buffers)."""
         self.name = "feedback" if feedback else "plain"
-        self.error = (torch.zeros(like.numel(), dtype=FEEDBACK_DTYPE, device=like.device)
-                      if feedback else None)
+        self.feedback = feedback
+        self.device = like.device
+        self.errors: dict[int, Encoded] = {}  # by fragment index, allocated at first use
 
-    def sender(self, peer_id: str, reset: bool, chunk: int) -> Sender:
-        return _FeedbackSender(self.error, chunk)
+    def sender(self, peer_id: str, reset: bool, chunk: int, fragment: Fragment) -> Sender:
+        if not self.feedback:
+            return _FeedbackSender(None, chunk)
+        error = self.errors.get(fragment.index)
+        if error is None or error.numel != fragment.numel:
+            error = self.errors[fragment.index] = _zeros(fragment.numel, self.device)
+        return _FeedbackSender(error, chunk)
 
     def folder(self, peer_id: str, reset: bool, pinned: Iterable[str] = ()) -> Folder:
         return _DiffFolder()
 
 
+def _zeros(numel: int, device: torch.device) -> Encoded:
+    """An int8 Encoded that decodes to zeros."""
+    spec = FEEDBACK_SPEC
+    n_blocks = -(-numel // spec.block_size)
+    return Encoded(spec.name, numel, spec.block_size,
+                   torch.zeros(numel, dtype=torch.uint8, device=device),
+                   torch.zeros(n_blocks, dtype=torch.float32, device=device))
+
+
 class _FeedbackSender(Sender):
-    def __init__(self, error: torch.Tensor | None, chunk: int) -> None:
+    def __init__(self, error: Encoded | None, chunk: int) -> None:
         self.error = error
-        self.decoded = (torch.empty(chunk, device=error.device) if error is not None
+        self.codec = FEEDBACK_SPEC.codec()
+        self.scratch = (torch.empty(chunk, device=error.data.device) if error is not None
                         else None)
 
-    def encode(self, pieces: list[Piece], x: torch.Tensor, codec: Codec, out: Encoded) -> None:
-        e = self.error
-        if e is None or self.decoded is None:
+    def encode(self, pos: int, pieces: list[Piece], x: torch.Tensor, codec: Codec,
+               out: Encoded) -> None:
+        if self.error is None or self.scratch is None:
             codec.encode_into(x, out)
             return
-        for start, length, o in pieces:
-            x[o : o + length].add_(e[start : start + length])
+        n = x.numel()
+        error = self.error.view(pos, n)
+        x.add_(self.codec.decode(error, self.scratch[:n]))
         codec.encode_into(x, out)
-        residual = x.sub_(codec.decode(out, self.decoded[: x.numel()]))
-        for start, length, o in pieces:
-            e[start : start + length].copy_(residual[o : o + length])
+        residual = x.sub_(codec.decode(out, self.scratch[:n]))
+        self.codec.encode_into(residual, error)
 
 
 class _DiffFolder(Folder):

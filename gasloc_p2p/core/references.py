@@ -108,8 +108,10 @@ class Sender(abc.ABC):
     """One exchange's outgoing side: turns snapshot chunks into the message."""
 
     @abc.abstractmethod
-    def encode(self, pieces: list[Piece], x: torch.Tensor, codec: Codec, out: Encoded) -> None:
-        """``x``: the public iterate of one compact chunk (clobbered); encode into ``out``."""
+    def encode(self, pos: int, pieces: list[Piece], x: torch.Tensor, codec: Codec,
+               out: Encoded) -> None:
+        """``x``: the public iterate of the compact chunk at ``pos`` (clobbered); encode it
+        into ``out``."""
 
 
 class Folder(abc.ABC):
@@ -139,7 +141,7 @@ class ReferenceScheme(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def sender(self, peer_id: str, reset: bool, chunk: int) -> Sender: ...
+    def sender(self, peer_id: str, reset: bool, chunk: int, fragment: Fragment) -> Sender: ...
 
     @abc.abstractmethod
     def folder(self, peer_id: str, reset: bool, pinned: Iterable[str] = ()) -> Folder: ...
@@ -150,7 +152,7 @@ class LinkScheme(ReferenceTable, ReferenceScheme):
 
     name = "links"
 
-    def sender(self, peer_id: str, reset: bool, chunk: int) -> Sender:
+    def sender(self, peer_id: str, reset: bool, chunk: int, fragment: Fragment) -> Sender:
         known = peer_id in self and not reset  # only a commit creates a link
         return _LinkSender(self.get(peer_id).ref_out if known else self.theta0)
 
@@ -168,7 +170,8 @@ class _LinkSender(Sender):
     def __init__(self, ref_out: torch.Tensor) -> None:
         self.ref_out = ref_out
 
-    def encode(self, pieces: list[Piece], x: torch.Tensor, codec: Codec, out: Encoded) -> None:
+    def encode(self, pos: int, pieces: list[Piece], x: torch.Tensor, codec: Codec,
+               out: Encoded) -> None:
         for start, length, o in pieces:
             x[o : o + length].sub_(self.ref_out[start : start + length])
         codec.encode_into(x, out)

@@ -27,7 +27,7 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
-from gasloc_p2p.core.feedback import make_scheme
+from gasloc_p2p.core.feedback import FEEDBACK_SPEC, make_scheme
 from gasloc_p2p.core.flat import Fragment
 
 DEFAULT_SCHEME = "links"
@@ -118,14 +118,14 @@ class ExchangeEngine:
         anchor, theta, eta = self.state.anchor, self.state.theta, self.state.cfg.eta
         with self.lock.urgent(), self._refs_lock:
             version = self.refs.version(peer_id)
-            sender = self.refs.sender(peer_id, reset, step)
+            sender = self.refs.sender(peer_id, reset, step, fragment)
             rounds0 = self.state.rounds
             for pos, n, pieces in fragment.chunks(step):
                 x = work[:n]
                 for start, length, o in pieces:
                     torch.lerp(anchor[start : start + length], theta[start : start + length],
                                eta, out=x[o : o + length])
-                sender.encode(pieces, x, codec, encoded.view(pos, n))
+                sender.encode(pos, pieces, x, codec, encoded.view(pos, n))
         return Prepared(peer_id, fragment, version, reset, rounds0, encoded, payload,
                         zlib.crc32(payload))
 
@@ -173,6 +173,7 @@ class ExchangeEngine:
 
 
 def chunk_elems(spec: CodecSpec) -> int:
-    """Elements per chunk of the fused loops: whole blocks, about ``CHUNK_ELEMS``."""
-    block = spec.block_size or 1
+    """Elements per chunk of the fused loops: about ``CHUNK_ELEMS``, whole blocks of the
+    message and of the error-feedback buffer."""
+    block = math.lcm(spec.block_size or 1, FEEDBACK_SPEC.block_size)
     return max(1, CHUNK_ELEMS // block) * block
