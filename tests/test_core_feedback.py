@@ -131,3 +131,16 @@ def test_encoding_into_payload_views_matches_to_bytes(codec: str) -> None:
         n = min(128, 1000 - pos)
         spec.codec().encode_into(x[pos : pos + n], enc.view(pos, n))
     assert bytes(payload) == spec.codec().encode(x).to_bytes()
+
+
+def test_auto_resolves_by_codec_the_same_on_every_node() -> None:
+    from gasloc_p2p.core.feedback import resolve_references
+    from gasloc_p2p.node.config import GossipConfig
+    from gasloc_p2p.sim.config import SimConfig
+
+    assert [resolve_references("auto", c) for c in ("fp32", "fp16", "int8", "int4", "fp4")] == [
+        "feedback", "feedback", "feedback", "plain", "plain"]
+    assert resolve_references("links", "int4") == "links"
+    assert GossipConfig().reference_scheme == "feedback"
+    assert GossipConfig(codec="fp4").reference_scheme == "plain"
+    assert SimConfig(codec="int4:256").reference_scheme == "plain"

@@ -69,7 +69,8 @@ def test_daemon_and_simulator_exchanges_are_bit_identical(codec):
         try:
             t0 = peers[0].engine.theta0
             sim_states = [_clone_state(p.state, t0) for p in peers]
-            sim = ProtocolExchanger(sim_states, t0, fragments(), CodecSpec.of(codec), OUTER)
+            sim = ProtocolExchanger(sim_states, t0, fragments(), CodecSpec.of(codec), OUTER,
+                                    references="links")
             start = peers[0].state.theta.clone()
             for n, (i, frag, late_round, lost) in enumerate(STEPS):
                 j = 1 - i

@@ -29,6 +29,7 @@ from gasloc_p2p.core.flat import Fragment, Piece
 from gasloc_p2p.core.references import Folder, LinkScheme, ReferenceScheme, Sender
 
 REFERENCE_SCHEMES = ("links", "feedback", "plain")
+REFERENCE_CHOICES = ("auto", *REFERENCE_SCHEMES)  # auto: see resolve_references
 FEEDBACK_SPEC = CodecSpec("int8", 64)  # how e is stored; chunks must be multiples of 64
 
 
@@ -86,6 +87,17 @@ class _FeedbackSender(Sender):
 class _DiffFolder(Folder):
     def fold(self, pieces: list[Piece], mine: torch.Tensor, theirs: torch.Tensor) -> None:
         torch.sub(theirs, mine, out=mine)
+
+
+def resolve_references(name: str, codec: str) -> str:
+    """The scheme a node uses: ``auto`` is ``feedback`` for 8-bit and wider codecs and ``plain``
+    for 4-bit ones (measured in docs/results/references.md: with 4-bit payloads the dithering of
+    ``feedback`` kept workers 400x further apart than ``plain`` and cost its worst worker
+    0.08 nats; at int8 it was the best of the three). Nodes of a run with the same codec
+    resolve alike; a mismatch is refused in the exchange header."""
+    if name != "auto":
+        return name
+    return "plain" if codec in ("int4", "fp4") else "feedback"
 
 
 def make_scheme(name: str, theta0: torch.Tensor, capacity: int) -> ReferenceScheme:

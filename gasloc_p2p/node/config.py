@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
-from gasloc_p2p.core.feedback import REFERENCE_SCHEMES
+from gasloc_p2p.core.feedback import REFERENCE_CHOICES, resolve_references
 from gasloc_p2p.core.options import ConfigError, check_outer_step, need, opt
 from gasloc_p2p.model import GPTConfig
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
@@ -113,10 +113,10 @@ class GossipConfig:
     exchanges_per_round: float = opt(2.0, "mean exchanges this node starts per round (0: none)")
     max_inbound: int = opt(4, "inbound exchanges served at once; more are answered BUSY")
     max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)")
-    references: str = opt("links", "quantization references: links (two float32 model copies "
-                                   "per peer), feedback (one bfloat16 error-feedback buffer per "
-                                   "node) or plain (none)",
-                          choices=REFERENCE_SCHEMES)
+    references: str = opt("auto", "quantization references: links (two float32 model copies "
+                                  "per peer), feedback (one int8 error-feedback buffer per "
+                                  "node), plain (none); auto: feedback, plain for 4-bit codecs",
+                          choices=REFERENCE_CHOICES)
     reference_capacity: int = opt(8, "peers whose quantization references are kept (LRU, "
                                      "--references links)")
     chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)")
@@ -135,6 +135,11 @@ class GossipConfig:
         """What this node sends: ``codec`` with ``block_size`` (0 for fp32/fp16)."""
         return CodecSpec.of(self.codec, self.block_size)
 
+    @property
+    def reference_scheme(self) -> str:
+        """``references`` with ``auto`` resolved for this node's codec."""
+        return resolve_references(self.references, self.codec)
+
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
         need(2 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size % 2 == 0, "block_size",
@@ -146,8 +151,8 @@ class GossipConfig:
               "must be >= 0 (0 disables outbound gossip)")
         need(self.max_inbound >= 1, "max_inbound", self.max_inbound, "must be >= 1")
         need(self.max_downloads >= 1, "max_downloads", self.max_downloads, "must be >= 1")
-        need(self.references in REFERENCE_SCHEMES, "references", self.references,
-              f"choose one of {REFERENCE_SCHEMES}")
+        need(self.references in REFERENCE_CHOICES, "references", self.references,
+              f"choose one of {REFERENCE_CHOICES}")
         need(self.max_upload_mbps >= 0, "max_upload_mbps", self.max_upload_mbps,
               "must be >= 0 (0: no cap)")
         need(1024 <= self.chunk_bytes <= MAX_CHUNK_BYTES, "chunk_bytes", self.chunk_bytes,

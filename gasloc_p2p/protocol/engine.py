@@ -30,7 +30,7 @@ from gasloc_p2p.core.codecs import CodecSpec, Encoded
 from gasloc_p2p.core.feedback import FEEDBACK_SPEC, make_scheme
 from gasloc_p2p.core.flat import Fragment
 
-DEFAULT_SCHEME = "links"
+DEFAULT_SCHEME = "feedback"  # see gasloc_p2p.core.feedback.resolve_references
 # Scratch of the fused loops: 2^18 float32 (1 MiB) stays in a core's L2; bigger chunks were
 # slower on a 2-core EPYC, smaller ones paid per-op overhead (see benchmarks/bench_scale.py).
 CHUNK_ELEMS = 1 << 18

@@ -48,7 +48,7 @@ class AsyncSim:
         self.exchanger: ProtocolExchanger | SimExchanger = (
             SimExchanger(sim.theta0, n, None) if spec is None
             else ProtocolExchanger(self.states, sim.theta0, known, spec, self.acfg,
-                                   references=cfg.references))
+                                   references=cfg.reference_scheme))
         self.neighbours: list[list[int]] = [[] for _ in range(n)]
         for i, j in graph_edges(cfg.graph, n):
             self.neighbours[i].append(j)

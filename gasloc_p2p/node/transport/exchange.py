@@ -86,7 +86,7 @@ class GossipTransport:
         """Replacing the config (codec, timeouts) rebuilds the sessions' rules to match; the
         engine takes the config's reference scheme (restarting all references if it changed)."""
         self._cfg = gossip
-        self.engine.use_references(gossip.references)
+        self.engine.use_references(gossip.reference_scheme)
         self.rules = Rules.build(self.me, gossip.codec_spec, self.outer, Timeouts(
             gossip.header_timeout_s, gossip.chunk_timeout_s, gossip.commit_timeout_s))
 
