@@ -87,24 +87,30 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
     engine.commit(engine.prepare("warm-up", 0, spec, False), engine.check(spec, numel, raw, crc),
                   0.5)  # page in torch's kernels: a fixed ~20 MB of code, not the algorithm's
     reset_peak()  # from here: the node's state plus what exchanges allocate
-    times: dict[str, list[float]] = {"prepare": [], "check": [], "commit": []}
-    for k in range(max(peers, 3)):
-        peer = f"peer{k % peers}"
+    for k in range(peers):  # memory: one exchange with each peer
+        engine.commit(engine.prepare(f"peer{k}", 0, spec, False),
+                      engine.check(spec, numel, raw, crc), 0.5)
+    peak = peak_bytes()
+    model_bytes = numel * 4
+    # time: each phase next to the two copies it is compared with (the machine is shared)
+    times: dict[str, list[float]] = {k: [] for k in ("prepare", "check", "commit", "copy",
+                                                      "clone")}
+    dst = torch.empty_like(theta)
+    for k in range(5 if numel <= 10**7 else 3):
+        times["copy"].append(best(dst.copy_, 1, theta))
+        times["clone"].append(best(theta.clone, 1))
         t0 = time.perf_counter()
-        prep = engine.prepare(peer, 0, spec, False)
+        prep = engine.prepare(f"peer{k % peers}", 0, spec, False)
         t1 = time.perf_counter()
         received = engine.check(spec, numel, raw, crc)
         t2 = time.perf_counter()
         engine.commit(prep, received, 0.5)
         t3 = time.perf_counter()
-        for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+        for name, dt in zip(("prepare", "check", "commit"), (t1 - t0, t2 - t1, t3 - t2),
+                            strict=True):
             times[name].append(dt)
         del prep, received
-    peak = peak_bytes()
-    model_bytes = numel * 4
-    repeats = 5 if numel <= 10**7 else 3
-    copy_s = best(torch.empty_like(theta).copy_, repeats, theta)
-    clone_s = best(theta.clone, repeats)
+    copy_s, clone_s = min(times.pop("copy")), min(times.pop("clone"))
     out = {"numel": numel, "extra_model_copies": (peak - base) / model_bytes,
            "copy_s": copy_s, "clone_s": clone_s}
     for name, ts in times.items():
@@ -115,7 +121,7 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1e6,1e7,1e8", help="parameter counts")
-    p.add_argument("--schemes", default="feedback,links", help="reference schemes")
+    p.add_argument("--schemes", default="feedback,plain,links", help="reference schemes")
     p.add_argument("--peers", type=int, default=8, help="distinct peers exchanged with")
     p.add_argument("--links-max", type=float, default=1e7,
                    help="largest size run with 'links' (its 2 copies per peer: 100M x 8 peers "
@@ -140,7 +146,12 @@ def main() -> int:
             for scheme in args.schemes.split(","):
                 if scheme == "links" and size > args.links_max:
                     continue
-                r = run_child(size, scheme, device, args)
+                try:
+                    r = run_child(size, scheme, device, args)
+                except subprocess.CalledProcessError as exc:  # e.g. the engine on CUDA
+                    last = (exc.stderr or "").strip().splitlines()[-1:]
+                    print(f"{device:<6} {size / 1e6:6.0f}M {scheme:<9} failed: {last}")
+                    continue
                 total = r["prepare_s"] + r["check_s"] + r["commit_s"]
                 cells = " ".join(f"{r[k + '_s']:7.3f}s {r[k + '_s'] / r['clone_s']:4.1f}x"
                                  for k in ("prepare", "check", "commit"))
