@@ -55,7 +55,7 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
 def gossip_config(**kw: Any) -> GossipConfig:
     base = GossipConfig(header_timeout_s=scaled(3), chunk_timeout_s=scaled(3),
                         commit_timeout_s=scaled(3), exchange_timeout_s=scaled(10),
-                        chunk_bytes=64 * 1024)
+                        chunk_bytes=64 * 1024, references="links")
     return replace(base, **kw)
 
 

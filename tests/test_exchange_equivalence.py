@@ -69,7 +69,8 @@ def test_daemon_and_simulator_exchanges_are_bit_identical(codec):
         try:
             t0 = peers[0].engine.theta0
             sim_states = [_clone_state(p.state, t0) for p in peers]
-            sim = ProtocolExchanger(sim_states, t0, fragments(), CodecSpec.of(codec), OUTER)
+            sim = ProtocolExchanger(sim_states, t0, fragments(), CodecSpec.of(codec), OUTER,
+                                    references="links")
             start = peers[0].state.theta.clone()
             for n, (i, frag, late_round, lost) in enumerate(STEPS):
                 j = 1 - i
@@ -98,6 +99,50 @@ def test_daemon_and_simulator_exchanges_are_bit_identical(codec):
                 assert daemon_out.correction_norm == pytest.approx(float(want.norm()), rel=1e-6)
             assert peers[0].engine.refs.get("1").version == 2  # reset once, then one more
             assert not torch.equal(peers[0].state.theta, start)  # the exchanges did something
+        finally:
+            for p in peers:
+                await p.close()
+
+    run(main())
+
+
+def _feedback_tensors(state: AsyncGaslocState, refs: object) -> dict[str, object]:
+    errors = refs.errors  # type: ignore[attr-defined]
+    out: dict[str, object] = {"theta": state.theta, "anchor": state.anchor,
+                              "memory": state.memory, "rounds": state.rounds}
+    for index, enc in errors.items():
+        out[f"e{index}.data"], out[f"e{index}.scales"] = enc.data, enc.scales
+    return out
+
+
+def test_daemon_and_simulator_feedback_exchanges_are_bit_identical():
+    """The same over the per-node error-feedback scheme (no links, so no resets)."""
+    async def main():
+        gossip = gossip_config(codec="int4", references="feedback")
+        peers = [await make_peer("0", 1, gossip, outer=OUTER),
+                 await make_peer("1", 2, gossip, outer=OUTER)]
+        try:
+            t0 = peers[0].engine.theta0
+            sim_states = [_clone_state(p.state, t0) for p in peers]
+            sim = ProtocolExchanger(sim_states, t0, fragments(), CodecSpec.of("int4"), OUTER,
+                                    references="feedback")
+            for n, (i, frag, late_round, _) in enumerate(STEPS):
+                j = 1 - i
+                if late_round:
+                    _round_end_before_check(peers[j])
+                ok = peers[j].exchanger.stats.ok_responder
+                daemon_out = await peers[i].exchange(peers[j], frag)
+                await wait_until(lambda j=j, ok=ok: peers[j].exchanger.stats.ok_responder > ok,
+                                 what="the responder's commit")
+                pend = sim.begin(i, j, frag)
+                if late_round:
+                    sim_states[j].round_end()
+                assert sim.commit(pend) == (daemon_out.staleness, daemon_out.weight)
+                for k in (i, j):
+                    _assert_identical(_feedback_tensors(peers[k].state, peers[k].engine.refs),
+                                      _feedback_tensors(sim_states[k], sim.engines[k].refs),
+                                      f"step {n}, side {k}")
+            assert len(peers[0].engine.refs.errors) == 2  # type: ignore[attr-defined]
         finally:
             for p in peers:
                 await p.close()

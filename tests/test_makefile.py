@@ -22,6 +22,8 @@ EXPECTED = {
     "bench-sim": ["benchmarks/bench_sim.py"],
     "bench-node": ["benchmarks/bench_node.py"],
     "bench-diloco": ["benchmarks/bench_diloco.py"],
+    "bench-scale": ["benchmarks/bench_scale.py"],
+    "bench-downloads": ["benchmarks/bench_downloads.py"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
 

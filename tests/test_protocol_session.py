@@ -38,7 +38,7 @@ def node(name: str, seed: int, codec: str = "int8", run_id: str = "run"):
     theta = t0 + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
     state = AsyncGaslocState(theta, t0, OUTER)
     state.theta.add_(0.05)
-    engine = ExchangeEngine(state, t0, fragments(), NoLock(), 4)
+    engine = ExchangeEngine(state, t0, fragments(), NoLock(), 4, "links")
     rules = Rules.build(Identity(run_id, "f" * 64, name), CodecSpec.of(codec), OUTER, TIMEOUTS)
     return rules, engine
 

@@ -49,6 +49,7 @@ _CHUNK_ELEMS = 1 << 20
 # bit): that is all nearest rounding to {0, 2^-6, ..., 2^0} needs, for |y| <= 1.
 _FP4_INDEX_SHIFT = 22
 _F32_BIAS = 127
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 class NonFiniteError(ValueError):
@@ -81,7 +82,35 @@ class Codec(abc.ABC):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """Encode ``x`` (1-D float32/float16/bfloat16, [numel]); NonFiniteError on NaN/Inf."""
-        return self._encode(_check_input(x))
+        x = _check_input(x)
+        n_scales, n_data = layout(self.name, x.numel(), self.block_size)
+        out = Encoded(self.name, x.numel(), self.block_size,
+                      torch.empty(n_data, dtype=torch.uint8),
+                      torch.empty(n_scales, dtype=torch.float32))
+        self._encode_into(x, out)
+        return out
+
+    def encode_into(self, x: torch.Tensor, out: Encoded) -> None:
+        """Encode ``x`` into ``out``'s tensors (e.g. views of a wire payload, see
+        ``Encoded.empty`` and ``Encoded.view``); same values as :meth:`encode`."""
+        if (out.codec, out.block_size, out.numel) != (self.name, self.block_size, x.numel()):
+            raise ValueError(f"cannot encode {x.numel()} elements with {self} into {out.codec}/"
+                             f"{out.block_size}/{out.numel}")
+        self._encode_into(_check_input(x), out)
+
+    def check_decodable(self, enc: Encoded) -> None:
+        """ValueError unless ``enc`` decodes to finite values, checked without decoding: for
+        block codecs the (already non-negative, finite) scales times the largest code must
+        stay finite; fp32/fp16 data are scanned once."""
+        if enc.numel == 0:
+            return
+        if self.block_size:
+            if float(enc.scales.amax()) > _F32_MAX / self._max_code:
+                raise ValueError(f"{self.name} payload has scales that overflow float32")
+            return
+        values = enc.data.view(torch.float32 if self.name == "fp32" else torch.float16)
+        if not (math.isfinite(float(values.amax())) and math.isfinite(float(values.amin()))):
+            raise ValueError("payload decodes to non-finite values")
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode into float32 [numel]: into ``out`` (contiguous float32 [numel]) if given."""
@@ -107,8 +136,10 @@ class Codec(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_size={self.block_size})"
 
+    _max_code = 1.0  # largest |unscaled value| a block codec's data can hold
+
     @abc.abstractmethod
-    def _encode(self, x: torch.Tensor) -> Encoded: ...
+    def _encode_into(self, x: torch.Tensor, out: Encoded) -> None: ...
 
     @abc.abstractmethod
     def _decode(self, enc: Encoded, out: torch.Tensor) -> None: ...
@@ -120,7 +151,7 @@ class _RawCodec(Codec):
     block_size = 0
     _dtype: torch.dtype
 
-    def _encode(self, x: torch.Tensor) -> Encoded:
+    def _encode_into(self, x: torch.Tensor, out: Encoded) -> None:
         if x.numel():
             # amax/amin propagate NaN and need no full-size temporary, unlike isfinite().
             hi, lo = float(x.amax()), float(x.amin())
@@ -131,8 +162,7 @@ class _RawCodec(Codec):
                     f"fp16 codec: max |x| = {max(hi, -lo):.6g} exceeds the fp16 range "
                     f"{_FP16_MAX}; use fp32 or a scaled codec (int8/int4/fp4)"
                 )
-        data = x.to(self._dtype, copy=True).view(torch.uint8)  # copy: never alias the caller
-        return Encoded(self.name, x.numel(), 0, data, torch.empty(0, dtype=torch.float32))
+        out.data.view(self._dtype).copy_(x)
 
     def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
         out.copy_(enc.data.view(self._dtype))
@@ -160,11 +190,10 @@ class _BlockCodec(Codec):
         self._block_bytes = block_size * self._bits // 8
         self._chunk_blocks = max(1, _CHUNK_ELEMS // block_size)
 
-    def _encode(self, x: torch.Tensor) -> Encoded:
+    def _encode_into(self, x: torch.Tensor, out: Encoded) -> None:
         n, bs, bb = x.numel(), self.block_size, self._block_bytes
         n_scales, n_data = layout(self.name, n, bs)
-        scales = torch.empty(n_scales, dtype=torch.float32)
-        data = torch.empty(n_data, dtype=torch.uint8)
+        scales, data = out.scales, out.data
         full = n // bs  # blocks not needing padding
         work = torch.empty(min(max(full, 1), self._chunk_blocks), bs)  # reused scratch
         for b0 in range(0, full, self._chunk_blocks):
@@ -177,7 +206,6 @@ class _BlockCodec(Codec):
             packed = torch.empty(bb, dtype=torch.uint8)
             self._encode_blocks(x, tail, scales[full:], packed, work)
             data[full * bb :] = packed[: n_data - full * bb]
-        return Encoded(self.name, n, bs, data, scales)
 
     def _encode_blocks(
         self,
@@ -203,8 +231,7 @@ class _BlockCodec(Codec):
         for b0 in range(0, full, self._chunk_blocks):
             b1 = min(b0 + self._chunk_blocks, full)
             ob = out[b0 * bs : b1 * bs].view(-1, bs)
-            self._unpack(enc.data[b0 * bb : b1 * bb], ob)
-            ob.mul_(enc.scales[b0:b1, None])
+            self._unpack_scaled(enc.data[b0 * bb : b1 * bb], enc.scales[b0:b1, None], ob)
         if full < enc.scales.numel():
             packed = torch.zeros(bb, dtype=torch.uint8)
             packed[: enc.data.numel() - full * bb] = enc.data[full * bb :]
@@ -220,10 +247,17 @@ class _BlockCodec(Codec):
     def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
         """Write the unscaled values of data into out [k, bs] (float32)."""
 
+    def _unpack_scaled(self, data: torch.Tensor, scales: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """``out = unpack(data) * scales`` (scales [k, 1]): code times scale, one rounding."""
+        self._unpack(data, out)
+        out.mul_(scales)
+
 
 class Int8Codec(_BlockCodec):
     name = "int8"
     _levels = 127.0
+    _max_code = 128.0  # a peer may send -128
     _bits = 8
 
     def _pack(self, y: torch.Tensor, data: torch.Tensor) -> None:
@@ -231,6 +265,11 @@ class Int8Codec(_BlockCodec):
 
     def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(data.view(torch.int8).view_as(out))
+
+    def _unpack_scaled(self, data: torch.Tensor, scales: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        # one pass: int8 promotes exactly to float32, then the one rounding of the product
+        torch.mul(data.view(torch.int8).view_as(out), scales, out=out)
 
 
 class _NibbleCodec(_BlockCodec):
@@ -264,6 +303,7 @@ class _NibbleCodec(_BlockCodec):
 class Int4Codec(_NibbleCodec):
     name = "int4"
     _levels = 7.0
+    _max_code = 8.0  # a peer may send -8
 
     @staticmethod
     def _nibble_values() -> torch.Tensor:

@@ -6,13 +6,14 @@ correction is a handful of large tensor ops instead of a Python loop over parame
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 FRAGMENT_KINDS = ("strided", "sequential")
+Piece = tuple[int, int, int]  # (start in the flat buffer, length, offset in a compact chunk)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,25 @@ class Fragment:
         for start, length in self.ranges:
             buf[start : start + length].copy_(values[pos : pos + length])
             pos += length
+
+    def chunks(self, size: int) -> Iterator[tuple[int, int, list[Piece]]]:
+        """Walk the fragment in compact chunks of ``size`` elements (the last may be shorter).
+
+        Yields ``(compact_start, length, pieces)``; each piece ``(start, length, offset)`` maps
+        ``buf[start : start + length]`` to ``chunk[offset : offset + length]``. Lets callers work
+        through a cache-sized scratch buffer instead of gathering the fragment.
+        """
+        pos, pieces, filled = 0, [], 0
+        for start, length in self.ranges:
+            while length:
+                take = min(length, size - filled)
+                pieces.append((start, take, filled))
+                start, length, filled = start + take, length - take, filled + take
+                if filled == size:
+                    yield pos, filled, pieces
+                    pos, pieces, filled = pos + filled, [], 0
+        if filled:
+            yield pos, filled, pieces
 
     def __repr__(self) -> str:
         return f"Fragment({self.index}, numel={self.numel}, ranges={len(self.ranges)})"

@@ -10,16 +10,23 @@ references, so ``c_i = -c_j`` exactly and the network mean is kept despite quant
 Nothing changes until ``commit``: a failed exchange leaves the link as it was. The ``version``
 counts commits; two sides that disagree on it (one committed, the other did not, or one evicted
 the link) reset the link to ``theta_0`` before exchanging.
+
+Memory: two float32 vectors per link, ``2 * capacity`` model copies in all. :class:`LinkScheme`
+is this as a :class:`ReferenceScheme` (the interface the exchange engine drives chunk by
+chunk); :mod:`gasloc_p2p.core.feedback` has the per-node schemes whose memory does not grow
+with the number of peers.
 """
 
 from __future__ import annotations
 
+import abc
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import torch
 
 from gasloc_p2p.core.codecs import Codec, Encoded
-from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.flat import Fragment, Piece
 
 
 class PeerLink:
@@ -66,9 +73,10 @@ class ReferenceTable:
     """A bounded LRU of peer links; an evicted peer restarts from ``theta_0``."""
 
     def __init__(self, theta0: torch.Tensor, capacity: int = 8) -> None:
+        """theta0 is kept by reference (not copied): the caller must never modify it."""
         if capacity < 1:
             raise ValueError("reference capacity must be >= 1 peer")
-        self.theta0 = theta0.detach().clone()
+        self.theta0 = theta0.detach()
         self.capacity = capacity
         self._links: OrderedDict[str, PeerLink] = OrderedDict()
 
@@ -94,3 +102,92 @@ class ReferenceTable:
 
     def __len__(self) -> int:
         return len(self._links)
+
+
+class Sender(abc.ABC):
+    """One exchange's outgoing side: turns snapshot chunks into the message."""
+
+    @abc.abstractmethod
+    def encode(self, pos: int, pieces: list[Piece], x: torch.Tensor, codec: Codec,
+               out: Encoded) -> None:
+        """``x``: the public iterate of the compact chunk at ``pos`` (clobbered); encode it
+        into ``out``."""
+
+
+class Folder(abc.ABC):
+    """One exchange's commit: folds both decoded messages, chunk by chunk."""
+
+    @abc.abstractmethod
+    def fold(self, pieces: list[Piece], mine: torch.Tensor, theirs: torch.Tensor) -> None:
+        """Decoded chunks of our message and the peer's; leave ``c / w`` in ``mine``.
+
+        Must be exactly antisymmetric: the peer, folding (theirs, mine), gets ``-mine``.
+        """
+
+    def done(self) -> None:  # noqa: B027 (optional hook)
+        """All chunks folded."""
+
+
+class ReferenceScheme(abc.ABC):
+    """What both sides of a link must agree on to encode and fold messages identically."""
+
+    name: str
+
+    def version(self, peer_id: str) -> int:
+        """Commits on the link with ``peer_id`` (0 for schemes without per-peer state)."""
+        return 0
+
+    def __contains__(self, peer_id: str) -> bool:
+        return False
+
+    @abc.abstractmethod
+    def sender(self, peer_id: str, reset: bool, chunk: int, fragment: Fragment) -> Sender: ...
+
+    @abc.abstractmethod
+    def folder(self, peer_id: str, reset: bool, pinned: Iterable[str] = ()) -> Folder: ...
+
+
+class LinkScheme(ReferenceTable, ReferenceScheme):
+    """Per-peer references (a :class:`ReferenceTable`): exact CHOCO-style error feedback."""
+
+    name = "links"
+
+    def sender(self, peer_id: str, reset: bool, chunk: int, fragment: Fragment) -> Sender:
+        known = peer_id in self and not reset  # only a commit creates a link
+        return _LinkSender(self.get(peer_id).ref_out if known else self.theta0)
+
+    def folder(self, peer_id: str, reset: bool, pinned: Iterable[str] = ()) -> Folder:
+        for other in pinned:  # in flight: creating this link must not evict theirs
+            if other != peer_id and other in self:
+                self.get(other)
+        link = self.get(peer_id)
+        if reset:
+            link.reset(self.theta0)
+        return _LinkFolder(link)
+
+
+class _LinkSender(Sender):
+    def __init__(self, ref_out: torch.Tensor) -> None:
+        self.ref_out = ref_out
+
+    def encode(self, pos: int, pieces: list[Piece], x: torch.Tensor, codec: Codec,
+               out: Encoded) -> None:
+        for start, length, o in pieces:
+            x[o : o + length].sub_(self.ref_out[start : start + length])
+        codec.encode_into(x, out)
+
+
+class _LinkFolder(Folder):
+    def __init__(self, link: PeerLink) -> None:
+        self.link = link
+
+    def fold(self, pieces: list[Piece], mine: torch.Tensor, theirs: torch.Tensor) -> None:
+        out, inn = self.link.ref_out, self.link.ref_in
+        for start, length, o in pieces:
+            ref_out, ref_in = out[start : start + length], inn[start : start + length]
+            ref_out.add_(mine[o : o + length])
+            ref_in.add_(theirs[o : o + length])
+            torch.sub(ref_in, ref_out, out=mine[o : o + length])
+
+    def done(self) -> None:
+        self.link.version += 1

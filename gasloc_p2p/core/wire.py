@@ -95,11 +95,52 @@ class Encoded:
         _require_little_endian()
         return _raw_bytes(self.scales) + _raw_bytes(self.data)
 
+    def view(self, start: int, numel: int) -> Encoded:
+        """Elements ``[start, start + numel)`` as an Encoded over the same memory (no copy).
+
+        ``start`` must be a multiple of the block size (block codecs), so the slice owns whole
+        blocks; ``start + numel`` must be a block boundary or the end.
+        """
+        bs = self.block_size
+        if bs and start % bs or start < 0 or start + numel > self.numel:
+            raise ValueError(f"bad view [{start}, {start + numel}) of {self}")
+        if not bs:
+            width = self.data.numel() // max(self.numel, 1)
+            return Encoded(self.codec, numel, 0, self.data[start * width:(start + numel) * width],
+                           self.scales)
+        n_scales, n_data = layout(self.codec, numel, bs)
+        d0 = start // 2 if self.codec in _NIBBLE_CODECS else start
+        s0 = start // bs
+        return Encoded(self.codec, numel, bs, self.data[d0 : d0 + n_data],
+                       self.scales[s0 : s0 + n_scales])
+
+    @classmethod
+    def empty(cls, codec: str, numel: int, block_size: int) -> tuple[bytearray, Encoded]:
+        """A zeroed wire payload and an Encoded whose tensors are views of it: encoding into
+        the views fills the payload, with no ``to_bytes`` copy."""
+        _require_little_endian()
+        n_scales, n_data = layout(codec, numel, block_size)
+        payload = bytearray(4 * n_scales + n_data)
+        return payload, cls._over(codec, numel, block_size, payload, n_scales)
+
+    @classmethod
+    def _over(cls, codec: str, numel: int, block_size: int, buf: bytearray,
+              n_scales: int) -> Encoded:
+        raw = (torch.frombuffer(buf, dtype=torch.uint8) if len(buf)
+               else torch.empty(0, dtype=torch.uint8))
+        return cls(codec, numel, block_size, raw[4 * n_scales :], raw[: 4 * n_scales].view(
+            torch.float32))
+
     @classmethod
     def from_bytes(
-        cls, codec: str, numel: int, block_size: int, buf: bytes | bytearray | memoryview
+        cls, codec: str, numel: int, block_size: int, buf: bytes | bytearray | memoryview,
+        copy: bool = True,
     ) -> Encoded:
-        """Parse ``to_bytes`` output (copied); ValueError on a wrong length or bad scales."""
+        """Parse ``to_bytes`` output; ValueError on a wrong length or bad scales.
+
+        ``copy=False`` (``buf`` must be a bytearray the caller will neither resize nor reuse):
+        the tensors are views of ``buf``.
+        """
         _require_little_endian()
         n_scales, n_data = layout(codec, numel, block_size)
         expected, got = 4 * n_scales + n_data, memoryview(buf).nbytes
@@ -109,11 +150,10 @@ class Encoded:
                 f"{expected} bytes, got {got}"
             )
         # bytearray copy: the payload must not alias a buffer the transport will reuse.
-        empty = torch.empty(0, dtype=torch.uint8)
-        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if got else empty
-        scales = raw[: 4 * n_scales].view(torch.float32)
+        owned = buf if not copy and isinstance(buf, bytearray) else bytearray(buf)
+        enc = cls._over(codec, numel, block_size, owned, n_scales)
         # A scale from a peer feeds straight into the references: reject NaN/Inf/negative.
-        if n_scales and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+        if n_scales and not bool((torch.isfinite(enc.scales) & (enc.scales >= 0)).all()):
             raise ValueError(f"{codec} payload has non-finite or negative scales")
-        return cls(codec, numel, block_size, raw[4 * n_scales :], scales)
+        return enc
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
+from gasloc_p2p.core.feedback import REFERENCE_CHOICES, resolve_references
 from gasloc_p2p.core.options import ConfigError, check_outer_step, need, opt
 from gasloc_p2p.model import GPTConfig
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
@@ -112,7 +113,12 @@ class GossipConfig:
     exchanges_per_round: float = opt(2.0, "mean exchanges this node starts per round (0: none)")
     max_inbound: int = opt(4, "inbound exchanges served at once; more are answered BUSY")
     max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)")
-    reference_capacity: int = opt(8, "peers whose quantization references are kept (LRU)")
+    references: str = opt("auto", "quantization references: links (two float32 model copies "
+                                  "per peer), feedback (one int8 error-feedback buffer per "
+                                  "node), plain (none); auto: feedback, plain for 4-bit codecs",
+                          choices=REFERENCE_CHOICES)
+    reference_capacity: int = opt(8, "peers whose quantization references are kept (LRU, "
+                                     "--references links)")
     chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)")
     busy_retries: int = opt(3, "other peers tried after a BUSY answer")
     backoff_s: float = opt(10.0, "after a failed exchange, leave that peer alone this long")
@@ -120,6 +126,7 @@ class GossipConfig:
     chunk_timeout_s: float = opt(15.0, "wait for any one message during the transfer")
     commit_timeout_s: float = opt(15.0, "responder: wait for Commit after both Ready")
     exchange_timeout_s: float = opt(120.0, "deadline of a whole exchange")
+    max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY")
     init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any")
     download_timeout_s: float = opt(60.0, "deadline of a state download")
 
@@ -127,6 +134,11 @@ class GossipConfig:
     def codec_spec(self) -> CodecSpec:
         """What this node sends: ``codec`` with ``block_size`` (0 for fp32/fp16)."""
         return CodecSpec.of(self.codec, self.block_size)
+
+    @property
+    def reference_scheme(self) -> str:
+        """``references`` with ``auto`` resolved for this node's codec."""
+        return resolve_references(self.references, self.codec)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -138,6 +150,9 @@ class GossipConfig:
         need(self.exchanges_per_round >= 0, "exchanges_per_round", self.exchanges_per_round,
               "must be >= 0 (0 disables outbound gossip)")
         need(self.max_inbound >= 1, "max_inbound", self.max_inbound, "must be >= 1")
+        need(self.max_downloads >= 1, "max_downloads", self.max_downloads, "must be >= 1")
+        need(self.references in REFERENCE_CHOICES, "references", self.references,
+              f"choose one of {REFERENCE_CHOICES}")
         need(self.max_upload_mbps >= 0, "max_upload_mbps", self.max_upload_mbps,
               "must be >= 0 (0: no cap)")
         need(1024 <= self.chunk_bytes <= MAX_CHUNK_BYTES, "chunk_bytes", self.chunk_bytes,

@@ -53,7 +53,7 @@ class Admit:
 class SendPayload:
     """Stream ``payload`` as Chunks while reading goes on; call ``payload_sent`` on FlushPayload."""
 
-    payload: bytes
+    payload: bytes | bytearray
     codec: CodecSpec
 
 

@@ -5,10 +5,12 @@ async layer (:mod:`gasloc_p2p.node.transport.exchange`) calls them through ``asy
 tensors are touched only under the node's :class:`TrainingLock`, which also serialises the
 trainer's optimizer steps and round ends.
 
-Nothing changes before :meth:`ExchangeEngine.commit`: ``prepare`` reads a snapshot and encodes it
-against the link's reference (or ``theta_0`` when the link is new or must be reset), ``check``
-parses and validates the peer's payload; only ``commit`` folds both messages into the link and
-adds the correction to the anchor and live parameters.
+Nothing shared changes before :meth:`ExchangeEngine.commit`: ``prepare`` reads a snapshot and
+encodes it through the node's reference scheme (per-peer references, or theta_0 when the link
+is new or must be reset; or the per-node schemes of :mod:`gasloc_p2p.core.feedback`, whose
+local error-feedback buffer is advanced at encoding), ``check`` parses and validates the
+peer's payload; only ``commit`` folds both messages and adds the correction to the anchor and
+live parameters.
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
+from gasloc_p2p.core.feedback import FEEDBACK_SPEC, make_scheme
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.references import ReferenceTable
+
+DEFAULT_SCHEME = "feedback"  # see gasloc_p2p.core.feedback.resolve_references
+# Scratch of the fused loops: 2^18 float32 (1 MiB) stays in a core's L2; bigger chunks were
+# slower on a 2-core EPYC, smaller ones paid per-op overhead (see benchmarks/bench_scale.py).
+CHUNK_ELEMS = 1 << 18
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,8 +45,8 @@ class Prepared:
     link_version: int  # this side's version before the exchange
     reset: bool  # restart the link from theta_0 at commit (the versions differed)
     rounds0: int  # round ends at the snapshot
-    encoded: Encoded
-    payload: bytes
+    encoded: Encoded  # views of payload
+    payload: bytearray
     crc32: int
 
 
@@ -57,18 +64,38 @@ class NoLock:
 
 
 class ExchangeEngine:
-    """References, fragments and codecs of one node, around its :class:`AsyncGaslocState`."""
+    """The reference scheme, fragments and codecs of one node, around its
+    :class:`AsyncGaslocState`.
+
+    Tensor work is fused and chunked (``CHUNK_ELEMS`` at a time, through cache-sized scratch):
+    ``prepare`` reads anchor and live parameters once and writes the payload in place; ``check``
+    validates without decoding; ``commit`` decodes each message once, straight into the
+    scheme's fold and the correction's add. No fragment-size temporary is allocated besides the
+    two payloads.
+    """
 
     def __init__(self, state: AsyncGaslocState, theta0: torch.Tensor,
                  fragments: Sequence[Fragment], lock: UrgentLock,
-                 reference_capacity: int) -> None:
-        """theta0: ``[numel]`` float32 initial parameters, the same on every node of the run."""
+                 reference_capacity: int, references: str = DEFAULT_SCHEME) -> None:
+        """theta0: ``[numel]`` float32 initial parameters, the same on every node of the run
+        (kept by reference, never modified). references: one of ``REFERENCE_SCHEMES``."""
         self.state = state
         self.theta0 = theta0
         self.fragments = list(fragments)
         self.lock = lock
-        self.refs = ReferenceTable(theta0, capacity=reference_capacity)
-        self._refs_lock = threading.Lock()  # the LRU is touched from several worker threads
+        self.capacity = reference_capacity
+        self.refs = make_scheme(references, theta0, reference_capacity)
+        self._refs_lock = threading.Lock()  # the scheme is touched from several worker threads
+
+    @property
+    def references(self) -> str:
+        """The reference scheme's name (peers must use the same one)."""
+        return self.refs.name
+
+    def use_references(self, name: str) -> None:
+        """Switch the reference scheme (before any exchange: all references restart)."""
+        if name != self.refs.name:
+            self.refs = make_scheme(name, self.theta0, self.capacity)
 
     def link_version(self, peer_id: str) -> int:
         with self._refs_lock:
@@ -79,63 +106,74 @@ class ExchangeEngine:
 
     def prepare(self, peer_id: str, fragment_index: int, spec: CodecSpec,
                 reset: bool) -> Prepared:
-        """Snapshot the public iterate of one fragment and encode ``Q(p - ref_out)``.
+        """Snapshot the public iterate of one fragment and encode it into a fresh payload.
 
-        With ``reset`` (or no link yet) the reference is ``theta_0``. Only this exchange can
-        change the link (one exchange per peer in flight), so ``ref_out`` is read unlocked.
+        One pass per chunk under the training lock: ``p = lerp(a, theta, eta)`` into scratch,
+        the scheme's reference step, the codec writing into the payload's memory.
         """
         fragment = self.fragments[fragment_index]
-        covers_all = fragment.ranges == ((0, self.theta0.numel()),)
-        with self.lock.urgent():
-            public = self.state.public_iterate(None if covers_all else fragment)
-            rounds0 = self.state.rounds
-        with self._refs_lock:
+        codec, step = spec.codec(), chunk_elems(spec)
+        payload, encoded = Encoded.empty(spec.name, fragment.numel, spec.block_size)
+        work = torch.empty(min(step, fragment.numel), device=self.theta0.device)
+        anchor, theta, eta = self.state.anchor, self.state.theta, self.state.cfg.eta
+        with self.lock.urgent(), self._refs_lock:
             version = self.refs.version(peer_id)
-            known = peer_id in self.refs
-            reference = self.refs.get(peer_id).ref_out if known and not reset else self.theta0
-        encoded = spec.codec().encode(_sub_fragment_(public, reference, fragment))
-        payload = encoded.to_bytes()
+            sender = self.refs.sender(peer_id, reset, step, fragment)
+            rounds0 = self.state.rounds
+            for pos, n, pieces in fragment.chunks(step):
+                x = work[:n]
+                for start, length, o in pieces:
+                    torch.lerp(anchor[start : start + length], theta[start : start + length],
+                               eta, out=x[o : o + length])
+                sender.encode(pos, pieces, x, codec, encoded.view(pos, n))
         return Prepared(peer_id, fragment, version, reset, rounds0, encoded, payload,
                         zlib.crc32(payload))
 
     def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray,
               crc32: int) -> Encoded:
-        """Parse the peer's payload; ValueError if it is corrupt or decodes to NaN/Inf."""
+        """Parse the peer's payload; ValueError if it is corrupt or would decode to NaN/Inf.
+
+        A bytearray payload is used in place (the session hands over its receive buffer).
+        """
         if zlib.crc32(payload) != crc32:
             raise ValueError("payload CRC32 mismatch")
-        received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload)
-        values = spec.codec().decode(received)
-        # amax/amin propagate NaN and allocate nothing, unlike isfinite() (3x slower here)
-        if numel and not (math.isfinite(float(values.amax()))
-                          and math.isfinite(float(values.amin()))):
-            raise ValueError("payload decodes to non-finite values")
+        received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
+        spec.codec().check_decodable(received)
         return received
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,
                pinned: Iterable[str] = ()) -> float:
-        """Fold both messages into the link and apply the correction; returns ``||c||_2``.
+        """Fold both messages into the references and apply the correction; returns ``||c||_2``.
 
         ``pinned``: peers with exchanges in flight, moved to the LRU's recent end first so that
         creating this link never evicts (and resets) a link another exchange is using.
         """
-        with self.lock.urgent():
-            with self._refs_lock:
-                for other in pinned:
-                    if other != prep.peer_id and other in self.refs:
-                        self.refs.get(other)
-                link = self.refs.get(prep.peer_id)
-            if prep.reset:
-                link.reset(self.theta0)
-            correction = link.commit(prep.encoded, received, prep.fragment, weight)
-            if weight > 0:
-                self.state.apply_correction(correction, prep.fragment)
-        return float(correction.norm())
+        fragment, sent = prep.fragment, prep.encoded
+        if received.numel != fragment.numel or received.spec != sent.spec:
+            raise ValueError(f"received {received.spec}/{received.numel}, sent "
+                             f"{sent.spec}/{fragment.numel}")
+        codec, step = sent.spec.codec(), chunk_elems(sent.spec)
+        mine = torch.empty(min(step, fragment.numel), device=self.theta0.device)
+        theirs = torch.empty_like(mine)
+        anchor, theta = self.state.anchor, self.state.theta
+        square = 0.0
+        with self.lock.urgent(), self._refs_lock:
+            folder = self.refs.folder(prep.peer_id, prep.reset, pinned)
+            for pos, n, pieces in fragment.chunks(step):
+                c = codec.decode(sent.view(pos, n), mine[:n])
+                folder.fold(pieces, c, codec.decode(received.view(pos, n), theirs[:n]))
+                c.mul_(weight)
+                square += float(torch.dot(c, c))
+                if weight > 0:
+                    for start, length, o in pieces:
+                        anchor[start : start + length].add_(c[o : o + length])
+                        theta[start : start + length].add_(c[o : o + length])
+            folder.done()
+        return math.sqrt(square)
 
 
-def _sub_fragment_(compact: torch.Tensor, buf: torch.Tensor, fragment: Fragment) -> torch.Tensor:
-    """``compact -= buf[fragment]`` in place without gathering a copy; returns ``compact``."""
-    pos = 0
-    for start, length in fragment.ranges:
-        compact[pos : pos + length].sub_(buf[start : start + length])
-        pos += length
-    return compact
+def chunk_elems(spec: CodecSpec) -> int:
+    """Elements per chunk of the fused loops: about ``CHUNK_ELEMS``, whole blocks of the
+    message and of the error-feedback buffer."""
+    block = math.lcm(spec.block_size or 1, FEEDBACK_SPEC.block_size)
+    return max(1, CHUNK_ELEMS // block) * block

@@ -15,7 +15,8 @@ from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.engine import Prepared
 
-PROTOCOL_VERSION = 1
+# 2: the Header names the reference scheme (and "feedback" payloads are not deltas)
+PROTOCOL_VERSION = 2
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 # Block sizes a responder accepts besides its own: a peer's header never picks another one, so
 # it cannot make this node allocate (or cache codecs for) sizes of its choosing.
@@ -74,14 +75,16 @@ class Identity:
     peer_id: str
 
 
-def make_header(me: Identity, prep: Prepared, fragment_count: int) -> pb.ExchangeMsg:
+def make_header(me: Identity, prep: Prepared, fragment_count: int,
+                references: str = "links") -> pb.ExchangeMsg:
     enc = prep.encoded
     return pb.ExchangeMsg(header=pb.Header(
         protocol_version=PROTOCOL_VERSION, run_id=me.run_id, model_fingerprint=me.fingerprint,
         peer_id=me.peer_id, codec=enc.codec, block_size=enc.block_size,
         fragment_index=prep.fragment.index, fragment_count=fragment_count,
         fragment_numel=prep.fragment.numel, payload_bytes=len(prep.payload),
-        payload_crc32=prep.crc32, link_version=prep.link_version, rounds=prep.rounds0))
+        payload_crc32=prep.crc32, link_version=prep.link_version, rounds=prep.rounds0,
+        references=references))
 
 
 def reject(code: int, message: str) -> pb.ExchangeMsg:
@@ -106,7 +109,8 @@ def header_codec(h: pb.Header) -> CodecSpec:
 
 
 def check_header(h: pb.Header, me: Identity, fragments: Sequence[Fragment],
-                 accepted: Collection[CodecSpec]) -> ExchangeError | None:
+                 accepted: Collection[CodecSpec],
+                 references: str = "links") -> ExchangeError | None:
     """Why a peer's header is unacceptable (an error to send back), or None if it is fine."""
     if h.protocol_version != PROTOCOL_VERSION:
         return ExchangeError(VERSION_MISMATCH, f"protocol {h.protocol_version}, "
@@ -116,6 +120,9 @@ def check_header(h: pb.Header, me: Identity, fragments: Sequence[Fragment],
     if h.model_fingerprint != me.fingerprint:
         return ExchangeError(FINGERPRINT_MISMATCH, f"model {h.model_fingerprint[:12]}, this "
                                                    f"node runs {me.fingerprint[:12]}")
+    if h.references != references:
+        return ExchangeError(BAD_REQUEST, f"reference scheme {h.references[:20]!r}, this node "
+                                          f"uses {references!r} (--references)")
     if not h.peer_id or h.peer_id == me.peer_id:
         return ExchangeError(BAD_REQUEST, f"bad sender peer id {h.peer_id!r}")
     frags = fragments
@@ -141,16 +148,17 @@ def check_header(h: pb.Header, me: Identity, fragments: Sequence[Fragment],
 
 def check_reply_header(h: pb.Header, mine: pb.Header, me: Identity,
                        fragments: Sequence[Fragment],
-                       accepted: Collection[CodecSpec]) -> ExchangeError | None:
+                       accepted: Collection[CodecSpec],
+                       references: str = "links") -> ExchangeError | None:
     """The responder's header must also echo our fragment and codec."""
-    problem = check_header(h, me, fragments, accepted)
+    problem = check_header(h, me, fragments, accepted, references)
     if problem is None and (h.fragment_index, h.codec, h.block_size) != (
             mine.fragment_index, mine.codec, mine.block_size):
         problem = ExchangeError(BAD_REQUEST, "reply header names another fragment or codec")
     return problem
 
 
-def chunks(payload: bytes, size: int) -> Iterator[bytes]:
+def chunks(payload: bytes | bytearray, size: int) -> Iterator[bytes]:
     """Consecutive slices of at most ``size`` (<= 1 MiB) bytes."""
     size = min(size, MAX_CHUNK_BYTES)
     view = memoryview(payload)

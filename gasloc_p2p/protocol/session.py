@@ -133,7 +133,8 @@ class ExchangeSession:
         self._mine: pb.Header | None = None
         self._peer: pb.Header | None = None
         self._await_header = False  # responder: the initiator re-sends its Header (link reset)
-        self._buf = bytearray()
+        self._buf = bytearray()  # the peer's payload, allocated at its announced (checked) size
+        self._filled = 0
         self._received: Encoded | None = None
         self._my_rounds: int | None = None
         self._peer_rounds: int | None = None
@@ -183,7 +184,8 @@ class ExchangeSession:
         assert self.stage is Stage.PREPARING
         first = self._prep is None
         self._prep = prep
-        header = make_header(self.rules.me, prep, len(self.engine.fragments))
+        header = make_header(self.rules.me, prep, len(self.engine.fragments),
+                             self.engine.references)
         self._mine = self._mine or header.header
         if self.role is Role.INITIATOR and first:
             self.stage = Stage.HEADER
@@ -268,7 +270,8 @@ class ExchangeSession:
         if kind != "header":
             return self._reject(ExchangeError(BAD_REQUEST, "the first message must be a Header"))
         h = msg.header
-        problem = check_header(h, self.rules.me, self.engine.fragments, self.rules.accepted)
+        problem = check_header(h, self.rules.me, self.engine.fragments, self.rules.accepted,
+                               self.engine.references)
         if problem is not None:
             return self._reject(problem)
         self._peer, self.peer_id, self.fragment = h, h.peer_id, h.fragment_index
@@ -287,7 +290,7 @@ class ExchangeSession:
             raise ProtocolError(f"expected Header or Reject, got {kind}")
         assert self._mine is not None and self._prep is not None
         problem = check_reply_header(msg.header, self._mine, self.rules.me, self.engine.fragments,
-                                     self.rules.accepted)
+                                     self.rules.accepted, self.engine.references)
         if problem is not None:
             raise problem
         if msg.header.peer_id != self.peer_id:
@@ -317,15 +320,19 @@ class ExchangeSession:
     def _chunk(self, data: bytes, peer: pb.Header) -> list[Action]:
         if not data or len(data) > MAX_CHUNK_BYTES:
             raise ProtocolError(f"chunk of {len(data)} B (limit {MAX_CHUNK_BYTES})")
-        if len(self._buf) + len(data) > peer.payload_bytes:
+        if self._filled + len(data) > peer.payload_bytes:
             raise ProtocolError(f"payload exceeds the announced {peer.payload_bytes} B")
-        self._buf += data
-        if len(self._buf) < peer.payload_bytes:
+        if not self._filled:
+            self._buf = bytearray(peer.payload_bytes)  # check_header bounded it by our fragment
+        self._buf[self._filled : self._filled + len(data)] = data
+        self._filled += len(data)
+        if self._filled < peer.payload_bytes:
             return []
         return [Check(header_codec(peer), peer.fragment_numel, self._buf, peer.payload_crc32)]
 
     def _replacement_header(self, new: pb.Header, old: pb.Header) -> pb.Header:
-        problem = check_header(new, self.rules.me, self.engine.fragments, self.rules.accepted)
+        problem = check_header(new, self.rules.me, self.engine.fragments, self.rules.accepted,
+                               self.engine.references)
         if problem is None and (new.peer_id, new.fragment_index, new.codec, new.block_size) != (
                 old.peer_id, old.fragment_index, old.codec, old.block_size):
             problem = ProtocolError("the re-sent Header changed peer, fragment or codec")

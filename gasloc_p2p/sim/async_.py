@@ -47,7 +47,8 @@ class AsyncSim:
         # quantized: the daemon's protocol and engine, in memory; "none": exact, no references
         self.exchanger: ProtocolExchanger | SimExchanger = (
             SimExchanger(sim.theta0, n, None) if spec is None
-            else ProtocolExchanger(self.states, sim.theta0, known, spec, self.acfg))
+            else ProtocolExchanger(self.states, sim.theta0, known, spec, self.acfg,
+                                   references=cfg.reference_scheme))
         self.neighbours: list[list[int]] = [[] for _ in range(n)]
         for i, j in graph_edges(cfg.graph, n):
             self.neighbours[i].append(j)

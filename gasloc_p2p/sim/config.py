@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec, parse_optional
+from gasloc_p2p.core.feedback import REFERENCE_CHOICES, resolve_references
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
 from gasloc_p2p.core.topology import GRAPHS, MATCHINGS
 
@@ -45,6 +46,9 @@ class SimConfig:
                                           "round")
     codec: str = opt("int8", "payload codec: none (exact), fp32, fp16, int8, int4, fp4; "
                              "block size: int8:256")
+    references: str = opt("auto", "async quantized exchanges: links (per-peer references), "
+                                  "feedback (one per-node error-feedback buffer), plain; auto: "
+                                  "feedback, plain for 4-bit codecs")
     fragments: int = opt(1, "parameter fragments (strided layers); one fragment per exchange or "
                             "sync")
     tau: int = opt(1, "streaming-diloco: inner steps a sync overlaps")
@@ -90,6 +94,11 @@ class SimConfig:
         return parse_optional(self.codec)
 
     @property
+    def reference_scheme(self) -> str:
+        """``references`` with ``auto`` resolved for the codec."""
+        return resolve_references(self.references, self.codec.partition(":")[0])
+
+    @property
     def outer_gamma(self) -> float:
         return DEFAULT_GAMMA[self.algorithm] if self.gamma is None else self.gamma
 
@@ -118,6 +127,8 @@ class SimConfig:
             (_parses(self.codec),
              f"unknown codec {self.codec!r}; choose none or one of {CODEC_NAMES}"),
             (self.dtype in ("float32", "float64"), "--dtype must be float32 or float64"),
+            (self.references in REFERENCE_CHOICES,
+             f"--references must be one of {', '.join(REFERENCE_CHOICES)}"),
             (self.tokenizer in ("byte", "bpe"), "--tokenizer must be byte or bpe"),
             (self.dtype == "float32" or self.codec == "none",
              "float64 runs need --codec none (codecs quantize float32)"),

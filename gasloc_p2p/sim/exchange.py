@@ -22,7 +22,7 @@ from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.references import ReferenceTable
-from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
+from gasloc_p2p.protocol.engine import DEFAULT_SCHEME, ExchangeEngine, NoLock
 from gasloc_p2p.protocol.memory import MemoryExchange
 from gasloc_p2p.protocol.messages import Identity
 from gasloc_p2p.protocol.session import Rules, Timeouts
@@ -54,11 +54,12 @@ class ProtocolExchanger:
 
     def __init__(self, states: Sequence[AsyncGaslocState], theta0: torch.Tensor,
                  fragments: Sequence[Fragment], spec: CodecSpec, outer: AsyncConfig,
-                 capacity: int = 8) -> None:
+                 capacity: int = 8, references: str = DEFAULT_SCHEME) -> None:
         never = Timeouts(math.inf, math.inf, math.inf)
         self.spec = spec
         self.fragments = list(fragments)
-        self.engines = [ExchangeEngine(s, theta0, fragments, NoLock(), capacity) for s in states]
+        self.engines = [ExchangeEngine(s, theta0, fragments, NoLock(), capacity, references)
+                        for s in states]
         self.rules = [Rules.build(Identity(SIM_RUN, SIM_FINGERPRINT, str(i)), spec, outer, never)
                       for i in range(len(states))]
 

@@ -69,6 +69,8 @@ def label(cfg: SimConfig) -> str:
         parts.append(f"{cfg.graph}")
     if cfg.algorithm != "local":
         parts.append(cfg.codec)
+    if cfg.mode == "async" and cfg.algorithm != "local" and cfg.codec != "none":
+        parts.append(cfg.reference_scheme)
     return " ".join(parts)
 
 

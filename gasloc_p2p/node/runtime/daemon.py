@@ -183,7 +183,7 @@ class Node:
         net = self.cfg.network
         host = "127.0.0.1" if net.client_mode else net.host
         servicer = GossipServicer(self.me, self.mode.exchanger, self.info, self.mode.snapshot,
-                                  self.cfg.gossip.header_timeout_s)
+                                  self.cfg.gossip.header_timeout_s, self.cfg.gossip.max_downloads)
         servicer.probe = self._probe_endpoint
         server, self.port = await start_server(servicer, host, net.port, net,
                                                self.cfg.gossip.max_inbound)

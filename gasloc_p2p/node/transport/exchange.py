@@ -83,8 +83,10 @@ class GossipTransport:
 
     @cfg.setter
     def cfg(self, gossip: GossipConfig) -> None:
-        """Replacing the config (codec, timeouts) rebuilds the sessions' rules to match."""
+        """Replacing the config (codec, timeouts) rebuilds the sessions' rules to match; the
+        engine takes the config's reference scheme (restarting all references if it changed)."""
         self._cfg = gossip
+        self.engine.use_references(gossip.reference_scheme)
         self.rules = Rules.build(self.me, gossip.codec_spec, self.outer, Timeouts(
             gossip.header_timeout_s, gossip.chunk_timeout_s, gossip.commit_timeout_s))
 

@@ -33,7 +33,6 @@ from gasloc_p2p.protocol.messages import (
     VERSION_MISMATCH,
     ExchangeError,
     Identity,
-    chunks,
     reject,
 )
 
@@ -66,9 +65,61 @@ class StateSnapshot:
     params: torch.Tensor
     memory: torch.Tensor
 
+    def views(self) -> tuple[memoryview, memoryview]:
+        """The body's two parts as bytes views of the tensors' memory (no copy on CPU)."""
+        return _bytes_view(self.params), _bytes_view(self.memory)
+
     def body(self) -> bytes:
-        return (self.params.contiguous().numpy().tobytes()
-                + self.memory.contiguous().numpy().tobytes())
+        """The whole body as one bytes object (a copy; tests and small tools only)."""
+        params, memory = self.views()
+        return bytes(params) + bytes(memory)
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    array: Any = t.detach().float().cpu().contiguous().numpy()
+    return memoryview(array).cast("B")
+
+
+class SharedSnapshot:
+    """One snapshot (and its CRC) shared by all downloads in progress, at most ``limit`` of them.
+
+    The first download takes it (the node's ``take``: a copy of the public iterate and memory,
+    under the training lock); later ones reuse it while any download still streams it, and it is
+    dropped when the last ends. So concurrent downloads cost one copy of the state, not one
+    serialized copy each, and the body is streamed chunk by chunk from the snapshot's memory.
+    """
+
+    def __init__(self, take: Callable[[], StateSnapshot], limit: int) -> None:
+        self.take = take  # blocking; runs in a thread
+        self.limit = limit
+        self.active = 0
+        self.taken = 0  # snapshots taken so far (tests, metrics)
+        self._current: tuple[StateSnapshot, tuple[memoryview, memoryview], int] | None = None
+        self._lock = asyncio.Lock()
+
+    def admit(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def release(self) -> None:
+        self.active -= 1
+        if not self.active:
+            self._current = None
+
+    async def get(self) -> tuple[StateSnapshot, tuple[memoryview, memoryview], int]:
+        """(snapshot, its body views, body CRC32); only between ``admit`` and ``release``."""
+        async with self._lock:
+            if self._current is None:
+                self._current = await asyncio.to_thread(self._take)
+                self.taken += 1
+            return self._current
+
+    def _take(self) -> tuple[StateSnapshot, tuple[memoryview, memoryview], int]:
+        snap = self.take()
+        views = snap.views()
+        return snap, views, zlib.crc32(views[1], zlib.crc32(views[0]))
 
 
 class GossipServicer(pb_grpc.GossipServicer):
@@ -76,15 +127,16 @@ class GossipServicer(pb_grpc.GossipServicer):
 
     ``exchanger`` None (a mode that does not gossip, e.g. DiLoCo): every Exchange stream is
     answered BUSY after its first message, as a gossiping node at its inbound limit answers.
+    ``max_downloads``: concurrent DownloadState streams; more are answered BUSY.
     """
 
     def __init__(self, me: Identity, exchanger: GossipTransport | None,
                  info: Callable[[], pb.InfoReply], snapshot: Callable[[], StateSnapshot],
-                 header_timeout_s: float = 10.0) -> None:
+                 header_timeout_s: float = 10.0, max_downloads: int = 2) -> None:
         self.me = me
         self.exchanger = exchanger
         self.info = info
-        self.snapshot = snapshot  # blocking; runs in a thread
+        self.downloads = SharedSnapshot(snapshot, max_downloads)
         self.header_timeout_s = header_timeout_s  # for the BUSY answer without an exchanger
         self.probe: Callable[[str], Awaitable[bool]] | None = None  # set by the node
         self._probing = asyncio.Lock()
@@ -128,14 +180,22 @@ class GossipServicer(pb_grpc.GossipServicer):
         if problem is not None:
             yield pb.StateChunk(reject=reject(problem.code, problem.message).reject)
             return
-        snap = await asyncio.to_thread(self.snapshot)
-        body = await asyncio.to_thread(snap.body)
-        yield pb.StateChunk(meta=pb.StateMeta(
-            protocol_version=PROTOCOL_VERSION, model_fingerprint=self.me.fingerprint,
-            numel=snap.params.numel(), step=snap.step, rounds=snap.rounds,
-            momentum=snap.momentum, total_bytes=len(body), body_crc32=zlib.crc32(body)))
-        for piece in chunks(body, MAX_CHUNK_BYTES):
-            yield pb.StateChunk(data=piece)
+        if not self.downloads.admit():
+            yield pb.StateChunk(reject=reject(BUSY, f"serving {self.downloads.limit} state "
+                                                    "downloads already; retry later").reject)
+            return
+        try:
+            snap, views, crc = await self.downloads.get()
+            yield pb.StateChunk(meta=pb.StateMeta(
+                protocol_version=PROTOCOL_VERSION, model_fingerprint=self.me.fingerprint,
+                numel=snap.params.numel(), step=snap.step, rounds=snap.rounds,
+                momentum=snap.momentum, total_bytes=sum(v.nbytes for v in views),
+                body_crc32=crc))
+            for view in views:  # one 1 MiB copy at a time, as gRPC pulls the stream
+                for start in range(0, view.nbytes, MAX_CHUNK_BYTES):
+                    yield pb.StateChunk(data=bytes(view[start : start + MAX_CHUNK_BYTES]))
+        finally:
+            self.downloads.release()
 
     def _check_state_request(self, r: pb.StateRequest) -> ExchangeError | None:
         if r.protocol_version != PROTOCOL_VERSION:

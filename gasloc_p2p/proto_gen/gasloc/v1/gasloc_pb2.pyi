@@ -25,7 +25,7 @@ BAD_REQUEST: RejectCode
 INTERNAL: RejectCode
 
 class Header(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_crc32", "link_version", "rounds")
+    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_crc32", "link_version", "rounds", "references")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class Header(_message.Message):
     PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
     LINK_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     model_fingerprint: str
@@ -52,7 +53,8 @@ class Header(_message.Message):
     payload_crc32: int
     link_version: int
     rounds: int
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., link_version: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
+    references: str
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., link_version: _Optional[int] = ..., rounds: _Optional[int] = ..., references: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data",)

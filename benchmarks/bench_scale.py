@@ -1,0 +1,175 @@
+"""Memory and tensor work of one node's exchanges at 1M, 10M and 100M parameters (issue 9).
+
+For each size and reference scheme, a fresh child process (so peak RSS is its own) holds one
+node: live parameters (the "model"), the outer state (anchor, momentum memory) and an
+:class:`ExchangeEngine`; it runs exchanges of the whole vector with ``--peers`` distinct peers
+(prepare, check of a peer payload, commit) and reports
+
+- extra memory: (peak RSS during the exchanges - RSS with only the model allocated) / model
+  bytes, i.e. everything the outer algorithm adds (theta_0 where the scheme needs it, anchor,
+  memory, references or error feedback, both payloads, scratch), in model-size float32
+  equivalents (goal: <= 3). The peer's payload is held as received bytes (what the session's
+  buffer holds) and counted; setup temporaries are not (the kernel's peak is reset after setup);
+- time per phase, as a multiple of one memcpy of the fragment: ``copy_`` into an existing
+  buffer and ``clone`` (a fresh copy, page faults included; the issue's "one copy of the
+  model"). Goal: one side's prepare + check + commit <= 4 clones.
+
+No gradients or optimizer state are allocated: they are the model's, not the outer algorithm's.
+Run: ``python benchmarks/bench_scale.py [--sizes 1e6,1e7,1e8] [--schemes links,feedback]``.
+Timings on shared machines vary by ~30%: compare ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+
+import torch
+
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.flat import whole
+from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def reset_peak() -> None:
+    """Restart the kernel's peak-RSS count (VmHWM) here, so setup temporaries are not in it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def best(fn: Callable[..., object], repeats: int, *args: object) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[str, float]:
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    theta = torch.randn(numel, device=dev, generator=gen).mul_(0.02)  # the model
+    base = rss_bytes()
+    theta0 = theta.clone()
+    state = AsyncGaslocState(theta, theta0, AsyncConfig())
+    if scheme != "links":
+        del theta0  # only "links" keeps theta_0 (initial references); the others never read it
+        theta0 = theta  # the engine reads size and device
+    engine = ExchangeEngine(state, theta0, [whole(numel)], NoLock(), max(peers, 1), scheme)
+    spec = CodecSpec.parse(codec)
+    theta.add_(torch.randn(numel, device=dev, generator=gen), alpha=1e-3)  # a local drift
+    peer_payload = spec.codec().encode(torch.randn(numel, device=dev, generator=gen) * 1e-3)
+    raw = bytearray(peer_payload.to_bytes())  # the peer's payload, as the session's buffer
+    crc = zlib.crc32(raw)
+    del peer_payload
+    engine.commit(engine.prepare("warm-up", 0, spec, False), engine.check(spec, numel, raw, crc),
+                  0.5)  # page in torch's kernels: a fixed ~20 MB of code, not the algorithm's
+    reset_peak()  # from here: the node's state plus what exchanges allocate
+    for k in range(peers):  # memory: one exchange with each peer
+        engine.commit(engine.prepare(f"peer{k}", 0, spec, False),
+                      engine.check(spec, numel, raw, crc), 0.5)
+    peak = peak_bytes()
+    model_bytes = numel * 4
+    # time: each phase next to the two copies it is compared with (the machine is shared)
+    times: dict[str, list[float]] = {k: [] for k in ("prepare", "check", "commit", "copy",
+                                                      "clone")}
+    dst = torch.empty_like(theta)
+    for k in range(5 if numel <= 10**7 else 3):
+        times["copy"].append(best(dst.copy_, 1, theta))
+        times["clone"].append(best(theta.clone, 1))
+        t0 = time.perf_counter()
+        prep = engine.prepare(f"peer{k % peers}", 0, spec, False)
+        t1 = time.perf_counter()
+        received = engine.check(spec, numel, raw, crc)
+        t2 = time.perf_counter()
+        engine.commit(prep, received, 0.5)
+        t3 = time.perf_counter()
+        for name, dt in zip(("prepare", "check", "commit"), (t1 - t0, t2 - t1, t3 - t2),
+                            strict=True):
+            times[name].append(dt)
+        del prep, received
+    copy_s, clone_s = min(times.pop("copy")), min(times.pop("clone"))
+    out = {"numel": numel, "extra_model_copies": (peak - base) / model_bytes,
+           "copy_s": copy_s, "clone_s": clone_s}
+    for name, ts in times.items():
+        out[f"{name}_s"] = min(ts)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="1e6,1e7,1e8", help="parameter counts")
+    p.add_argument("--schemes", default="feedback,plain,links", help="reference schemes")
+    p.add_argument("--peers", type=int, default=8, help="distinct peers exchanged with")
+    p.add_argument("--links-max", type=float, default=1e7,
+                   help="largest size run with 'links' (its 2 copies per peer: 100M x 8 peers "
+                        "is 6.4 GB)")
+    p.add_argument("--codec", default="int8:1024")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (also run when available)")
+    p.add_argument("--child", nargs=3, metavar=("NUMEL", "SCHEME", "DEVICE"),
+                   help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        numel, scheme, device = int(args.child[0]), args.child[1], args.child[2]
+        print(json.dumps(child(numel, scheme, args.peers, args.codec, device)))
+        return 0
+    devices = [args.device] + (["cuda"] if args.device == "cpu" and torch.cuda.is_available()
+                               else [])
+    print(f"one node, whole-vector exchanges with {args.peers} peers, codec {args.codec}, "
+          "1 thread; extra = (peak RSS - model) / model bytes; times / memcpy")
+    print(f"{'device':<6} {'params':>7} {'scheme':<9} {'extra':>6} {'prepare':>15} "
+          f"{'check':>15} {'commit':>15} {'total/clone':>11} {'total/copy_':>11}")
+    for device in devices:
+        for size in (int(float(s)) for s in args.sizes.split(",")):
+            for scheme in args.schemes.split(","):
+                if scheme == "links" and size > args.links_max:
+                    continue
+                try:
+                    r = run_child(size, scheme, device, args)
+                except subprocess.CalledProcessError as exc:  # e.g. the engine on CUDA
+                    last = (exc.stderr or "").strip().splitlines()[-1:]
+                    print(f"{device:<6} {size / 1e6:6.0f}M {scheme:<9} failed: {last}")
+                    continue
+                total = r["prepare_s"] + r["check_s"] + r["commit_s"]
+                cells = " ".join(f"{r[k + '_s']:7.3f}s {r[k + '_s'] / r['clone_s']:4.1f}x"
+                                 for k in ("prepare", "check", "commit"))
+                print(f"{device:<6} {size / 1e6:6.0f}M {scheme:<9} {r['extra_model_copies']:6.2f}"
+                      f" {cells} {total / r['clone_s']:10.1f}x {total / r['copy_s']:10.1f}x",
+                      flush=True)
+    print("(per phase: seconds and multiple of one clone of the fragment; memcpy copy_ "
+          "into an existing buffer is the last column's unit)")
+    return 0
+
+
+def run_child(size: int, scheme: str, device: str, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--child", str(size), scheme, device,
+           "--peers", str(args.peers), "--codec", args.codec]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
