@@ -104,6 +104,7 @@ class ExchangeEngine:
         if zlib.crc32(payload) != crc32:
             raise ValueError("payload CRC32 mismatch")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload)
+        received = received.to(self.theta0.device)  # decoded where the model lives
         values = spec.codec().decode(received)
         # amax/amin propagate NaN and allocate nothing, unlike isfinite() (3x slower here)
         if numel and not (math.isfinite(float(values.amax()))
