@@ -4,14 +4,14 @@ and a fingerprint covering the architecture and ``theta_0``.
 
 Built-in presets (``gpt`` takes ``--n-layer/--n-embd/--n-head`` from the flags):
 
-======== ======= ====== ======= =========================================
-name     layers  width  heads   parameters (vocab 256, context 128)
-======== ======= ====== ======= =========================================
-gpt-mini 2       64     2       about 0.11M
-gpt-small 4      128    4       about 0.84M (the flags' defaults)
-gpt-base 6       256    8       about 4.8M
-gpt-large 12     768    12      about 85M
-======== ======= ====== ======= =========================================
+==========  ======  =====  =====  ======================================
+name        layers  width  heads  parameters (vocab 256, context 128)
+==========  ======  =====  =====  ======================================
+gpt-mini    2       64     2      0.12M
+gpt-small   4       128    4      0.84M (the flags' defaults)
+gpt-base    6       256    8      4.8M
+gpt-large   12      768    12     85M
+==========  ======  =====  =====  ======================================
 """
 
 from __future__ import annotations

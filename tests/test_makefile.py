@@ -22,6 +22,7 @@ EXPECTED = {
     "bench-sim": ["benchmarks/bench_sim.py"],
     "bench-node": ["benchmarks/bench_node.py"],
     "bench-diloco": ["benchmarks/bench_diloco.py"],
+    "bench-data": ["benchmarks/bench_data.py"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
 
