@@ -139,3 +139,17 @@ def test_builtin_gpt_exports_as_gpt2_with_equal_logits(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, model(x)[0], atol=1e-5,
                                    rtol=1e-5)
+
+
+def test_the_config_names_the_missing_extra_before_start(monkeypatch, hf_files):
+    from gasloc_p2p.node import config as config_mod
+
+    monkeypatch.setattr(config_mod, "find_spec", lambda name: None)
+    cases = [{"model": str(hf_files["config"])}, {"data": str(hf_files["jsonl"])},
+             {"tokenizer": str(hf_files["tok"])}]
+    for kw in cases:
+        flag = next(iter(kw))
+        with pytest.raises(config_mod.ConfigError,
+                           match=rf"--{flag}=.*pip install 'gasloc_p2p\[hf\]'"):
+            config_mod.TrainConfig(**kw).validate()
+    config_mod.TrainConfig(model="gpt-mini").validate()  # built-in models need no extra

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
+from importlib.util import find_spec
+from pathlib import Path
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
 from gasloc_p2p.core.options import ConfigError, check_outer_step, need, opt
+from gasloc_p2p.data.corpus import DataError
+from gasloc_p2p.data.stream import stream_files
 from gasloc_p2p.model import GPTConfig
-from gasloc_p2p.model_spec import BUILTIN, PRESETS, gpt_config
+from gasloc_p2p.model_spec import BUILTIN, PRESETS, ModelSource, gpt_config
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 FRAGMENT_ORDERS = ("round-robin", "random")
@@ -95,6 +99,7 @@ class TrainConfig:
         need(self.precision in PRECISIONS, "precision", self.precision,
              f"choose one of {PRECISIONS}")
         need(bool(self.tokenizer), "tokenizer", self.tokenizer, "byte, bpe or a path")
+        self._check_sources()
         need(bool(self.data_field), "data_field", self.data_field, "name a column, e.g. text")
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "inner_steps",
                      "grad_accum",
@@ -109,6 +114,26 @@ class TrainConfig:
         need(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 0 (0: no limit)")
         need(self.max_time_s >= 0, "max_time_s", self.max_time_s, "must be >= 0 (0: no limit)")
         self.shard_spec()
+
+
+    def _check_sources(self) -> None:
+        """Paths exist and the optional extras they need are installed (before any start-up)."""
+        hint = "needs the 'hf' extra: pip install 'gasloc_p2p[hf]'"
+        if not self.builtin_model:
+            try:
+                ModelSource.parse(self.model)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            need(find_spec("transformers") is not None, "model", self.model, hint)
+        if self.tokenizer not in ("byte", "bpe"):
+            need(Path(self.tokenizer).expanduser().exists(), "tokenizer", self.tokenizer,
+                 "no such file or directory (byte, bpe or a tokenizer.json / directory)")
+            need(find_spec("tokenizers") is not None, "tokenizer", self.tokenizer, hint)
+        try:
+            streamed = bool(self.data) and stream_files(self.data) is not None
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+        need(not streamed or find_spec("datasets") is not None, "data", self.data, hint)
 
 
 @dataclass(frozen=True)
