@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 _CHILD = r"""
-import json, resource, sys, time
+import faulthandler, json, resource, sys, time
+faulthandler.dump_traceback_later(900, exit=True)  # a hang prints every thread's stack
 import torch
 from gasloc_p2p.data import load_training_data
 from gasloc_p2p.data.stream import DocumentStream, StreamData
@@ -44,14 +45,20 @@ for _ in range(4):
     data.train.batch(16, 256, gen)
 kind = "parquet" if sys.argv[1].endswith(".parquet") else "json"
 stream = StreamData(DocumentStream(kind, [sys.argv[1]], "text"), ByteTokenizer(), 256, 128)
-windows = 0
+windows, trace = 0, []
 for w in stream.train_windows():
     windows += 1
+    if windows % 50000 == 0:
+        trace.append(round(rss_mb()))
     if windows >= int(sys.argv[2]):
         break
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"base_mb": base, "peak_mb": peak, "windows": windows,
-                  "seconds": time.perf_counter() - t0}))
+print(json.dumps({"base_mb": base, "peak_mb": peak, "windows": windows, "trace": trace,
+                  "seconds": time.perf_counter() - t0}), flush=True)
+# pyarrow's thread-pool teardown at interpreter exit can hang (seen here under load); the
+# result is out, so leave without running the exit handlers.
+import os
+os._exit(0)
 """
 
 
@@ -101,13 +108,16 @@ def main() -> None:
               f"text, in {time.perf_counter() - t0:.0f} s")
         windows = chars // 257  # one epoch of 256-token byte windows
         out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(windows)],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"the reader failed ({out.returncode}):\n{out.stderr[-4000:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])
         growth = r["peak_mb"] - r["base_mb"]
         print(f"streamed {r['windows']} windows of 257 tokens ({r['windows'] * 257 / 1e6:.0f} M "
               f"tokens) in {r['seconds']:.0f} s: RSS after imports {r['base_mb']:.0f} MB, peak "
               f"{r['peak_mb']:.0f} MB, growth {growth:.0f} MB = {growth / size_mb:.2f}x the "
               f"file on disk, {growth / (chars / 1e6):.2f}x its text")
+        print(f"RSS every 50k windows, MB: {r['trace']}")
         print(f"(this process: peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}"
               " MB while generating)")
 
