@@ -146,6 +146,8 @@ class Trainer:
         assert self.shard is not None, "call load_data first"
         cfg, st = self.cfg, self.stats
         x, y = self.shard.batch(cfg.batch_size * cfg.grad_accum, cfg.seq_len, self.generator)
+        # Host-to-device copies before the lock: gossip commits wait only for the step itself.
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t0 = time.perf_counter()
         with self.lock.step():
             loss = self.inner.step(x, y, st.step)
