@@ -124,6 +124,13 @@ def test_export_of_a_trained_llama_loads_with_the_same_loss(hf_files, tmp_path):
     assert tok.encode("def f(x):\n") == trainer.data.tokenizer.encode("def f(x):\n").tolist()
     twice = export([str(tmp_path / "ckpt")] * 2, str(tmp_path / "avg"), "average")
     assert (twice / "model.safetensors").is_file()
+    from gasloc_p2p.cli import main
+
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "config.json").is_file()
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "nothing"),
+                 "--out", str(tmp_path / "cli2")]) == 2
     with pytest.raises(ExportError, match="no checkpoint"):
         export([str(tmp_path / "nothing")], str(tmp_path / "x"))
 
