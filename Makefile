@@ -8,7 +8,7 @@ STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
-	bench-node bench-diloco bench-scale bench-downloads reproduce proto clean
+	bench-node bench-diloco bench-scale bench-downloads bench-data reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -62,7 +62,11 @@ bench-scale: setup
 bench-downloads: setup
 	$(PY) benchmarks/bench_downloads.py
 
-bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-downloads
+bench-data: setup
+	$(PY) benchmarks/bench_data.py --mb 300
+
+bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-downloads \
+	bench-data
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py

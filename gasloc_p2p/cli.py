@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_node.add_join_parser(sub)
     cli_node.add_status_parser(sub)
+    from gasloc_p2p.node import export
+
+    export.add_export_parser(sub)
     from gasloc_p2p.tools import cli_swarm
 
     cli_swarm.add_swarm_parser(sub)

@@ -170,7 +170,7 @@ def _init_std(name: str, cfg: GPTConfig) -> float | None:
     return _INIT_STD
 
 
-def _portable_normal(numel: int, gen: torch.Generator, terms: int = 12) -> Tensor:
+def portable_normal(numel: int, gen: torch.Generator, terms: int = 12) -> Tensor:
     """Approximately N(0, 1) float64 values [numel], independent of the CPU's vector kernels.
 
     ``torch.randn`` is not: its float32 kernel gives other bits on AVX2 than on generic CPUs
@@ -191,7 +191,7 @@ def build_model(cfg: GPTConfig, seed: int, dtype: torch.dtype = torch.float32) -
 
     Weights are N(0, 0.02) (residual projections 0.02 / sqrt(2 n_layer)), biases 0,
     LayerNorm gains 1. Values come from a local ``torch.Generator`` in parameter
-    registration order via :func:`_portable_normal`, then are cast to ``dtype``; the global
+    registration order via :func:`portable_normal`, then are cast to ``dtype``; the global
     RNG is neither used nor advanced. Takes about 0.2 s for the default config.
     """
     cfg.validate()
@@ -206,7 +206,7 @@ def build_model(cfg: GPTConfig, seed: int, dtype: torch.dtype = torch.float32) -
             if std is None:
                 param.fill_(1.0 if name.endswith(".weight") else 0.0)
             else:
-                values = _portable_normal(param.numel(), gen) * std
+                values = portable_normal(param.numel(), gen) * std
                 param.copy_(values.view(param.shape))
     return model.to(dtype=dtype)
 
@@ -229,35 +229,3 @@ def model_fingerprint(model: nn.Module, cfg: GPTConfig, seed: int) -> str:
     }
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
-
-
-class HFCausalLM(nn.Module):
-    """Adapter giving a Hugging Face causal LM the :class:`GPT` ``forward`` signature."""
-
-    def __init__(self, hf_model: nn.Module) -> None:
-        super().__init__()
-        self.hf = hf_model
-
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """idx, targets: LongTensor [B, T] (targets already shifted); logits [B, T, V]."""
-        logits: Tensor = self.hf(input_ids=idx).logits
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
-
-
-def load_hf_causal_lm(name: str) -> HFCausalLM:
-    """Load a pretrained Hugging Face causal LM (``transformers`` is imported only here).
-
-    Needs ``pip install transformers`` and the weights locally or a reachable hub.
-    Parameter names then look like ``hf.model.layers.{l}.…``; :func:`layer_index` handles them.
-    """
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as exc:
-        raise ImportError(
-            "load_hf_causal_lm needs the 'transformers' package: pip install transformers "
-            "(or use the built-in GPT via build_model)"
-        ) from exc
-    return HFCausalLM(AutoModelForCausalLM.from_pretrained(name))

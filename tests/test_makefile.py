@@ -24,6 +24,7 @@ EXPECTED = {
     "bench-diloco": ["benchmarks/bench_diloco.py"],
     "bench-scale": ["benchmarks/bench_scale.py"],
     "bench-downloads": ["benchmarks/bench_downloads.py"],
+    "bench-data": ["benchmarks/bench_data.py"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
 

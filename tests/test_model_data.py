@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gasloc_p2p import data as data_mod
 from gasloc_p2p.data import (
+    BPETokenizer,
     ByteTokenizer,
     Corpus,
     DataError,
@@ -25,6 +25,7 @@ from gasloc_p2p.data import (
     ensure_shakespeare,
     load_corpus,
 )
+from gasloc_p2p.data import corpus as data_mod
 from gasloc_p2p.model import GPTConfig, build_model, layer_index, model_fingerprint
 from gasloc_p2p.train import evaluate
 
@@ -302,10 +303,10 @@ def _copy(src: Path, dest_dir: Path) -> Path:
 def test_bpe_tokenizer_roundtrip() -> None:
     pytest.importorskip("tokenizers")
     text = "To be, or not to be, that is the question. " * 50
-    tok = data_mod.BPETokenizer.train(td_corpus(text), vocab_size=300)
+    tok = BPETokenizer.train(td_corpus(text), vocab_size=300)
     ids = tok.encode(text[:100])
     assert tok.decode(ids.tolist()) == text[:100] and int(ids.max()) < tok.vocab_size
-    assert tok.name == data_mod.BPETokenizer.train(td_corpus(text), vocab_size=300).name
+    assert tok.name == BPETokenizer.train(td_corpus(text), vocab_size=300).name
 
 
 @pytest.mark.slow

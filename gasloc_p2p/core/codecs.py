@@ -84,9 +84,9 @@ class Codec(abc.ABC):
         """Encode ``x`` (1-D float32/float16/bfloat16, [numel]); NonFiniteError on NaN/Inf."""
         x = _check_input(x)
         n_scales, n_data = layout(self.name, x.numel(), self.block_size)
-        out = Encoded(self.name, x.numel(), self.block_size,
-                      torch.empty(n_data, dtype=torch.uint8),
-                      torch.empty(n_scales, dtype=torch.float32))
+        out = Encoded(self.name, x.numel(), self.block_size,  # on x's device, as x
+                      torch.empty(n_data, dtype=torch.uint8, device=x.device),
+                      torch.empty(n_scales, dtype=torch.float32, device=x.device))
         self._encode_into(x, out)
         return out
 
@@ -120,12 +120,12 @@ class Codec(abc.ABC):
                 f"codec is {self.name}/block {self.block_size}"
             )
         if out is None:
-            out = torch.empty(enc.numel, dtype=torch.float32)
+            out = torch.empty(enc.numel, dtype=torch.float32, device=enc.data.device)
         elif out.dtype != torch.float32 or out.shape != (enc.numel,) or not out.is_contiguous():
             raise ValueError(
                 f"out must be contiguous float32 [{enc.numel}], got {out.dtype} {list(out.shape)}"
             )
-        self._decode(enc, out)
+        self._decode(enc.to(out.device), out)  # a received payload may arrive on the host
         return out
 
     def wire_bytes(self, numel: int) -> int:
@@ -194,16 +194,17 @@ class _BlockCodec(Codec):
         n, bs, bb = x.numel(), self.block_size, self._block_bytes
         n_scales, n_data = layout(self.name, n, bs)
         scales, data = out.scales, out.data
+        dev = x.device  # every buffer on the input's device: only to_bytes() goes to host
         full = n // bs  # blocks not needing padding
-        work = torch.empty(min(max(full, 1), self._chunk_blocks), bs)  # reused scratch
+        work = torch.empty(min(max(full, 1), self._chunk_blocks), bs, device=dev)  # scratch
         for b0 in range(0, full, self._chunk_blocks):
             b1 = min(b0 + self._chunk_blocks, full)
             xb = x[b0 * bs : b1 * bs].view(-1, bs)
             self._encode_blocks(x, xb, scales[b0:b1], data[b0 * bb : b1 * bb], work)
         if full < n_scales:  # zero padding leaves the block's absmax unchanged
-            tail = torch.zeros(1, bs, dtype=x.dtype)
+            tail = torch.zeros(1, bs, dtype=x.dtype, device=dev)
             tail[0, : n - full * bs] = x[full * bs :]
-            packed = torch.empty(bb, dtype=torch.uint8)
+            packed = torch.empty(bb, dtype=torch.uint8, device=dev)
             self._encode_blocks(x, tail, scales[full:], packed, work)
             data[full * bb :] = packed[: n_data - full * bb]
 
@@ -233,9 +234,9 @@ class _BlockCodec(Codec):
             ob = out[b0 * bs : b1 * bs].view(-1, bs)
             self._unpack_scaled(enc.data[b0 * bb : b1 * bb], enc.scales[b0:b1, None], ob)
         if full < enc.scales.numel():
-            packed = torch.zeros(bb, dtype=torch.uint8)
+            packed = torch.zeros(bb, dtype=torch.uint8, device=out.device)
             packed[: enc.data.numel() - full * bb] = enc.data[full * bb :]
-            tail = torch.empty(1, bs)
+            tail = torch.empty(1, bs, device=out.device)
             self._unpack(packed, tail)
             out[full * bs :] = tail[0, : n - full * bs].mul_(enc.scales[full])
 
@@ -297,7 +298,8 @@ class _NibbleCodec(_BlockCodec):
         torch.bitwise_left_shift(pairs[:, 1], 4, out=data).bitwise_or_(pairs[:, 0])
 
     def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
-        torch.index_select(self._pair_table, 0, data.to(torch.int32), out=out.view(-1, 2))
+        table = _on(self._pair_table, out.device)
+        torch.index_select(table, 0, data.to(torch.int32), out=out.view(-1, 2))
 
 
 class Int4Codec(_NibbleCodec):
@@ -311,7 +313,7 @@ class Int4Codec(_NibbleCodec):
         return torch.where(c >= 8, c - 16, c)  # two's complement; -8 is never produced
 
     def _codes(self, y: torch.Tensor) -> torch.Tensor:
-        q = torch.empty(y.shape, dtype=torch.int8).copy_(y.round_())  # round half to even
+        q = torch.empty(y.shape, dtype=torch.int8, device=y.device).copy_(y.round_())  # round half to even
         return q.view(torch.uint8).bitwise_and_(15)
 
 
@@ -343,7 +345,18 @@ class Fp4Codec(_NibbleCodec):
 
     def _codes(self, y: torch.Tensor) -> torch.Tensor:
         idx = y.view(torch.int32).bitwise_right_shift_(_FP4_INDEX_SHIFT).bitwise_and_(0x3FF)
-        return torch.index_select(self._code_table, 0, idx.view(-1)).view(y.shape)
+        table = _on(self._code_table, y.device)
+        return torch.index_select(table, 0, idx.view(-1)).view(y.shape)
+
+
+@functools.lru_cache(maxsize=32)
+def _table_on(table_id: int, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return table.to(device)
+
+
+def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A lookup table on ``device`` (copied there once, then cached)."""
+    return table if table.device == device else _table_on(id(table), table, device)
 
 
 _CODECS: dict[str, type[Codec]] = {

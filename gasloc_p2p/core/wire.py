@@ -85,6 +85,13 @@ class Encoded:
 
         return CodecSpec(self.codec, self.block_size)
 
+    def to(self, device: torch.device | str) -> Encoded:
+        """This payload with its tensors on ``device`` (self if already there)."""
+        if self.data.device == torch.device(device):
+            return self
+        return Encoded(self.codec, self.numel, self.block_size, self.data.to(device),
+                       self.scales.to(device))
+
     @property
     def nbytes(self) -> int:
         """Exact wire size in bytes: data bytes + 4 bytes per scale."""

@@ -138,6 +138,7 @@ class ExchangeEngine:
         if zlib.crc32(payload) != crc32:
             raise ValueError("payload CRC32 mismatch")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
+        received = received.to(self.theta0.device)  # decoded where the model lives
         spec.codec().check_decodable(received)
         return received
 

@@ -7,8 +7,9 @@ tooling or any network or I/O package (``tests/test_layers.py`` enforces it).
 """
 
 from gasloc_p2p.train.evaluate import evaluate
-from gasloc_p2p.train.inner import InnerLoop
+from gasloc_p2p.train.inner import InnerLoop, StepConfig, resolve_device
 from gasloc_p2p.train.optim import AdamWConfig, build_adamw, param_groups
 from gasloc_p2p.train.schedule import LRSchedule
 
-__all__ = ["AdamWConfig", "InnerLoop", "LRSchedule", "build_adamw", "evaluate", "param_groups"]
+__all__ = ["AdamWConfig", "InnerLoop", "LRSchedule", "StepConfig", "build_adamw", "evaluate",
+           "param_groups", "resolve_device"]

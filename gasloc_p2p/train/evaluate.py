@@ -22,10 +22,11 @@ def evaluate(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> floa
         raise DataError("evaluate() needs at least one batch")
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     try:
         total, count = 0.0, 0
         for x, y in batches:
-            _, loss = model(x, y)
+            _, loss = model(x.to(device), y.to(device))
             total += float(loss) * y.numel()
             count += y.numel()
     finally:

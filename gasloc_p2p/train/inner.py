@@ -4,17 +4,57 @@ The simulator and the daemon used to carry their own copies of this loop, and th
 different schedule floor, weight decay on different tensors), so a simulated result said less
 about the daemon than it seemed to. Now both drive an :class:`InnerLoop`: the driver decides
 *which* batch and *when* (the simulator's event queue, the daemon's thread under its training
-lock) and keeps the step counter; this object decides *how* one step is taken. The later
-additions (device placement, bf16 autocast, gradient accumulation) belong in :meth:`step`, so
-both drivers get them at once.
+lock) and keeps the step counter; this object decides *how* one step is taken: on which device,
+in which precision (bf16 autocast around the forward pass, the parameters, gradients and AdamW
+state stay float32), in how many micro-batches, and with or without ``torch.compile``; both
+drivers get these at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 from torch import Tensor, nn
 
 from gasloc_p2p.train.optim import AdamWConfig, build_adamw
 from gasloc_p2p.train.schedule import LRSchedule
+
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How a step runs: ``precision`` fp32 | bf16 (autocast), ``grad_accum`` micro-batches
+    per step (the batch is split along its first dimension), ``compile`` the forward."""
+
+    precision: str = "fp32"
+    grad_accum: int = 1
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (cuda when available, else cpu) or a torch device name (cpu, cuda:1, mps)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available on this machine (try cpu)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r}: MPS is not available on this machine (try cpu)")
+    return device
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 class InnerLoop:
@@ -26,26 +66,57 @@ class InnerLoop:
     """
 
     def __init__(self, model: nn.Module, schedule: LRSchedule,
-                 adamw: AdamWConfig | None = None) -> None:
+                 adamw: AdamWConfig | None = None, how: StepConfig | None = None) -> None:
         self.model = model
         self.schedule = schedule
         self.adamw = adamw if adamw is not None else AdamWConfig()
+        self.how = how if how is not None else StepConfig()
         self.optimizer = build_adamw(model, schedule.lr, self.adamw)
+        self.device = model_device(model)
+        # The compiled wrapper shares the model's parameters (and so the flat buffer).
+        self.forward: Callable[..., tuple[Tensor, Tensor | None]] = (
+            torch.compile(model) if self.how.compile else model)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """bf16 autocast on the model's device for ``precision="bf16"``, else nothing."""
+        if self.how.precision != "bf16":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def step(self, x: Tensor, y: Tensor, step: int) -> Tensor:
         """Take inner step number ``step`` (0-based, sets the learning rate) on one batch.
 
-        ``x``, ``y``: LongTensor [B, T], ``y`` the next tokens of ``x``. Returns the batch's
-        training loss as a detached scalar tensor; converting it to a float (a device sync)
-        is left to the caller.
+        ``x``, ``y``: LongTensor [B, T] (any device: moved to the model's), ``y`` the next
+        tokens of ``x``; with ``grad_accum`` K, B splits into K micro-batches whose mean loss
+        gradients add up to the full batch's. Returns the batch's mean training loss as a
+        detached scalar tensor on the device; converting it to a float (a device sync) is left
+        to the caller.
         """
         lr = self.schedule.at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        _, loss = self.model(x, y)
-        if loss is None:
-            raise ValueError("the model returned no loss: call it with targets")
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        k = self.how.grad_accum
+        if k == 1:  # the common path, kept exactly as the simulator/daemon equivalence pins it
+            with self.autocast():
+                _, loss = self.forward(x, y)
+            if loss is None:
+                raise ValueError("the model returned no loss: call it with targets")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            return loss.detach()
+        if x.shape[0] % k:
+            raise ValueError(f"batch of {x.shape[0]} does not split into grad_accum={k} parts")
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total = torch.zeros((), device=self.device)
+        for xm, ym in zip(x.chunk(k), y.chunk(k), strict=True):
+            with self.autocast():
+                _, loss = self.forward(xm, ym)
+            if loss is None:
+                raise ValueError("the model returned no loss: call it with targets")
+            (loss / k).backward()
+            total += loss.detach() / k
         self.optimizer.step()
-        return loss.detach()
+        return total

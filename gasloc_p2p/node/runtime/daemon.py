@@ -343,6 +343,8 @@ class Node:
             exchanges_ok_initiator=x.ok_initiator, exchanges_ok_responder=x.ok_responder,
             exchanges_failed=x.failed, bytes_sent=x.bytes_sent, bytes_received=x.bytes_received,
             endpoint=self.endpoint, algorithm=self.cfg.outer.algorithm,
+            validation_set=self.trainer.validation_set if self.trainer else "",
+            model=self.trainer.model_description if self.trainer else "",
             **self.mode.info_fields())
 
     def join_hint(self, addrs: list[str]) -> str:
@@ -353,7 +355,8 @@ class Node:
         if self.cfg.outer.algorithm != AlgorithmConfig().algorithm:
             extra.append(f"--algorithm {self.cfg.outer.algorithm}")
         defaults = TrainConfig()
-        for name in ("seed", "n_layer", "n_embd", "n_head", "seq_len"):  # the fingerprint
+        for name in ("model", "tokenizer", "seed", "n_layer", "n_embd", "n_head",
+                     "seq_len"):  # the fingerprint
             value = getattr(self.cfg.train, name)
             if value != getattr(defaults, name):
                 extra.append(f"--{name.replace('_', '-')} {value}")

@@ -11,6 +11,7 @@ itself around its network wait). The event loop never runs any of this.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import math
@@ -23,12 +24,20 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import FlatParams, Fragment, layer_fragments, whole
-from gasloc_p2p.data import ByteTokenizer, Shard, TokenData, load_corpus
-from gasloc_p2p.model import build_model, layer_index, model_fingerprint
+from gasloc_p2p.data import BPETokenizer, TrainingData, load_training_data
+from gasloc_p2p.model import layer_index
+from gasloc_p2p.model_spec import BuiltModel, build
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import TrainStats
-from gasloc_p2p.train import AdamWConfig, InnerLoop, LRSchedule, evaluate
+from gasloc_p2p.train import (
+    AdamWConfig,
+    InnerLoop,
+    LRSchedule,
+    StepConfig,
+    evaluate,
+    resolve_device,
+)
 
 log = logging.getLogger(__name__)
 _EMA = 0.9  # smoothing of step time and throughput
@@ -41,13 +50,24 @@ def inner_settings(cfg: TrainConfig) -> tuple[LRSchedule, AdamWConfig]:
     return schedule, AdamWConfig(weight_decay=cfg.weight_decay, decay_vectors=cfg.decay_vectors)
 
 
-def load_data(cfg: TrainConfig, seed: int) -> tuple[Shard, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """This node's training shard and the fixed validation batches (same on every node)."""
-    data = TokenData.build(load_corpus(cfg.data or None), ByteTokenizer())
-    spec = cfg.shard_spec()
-    shard = data.shards(spec[1], iid=True, seed=seed)[spec[0]] if spec else \
-        data.shards(1, iid=True, seed=seed)[0]
-    return shard, data.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+def load_data(cfg: TrainConfig, seed: int) -> TrainingData:
+    """This node's tokenizer, training batches and the fixed validation batches (the same on
+    every node). Streamed data (JSON Lines / Parquet) is read lazily."""
+    return load_training_data(cfg.data, cfg.tokenizer, cfg.data_field, seq_len=cfg.seq_len,
+                              batch_size=cfg.batch_size * cfg.grad_accum,
+                              eval_batches=cfg.eval_batches, shard=cfg.shard_spec(), seed=seed)
+
+
+def build_node_model(cfg: TrainConfig, vocab_size: int) -> BuiltModel:
+    """The model ``--model`` names, checked against the tokenizer and ``--seq-len`` (CPU)."""
+    built = build(cfg.model, cfg.gpt(vocab_size), cfg.seed)
+    if built.vocab_size < vocab_size:
+        raise ValueError(f"--model {cfg.model}: vocabulary {built.vocab_size} is smaller than "
+                         f"the tokenizer's {vocab_size}; use a matching --tokenizer")
+    if cfg.seq_len > built.max_seq_len:
+        raise ValueError(f"--seq-len={cfg.seq_len} exceeds the model's context "
+                         f"{built.max_seq_len}")
+    return built
 
 
 def derive_seed(text: str) -> int:
@@ -68,25 +88,37 @@ class Trainer:
         self.cfg = cfg
         self.lock = lock
         self.stats = stats
-        gpt = cfg.gpt()
-        self.model = build_model(gpt, cfg.seed)
-        self.fingerprint = model_fingerprint(self.model, gpt, cfg.seed)
-        self.flat = FlatParams(self.model)
+        self.device = resolve_device(cfg.device)
+        self.data = load_data(cfg, cfg.seed)  # first: the tokenizer sets the vocabulary
+        built = build_node_model(cfg, self.data.tokenizer.vocab_size)
+        self.model = built.module.to(self.device)
+        # Runs apart: architecture, theta_0 and the tokenizer (same ids must mean the same).
+        self.fingerprint = hashlib.sha256(
+            f"{built.fingerprint}/{self.data.tokenizer.name}".encode()).hexdigest()
+        self.model_description = built.description
+        self.validation_set = self.data.validation_set
+        self.flat = FlatParams(self.model)  # on the device: outer state and codecs follow it
         self.theta0 = self.flat.buffer.detach().clone()
         self.state = AsyncGaslocState(self.flat.buffer, self.theta0, outer)
-        self.inner = InnerLoop(self.model, *inner_settings(cfg))
+        how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
+        self.inner = InnerLoop(self.model, *inner_settings(cfg), how=how)
         self.optimizer = self.inner.optimizer
+        if fragments > built.n_layer:
+            raise ValueError(f"--fragments={fragments} exceeds the model's {built.n_layer} "
+                             "layers")
         self.fragments: list[Fragment] = (
             [whole(self.flat.numel)] if fragments == 1
             else layer_fragments(self.flat.spans, layer_index, fragments, "strided"))
-        self.shard: Shard | None = None
+        self.shard: Any = None
         self.val: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.generator = torch.Generator()
         self.finished = threading.Event()
         self.round_end = round_end
 
     def load_data(self, data_seed: int) -> None:
-        self.shard, self.val = load_data(self.cfg, self.cfg.seed)
+        """Start sampling this node's batches with ``data_seed`` (the data is loaded already)."""
+        self.shard = self.data.train
+        self.val = [(x.to(self.device), y.to(self.device)) for x, y in self.data.val]
         self.generator.manual_seed(data_seed)
 
     # ------------------------------------------------------------------ loop
@@ -118,7 +150,9 @@ class Trainer:
         """One inner AdamW step (and the round end every H steps); returns the loss."""
         assert self.shard is not None, "call load_data first"
         cfg, st = self.cfg, self.stats
-        x, y = self.shard.batch(cfg.batch_size, cfg.seq_len, self.generator)
+        x, y = self.shard.batch(cfg.batch_size * cfg.grad_accum, cfg.seq_len, self.generator)
+        # Host-to-device copies before the lock: gossip commits wait only for the step itself.
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t0 = time.perf_counter()
         with self.lock.step():
             loss = self.inner.step(x, y, st.step)
@@ -140,7 +174,8 @@ class Trainer:
         return st.train_loss
 
     def _evaluate(self) -> None:
-        loss = evaluate(self.model, self.val)
+        with self.inner.autocast():
+            loss = evaluate(self.model, self.val)
         self.stats.val_loss = loss
         if math.isnan(self.stats.first_val_loss):
             self.stats.first_val_loss = loss
@@ -153,11 +188,20 @@ class Trainer:
             st = self.state
             return {"fingerprint": self.fingerprint, "step": self.stats.step,
                     "rounds": st.rounds, "tokens": self.stats.tokens,
-                    "theta": st.theta.clone(), "anchor": st.anchor.clone(),
-                    "memory": st.memory.clone(), "momentum": st.cfg.momentum,
+                    "theta": st.theta.to("cpu", copy=True),
+                    "anchor": st.anchor.to("cpu", copy=True),
+                    "memory": st.memory.to("cpu", copy=True), "momentum": st.cfg.momentum,
+                    "train_config": dataclasses.asdict(self.cfg), "tokenizer": self._tok_doc(),
                     "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                     "generator": self.generator.get_state(),
                     "val_loss": self.stats.val_loss, "first_val_loss": self.stats.first_val_loss}
+
+    def _tok_doc(self) -> dict[str, Any]:
+        """The tokenizer as checkpoint data (export writes it next to the model)."""
+        tok = self.data.tokenizer
+        if isinstance(tok, BPETokenizer):
+            return {"json": tok.to_json(), "eos_id": tok.eos_id}
+        return {"name": tok.name}
 
     def restore(self, ckpt: dict[str, Any]) -> None:
         """Load a checkpoint written by :meth:`state_for_checkpoint`; ValueError if foreign."""

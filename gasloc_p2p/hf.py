@@ -1,0 +1,155 @@
+"""Hugging Face causal LMs: built from a config with a seeded init, loaded, and exported.
+
+``transformers`` is an optional extra (``pip install 'gasloc_p2p[hf]'``), imported only inside
+these functions. A model built from a ``config.json`` gets the same ``theta_0`` on every node
+without any download: every weight matrix and embedding (>= 2-D) is redrawn from ``seed`` with
+the machine-independent :func:`gasloc_p2p.model.portable_normal` (std: the config's
+``initializer_range``), and the 1-D tensors (norm gains, biases) keep the constant values the
+architecture's own init gives them, drawn under a seeded, forked RNG.
+
+The built-in :class:`gasloc_p2p.model.GPT` maps exactly onto ``GPT2LMHeadModel`` (same
+pre-LayerNorm blocks, exact GELU, tied head), which is how :func:`export_gpt` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gasloc_p2p.model import GPT, GPTConfig, portable_normal
+
+EXTRA_HINT = "pip install 'gasloc_p2p[hf]'"
+
+
+def transformers_module() -> Any:
+    """``transformers``, or ImportError with a one-line fix naming the missing extra."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(f"Hugging Face models need the 'hf' extra: {EXTRA_HINT}") from exc
+    return transformers
+
+
+class HFCausalLM(nn.Module):
+    """Adapter giving a Hugging Face causal LM the :class:`GPT` ``forward`` signature.
+
+    Parameter names are ``hf.<the model's names>`` (``hf.model.layers.{l}.…`` for Llama);
+    :func:`gasloc_p2p.model.layer_index` maps them to layers."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+
+    @property
+    def config(self) -> Any:
+        return self.hf.config
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """idx, targets: LongTensor [B, T] (targets already shifted); logits [B, T, V]."""
+        logits: Tensor = self.hf(input_ids=idx, use_cache=False).logits
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return logits, loss
+
+
+def read_config(path: str | Path) -> Any:
+    """A ``PreTrainedConfig`` from a ``config.json`` file (or a directory holding one)."""
+    tf = transformers_module()
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    doc = json.loads(file.read_text())
+    if "model_type" not in doc:
+        raise ValueError(f"{file}: no 'model_type' (is it a Hugging Face config.json?)")
+    return tf.AutoConfig.for_model(**doc)
+
+
+def from_config(config: Any, seed: int) -> HFCausalLM:
+    """A randomly initialised causal LM whose parameters depend only on (config, seed)."""
+    tf = transformers_module()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    std = float(getattr(config, "initializer_range", 0.02))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if param.dim() >= 2:
+                values = portable_normal(param.numel(), gen) * std
+                param.copy_(values.view(param.shape))
+    return HFCausalLM(model)
+
+
+def from_pretrained(name: str) -> HFCausalLM:
+    """A pretrained causal LM: a local directory (safetensors) or a hub name (needs network)."""
+    tf = transformers_module()
+    return HFCausalLM(tf.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32))
+
+
+def gpt2_config(cfg: GPTConfig) -> Any:
+    """The ``GPT2Config`` equal to the built-in GPT's architecture."""
+    tf = transformers_module()
+    return tf.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.n_embd,
+                         n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu",
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+
+
+def gpt2_state_dict(model: GPT) -> dict[str, Tensor]:
+    """The built-in GPT's parameters under GPT-2 names (GPT-2's Conv1D weights are [in, out])."""
+    out: dict[str, Tensor] = {"transformer.wte.weight": model.tok_emb.weight,
+                              "transformer.wpe.weight": model.pos_emb.weight,
+                              "transformer.ln_f.weight": model.ln_f.weight,
+                              "transformer.ln_f.bias": model.ln_f.bias}
+    for i, b in enumerate(model.blocks):
+        pre = f"transformer.h.{i}."
+        block: Any = b
+        pairs: dict[str, nn.Module] = {
+            "ln_1": block.ln1, "ln_2": block.ln2, "attn.c_attn": block.attn.qkv,
+            "attn.c_proj": block.attn.proj, "mlp.c_fc": block.mlp.fc,
+            "mlp.c_proj": block.mlp.proj}
+        for name, mod in pairs.items():
+            weight, bias = mod.weight, mod.bias
+            assert isinstance(weight, Tensor) and isinstance(bias, Tensor)
+            out[pre + name + ".weight"] = weight.t() if isinstance(mod, nn.Linear) else weight
+            out[pre + name + ".bias"] = bias
+    return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}
+
+
+def as_hf_model(model: nn.Module) -> nn.Module:
+    """A ``transformers`` model holding ``model``'s current parameters (a copy for the GPT)."""
+    if isinstance(model, HFCausalLM):
+        hf_model: nn.Module = model.hf
+        return hf_model
+    if not isinstance(model, GPT):
+        raise TypeError(f"cannot export {type(model).__name__}")
+    tf = transformers_module()
+    hf: Any = tf.GPT2LMHeadModel(gpt2_config(model.cfg))
+    missing, unexpected = hf.load_state_dict(gpt2_state_dict(model), strict=False)
+    if unexpected or any(k != "lm_head.weight" for k in missing):  # the head is tied to wte
+        raise RuntimeError(f"GPT-2 mapping: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    return hf.eval()
+
+
+def save(model: nn.Module, out: str | Path, tokenizer_json: str | None = None,
+         eos_id: int | None = None) -> Path:
+    """Write ``model`` as a Hugging Face directory (config.json + model.safetensors, and
+    tokenizer files when ``tokenizer_json`` is given) that ``from_pretrained`` loads."""
+    tf = transformers_module()
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    hf_model: Any = as_hf_model(model)
+    hf_model.save_pretrained(target, safe_serialization=True)
+    if tokenizer_json is not None:
+        from tokenizers import Tokenizer
+
+        tok = tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json))
+        if eos_id is not None:
+            tok.eos_token = tok.convert_ids_to_tokens(eos_id)
+        tok.save_pretrained(target)
+    return target

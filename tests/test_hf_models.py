@@ -1,0 +1,162 @@
+"""Hugging Face models: --model parsing, seeded theta_0 across processes, layer indices,
+pretrained directories, the missing-extra error, and export loaded back by transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gasloc_p2p.core.async_state import AsyncConfig
+from gasloc_p2p.model import GPTConfig, build_model, layer_index
+from gasloc_p2p.model_spec import PRESETS, ModelSource, build, theta_digest
+from gasloc_p2p.node.config import TrainConfig
+from gasloc_p2p.node.export import ExportError, export
+from gasloc_p2p.node.runtime import checkpoint
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.runtime.trainer import Trainer
+from tests.hf_helpers import documents, write_jsonl, write_llama_config, write_tokenizer
+
+transformers = pytest.importorskip("transformers")
+BASE = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_embd=32, n_head=2)
+
+
+@pytest.fixture(scope="module")
+def hf_files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    docs = documents(120)
+    return {"config": write_llama_config(root / "tiny-llama"),
+            "tok": write_tokenizer(root / "tok", docs),
+            "jsonl": write_jsonl(root / "corpus.jsonl", docs)}
+
+
+def test_model_source_names_presets_configs_directories_and_hub(hf_files, tmp_path):
+    assert ModelSource.parse("gpt").kind == "gpt" and set(PRESETS) <= {"gpt-mini", "gpt-small",
+                                                                        "gpt-base", "gpt-large"}
+    assert ModelSource.parse(str(hf_files["config"])).kind == "config"
+    assert ModelSource.parse(str(hf_files["config"].parent)).kind == "config"  # no weights
+    assert ModelSource.parse("HuggingFaceTB/SmolLM2-135M").kind == "hub"
+    with pytest.raises(ValueError, match="no such file"):
+        ModelSource.parse(str(tmp_path / "missing.json"))
+
+
+_THETA0 = """
+import sys
+from gasloc_p2p.model import GPTConfig
+from gasloc_p2p.model_spec import build, theta_digest
+b = build(sys.argv[1], GPTConfig(vocab_size=256, seq_len=32), int(sys.argv[2]))
+print(b.fingerprint, theta_digest(b.module))
+"""
+
+
+def test_hf_config_gives_the_same_theta0_in_every_process(hf_files):
+    procs = [subprocess.Popen([sys.executable, "-c", _THETA0, str(hf_files["config"]), "7"],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and len(outs[0]) == 2
+    assert outs[0] == outs[1]  # fingerprint and every parameter byte
+    here = build(str(hf_files["config"]), BASE, 7)
+    assert [here.fingerprint, theta_digest(here.module)] == outs[0]
+    other = build(str(hf_files["config"]), BASE, 8)  # another seed: another theta_0
+    assert other.fingerprint != here.fingerprint
+    assert theta_digest(other.module) != theta_digest(here.module)
+
+
+def test_fingerprint_covers_architecture_and_theta0(hf_files, tmp_path):
+    a = build(str(hf_files["config"]), BASE, 1)
+    wider = write_llama_config(tmp_path / "wider", hidden_size=64, intermediate_size=128)
+    assert build(str(wider), BASE, 1).fingerprint != a.fingerprint
+    assert build("gpt", BASE, 1).fingerprint == build("gpt", BASE, 1).fingerprint
+    assert build("gpt", BASE, 1).fingerprint != build("gpt-mini", BASE, 1).fingerprint
+
+
+def test_llama_parameters_map_to_layers(hf_files):
+    built = build(str(hf_files["config"]), BASE, 0)
+    layers = {n: layer_index(n) for n, _ in built.module.named_parameters()}
+    assert layers["hf.model.layers.1.mlp.up_proj.weight"] == 1
+    assert layers["hf.model.embed_tokens.weight"] is None and built.n_layer == 2
+    assert {v for v in layers.values() if v is not None} == {0, 1}
+
+
+def test_pretrained_directory_loads_its_weights(hf_files, tmp_path):
+    built = build(str(hf_files["config"]), BASE, 3)
+    built.module.hf.save_pretrained(tmp_path / "pre")
+    assert ModelSource.parse(str(tmp_path / "pre")).kind == "pretrained"
+    loaded = build(str(tmp_path / "pre"), BASE, 99)  # the seed does not matter: weights do
+    assert theta_digest(loaded.module) == theta_digest(built.module)
+
+
+def test_missing_transformers_names_the_extra(monkeypatch, hf_files):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"pip install 'gasloc_p2p\[hf\]'"):
+        build(str(hf_files["config"]), BASE, 0)
+
+
+def _trainer(hf_files, tmp_path, **kw) -> Trainer:
+    cfg = TrainConfig(model=str(hf_files["config"]), data=str(hf_files["jsonl"]),
+                      tokenizer=str(hf_files["tok"]), device="cpu", seq_len=32, batch_size=4,
+                      eval_batches=2, warmup_steps=2, **kw)
+    trainer = Trainer(cfg, AsyncConfig(), 1, TrainingLock(), TrainStats())
+    trainer.load_data(5)
+    return trainer
+
+
+def test_export_of_a_trained_llama_loads_with_the_same_loss(hf_files, tmp_path):
+    trainer = _trainer(hf_files, tmp_path)
+    for _ in range(3):
+        trainer.step()
+    checkpoint.save_atomic(trainer.state_for_checkpoint(), tmp_path / "ckpt")
+    out = export([str(tmp_path / "ckpt")], str(tmp_path / "out"))
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x, y = trainer.val[0]
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+        theirs = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        _, ours = trainer.model.eval()(x, y)
+    assert abs(float(theirs) - float(ours)) < 1e-5
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.encode("def f(x):\n") == trainer.data.tokenizer.encode("def f(x):\n").tolist()
+    twice = export([str(tmp_path / "ckpt")] * 2, str(tmp_path / "avg"), "average")
+    assert (twice / "model.safetensors").is_file()
+    from gasloc_p2p.cli import main
+
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "config.json").is_file()
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "nothing"),
+                 "--out", str(tmp_path / "cli2")]) == 2
+    with pytest.raises(ExportError, match="no checkpoint"):
+        export([str(tmp_path / "nothing")], str(tmp_path / "x"))
+
+
+def test_builtin_gpt_exports_as_gpt2_with_equal_logits(tmp_path):
+    from gasloc_p2p import hf
+
+    model = build_model(BASE, 4).eval()
+    hf.save(model, tmp_path / "gpt2")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2").eval()
+    assert json.loads((tmp_path / "gpt2" / "config.json").read_text())["model_type"] == "gpt2"
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, model(x)[0], atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_the_config_names_the_missing_extra_before_start(monkeypatch, hf_files):
+    from gasloc_p2p.node import config as config_mod
+
+    monkeypatch.setattr(config_mod, "find_spec", lambda name: None)
+    cases = [{"model": str(hf_files["config"])}, {"data": str(hf_files["jsonl"])},
+             {"tokenizer": str(hf_files["tok"])}]
+    for kw in cases:
+        flag = next(iter(kw))
+        with pytest.raises(config_mod.ConfigError,
+                           match=rf"--{flag}=.*pip install 'gasloc_p2p\[hf\]'"):
+            config_mod.TrainConfig(**kw).validate()
+    config_mod.TrainConfig(model="gpt-mini").validate()  # built-in models need no extra
