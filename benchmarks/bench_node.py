@@ -38,6 +38,7 @@ from gasloc_p2p.node.transport.exchange import GossipTransport  # noqa: E402
 from gasloc_p2p.node.transport.service import GossipServicer, StateSnapshot, grpc_options
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc  # noqa: E402
+from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import (
     MAX_CHUNK_BYTES,
@@ -57,7 +58,7 @@ def build_side(name: str, numel: int, seed: int) -> tuple[GossipTransport, Ident
     outer = AsyncConfig()
     state = AsyncGaslocState(theta, theta0, outer)
     engine = ExchangeEngine(state, theta0, [whole(numel)], TrainingLock(), 8)
-    me = Identity("bench", "f" * 64, name)
+    me = Identity.keyed("bench", "f" * 64, Signer())  # name: only the caller's label
     gossip = GossipConfig(header_timeout_s=60, chunk_timeout_s=60, commit_timeout_s=60,
                           exchange_timeout_s=300)
     return GossipTransport(me, engine, gossip, outer), me

@@ -52,6 +52,9 @@ def add_status_parser(sub: Any) -> None:
     p.add_argument("--run-id", default=NodeConfig().discovery.run_id, help="run to list")
     p.add_argument("--timeout-s", type=float, default=15.0, help="overall deadline, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--swarm-key", default="", metavar="FILE",
+                   help="the swarm's secret (--swarm-key of its nodes): without it a keyed "
+                        "swarm shows health only and no peer list")
     p.set_defaults(func=run_status)
 
 
@@ -164,12 +167,16 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
 async def _status(args: argparse.Namespace) -> dict[str, Any]:
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
+    from gasloc_p2p.protocol.auth import Signer, read_swarm_key
 
     report: dict[str, Any] = {"swarm": [], "info": None}
     endpoint = args.endpoint
+    # a throwaway key: enough for an open swarm; a keyed swarm also needs its secret
+    signer = Signer(swarm_key=read_swarm_key(args.swarm_key) if args.swarm_key else b"")
     if args.peers:
         dht = HivemindDiscovery(args.run_id, "127.0.0.1", 0, args.peers, args.timeout_s / 2,
                                 args.timeout_s, client_mode=True)
+        dht.use_identity(signer, 3600.0)  # only reads: records are checked with the secret
         await dht.start()
         try:
             peers = await dht.peers()
@@ -181,7 +188,7 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
     if endpoint:
         channels = PeerChannels(NetworkConfig())
         try:
-            info = await fetch_info(channels.stub(endpoint), args.timeout_s / 2)
+            info = await fetch_info(channels.stub(endpoint), args.timeout_s / 2, signer)
         finally:
             await channels.close()
         from google.protobuf.json_format import MessageToDict

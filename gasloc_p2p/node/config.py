@@ -16,6 +16,7 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
 from gasloc_p2p.core.options import ConfigError, check_outer_step, need, opt
 from gasloc_p2p.model import GPTConfig
+from gasloc_p2p.protocol.auth import read_swarm_key
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 FRAGMENT_ORDERS = ("round-robin", "random")
@@ -115,7 +116,12 @@ class GossipConfig:
     reference_capacity: int = opt(8, "peers whose quantization references are kept (LRU)")
     chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)")
     busy_retries: int = opt(3, "other peers tried after a BUSY answer")
-    backoff_s: float = opt(10.0, "after a failed exchange, leave that peer alone this long")
+    backoff_s: float = opt(10.0, "after a failed exchange, leave that peer alone this long "
+                                 "(doubled after each further failure)")
+    max_backoff_s: float = opt(300.0, "cap on the doubled backoff of a failing peer")
+    min_transfer_bps: float = opt(16384.0, "cut an exchange whose payload arrives slower than "
+                                           "this many bytes/s after the grace (0: no minimum)")
+    transfer_grace_s: float = opt(5.0, "grace before --min-transfer-bps applies")
     header_timeout_s: float = opt(10.0, "wait for the peer's Header")
     chunk_timeout_s: float = opt(15.0, "wait for any one message during the transfer")
     commit_timeout_s: float = opt(15.0, "responder: wait for Commit after both Ready")
@@ -144,6 +150,12 @@ class GossipConfig:
               f"must be in [1024, {MAX_CHUNK_BYTES}]")
         need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
         need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
+        need(self.max_backoff_s >= self.backoff_s, "max_backoff_s", self.max_backoff_s,
+              f"must be >= --backoff-s={self.backoff_s}")
+        need(self.min_transfer_bps >= 0, "min_transfer_bps", self.min_transfer_bps,
+              "must be >= 0 (0: no minimum)")
+        need(self.transfer_grace_s >= 0, "transfer_grace_s", self.transfer_grace_s,
+              "must be >= 0")
         # An inbound exchange pins its peer's references: eviction must find an unpinned one.
         need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",
               self.reference_capacity, f"must exceed --max-inbound + 1 = {self.max_inbound + 1}")
@@ -173,6 +185,15 @@ class NetworkConfig:
     reachability_interval_s: float = opt(
         60.0, "ask a random peer to dial this node back this often (0: never); if it cannot, "
         "the node gossips by dialing out only, as with --client-mode")
+    reachability_probes: int = opt(3, "unreachable only after this many dial-backs by distinct "
+                                      "peers failed in a row (and none succeeded)")
+    swarm_key: str = opt("", "file with the swarm's shared secret (>= 16 bytes): without it "
+                             "nobody can exchange, download state or publish accepted records")
+    auth_skew_s: float = opt(120.0, "accept signed requests whose time is this close to ours")
+    max_streams: int = opt(12, "open Exchange streams served at once (before their Header "
+                               "too); more get BUSY at once")
+    max_streams_per_address: int = opt(3, "open Exchange streams from one IP address")
+    max_downloads: int = opt(2, "state downloads served at once")
 
     def validate(self) -> None:
         need(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535] (0: any)")
@@ -187,6 +208,19 @@ class NetworkConfig:
         need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
         need(self.reachability_interval_s >= 0, "reachability_interval_s",
               self.reachability_interval_s, "must be >= 0 seconds (0: no checks)")
+        for name in ("reachability_probes", "max_streams", "max_streams_per_address",
+                     "max_downloads"):
+            need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        need(self.auth_skew_s > 0, "auth_skew_s", self.auth_skew_s, "must be > 0 seconds")
+        if self.swarm_key:
+            try:
+                read_swarm_key(self.swarm_key)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--swarm-key={self.swarm_key}: {exc}") from None
+
+    def swarm_secret(self) -> bytes:
+        """The shared secret of --swarm-key (empty: an open swarm)."""
+        return read_swarm_key(self.swarm_key) if self.swarm_key else b""
 
 
 @dataclass(frozen=True)
@@ -357,6 +391,10 @@ class NodeConfig:
               "metrics_port", self.metrics.metrics_port, "must differ from --port")
         need(self.gossip.fragments == 1 or self.outer.algorithm != "diloco", "fragments",
               self.gossip.fragments, "--algorithm diloco all-reduces the whole model: use 1")
+        need(self.network.max_streams > self.gossip.max_inbound, "max_streams",
+              self.network.max_streams,
+              f"must exceed --max-inbound={self.gossip.max_inbound} (streams before their "
+              "Header count too)")
         need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
               "connect_timeout_s", self.network.connect_timeout_s,
               f"must be shorter than --exchange-timeout-s={self.gossip.exchange_timeout_s}")
