@@ -380,3 +380,36 @@ def test_identity_is_bound_to_the_key():
     me = Identity.keyed(RUN, "f" * 64, signer)
     assert me.peer_id == signer.peer_id and me.peer_id.startswith("g1")
     assert Signer().peer_id != signer.peer_id
+
+
+@pytest.mark.parametrize("signature", [b"", bytes(64), "replayed"])
+def test_commit_not_signed_for_this_stream_is_not_applied(signature):
+    async def main():
+        a, b = await make_peer("A", 1), await make_peer("B", 2)
+        try:
+            before = full_state(b)
+            prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec, False)
+            msg = sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
+            call = a.open_call(b)
+            await call.write(msg)
+            reply = await call.read()
+            assert reply.WhichOneof("kind") == "header"
+            await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=prep.payload)))
+            await call.write(pb.ExchangeMsg(ready=pb.Ready()))
+            sig = signature
+            if sig == "replayed":  # a valid commit signature, but from another stream's nonces
+                from gasloc_p2p.protocol.messages import COMMIT_DOMAIN, commit_fields
+
+                old = pb.Header(nonce=new_nonce(), peer_id=a.me.peer_id)
+                sig = a.me.signer.sign(COMMIT_DOMAIN, commit_fields(msg.header, old))
+            await call.write(pb.ExchangeMsg(commit=pb.Commit(signature=sig)))
+            await wait_until(lambda: b.exchanger.stats.failed == 1, what="B refuses the commit")
+            call.cancel()
+            assert b.exchanger.stats.ok == 0
+            assert b.exchanger.stats.failures["inbound:ProtocolError"] == 1
+            assert_same_state(before, full_state(b))
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
