@@ -413,3 +413,32 @@ def test_commit_not_signed_for_this_stream_is_not_applied(signature):
             await b.close()
 
     run(main())
+
+
+def test_nodes_with_swarm_key_ignore_a_node_without_it(corpus, tmp_path):
+    """Three real nodes (in-memory discovery): two share --swarm-key and gossip; the third has
+    none. Neither side accepts the other's records, so they never meet."""
+    from gasloc_p2p.node.runtime.daemon import Node
+    from tests.daemon_helpers import tiny_config
+
+    key_file = tmp_path / "swarm.key"
+    key_file.write_bytes(SWARM_KEY + b"\n")
+
+    async def main():
+        reg = InMemoryRegistry()
+        keyed = tiny_config(corpus, swarm_key=str(key_file))
+        a = Node(keyed, InMemoryDiscovery(reg, keyed.discovery.run_id, "a"))
+        b = Node(tiny_config(corpus, swarm_key=str(key_file), peers=("/memory/a",)),
+                 InMemoryDiscovery(reg, keyed.discovery.run_id, "b"))
+        c = Node(tiny_config(corpus), InMemoryDiscovery(reg, keyed.discovery.run_id, "c"))
+        async with a, b, c:
+            await wait_until(lambda: min(a.stats.ok_initiator, b.stats.ok_initiator) >= 2,
+                             timeout_s=60, what="the keyed nodes gossip")
+            assert len(reg.entries[f"gasloc/{keyed.discovery.run_id}/peers"]) == 3
+            assert [p.peer_id for p in a.peers] == [b.me.peer_id]
+            assert [p.peer_id for p in b.peers] == [a.me.peer_id]
+            assert c.peers == [] and c.stats.ok == 0
+            info = await fetch_info(c.channels.stub(a.endpoint), scaled(5), c.signer)
+            assert info.ok and not info.authenticated and not info.peers
+
+    run(main(), timeout_s=120)

@@ -263,15 +263,16 @@ class Node:
                          cfg.network.reachability_interval_s, False))
         return jobs
 
-    async def _probe_endpoint(self, endpoint: str) -> bool:
-        """True if one Info call to ``endpoint`` succeeds (answering a peer's dial-back)."""
+    async def _probe_endpoint(self, endpoint: str, peer_id: str) -> bool:
+        """True if one Info call to ``endpoint`` is answered by ``peer_id`` (a peer's
+        dial-back request: its announced endpoint must reach that very peer)."""
         try:
-            await self.channels.stub(endpoint).Info(
+            reply = await self.channels.stub(endpoint).Info(
                 pb.InfoRequest(), timeout=self.cfg.network.connect_timeout_s)
-            return True
         except (grpc.RpcError, OSError, ValueError) as exc:
             log.debug("dial-back to %s failed: %s", endpoint, exc)
             return False
+        return bool(reply.peer_id == peer_id)
 
     async def _check_reachability(self) -> None:
         """Ask known peers (any, unreachable ones too) to dial our announced endpoint back;

@@ -24,7 +24,7 @@ from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
-from gasloc_p2p.protocol.auth import Signer, Verifier
+from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
 from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
     BUSY,
@@ -125,7 +125,8 @@ class GossipServicer(pb_grpc.GossipServicer):
         self.header_timeout_s = header_timeout_s  # for the BUSY answer without an exchanger
         self.limits = limits or ServeLimits()
         self.verifier: Verifier = me.signer or Verifier()
-        self.probe: Callable[[str], Awaitable[bool]] | None = None  # set by the node
+        # probe(endpoint, peer_id): does the node at endpoint answer as peer_id (set by the node)
+        self.probe: Callable[[str, str], Awaitable[bool]] | None = None
         self._probing = asyncio.Lock()
         self.streams: Counter[str] = Counter()  # open Exchange streams by remote address
         self.refused_streams = 0
@@ -173,20 +174,22 @@ class GossipServicer(pb_grpc.GossipServicer):
         reply = self.info()
         reply.ok = reply.authenticated = True
         if request.probe_endpoint:
-            reply.probe_ok = await self._probe(request.probe_endpoint)
+            reply.probe_ok = await self._probe(request.probe_endpoint,
+                                               peer_id_of(request.auth.public_key))
         return reply
 
-    async def _probe(self, endpoint: str) -> bool:
+    async def _probe(self, endpoint: str, caller: str) -> bool:
         """Dial ``endpoint`` back with one Info call (a caller's reachability check).
 
         Uses the node's cached client channels (``self.probe``), never a channel owned by this
         handler, so a probe cannot hold up the server's stop. One probe at a time per server,
-        so the service cannot be used to fan out connections.
+        so the service cannot be used to fan out connections. Only authenticated callers get a
+        probe, and it succeeds only if the endpoint answers as the caller (``caller``'s id).
         """
         if self.probe is None or self._probing.locked():
             return False
         async with self._probing:
-            return await self.probe(endpoint)
+            return await self.probe(endpoint, caller)
 
     async def DownloadState(self, request: pb.StateRequest,
                             context: Any) -> AsyncIterator[pb.StateChunk]:
