@@ -116,6 +116,8 @@ class GossipConfig:
     reference_capacity: int = opt(8, "peers whose quantization references are kept (LRU)")
     chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)")
     busy_retries: int = opt(3, "other peers tried after a BUSY answer")
+    connect_fanout: int = opt(3, "connect to this many random peers at once and exchange with "
+                                 "the first that answers (dead records then cost no waiting)")
     backoff_s: float = opt(10.0, "after a failed exchange, leave that peer alone this long "
                                  "(doubled after each further failure)")
     max_backoff_s: float = opt(300.0, "cap on the doubled backoff of a failing peer")
@@ -149,6 +151,7 @@ class GossipConfig:
         need(1024 <= self.chunk_bytes <= MAX_CHUNK_BYTES, "chunk_bytes", self.chunk_bytes,
               f"must be in [1024, {MAX_CHUNK_BYTES}]")
         need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
+        need(self.connect_fanout >= 1, "connect_fanout", self.connect_fanout, "must be >= 1")
         need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
         need(self.max_backoff_s >= self.backoff_s, "max_backoff_s", self.max_backoff_s,
               f"must be >= --backoff-s={self.backoff_s}")

@@ -145,21 +145,21 @@ class GossipLoop:
                 log.exception("gossip event failed unexpectedly")
 
     async def gossip_once(self) -> Outcome | None:
-        """One gossip event: try peers until one exchange commits, fails, or none is left."""
+        """One gossip event: connect to ``connect_fanout`` random candidates at once and
+        exchange with the first that answers; after BUSY (or when none connects) try others,
+        until one exchange commits, fails, or no candidate is left."""
         tried: list[str] = []
         for _ in range(self.cfg.busy_retries + 1):
-            exclude = [*tried, *self.exchanger.inflight]
-            options = self.book.candidates(exclude)
+            options = self.book.candidates([*tried, *self.exchanger.inflight])
             if not options:
                 return None
-            peer = self.rng.choice(options)
-            tried.append(peer.peer_id)
+            picks = self.rng.sample(options, min(len(options), self.cfg.connect_fanout))
+            tried += [p.peer_id for p in picks]
+            peer = await self._first_connected(picks)
+            if peer is None:
+                continue
             try:
                 outcome = await self.exchange_with(peer, self.choose_fragment())
-            except ConnectFailed as exc:  # a dead or fake record: back off, try another peer
-                self.channels.discard(peer.endpoint)
-                self._failed(peer, exc)
-                continue
             except ExchangeError as exc:
                 if exc.code == BUSY:
                     self.exchanger.stats.busy += 1
@@ -172,6 +172,32 @@ class GossipLoop:
             self.book.succeeded(peer)
             return outcome
         return None
+
+    async def _first_connected(self, picks: Sequence[PeerInfo]) -> PeerInfo | None:
+        """The first of ``picks`` whose endpoint connects (attempts run concurrently); the
+        ones that fail (dead or fake records) are backed off, the slower ones abandoned."""
+        attempts = {asyncio.ensure_future(connect(
+            self.channels.stub_and_channel(p.endpoint)[1], p.endpoint,
+            self.net.connect_timeout_s)): p for p in picks}
+        pending = set(attempts)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                winner = None
+                for task in done:
+                    peer, exc = attempts[task], task.exception()
+                    if exc is None:
+                        winner = winner or peer
+                    else:
+                        self.channels.discard(peer.endpoint)
+                        self._failed(peer, exc)
+                if winner is not None:
+                    return winner
+            return None
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def exchange_with(self, peer: PeerInfo, fragment: int) -> Outcome:
         stub, channel = self.channels.stub_and_channel(peer.endpoint)

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import torch
 
+from gasloc_p2p import __version__
 from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
@@ -169,8 +170,7 @@ class GossipServicer(pb_grpc.GossipServicer):
                                  info_fields(request), time.time(), self.limits.auth_skew_s)
         if why is not None:  # health only; never a dial-back for a stranger
             return pb.InfoReply(protocol_version=PROTOCOL_VERSION, run_id=self.me.run_id,
-                                peer_id=self.me.peer_id,
-                                software_version=self.info().software_version, ok=True)
+                                peer_id=self.me.peer_id, software_version=__version__, ok=True)
         reply = self.info()
         reply.ok = reply.authenticated = True
         if request.probe_endpoint:
