@@ -441,3 +441,16 @@ def test_nodes_with_swarm_key_ignore_a_node_without_it(corpus, tmp_path):
             assert info.ok and not info.authenticated and not info.peers
 
     run(main(), timeout_s=120)
+
+
+def test_identity_file_keeps_the_peer_id(tmp_path):
+    from gasloc_p2p.protocol.auth import load_or_create_identity
+
+    path = tmp_path / "node.key"
+    first = load_or_create_identity(str(path))
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = load_or_create_identity(str(path), SWARM_KEY)
+    assert again.peer_id == first.peer_id and again.swarm_key == SWARM_KEY
+    path.write_bytes(b"short")
+    with pytest.raises(ValueError, match="32-byte"):
+        load_or_create_identity(str(path))

@@ -11,6 +11,7 @@ says otherwise (``_mbps`` = megabits per second).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
@@ -192,6 +193,8 @@ class NetworkConfig:
                                       "peers failed in a row (and none succeeded)")
     swarm_key: str = opt("", "file with the swarm's shared secret (>= 16 bytes): without it "
                              "nobody can exchange, download state or publish accepted records")
+    identity_file: str = opt("", "file with this node's ed25519 key, created if missing, so "
+                                 "its peer id survives restarts (empty: a new key at each start)")
     auth_skew_s: float = opt(120.0, "accept signed requests whose time is this close to ours")
     max_streams: int = opt(12, "open Exchange streams served at once (before their Header "
                                "too); more get BUSY at once")
@@ -220,6 +223,12 @@ class NetworkConfig:
                 read_swarm_key(self.swarm_key)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"--swarm-key={self.swarm_key}: {exc}") from None
+        if self.identity_file:
+            path = Path(self.identity_file)
+            size = path.stat().st_size if path.is_file() else None
+            need(size in (None, 32) and path.parent.is_dir() and not path.is_dir(),
+                 "identity_file", self.identity_file, "must be a 32-byte key file, or a new "
+                 "file in an existing directory (it is then created)")
 
     def swarm_secret(self) -> bytes:
         """The shared secret of --swarm-key (empty: an open swarm)."""

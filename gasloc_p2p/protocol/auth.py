@@ -116,6 +116,24 @@ class Signer(Verifier):
         return (Signer.from_private_bytes, (self.private_bytes(), self.swarm_key))
 
 
+def load_or_create_identity(path: str, swarm_key: bytes = b"") -> Signer:
+    """The key pair stored in ``path`` (32 raw bytes), created there (mode 0600) if missing:
+    a node keeps its peer id across restarts. ValueError if the file holds something else."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        signer = Signer(swarm_key=swarm_key)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(signer.private_bytes())
+        return signer
+    if len(raw) != 32:
+        raise ValueError(f"identity file {path} holds {len(raw)} bytes, not a 32-byte ed25519 "
+                         "key (delete it to create a new identity)")
+    return Signer.from_private_bytes(raw, swarm_key)
+
+
 def read_swarm_key(path: str) -> bytes:
     """The shared secret in ``path`` (its bytes, surrounding whitespace removed); ValueError
     if it is shorter than 16 bytes."""

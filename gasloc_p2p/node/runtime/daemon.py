@@ -45,7 +45,7 @@ from gasloc_p2p.node.transport.service import (
     start_server,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.auth import Signer, load_or_create_identity
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,11 @@ class Node:
         self.discovery = discovery or HivemindDiscovery(
             d.run_id, cfg.network.host, d.dht_port, d.peers, d.dht_timeout_s,
             d.dht_start_timeout_s, client_mode=cfg.network.client_mode)
-        # the node's identity: an ed25519 key (new at each start); its peer id derives from it
-        self.signer = Signer(swarm_key=cfg.network.swarm_secret())
+        # the node's identity: an ed25519 key (--identity-file, else new at each start); its
+        # peer id derives from it
+        secret = cfg.network.swarm_secret()
+        self.signer = (load_or_create_identity(cfg.network.identity_file, secret)
+                       if cfg.network.identity_file else Signer(swarm_key=secret))
         self.discovery.use_identity(self.signer, 2 * d.announce_ttl_s)
         self.lock = TrainingLock()
         self.train_stats = TrainStats()
