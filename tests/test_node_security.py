@@ -454,3 +454,19 @@ def test_identity_file_keeps_the_peer_id(tmp_path):
     path.write_bytes(b"short")
     with pytest.raises(ValueError, match="32-byte"):
         load_or_create_identity(str(path))
+
+
+def test_health_reply_carries_the_dht_peer_id_for_bootstrap_multiaddrs():
+    """``gasloc-container join-via`` builds /p2p/<DHT id> from an unsigned Info call."""
+    from gasloc_p2p.node.transport.service import GossipServicer
+
+    me = Identity.keyed(RUN, "f" * 64, Signer())
+    servicer = GossipServicer(me, None, lambda: pb.InfoReply(step=3), lambda: None)
+    servicer.dht_peer_id = "12D3KooWexample"
+
+    async def main():
+        health = await servicer.Info(pb.InfoRequest(), None)
+        assert health.dht_peer_id == "12D3KooWexample" and health.peer_id == me.peer_id
+        assert health.ok and not health.authenticated and health.step == 0
+
+    run(main())

@@ -202,6 +202,7 @@ class Node:
         servicer = GossipServicer(self.me, self.mode.exchanger, self.info, self.mode.snapshot,
                                   self.cfg.gossip.header_timeout_s, limits)
         servicer.probe = self._probe_endpoint
+        servicer.dht_peer_id = str(getattr(self.discovery, "dht_peer_id", ""))
         server, self.port = await start_server(servicer, host, net.port, net,
                                                self.cfg.gossip.max_inbound)
 

@@ -128,6 +128,7 @@ class GossipServicer(pb_grpc.GossipServicer):
         self.verifier: Verifier = me.signer or Verifier()
         # probe(endpoint, peer_id): does the node at endpoint answer as peer_id (set by the node)
         self.probe: Callable[[str, str], Awaitable[bool]] | None = None
+        self.dht_peer_id = ""  # for bootstrap multiaddrs, in every Info reply (set by the node)
         self._probing = asyncio.Lock()
         self.streams: Counter[str] = Counter()  # open Exchange streams by remote address
         self.refused_streams = 0
@@ -170,9 +171,11 @@ class GossipServicer(pb_grpc.GossipServicer):
                                  info_fields(request), time.time(), self.limits.auth_skew_s)
         if why is not None:  # health only; never a dial-back for a stranger
             return pb.InfoReply(protocol_version=PROTOCOL_VERSION, run_id=self.me.run_id,
-                                peer_id=self.me.peer_id, software_version=__version__, ok=True)
+                                peer_id=self.me.peer_id, software_version=__version__, ok=True,
+                                dht_peer_id=self.dht_peer_id)
         reply = self.info()
         reply.ok = reply.authenticated = True
+        reply.dht_peer_id = self.dht_peer_id
         if request.probe_endpoint:
             reply.probe_ok = await self._probe(request.probe_endpoint,
                                                peer_id_of(request.auth.public_key))

@@ -131,7 +131,7 @@ class InfoRequest(_message.Message):
     def __init__(self, probe_endpoint: _Optional[str] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs", "probe_ok", "ok", "authenticated")
+    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs", "probe_ok", "ok", "authenticated", "dht_peer_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class InfoReply(_message.Message):
     PROBE_OK_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     AUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
+    DHT_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     software_version: str
     run_id: str
@@ -190,7 +191,8 @@ class InfoReply(_message.Message):
     probe_ok: bool
     ok: bool
     authenticated: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., ok: _Optional[bool] = ..., authenticated: _Optional[bool] = ...) -> None: ...
+    dht_peer_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., ok: _Optional[bool] = ..., authenticated: _Optional[bool] = ..., dht_peer_id: _Optional[str] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("protocol_version", "run_id", "model_fingerprint", "auth")
