@@ -124,6 +124,8 @@ class CompatibilityFilter:
             if why is None:
                 out.append(p)
             elif p.peer_id not in self._logged:
+                if len(self._logged) >= 1024:  # ids are cheap to mint: bound the memory
+                    self._logged.clear()
                 self._logged.add(p.peer_id)
                 log.warning("ignoring peer %s at %s: %s", p.peer_id, p.endpoint, why)
         return out
