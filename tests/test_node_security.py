@@ -470,3 +470,49 @@ def test_health_reply_carries_the_dht_peer_id_for_bootstrap_multiaddrs():
         assert health.ok and not health.authenticated and health.step == 0
 
     run(main())
+
+
+def test_real_dht_keeps_the_owners_record_against_an_overwrite():
+    """Three hivemind DHT processes: X announces itself; an attacker's DHT (without the
+    validator) stores X's record with another endpoint and a long expiration. The honest DHT
+    nodes refuse to store it and drop it from the attacker's answers, so a reader still sees X's
+    own record (with a read-side check only, X would vanish for the attacker's expiration)."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from gasloc_p2p.node.discovery.dht import HivemindDiscovery
+
+    async def main():
+        owner, reader_key = Signer(), Signer()
+        x = HivemindDiscovery(RUN, "127.0.0.1", 0, [], scaled(10), scaled(60))
+        x.use_identity(owner, 40.0)
+        started: list = [x]
+        attacker = None
+        try:
+            await x.start()
+            addrs = await x.visible_addrs()
+            reader = HivemindDiscovery(RUN, "127.0.0.1", 0, addrs, scaled(10), scaled(60))
+            reader.use_identity(reader_key, 40.0)
+            started.append(reader)
+            await reader.start()
+            info = PeerInfo(owner.peer_id, "127.0.0.1:1111", 2, "f" * 64)
+            await x.announce(info, 20.0)
+            assert await reader.peers() == [info]
+            attacker = await asyncio.to_thread(
+                hivemind.DHT, initial_peers=addrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                start=True)
+            far = get_dht_time() + 1000.0
+            forged = {**signed_value(x.key, info, owner, far - 980.0), "expires": far,
+                      "endpoint": "6.6.6.6:1"}
+            await asyncio.to_thread(attacker.store, x.key, forged, far, subkey=owner.peer_id)
+            for _ in range(3):
+                assert await reader.peers() == [info]
+                assert await x.peers() == [info]
+                await asyncio.sleep(0.2)
+        finally:
+            if attacker is not None:
+                await asyncio.to_thread(attacker.shutdown)
+            for d in started:
+                await d.stop()
+
+    run(main(), timeout_s=120)
