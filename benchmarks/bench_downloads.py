@@ -23,6 +23,7 @@ from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
+    ServeLimits,
     StateSnapshot,
     download_state,
     start_server,
@@ -55,7 +56,7 @@ async def donor(numel: int, limit: int) -> None:
                              params.memory.clone())
 
     servicer = GossipServicer(Identity(RUN, FINGERPRINT, "donor"), None,  # type: ignore[arg-type]
-                              lambda: pb.InfoReply(), take, max_downloads=limit)
+                              lambda: pb.InfoReply(), take, limits=ServeLimits(max_downloads=limit))
     server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4)
     print(port, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)

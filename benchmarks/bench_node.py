@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import multiprocessing as mp
 import sys
 import tempfile
@@ -38,6 +39,7 @@ from gasloc_p2p.node.transport.exchange import GossipTransport  # noqa: E402
 from gasloc_p2p.node.transport.service import GossipServicer, StateSnapshot, grpc_options
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc  # noqa: E402
+from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import (
     MAX_CHUNK_BYTES,
@@ -50,6 +52,11 @@ RAW_METHOD = "/bench.Raw/Stream"
 GRPC_FRAME = 5  # gRPC length-prefixed message header, bytes
 
 
+def bench_signer(name: str) -> Signer:
+    """A key derived from ``name``: the initiator knows the responder's (key-derived) peer id."""
+    return Signer.from_private_bytes(hashlib.sha256(name.encode()).digest())
+
+
 def build_side(name: str, numel: int, seed: int) -> tuple[GossipTransport, Identity]:
     gen = torch.Generator().manual_seed(0)
     theta0 = torch.randn(numel, generator=gen)
@@ -57,7 +64,7 @@ def build_side(name: str, numel: int, seed: int) -> tuple[GossipTransport, Ident
     outer = AsyncConfig()
     state = AsyncGaslocState(theta, theta0, outer)
     engine = ExchangeEngine(state, theta0, [whole(numel)], TrainingLock(), 8)
-    me = Identity("bench", "f" * 64, name)
+    me = Identity.keyed("bench", "f" * 64, bench_signer(name))
     gossip = GossipConfig(header_timeout_s=60, chunk_timeout_s=60, commit_timeout_s=60,
                           exchange_timeout_s=300)
     return GossipTransport(me, engine, gossip, outer), me
@@ -156,7 +163,7 @@ async def bench(numel: int, repeats: int, endpoint: str) -> list[dict[str, Any]]
         ex_times, raw_times = [], []
         for _ in range(repeats):
             start = time.perf_counter()
-            outcome = await exchanger.initiate(open_call, "responder", 0)
+            outcome = await exchanger.initiate(open_call, bench_signer("responder").peer_id, 0)
             ex_times.append(time.perf_counter() - start)
             raw_times.append(await raw_seconds(channel, outcome.bytes_sent))
         rows.append({"codec": codec, "payload": outcome.bytes_sent, "wire": calls[-1].sent,

@@ -28,7 +28,8 @@ RETRY_S = 2.0
 
 
 def fetch_peer_id(endpoint: str, timeout_s: float) -> str:
-    """The peer id a node reports in ``Info``; raises ``grpc.RpcError`` if it does not answer."""
+    """The DHT peer id a node reports in ``Info`` (health-level: no signature needed); raises
+    ``grpc.RpcError`` if it does not answer."""
     import grpc
 
     from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
@@ -36,7 +37,7 @@ def fetch_peer_id(endpoint: str, timeout_s: float) -> str:
 
     with grpc.insecure_channel(endpoint) as channel:
         reply = pb_grpc.GossipStub(channel).Info(pb.InfoRequest(), timeout=timeout_s)
-    return str(reply.peer_id)
+    return str(reply.dht_peer_id or reply.peer_id)
 
 
 def health(args: argparse.Namespace) -> int:

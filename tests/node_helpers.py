@@ -28,6 +28,7 @@ from gasloc_p2p.node.transport.service import (
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import Outcome
+from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import Identity
 
@@ -94,8 +95,12 @@ class Peer:
 
 
 async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
-                    fingerprint: str = FINGERPRINT, outer: AsyncConfig | None = None) -> Peer:
-    """A peer whose live parameters are ``theta0`` plus seeded noise (a different drift)."""
+                    fingerprint: str = FINGERPRINT, outer: AsyncConfig | None = None,
+                    swarm_key: bytes = b"") -> Peer:
+    """A peer whose live parameters are ``theta0`` plus seeded noise (a different drift).
+
+    Its peer id is derived from a fresh ed25519 key (``name`` only names it in the Info
+    reply); ``swarm_key``: the shared secret its signatures are keyed with."""
     t0 = theta0()
     outer = outer or AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
     theta = t0 + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
@@ -104,14 +109,17 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
     lock = TrainingLock()
     gossip = gossip or gossip_config()
     engine = ExchangeEngine(state, t0, fragments(), lock, gossip.reference_capacity)
-    me = Identity(RUN, fingerprint, name)
+    me = Identity.keyed(RUN, fingerprint, Signer(swarm_key=swarm_key))
     exchanger = GossipTransport(me, engine, gossip, outer)
 
     def snapshot() -> StateSnapshot:
         return StateSnapshot(0, state.rounds, outer.momentum, state.public_iterate(),
                              state.memory.clone())
 
-    servicer = GossipServicer(me, exchanger, lambda: pb.InfoReply(peer_id=name), snapshot)
+    def info() -> pb.InfoReply:  # step and peers: only an authenticated caller sees them
+        return pb.InfoReply(peer_id=me.peer_id, software_version=name, step=7, peers=["x"])
+
+    servicer = GossipServicer(me, exchanger, info, snapshot)
     net = NetworkConfig()
     server, port = await start_server(servicer, "127.0.0.1", 0, net, gossip.max_inbound)
     return Peer(me, state, engine, exchanger, server, f"127.0.0.1:{port}", PeerChannels(net))

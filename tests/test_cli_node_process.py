@@ -51,7 +51,7 @@ def test_startup_block_status_by_multiaddr_and_a_quiet_ctrl_c(tmp_path: Path):
         by_endpoint = status("--endpoint", grpc.group(1))
         assert by_endpoint.returncode == 0, by_endpoint.stderr
         info = json.loads(by_endpoint.stdout)["info"]
-        assert info["peer_id"] == dht.group(2) and info["endpoint"] == grpc.group(1)
+        assert info["dht_peer_id"] == dht.group(2) and info["endpoint"] == grpc.group(1)
         assert "probe_ok" not in info  # meaningful only in a reachability probe
 
         def by_multiaddr() -> dict | None:  # the node announces itself a moment after start
@@ -59,7 +59,7 @@ def test_startup_block_status_by_multiaddr_and_a_quiet_ctrl_c(tmp_path: Path):
             return json.loads(result.stdout)["info"] if result.returncode == 0 else None
 
         info = wait_for(by_multiaddr, 60, "status by the DHT multiaddr")
-        assert info["peer_id"] == dht.group(2) and info["endpoint"] == grpc.group(1)
+        assert info["dht_peer_id"] == dht.group(2) and info["endpoint"] == grpc.group(1)
 
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl+C: the whole group
         assert proc.wait(timeout=scaled(60)) == 0, err.read_text()[-3000:]

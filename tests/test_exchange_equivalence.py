@@ -69,14 +69,15 @@ def test_daemon_and_simulator_exchanges_are_bit_identical(codec):
         try:
             t0 = peers[0].engine.theta0
             sim_states = [_clone_state(p.state, t0) for p in peers]
+            ids = [p.me.peer_id for p in peers]  # key-derived: the simulator uses the same
             sim = ProtocolExchanger(sim_states, t0, fragments(), CodecSpec.of(codec), OUTER,
-                                    references="links")
+                                    references="links", peer_ids=ids)
             start = peers[0].state.theta.clone()
             for n, (i, frag, late_round, lost) in enumerate(STEPS):
                 j = 1 - i
                 if lost:  # the responder evicted the link: both paths must reset it
-                    peers[j].engine.refs.get(str(i)).reset(t0)
-                    sim.engines[j].refs.get(str(i)).reset(t0)
+                    peers[j].engine.refs.get(ids[i]).reset(t0)
+                    sim.engines[j].refs.get(ids[i]).reset(t0)
                 if late_round:
                     _round_end_before_check(peers[j])
                 ok = peers[j].exchanger.stats.ok_responder
@@ -90,14 +91,14 @@ def test_daemon_and_simulator_exchanges_are_bit_identical(codec):
                 assert (staleness, weight) == (daemon_out.staleness, daemon_out.weight)
                 assert weight == (0.25 if late_round else 0.5)
                 for k in (i, j):
-                    _assert_identical(_tensors(peers[k].state, peers[k].engine.refs, str(1 - k)),
-                                      _tensors(sim_states[k], sim.engines[k].refs, str(1 - k)),
+                    _assert_identical(_tensors(peers[k].state, peers[k].engine.refs, ids[1 - k]),
+                                      _tensors(sim_states[k], sim.engines[k].refs, ids[1 - k]),
                                       f"step {n}, side {k}")
-                link = sim.engines[i].refs.get(str(j))
+                link = sim.engines[i].refs.get(ids[j])
                 want = torch.tensor(weight) * (fragments()[frag].gather(link.ref_in)
                                                - fragments()[frag].gather(link.ref_out))
                 assert daemon_out.correction_norm == pytest.approx(float(want.norm()), rel=1e-6)
-            assert peers[0].engine.refs.get("1").version == 2  # reset once, then one more
+            assert peers[0].engine.refs.get(ids[1]).version == 2  # reset once, then one more
             assert not torch.equal(peers[0].state.theta, start)  # the exchanges did something
         finally:
             for p in peers:

@@ -36,9 +36,10 @@ def test_two_nodes_gossip_serve_info_and_state(corpus, tmp_path):
                              timeout_s=60, what="exchanges both ways on both nodes")
             await wait_until(lambda: min(a.train_stats.step, b.train_stats.step) > 50,
                              timeout_s=60, what="a validation after training")
-            info = await fetch_info(a.channels.stub(b.endpoint), 5)
-            assert info.peer_id == "node-b" and info.peers == ["node-a"]
+            info = await fetch_info(a.channels.stub(b.endpoint), 5, a.signer)
+            assert info.peer_id == b.me.peer_id and info.peers == [a.me.peer_id]
             assert info.step > 0 and info.model_fingerprint == a.me.fingerprint
+            assert info.authenticated and info.ok
             meta, params, memory = await download_state(a.channels.stub(b.endpoint), a.me, 10)
             assert params.shape == memory.shape == b.trainer.state.theta.shape
             assert torch.isfinite(params).all() and meta.momentum == "mixed"
@@ -158,8 +159,9 @@ def test_unreachable_node_is_detected_and_gossips_by_dialing_out(corpus):
             await wait_until(lambda: not b.reachable, timeout_s=scaled(30),
                              what="b detects it cannot be dialed")
             assert a.reachable
-            await wait_until(lambda: "node-b" in a.mode.book.peers
-                             and not a.mode.book.peers["node-b"].reachable,
+            bid = b.me.peer_id  # derived from b's key, not the discovery's name
+            await wait_until(lambda: bid in a.mode.book.peers
+                             and not a.mode.book.peers[bid].reachable,
                              timeout_s=scaled(10), what="a learns b is unreachable")
             before = a.stats.ok_responder
             await wait_until(lambda: a.stats.ok_responder >= before + 2, timeout_s=scaled(60),

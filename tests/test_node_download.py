@@ -14,6 +14,7 @@ from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
+    ServeLimits,
     StateSnapshot,
     download_state,
     start_server,
@@ -41,7 +42,7 @@ def state() -> StateSnapshot:
 async def serve(limit: int) -> tuple[Any, GossipServicer, str, PeerChannels]:
     snap = state()
     servicer = GossipServicer(Identity(RUN, FINGERPRINT, "donor"), None,  # type: ignore[arg-type]
-                              lambda: pb.InfoReply(), lambda: snap, max_downloads=limit)
+                              lambda: pb.InfoReply(), lambda: snap, limits=ServeLimits(max_downloads=limit))
     server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4)
     return server, servicer, f"127.0.0.1:{port}", PeerChannels(NetworkConfig())
 

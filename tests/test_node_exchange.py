@@ -12,7 +12,14 @@ import torch
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
-from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES, PROTOCOL_VERSION, Rejected, make_header
+from gasloc_p2p.protocol.auth import new_nonce
+from gasloc_p2p.protocol.messages import (
+    MAX_CHUNK_BYTES,
+    PROTOCOL_VERSION,
+    Rejected,
+    make_header,
+    sign_header,
+)
 from tests.node_helpers import (
     assert_same_state,
     full_state,
@@ -44,10 +51,10 @@ def test_full_exchange_commits_on_both_sides(codec):
             outcome = await a.exchange(b, fragment=0)
             await wait_until(lambda: b.exchanger.stats.ok_responder == 1, what="B commit")
             # references bit-identical across the pair, and c_a = -c_b exactly
-            la, lb = a.engine.refs.get("B"), b.engine.refs.get("A")
+            la, lb = a.engine.refs.get(b.me.peer_id), b.engine.refs.get(a.me.peer_id)
             assert torch.equal(la.ref_out, lb.ref_in) and torch.equal(la.ref_in, lb.ref_out)
             assert la.version == lb.version == 1
-            ca, cb = _ref_correction(a, "B", frag), _ref_correction(b, "A", frag)
+            ca, cb = _ref_correction(a, b.me.peer_id, frag), _ref_correction(b, a.me.peer_id, frag)
             assert torch.equal(ca, -cb)
             # p moved by c, the drift theta - a is untouched, the pair's mean is kept
             pa2, pb2 = a.state.public_iterate(frag), b.state.public_iterate(frag)
@@ -75,12 +82,12 @@ def test_second_exchange_uses_references_and_link_reset():
             first = a.exchanger.stats.bytes_sent
             await b.exchange(a, 0)  # the other direction reuses the same link
             await wait_until(lambda: a.exchanger.stats.ok_responder == 1, what="A commit")
-            assert a.engine.refs.get("B").version == b.engine.refs.get("A").version == 2
+            assert a.engine.refs.get(b.me.peer_id).version == b.engine.refs.get(a.me.peer_id).version == 2
             assert a.exchanger.stats.bytes_sent == 2 * first  # int8: fixed size per fragment
-            b.engine.refs.get("A").reset(b.engine.theta0)  # B "evicted" A: versions differ
+            b.engine.refs.get(a.me.peer_id).reset(b.engine.theta0)  # B "evicted" A: versions differ
             await a.exchange(b, 1)
             await wait_until(lambda: b.exchanger.stats.ok_responder == 2, what="B commit")
-            la, lb = a.engine.refs.get("B"), b.engine.refs.get("A")
+            la, lb = a.engine.refs.get(b.me.peer_id), b.engine.refs.get(a.me.peer_id)
             assert la.version == lb.version == 1
             assert torch.equal(la.ref_out, lb.ref_in) and torch.equal(la.ref_in, lb.ref_out)
         finally:
@@ -116,7 +123,7 @@ def test_incompatible_peer_is_rejected_with_its_code(what):
 async def _raw_exchange(a, b, what):
     """Send a header with a wrong version or run id; return the peer's reply as an error."""
     codec = CodecSpec("int8", 1024)
-    prep = a.engine.prepare("B", 0, codec, False)
+    prep = a.engine.prepare(b.me.peer_id, 0, codec, False)
     msg = make_header(a.me, prep, 2)
     if what == "version":
         msg.header.protocol_version = PROTOCOL_VERSION + 1
@@ -132,8 +139,8 @@ async def _raw_exchange(a, b, what):
 
 def _start_raw(a, b, fragment=0):
     codec = CodecSpec("int8", 1024)
-    prep = a.engine.prepare("B", fragment, codec, False)
-    return prep, make_header(a.me, prep, 2)
+    prep = a.engine.prepare(b.me.peer_id, fragment, codec, False)
+    return prep, sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
 
 
 MISBEHAVIOURS = ["garbage", "oversized-chunk", "huge-message", "too-long", "too-short-ready",
@@ -225,8 +232,9 @@ def test_responder_dying_mid_stream_changes_nothing_on_the_initiator():
 
             async def dying(stream):  # B sends its header and part of its payload, then dies
                 first = await stream.read()
-                prep = b.engine.prepare("A", 0, CodecSpec("int8", 1024), False)
-                await stream.write(make_header(b.me, prep, 2))
+                prep = b.engine.prepare(a.me.peer_id, 0, CodecSpec("int8", 1024), False)
+                await stream.write(sign_header(make_header(b.me, prep, 2), b.me.signer,
+                                               new_nonce(), first.header.nonce))
                 await stream.write(pb.ExchangeMsg(chunk=pb.Chunk(data=prep.payload[:1000])))
                 assert first.WhichOneof("kind") == "header"
                 raise RuntimeError("simulated crash")

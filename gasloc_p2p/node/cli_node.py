@@ -53,6 +53,9 @@ def add_status_parser(sub: Any) -> None:
     p.add_argument("--run-id", default=NodeConfig().discovery.run_id, help="run to list")
     p.add_argument("--timeout-s", type=float, default=15.0, help="overall deadline, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--swarm-key", default="", metavar="FILE",
+                   help="the swarm's secret (--swarm-key of its nodes): without it a keyed "
+                        "swarm shows health only and no peer list")
     p.set_defaults(func=run_status)
 
 
@@ -183,12 +186,16 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
 async def _status(args: argparse.Namespace) -> dict[str, Any]:
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
+    from gasloc_p2p.protocol.auth import Signer, read_swarm_key
 
     report: dict[str, Any] = {"swarm": [], "info": None}
     endpoint = args.endpoint
+    # a throwaway key: enough for an open swarm; a keyed swarm also needs its secret
+    signer = Signer(swarm_key=read_swarm_key(args.swarm_key) if args.swarm_key else b"")
     if args.peers:
         dht = HivemindDiscovery(args.run_id, "127.0.0.1", 0, args.peers, args.timeout_s / 2,
                                 args.timeout_s, client_mode=True)
+        dht.use_identity(signer, 3600.0)  # only reads: records are checked with the secret
         await dht.start()
         try:
             peers = await dht.peers()
@@ -196,19 +203,14 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
             await dht.stop()
         report["swarm"] = [vars(p) | {"codecs": list(p.codecs)} for p in peers]
         wanted = getattr(args, "node_id", None)
-        if wanted:
-            match = [p for p in peers if p.peer_id == wanted]
-            if not match:
-                raise LookupError(f"no node with peer id {wanted} announces itself in run "
-                                  f"{args.run_id!r} (check --run-id; a node appears a few "
-                                  "seconds after it starts)")
-            endpoint = match[0].endpoint
+        if wanted:  # the multiaddr names the node's DHT id: ask each listed node for its own
+            endpoint = await _endpoint_of_dht_id(peers, wanted, signer, args)
         elif endpoint is None and peers:
             endpoint = max(peers, key=lambda p: p.step).endpoint
     if endpoint:
         channels = PeerChannels(NetworkConfig())
         try:
-            info = await fetch_info(channels.stub(endpoint), args.timeout_s / 2)
+            info = await fetch_info(channels.stub(endpoint), args.timeout_s / 2, signer)
         finally:
             await channels.close()
         from google.protobuf.json_format import MessageToDict
@@ -217,6 +219,26 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
                                        always_print_fields_with_no_presence=True)
         report["info"].pop("probe_ok", None)  # only meaningful in a reachability probe
     return report
+
+
+async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
+                              args: argparse.Namespace) -> str:
+    """The gRPC endpoint of the listed node whose DHT id is ``wanted``."""
+    from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
+
+    channels = PeerChannels(NetworkConfig())
+    try:
+        for p in peers:
+            try:
+                info = await fetch_info(channels.stub(p.endpoint), args.timeout_s / 4, signer)
+            except Exception:  # noqa: BLE001 - an unreachable node is simply not the one
+                continue
+            if info.dht_peer_id == wanted:
+                return str(p.endpoint)
+    finally:
+        await channels.close()
+    raise LookupError(f"no node with DHT id {wanted} announces itself in run {args.run_id!r} "
+                      "(check --run-id; a node appears a few seconds after it starts)")
 
 
 def _print_report(report: dict[str, Any]) -> None:

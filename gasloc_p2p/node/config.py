@@ -23,6 +23,7 @@ from gasloc_p2p.data.corpus import DataError
 from gasloc_p2p.data.stream import stream_files
 from gasloc_p2p.model import GPTConfig
 from gasloc_p2p.model_spec import BUILTIN, PRESETS, ModelSource, gpt_config
+from gasloc_p2p.protocol.auth import read_swarm_key
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 FRAGMENT_ORDERS = ("round-robin", "random")
@@ -177,12 +178,18 @@ class GossipConfig:
                                      "--references links)")
     chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)")
     busy_retries: int = opt(3, "other peers tried after a BUSY answer")
-    backoff_s: float = opt(10.0, "after a failed exchange, leave that peer alone this long")
+    connect_fanout: int = opt(3, "connect to this many random peers at once and exchange with "
+                                 "the first that answers (dead records then cost no waiting)")
+    backoff_s: float = opt(10.0, "after a failed exchange, leave that peer alone this long "
+                                 "(doubled after each further failure)")
+    max_backoff_s: float = opt(300.0, "cap on the doubled backoff of a failing peer")
+    min_transfer_bps: float = opt(16384.0, "cut an exchange whose payload arrives slower than "
+                                           "this many bytes/s after the grace (0: no minimum)")
+    transfer_grace_s: float = opt(5.0, "grace before --min-transfer-bps applies")
     header_timeout_s: float = opt(10.0, "wait for the peer's Header")
     chunk_timeout_s: float = opt(15.0, "wait for any one message during the transfer")
     commit_timeout_s: float = opt(15.0, "responder: wait for Commit after both Ready")
     exchange_timeout_s: float = opt(120.0, "deadline of a whole exchange")
-    max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY")
     init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any")
     download_timeout_s: float = opt(60.0, "deadline of a state download")
 
@@ -206,7 +213,6 @@ class GossipConfig:
         need(self.exchanges_per_round >= 0, "exchanges_per_round", self.exchanges_per_round,
               "must be >= 0 (0 disables outbound gossip)")
         need(self.max_inbound >= 1, "max_inbound", self.max_inbound, "must be >= 1")
-        need(self.max_downloads >= 1, "max_downloads", self.max_downloads, "must be >= 1")
         need(self.references in REFERENCE_CHOICES, "references", self.references,
               f"choose one of {REFERENCE_CHOICES}")
         need(self.max_upload_mbps >= 0, "max_upload_mbps", self.max_upload_mbps,
@@ -214,7 +220,14 @@ class GossipConfig:
         need(1024 <= self.chunk_bytes <= MAX_CHUNK_BYTES, "chunk_bytes", self.chunk_bytes,
               f"must be in [1024, {MAX_CHUNK_BYTES}]")
         need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
+        need(self.connect_fanout >= 1, "connect_fanout", self.connect_fanout, "must be >= 1")
         need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
+        need(self.max_backoff_s >= self.backoff_s, "max_backoff_s", self.max_backoff_s,
+              f"must be >= --backoff-s={self.backoff_s}")
+        need(self.min_transfer_bps >= 0, "min_transfer_bps", self.min_transfer_bps,
+              "must be >= 0 (0: no minimum)")
+        need(self.transfer_grace_s >= 0, "transfer_grace_s", self.transfer_grace_s,
+              "must be >= 0")
         # An inbound exchange pins its peer's references: eviction must find an unpinned one.
         need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",
               self.reference_capacity, f"must exceed --max-inbound + 1 = {self.max_inbound + 1}")
@@ -244,6 +257,17 @@ class NetworkConfig:
     reachability_interval_s: float = opt(
         60.0, "ask a random peer to dial this node back this often (0: never); if it cannot, "
         "the node gossips by dialing out only, as with --client-mode")
+    reachability_probes: int = opt(3, "unreachable only after this many dial-backs by distinct "
+                                      "peers failed in a row (and none succeeded)")
+    swarm_key: str = opt("", "file with the swarm's shared secret (>= 16 bytes): without it "
+                             "nobody can exchange, download state or publish accepted records")
+    identity_file: str = opt("", "file with this node's ed25519 key, created if missing, so "
+                                 "its peer id survives restarts (empty: a new key at each start)")
+    auth_skew_s: float = opt(120.0, "accept signed requests whose time is this close to ours")
+    max_streams: int = opt(12, "open Exchange streams served at once (before their Header "
+                               "too); more get BUSY at once")
+    max_streams_per_address: int = opt(3, "open Exchange streams from one IP address")
+    max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY")
 
     def validate(self) -> None:
         need(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535] (0: any)")
@@ -258,6 +282,25 @@ class NetworkConfig:
         need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
         need(self.reachability_interval_s >= 0, "reachability_interval_s",
               self.reachability_interval_s, "must be >= 0 seconds (0: no checks)")
+        for name in ("reachability_probes", "max_streams", "max_streams_per_address",
+                     "max_downloads"):
+            need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        need(self.auth_skew_s > 0, "auth_skew_s", self.auth_skew_s, "must be > 0 seconds")
+        if self.swarm_key:
+            try:
+                read_swarm_key(self.swarm_key)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--swarm-key={self.swarm_key}: {exc}") from None
+        if self.identity_file:
+            path = Path(self.identity_file)
+            size = path.stat().st_size if path.is_file() else None
+            need(size in (None, 32) and path.parent.is_dir() and not path.is_dir(),
+                 "identity_file", self.identity_file, "must be a 32-byte key file, or a new "
+                 "file in an existing directory (it is then created)")
+
+    def swarm_secret(self) -> bytes:
+        """The shared secret of --swarm-key (empty: an open swarm)."""
+        return read_swarm_key(self.swarm_key) if self.swarm_key else b""
 
 
 @dataclass(frozen=True)
@@ -428,6 +471,10 @@ class NodeConfig:
               "metrics_port", self.metrics.metrics_port, "must differ from --port")
         need(self.gossip.fragments == 1 or self.outer.algorithm != "diloco", "fragments",
               self.gossip.fragments, "--algorithm diloco all-reduces the whole model: use 1")
+        need(self.network.max_streams > self.gossip.max_inbound, "max_streams",
+              self.network.max_streams,
+              f"must exceed --max-inbound={self.gossip.max_inbound} (streams before their "
+              "Header count too)")
         need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
               "connect_timeout_s", self.network.connect_timeout_s,
               f"must be shorter than --exchange-timeout-s={self.gossip.exchange_timeout_s}")

@@ -7,16 +7,18 @@ The message types are the generated ones from ``proto/gasloc/v1/gasloc.proto``. 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from gasloc_p2p.core.codecs import BLOCK_CODECS, CODEC_NAMES, CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
 from gasloc_p2p.protocol.engine import Prepared
 
-# 2: the Header names the reference scheme (and "feedback" payloads are not deltas)
-PROTOCOL_VERSION = 2
+# 3: signed headers, commits and requests (protocol/auth.py), and the Header names the
+# reference scheme ("feedback" payloads are not deltas)
+PROTOCOL_VERSION = 3
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 # Block sizes a responder accepts besides its own: a peer's header never picks another one, so
 # it cannot make this node allocate (or cache codecs for) sizes of its choosing.
@@ -28,6 +30,7 @@ FINGERPRINT_MISMATCH = pb.FINGERPRINT_MISMATCH
 RUN_MISMATCH = pb.RUN_MISMATCH
 BAD_REQUEST = pb.BAD_REQUEST
 INTERNAL = pb.INTERNAL
+UNAUTHENTICATED = pb.UNAUTHENTICATED
 
 
 def code_name(code: int) -> str:
@@ -68,11 +71,21 @@ class MessageStream(Protocol):
 
 @dataclass(frozen=True)
 class Identity:
-    """Who this node is, as peers see it in every header."""
+    """Who this node is, as peers see it in every header.
+
+    ``signer`` (the node's key; ``peer_id`` is then its id): headers and commits are signed
+    and peers' signatures required. None only where nothing crosses a network (the simulator,
+    in-memory protocol tests).
+    """
 
     run_id: str
     fingerprint: str
     peer_id: str
+    signer: Signer | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def keyed(cls, run_id: str, fingerprint: str, signer: Signer) -> Identity:
+        return cls(run_id, fingerprint, signer.peer_id, signer)
 
 
 def make_header(me: Identity, prep: Prepared, fragment_count: int,
@@ -85,6 +98,78 @@ def make_header(me: Identity, prep: Prepared, fragment_count: int,
         fragment_numel=prep.fragment.numel, payload_bytes=len(prep.payload),
         payload_crc32=prep.crc32, link_version=prep.link_version, rounds=prep.rounds0,
         references=references))
+
+
+HEADER_DOMAIN = "gasloc/header"
+COMMIT_DOMAIN = "gasloc/commit"
+
+
+def header_fields(h: pb.Header, peer_nonce: bytes) -> list[object]:
+    """What a header's signature covers: every field but the signature, and the other side's
+    nonce."""
+    return [h.protocol_version, h.run_id, h.model_fingerprint, h.peer_id, h.codec,
+            h.block_size, h.fragment_index, h.fragment_count, h.fragment_numel,
+            h.payload_bytes, h.payload_crc32, h.link_version, h.rounds, h.public_key, h.nonce,
+            h.references, peer_nonce]
+
+
+def sign_header(msg: pb.ExchangeMsg, signer: Signer, nonce: bytes,
+                peer_nonce: bytes) -> pb.ExchangeMsg:
+    """``msg`` (a Header) with our key, ``nonce`` and signature set."""
+    h = msg.header
+    h.public_key, h.nonce = signer.public_key, nonce
+    h.signature = signer.sign(HEADER_DOMAIN, header_fields(h, peer_nonce))
+    return msg
+
+
+def check_header_auth(h: pb.Header, verifier: Verifier, peer_nonce: bytes) -> ExchangeError | None:
+    """Why ``h`` is not signed by the key of its ``peer_id`` (None: it is)."""
+    if len(h.nonce) != 16:
+        return ExchangeError(UNAUTHENTICATED, "header without a 16-byte nonce")
+    why = verifier.verify(h.peer_id, h.public_key, h.signature, HEADER_DOMAIN,
+                          header_fields(h, peer_nonce))
+    return None if why is None else ExchangeError(UNAUTHENTICATED, f"header: {why}")
+
+
+def commit_fields(initiator: pb.Header, responder: pb.Header) -> list[object]:
+    return [initiator.nonce, responder.nonce, initiator.payload_crc32, responder.payload_crc32,
+            initiator.peer_id, responder.peer_id]
+
+
+INFO_DOMAIN = "gasloc/info"
+STATE_DOMAIN = "gasloc/state"
+
+
+def info_fields(r: pb.InfoRequest) -> list[object]:
+    return [r.probe_endpoint, r.auth.timestamp]
+
+
+def state_fields(r: pb.StateRequest) -> list[object]:
+    return [r.protocol_version, r.run_id, r.model_fingerprint, r.auth.timestamp]
+
+
+def sign_info_request(r: pb.InfoRequest, signer: Signer, now: float) -> pb.InfoRequest:
+    r.auth.public_key, r.auth.timestamp = signer.public_key, now
+    r.auth.signature = signer.sign(INFO_DOMAIN, info_fields(r))
+    return r
+
+
+def sign_state_request(r: pb.StateRequest, signer: Signer, now: float) -> pb.StateRequest:
+    r.auth.public_key, r.auth.timestamp = signer.public_key, now
+    r.auth.signature = signer.sign(STATE_DOMAIN, state_fields(r))
+    return r
+
+
+def check_request_auth(auth: pb.Auth, verifier: Verifier, domain: str, fields: list[object],
+                       now: float, skew_s: float) -> str | None:
+    """Why a unary request's ``auth`` is not acceptable (None: it is). The caller's peer id is
+    ``peer_id_of(auth.public_key)``: any key is acceptable, unless the swarm has a key."""
+    if not auth.public_key:
+        return "unauthenticated request"
+    if not abs(auth.timestamp - now) <= skew_s:  # also rejects NaN
+        return f"request time {auth.timestamp:.0f} is more than {skew_s:g} s off"
+    return verifier.verify(peer_id_of(auth.public_key), auth.public_key, auth.signature, domain,
+                           fields)
 
 
 def reject(code: int, message: str) -> pb.ExchangeMsg:

@@ -45,12 +45,15 @@ from gasloc_p2p.protocol.actions import (
     Send,
     SendPayload,
 )
+from gasloc_p2p.protocol.auth import new_nonce
 from gasloc_p2p.protocol.engine import ExchangeEngine, Prepared
 from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
     BUSY,
+    COMMIT_DOMAIN,
     INTERNAL,
     MAX_CHUNK_BYTES,
+    UNAUTHENTICATED,
     ExchangeError,
     Identity,
     PeerAborted,
@@ -59,10 +62,13 @@ from gasloc_p2p.protocol.messages import (
     abort,
     accepted_codecs,
     check_header,
+    check_header_auth,
     check_reply_header,
+    commit_fields,
     header_codec,
     make_header,
     reject,
+    sign_header,
 )
 
 
@@ -139,6 +145,9 @@ class ExchangeSession:
         self._my_rounds: int | None = None
         self._peer_rounds: int | None = None
         self._staleness = 0
+        # authentication (rules.me.signer set): our nonce and the last Header we sent
+        self._nonce = new_nonce() if rules.me.signer is not None else b""
+        self._sent: pb.Header | None = None
 
     @classmethod
     def initiator(cls, rules: Rules, engine: ExchangeEngine, peer_id: str,
@@ -161,6 +170,16 @@ class ExchangeSession:
         if self.stage is Stage.COMMIT:
             return "Commit", t.commit_s
         return None
+
+    @property
+    def receiving_payload(self) -> bool:
+        """The peer's payload is announced and not complete yet (the minimum rate applies)."""
+        return (self.stage is Stage.TRANSFER and self._peer is not None
+                and self._received is None and len(self._buf) < self._peer.payload_bytes)
+
+    @property
+    def payload_received(self) -> int:
+        return len(self._buf)
 
     @property
     def peer_codec(self) -> str:
@@ -186,7 +205,12 @@ class ExchangeSession:
         self._prep = prep
         header = make_header(self.rules.me, prep, len(self.engine.fragments),
                              self.engine.references)
+        signer = self.rules.me.signer
+        if signer is not None:  # the initiator's first Header: no peer nonce yet
+            sign_header(header, signer, self._nonce,
+                        self._peer.nonce if self._peer is not None else b"")
         self._mine = self._mine or header.header
+        self._sent = header.header
         if self.role is Role.INITIATOR and first:
             self.stage = Stage.HEADER
             return [Send(header)]
@@ -208,6 +232,7 @@ class ExchangeSession:
                 raise PeerAborted(msg.abort.code, msg.abort.message)
             if kind != "commit":
                 raise ProtocolError(f"expected Commit, got {kind}")
+            self._check_commit(msg.commit.signature)
             return [self._apply()]
         raise ProtocolError(f"unexpected {kind} in stage {self.stage.value}")
 
@@ -240,7 +265,12 @@ class ExchangeSession:
         if self.role is Role.RESPONDER:
             self.stage = Stage.COMMIT
             return []
-        return [Send(pb.ExchangeMsg(commit=pb.Commit())), self._apply()]
+        commit = pb.Commit()
+        signer = self.rules.me.signer
+        if signer is not None:
+            assert self._sent is not None and self._peer is not None
+            commit.signature = signer.sign(COMMIT_DOMAIN, commit_fields(self._sent, self._peer))
+        return [Send(pb.ExchangeMsg(commit=commit)), self._apply()]
 
     def applied(self, correction_norm: float) -> list[Action]:
         assert self.stage is Stage.APPLYING and self._prep is not None
@@ -272,6 +302,8 @@ class ExchangeSession:
         h = msg.header
         problem = check_header(h, self.rules.me, self.engine.fragments, self.rules.accepted,
                                self.engine.references)
+        if problem is None and self.rules.me.signer is not None:
+            problem = check_header_auth(h, self.rules.me.signer, b"")
         if problem is not None:
             return self._reject(problem)
         self._peer, self.peer_id, self.fragment = h, h.peer_id, h.fragment_index
@@ -291,10 +323,12 @@ class ExchangeSession:
         assert self._mine is not None and self._prep is not None
         problem = check_reply_header(msg.header, self._mine, self.rules.me, self.engine.fragments,
                                      self.rules.accepted, self.engine.references)
+        if problem is None and self.rules.me.signer is not None:  # it owns the dialed id
+            problem = check_header_auth(msg.header, self.rules.me.signer, self._nonce)
         if problem is not None:
             raise problem
         if msg.header.peer_id != self.peer_id:
-            raise ProtocolError(f"dialed {self.peer_id}, answered by {msg.header.peer_id}")
+            raise ProtocolError(f"dialed {self.peer_id!r}, answered by {msg.header.peer_id!r}")
         self._peer = msg.header
         if msg.header.link_version != self._prep.link_version:  # both restart from theta_0
             self.stage = Stage.PREPARING
@@ -336,6 +370,10 @@ class ExchangeSession:
         if problem is None and (new.peer_id, new.fragment_index, new.codec, new.block_size) != (
                 old.peer_id, old.fragment_index, old.codec, old.block_size):
             problem = ProtocolError("the re-sent Header changed peer, fragment or codec")
+        if problem is None and self.rules.me.signer is not None:
+            problem = check_header_auth(new, self.rules.me.signer, self._nonce)
+            if problem is None and new.public_key != old.public_key:
+                problem = ProtocolError("the re-sent Header changed key", UNAUTHENTICATED)
         if problem is not None:
             raise problem
         return new
@@ -345,6 +383,17 @@ class ExchangeSession:
             return []
         self.stage = Stage.FLUSH
         return [FlushPayload(self.rules.timeouts.chunk_s)]
+
+    def _check_commit(self, signature: bytes) -> None:
+        """Responder: the Commit must be signed by the initiator for this very stream."""
+        signer = self.rules.me.signer
+        if signer is None:
+            return
+        assert self._peer is not None and self._sent is not None
+        why = signer.verify(self._peer.peer_id, self._peer.public_key, signature,
+                            COMMIT_DOMAIN, commit_fields(self._peer, self._sent))
+        if why is not None:
+            raise ProtocolError(f"commit: {why}", UNAUTHENTICATED)
 
     def _apply(self) -> Apply:
         assert self._prep is not None and self._received is not None

@@ -49,18 +49,20 @@ class ProtocolExchanger:
     """Exchanges among the workers' :class:`AsyncGaslocState`s through the daemon's protocol.
 
     ``fragments`` must be indexed by position (``fragments[k].index == k``), as the daemon's.
-    Worker ``i`` is peer ``str(i)``; simulated time has no timeouts.
+    Worker ``i`` is peer ``peer_ids[i]`` (default ``str(i)``); simulated time has no timeouts.
     """
 
     def __init__(self, states: Sequence[AsyncGaslocState], theta0: torch.Tensor,
                  fragments: Sequence[Fragment], spec: CodecSpec, outer: AsyncConfig,
-                 capacity: int = 8, references: str = DEFAULT_SCHEME) -> None:
+                 capacity: int = 8, references: str = DEFAULT_SCHEME,
+                 peer_ids: Sequence[str] | None = None) -> None:
         never = Timeouts(math.inf, math.inf, math.inf)
+        ids = list(peer_ids) if peer_ids is not None else [str(i) for i in range(len(states))]
         self.spec = spec
         self.fragments = list(fragments)
         self.engines = [ExchangeEngine(s, theta0, fragments, NoLock(), capacity, references)
                         for s in states]
-        self.rules = [Rules.build(Identity(SIM_RUN, SIM_FINGERPRINT, str(i)), spec, outer, never)
+        self.rules = [Rules.build(Identity(SIM_RUN, SIM_FINGERPRINT, ids[i]), spec, outer, never)
                       for i in range(len(states))]
 
     def begin(self, i: int, j: int, fragment: int) -> Pending:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
@@ -20,7 +21,8 @@ import torch
 
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
-from gasloc_p2p.protocol.messages import PROTOCOL_VERSION
+from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, sign_info_request, sign_state_request
 from gasloc_p2p.tools.procs import Child
 
 JOIN_HINT = r"^\s*(gasloc-node join .*--peers (.+))$"  # stdout of a node that can be joined
@@ -47,6 +49,7 @@ class NodeChild(Child):
                  env: Mapping[str, str] | None = None) -> None:
         super().__init__(name, join_argv(flags, log_level), log_dir, node_env(env))
         self.endpoint = ""
+        self.signer = Signer()  # signs Info/DownloadState (set swarm_key for a keyed swarm)
 
     def join_peers(self, timeout_s: float) -> list[str]:
         """The ``--peers`` multiaddrs this node prints for others to join it."""
@@ -63,15 +66,16 @@ class NodeChild(Child):
 
     def info(self, timeout_s: float = 5.0) -> pb.InfoReply:
         with grpc.insecure_channel(self.endpoint) as channel:
-            reply: pb.InfoReply = pb_grpc.GossipStub(channel).Info(pb.InfoRequest(),
-                                                                   timeout=timeout_s)
+            request = sign_info_request(pb.InfoRequest(), self.signer, time.time())
+            reply: pb.InfoReply = pb_grpc.GossipStub(channel).Info(request, timeout=timeout_s)
             return reply
 
     def download_state(self, run_id: str, timeout_s: float = 20.0
                        ) -> tuple[pb.StateMeta, torch.Tensor]:
         """The node's published state: its metadata and parameters (float32, flat)."""
-        request = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id,
-                                  model_fingerprint=self.info().model_fingerprint)
+        request = sign_state_request(pb.StateRequest(
+            protocol_version=PROTOCOL_VERSION, run_id=run_id,
+            model_fingerprint=self.info().model_fingerprint), self.signer, time.time())
         body, meta = bytearray(), pb.StateMeta()
         with grpc.insecure_channel(self.endpoint) as channel:
             for msg in pb_grpc.GossipStub(channel).DownloadState(request, timeout=timeout_s):

@@ -2,7 +2,9 @@
 
 Each node announces a :class:`PeerInfo` under the run-scoped key ``gasloc/{run_id}/peers`` with
 its peer id as subkey and an expiration (TTL) that the node refreshes periodically; listing
-reads the whole key (``latest=True``). hivemind's DHT runs in a child process and its calls
+reads the whole key (``latest=True``). Records are signed by their owner and checked on every
+read (:mod:`gasloc_p2p.node.discovery.records`): a discovery given the node's key
+(:meth:`Discovery.use_identity`) announces under the key's peer id. hivemind's DHT runs in a child process and its calls
 block on a pipe, so :class:`HivemindDiscovery` makes every call from a worker thread with a
 bounded wait: the event loop never blocks on the DHT.
 """
@@ -15,6 +17,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from gasloc_p2p.protocol.auth import Signer, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,19 @@ class Discovery(abc.ABC):
     """Where nodes of one run find each other. ``stop`` is safe to call twice."""
 
     peer_id: str
+    dht_peer_id: str = ""  # the DHT's own (libp2p) id, for bootstrap multiaddrs; "" in memory
+    signer: Signer | None = None
+    max_ttl_s: float = 60.0
+
+    def use_identity(self, signer: Signer, max_ttl_s: float) -> None:
+        """Before :meth:`start`: announce as ``signer``'s peer id (records signed with it) and
+        accept records that expire at most ``max_ttl_s`` ahead."""
+        self.signer, self.peer_id, self.max_ttl_s = signer, signer.peer_id, max_ttl_s
+
+    @property
+    def verifier(self) -> Verifier:
+        """Checks records with this node's swarm key (none without an identity)."""
+        return self.signer if self.signer is not None else Verifier()
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -108,6 +125,8 @@ class CompatibilityFilter:
             if why is None:
                 out.append(p)
             elif p.peer_id not in self._logged:
+                if len(self._logged) >= 1024:  # ids are cheap to mint: bound the memory
+                    self._logged.clear()
                 self._logged.add(p.peer_id)
                 log.warning("ignoring peer %s at %s: %s", p.peer_id, p.endpoint, why)
         return out
@@ -126,10 +145,13 @@ class CompatibilityFilter:
 
 
 class InMemoryRegistry:
-    """A process-local stand-in for the DHT, shared by :class:`InMemoryDiscovery` objects."""
+    """A process-local stand-in for the DHT, shared by :class:`InMemoryDiscovery` objects:
+    ``entries[key][subkey] = (value, expiration)`` with ``time.monotonic()`` expirations. Like
+    a DHT without validators it stores anything (tests write forged records into it); readers
+    check the signatures."""
 
     def __init__(self) -> None:
-        self.entries: dict[str, dict[str, tuple[PeerInfo, float]]] = {}
+        self.entries: dict[str, dict[str, tuple[Any, float]]] = {}
 
 
 class InMemoryDiscovery(Discovery):
@@ -144,12 +166,21 @@ class InMemoryDiscovery(Discovery):
         self.registry.entries.setdefault(self.key, {})
 
     async def announce(self, info: PeerInfo, ttl_s: float) -> None:
-        self.registry.entries[self.key][info.peer_id] = (info, time.monotonic() + ttl_s)
+        from gasloc_p2p.node.discovery.records import signed_value  # records imports PeerInfo
+
+        assert self.signer is not None, "use_identity first: records are signed"
+        expires = time.monotonic() + ttl_s
+        self.registry.entries[self.key][info.peer_id] = (
+            signed_value(self.key, info, self.signer, expires), expires)
 
     async def peers(self) -> list[PeerInfo]:
+        from gasloc_p2p.node.discovery.records import verify_record
+
         now = time.monotonic()
-        return [info for info, exp in self.registry.entries.get(self.key, {}).values()
-                if exp > now]
+        found = [verify_record(self.key, sub, value, exp, self.verifier, now, self.max_ttl_s)
+                 for sub, (value, exp) in self.registry.entries.get(self.key, {}).items()
+                 if exp > now]
+        return [info for info in found if info is not None]
 
     async def visible_addrs(self) -> list[str]:
         return [f"/memory/{self.peer_id}"]

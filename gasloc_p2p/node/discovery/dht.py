@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gasloc_p2p.node.discovery.base import Discovery, PeerInfo, run_key
+from gasloc_p2p.node.discovery.records import make_validator, signed_value, verify_record
 
 log = logging.getLogger(__name__)
 # hivemind's default (3 s) is often too short for a clean DHT + p2pd stop on a loaded machine.
@@ -91,7 +92,8 @@ class HivemindDiscovery(Discovery):
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.client_mode = client_mode
-        self.peer_id = ""
+        self.peer_id = ""  # the node's key-derived id (use_identity), else the DHT's
+        self.dht_peer_id = ""  # libp2p id of the DHT node (bootstrap multiaddrs)
         self._dht: Any = None
         self._pipe_lock = threading.Lock()  # the DHT's request pipe is not thread-safe
 
@@ -120,9 +122,13 @@ class HivemindDiscovery(Discovery):
         if os.environ.get("HIVEMIND_LOGLEVEL", "").upper() != "DEBUG":
             os.environ.setdefault("GOLOG_LOG_LEVEL", "fatal")
         maddr = f"/ip{6 if ':' in self.host else 4}/{self.host}/tcp/{self.port}"
+        # our records are checked inside the DHT too: honest DHT nodes refuse to store a forged
+        # or overwriting record, and drop one that another DHT node returns
+        validator = make_validator(self.key, self.verifier, self.max_ttl_s)
         self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
                                  client_mode=self.client_mode, start=True, await_ready=False,
-                                 shutdown_timeout=DHT_SHUTDOWN_GRACE_S)
+                                 shutdown_timeout=DHT_SHUTDOWN_GRACE_S,
+                                 record_validators=[validator])
         try:
             self._dht.wait_until_ready(timeout=self.start_timeout_s)
         except BaseException as exc:
@@ -134,7 +140,8 @@ class HivemindDiscovery(Discovery):
                     "reachable from here (firewall, its --host/--dht-port), and that you pasted "
                     "the multiaddr it printed") from None
             raise
-        self.peer_id = self._dht.peer_id.to_base58()
+        self.dht_peer_id = self._dht.peer_id.to_base58()
+        self.peer_id = self.peer_id or self.dht_peer_id
         watchdog = partial(_install_parent_watchdog, parent_pid=os.getpid(), period_s=1.0)
         self._call(lambda: self._dht.run_coroutine(watchdog, return_future=True))
 
@@ -147,20 +154,26 @@ class HivemindDiscovery(Discovery):
     async def announce(self, info: PeerInfo, ttl_s: float) -> None:
         from hivemind.utils import get_dht_time
 
+        assert self.signer is not None, "use_identity first: records are signed"
         expiration = get_dht_time() + ttl_s
+        value = signed_value(self.key, info, self.signer, expiration)
         ok = await asyncio.to_thread(self._call, lambda: self._dht.store(
-            self.key, info.to_value(), expiration, subkey=info.peer_id, return_future=True))
+            self.key, value, expiration, subkey=info.peer_id, return_future=True))
         if not ok:
             log.debug("DHT store of this node's announcement was not accepted")
 
     async def peers(self) -> list[PeerInfo]:
+        from hivemind.utils import get_dht_time
+
         found = await asyncio.to_thread(self._call, lambda: self._dht.get(
             self.key, latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return []
-        out = []
-        for subkey, item in found.value.items():
-            info = PeerInfo.from_value(subkey, getattr(item, "value", None))
+        out, now = [], get_dht_time()
+        for subkey, item in found.value.items():  # checked again: the validator is per node
+            info = verify_record(self.key, subkey, getattr(item, "value", None),
+                                 getattr(item, "expiration_time", None), self.verifier, now,
+                                 self.max_ttl_s)
             if info is not None:
                 out.append(info)
         return out

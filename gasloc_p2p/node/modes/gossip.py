@@ -41,13 +41,17 @@ _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no pe
 
 
 class PeerBook:
-    """Compatible peers from discovery, with per-peer backoff after failures."""
+    """Compatible peers from discovery, with backoff after failures, per peer and per
+    endpoint (many fake ids can share one dead address)."""
+
+    MAX_TRACKED = 4096  # bound on remembered failures (peer ids and endpoints are cheap to mint)
 
     def __init__(self, self_id: str, clock: Clock | None = None) -> None:
         self.self_id = self_id
         self.clock = clock or WallClock()
         self.peers: dict[str, PeerInfo] = {}
-        self._backoff_until: dict[str, float] = {}
+        self._backoff_until: dict[str, float] = {}  # peer id or "@endpoint" -> until
+        self._failures: dict[str, int] = {}  # failures in a row, same keys
 
     def update(self, peers: Iterable[PeerInfo]) -> None:
         self.peers = {p.peer_id: p for p in peers if p.peer_id != self.self_id}
@@ -55,10 +59,34 @@ class PeerBook:
     def backoff(self, peer_id: str, seconds: float) -> None:
         self._backoff_until[peer_id] = self.clock.monotonic() + seconds
 
+    def failed(self, peer: PeerInfo, base_s: float, max_s: float) -> float:
+        """Back ``peer`` and its endpoint off for ``base_s`` doubled per failure in a row
+        (at most ``max_s``); returns the backoff in seconds."""
+        if len(self._failures) > self.MAX_TRACKED:
+            self._forget_expired()
+        seconds = 0.0
+        for key in (peer.peer_id, "@" + peer.endpoint):
+            n = self._failures[key] = self._failures.get(key, 0) + 1
+            seconds = min(max_s, base_s * 2 ** min(n - 1, 30))
+            self.backoff(key, seconds)
+        return seconds
+
+    def succeeded(self, peer: PeerInfo) -> None:
+        for key in (peer.peer_id, "@" + peer.endpoint):
+            self._failures.pop(key, None)
+            self._backoff_until.pop(key, None)
+
+    def _forget_expired(self) -> None:
+        now = self.clock.monotonic()
+        for key in [k for k, t in self._backoff_until.items() if t <= now]:
+            self._backoff_until.pop(key, None)
+            self._failures.pop(key, None)
+
     def candidates(self, exclude: Iterable[str] = ()) -> list[PeerInfo]:
-        now, skip = self.clock.monotonic(), set(exclude)
+        now, skip, until = self.clock.monotonic(), set(exclude), self._backoff_until
         return [p for p in self.peers.values()
-                if p.peer_id not in skip and self._backoff_until.get(p.peer_id, 0.0) <= now
+                if p.peer_id not in skip and until.get(p.peer_id, 0.0) <= now
+                and until.get("@" + p.endpoint, 0.0) <= now
                 and p.reachable]  # nobody can dial a NAT'ed node: it gossips by dialing out
 
 
@@ -117,17 +145,21 @@ class GossipLoop:
                 log.exception("gossip event failed unexpectedly")
 
     async def gossip_once(self) -> Outcome | None:
-        """One gossip event: try peers until one exchange commits, fails, or none is left."""
+        """One gossip event: connect to ``connect_fanout`` random candidates at once and
+        exchange with the first that answers; after BUSY (or when none connects) try others,
+        until one exchange commits, fails, or no candidate is left."""
         tried: list[str] = []
         for _ in range(self.cfg.busy_retries + 1):
-            exclude = [*tried, *self.exchanger.inflight]
-            options = self.book.candidates(exclude)
+            options = self.book.candidates([*tried, *self.exchanger.inflight])
             if not options:
                 return None
-            peer = self.rng.choice(options)
-            tried.append(peer.peer_id)
+            picks = self.rng.sample(options, min(len(options), self.cfg.connect_fanout))
+            tried += [p.peer_id for p in picks]
+            peer = await self._first_connected(picks)
+            if peer is None:
+                continue
             try:
-                return await self.exchange_with(peer, self.choose_fragment())
+                outcome = await self.exchange_with(peer, self.choose_fragment())
             except ExchangeError as exc:
                 if exc.code == BUSY:
                     self.exchanger.stats.busy += 1
@@ -137,15 +169,39 @@ class GossipLoop:
             except (grpc.RpcError, TimeoutError, OSError) as exc:
                 self._failed(peer, exc)
                 return None
+            self.book.succeeded(peer)
+            return outcome
         return None
+
+    async def _first_connected(self, picks: Sequence[PeerInfo]) -> PeerInfo | None:
+        """The first of ``picks`` whose endpoint connects (attempts run concurrently); the
+        ones that fail (dead or fake records) are backed off, the slower ones abandoned."""
+        attempts = {asyncio.ensure_future(connect(
+            self.channels.stub_and_channel(p.endpoint)[1], p.endpoint,
+            self.net.connect_timeout_s)): p for p in picks}
+        pending = set(attempts)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                winner = None
+                for task in done:
+                    peer, exc = attempts[task], task.exception()
+                    if exc is None:
+                        winner = winner or peer
+                    else:
+                        self.channels.discard(peer.endpoint)
+                        self._failed(peer, exc)
+                if winner is not None:
+                    return winner
+            return None
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def exchange_with(self, peer: PeerInfo, fragment: int) -> Outcome:
         stub, channel = self.channels.stub_and_channel(peer.endpoint)
-        try:
-            await asyncio.wait_for(channel.channel_ready(), self.net.connect_timeout_s)
-        except TimeoutError:
-            raise ExchangeError(INTERNAL, f"cannot connect to {peer.endpoint} within "
-                                   f"{self.net.connect_timeout_s:g} s") from None
+        await connect(channel, peer.endpoint, self.net.connect_timeout_s)
         deadline = self.cfg.exchange_timeout_s + self.cfg.commit_timeout_s
         return await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
                                              peer.peer_id, fragment)
@@ -153,8 +209,31 @@ class GossipLoop:
     def _failed(self, peer: PeerInfo, exc: BaseException) -> None:
         self.exchanger.stats.failed += 1
         self.exchanger.stats.failures[f"outbound:{type(exc).__name__}"] += 1
-        self.book.backoff(peer.peer_id, self.cfg.backoff_s)
-        log.debug("exchange with %s failed: %s", peer.peer_id, exc)
+        seconds = self.book.failed(peer, self.cfg.backoff_s, self.cfg.max_backoff_s)
+        log.debug("exchange with %r failed (backoff %.0f s): %s", peer.peer_id, seconds, exc)
+
+
+class ConnectFailed(ExchangeError):
+    """No connection to the peer's endpoint: nothing was sent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(INTERNAL, message)
+
+
+async def connect(channel: grpc.aio.Channel, endpoint: str, timeout_s: float) -> None:
+    """Wait until ``channel`` is connected; :class:`ConnectFailed` as soon as gRPC reports a
+    transient failure (e.g. connection refused) or after ``timeout_s``."""
+    ready, failure = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
+    try:
+        async with asyncio.timeout(timeout_s):
+            state = channel.get_state(try_to_connect=True)
+            while state != ready:
+                if state == failure:
+                    raise ConnectFailed(f"cannot connect to {endpoint!r}")
+                await channel.wait_for_state_change(state)
+                state = channel.get_state(try_to_connect=True)
+    except TimeoutError:
+        raise ConnectFailed(f"cannot connect to {endpoint!r} within {timeout_s:g} s") from None
 
 
 def compatible_codecs(peers: Sequence[PeerInfo], codec: str) -> list[PeerInfo]:

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import socket
 import threading
 import time
@@ -34,15 +33,19 @@ from gasloc_p2p.node.observability.metrics import NodeMetrics
 from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.clock import Clock, WallClock, every
 from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
+    ServeLimits,
     download_state,
+    info_request,
     start_server,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.auth import Signer, load_or_create_identity
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
 
 log = logging.getLogger(__name__)
@@ -65,10 +68,17 @@ class Node:
         self.discovery = discovery or HivemindDiscovery(
             d.run_id, cfg.network.host, d.dht_port, d.peers, d.dht_timeout_s,
             d.dht_start_timeout_s, client_mode=cfg.network.client_mode)
+        # the node's identity: an ed25519 key (--identity-file, else new at each start); its
+        # peer id derives from it
+        secret = cfg.network.swarm_secret()
+        self.signer = (load_or_create_identity(cfg.network.identity_file, secret)
+                       if cfg.network.identity_file else Signer(swarm_key=secret))
+        self.discovery.use_identity(self.signer, 2 * d.announce_ttl_s)
         self.lock = TrainingLock()
         self.train_stats = TrainStats()
         self.stats = ExchangeStats()
-        self.reachable = not cfg.network.client_mode
+        self.reachability = Reachability(cfg.network.reachability_probes,
+                                         reachable=not cfg.network.client_mode)
         self.endpoint = ""
         self.port = 0
         self.trainer: Trainer | None = None
@@ -81,6 +91,11 @@ class Node:
         self.error = ""
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def reachable(self) -> bool:
+        """Whether peers can dial this node (dial-back probes; False in --client-mode)."""
+        return self.reachability.reachable
+
     async def __aenter__(self) -> Node:
         await self.start()
         return self
@@ -102,13 +117,13 @@ class Node:
         stack.push_async_callback(_timed, "metrics stop", self.metrics.stop)
         await self.discovery.start()
         stack.push_async_callback(_timed, "discovery stop", self.discovery.stop)
-        me_id = self.discovery.peer_id
+        me_id = self.signer.peer_id
         trainer = self.trainer = await asyncio.to_thread(
             Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
             self.train_stats, self.mode.trainer_round_end())
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
-        self.me = Identity(cfg.discovery.run_id, trainer.fingerprint, me_id)
+        self.me = Identity.keyed(cfg.discovery.run_id, trainer.fingerprint, self.signer)
         self.filter = CompatibilityFilter(PROTOCOL_VERSION, trainer.fingerprint, me_id,
                                           cfg.outer.algorithm)
         stack.push_async_callback(_timed, "mode stop", self.mode.stop)  # safe if start fails
@@ -182,9 +197,12 @@ class Node:
     async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
         net = self.cfg.network
         host = "127.0.0.1" if net.client_mode else net.host
+        limits = ServeLimits(net.max_streams, net.max_streams_per_address, net.max_downloads,
+                             net.auth_skew_s)
         servicer = GossipServicer(self.me, self.mode.exchanger, self.info, self.mode.snapshot,
-                                  self.cfg.gossip.header_timeout_s, self.cfg.gossip.max_downloads)
+                                  self.cfg.gossip.header_timeout_s, limits)
         servicer.probe = self._probe_endpoint
+        servicer.dht_peer_id = self.discovery.dht_peer_id
         server, self.port = await start_server(servicer, host, net.port, net,
                                                self.cfg.gossip.max_inbound)
 
@@ -249,45 +267,34 @@ class Node:
                          cfg.network.reachability_interval_s, False))
         return jobs
 
-    async def _probe_endpoint(self, endpoint: str) -> bool:
-        """True if one Info call to ``endpoint`` succeeds (answering a peer's dial-back)."""
+    async def _probe_endpoint(self, endpoint: str, peer_id: str) -> bool:
+        """True if one Info call to ``endpoint`` is answered by ``peer_id`` (a peer's
+        dial-back request: its announced endpoint must reach that very peer)."""
         try:
-            await self.channels.stub(endpoint).Info(
+            reply = await self.channels.stub(endpoint).Info(
                 pb.InfoRequest(), timeout=self.cfg.network.connect_timeout_s)
-            return True
         except (grpc.RpcError, OSError, ValueError) as exc:
             log.debug("dial-back to %s failed: %s", endpoint, exc)
             return False
+        return bool(reply.peer_id == peer_id)
 
     async def _check_reachability(self) -> None:
-        """Ask one random reachable peer to dial our announced endpoint back.
+        """Ask known peers (any, unreachable ones too) to dial our announced endpoint back;
+        :class:`Reachability` decides from several answers (see its module)."""
+        if self.endpoint and self.peers:
+            by_id = {p.peer_id: p for p in self.peers}
+            await self.reachability.check(list(by_id), lambda pid: self._ask_dial_back(by_id[pid]))
 
-        A failed dial-back marks this node unreachable: it stops being chosen by others (the
-        next announcement says so) and gossips by dialing out only, as with --client-mode. A
-        later successful probe marks it reachable again. No peer, or a peer that does not
-        answer, teaches nothing.
-        """
-        if not self.endpoint:
-            return
-        peers = self.mode.candidates(self.peers)
-        if not peers:
-            return
-        peer = random.choice(peers)
+    async def _ask_dial_back(self, peer: PeerInfo) -> bool | None:
+        """``peer``'s dial-back verdict on our endpoint, or None if it did not answer."""
         try:
             reply = await self.channels.stub(peer.endpoint).Info(
-                pb.InfoRequest(probe_endpoint=self.endpoint),
+                info_request(self.signer, self.endpoint),
                 timeout=self.cfg.network.info_timeout_s + self.cfg.network.connect_timeout_s)
         except (grpc.RpcError, OSError) as exc:
             log.debug("reachability check via %s failed: %s", peer.peer_id, exc)
-            return
-        if reply.probe_ok != self.reachable:
-            self.reachable = reply.probe_ok
-            if self.reachable:
-                log.info("peers can dial %s again: accepting exchanges", self.endpoint)
-            else:
-                log.warning("peer %s could not dial %s back: gossiping by dialing out only "
-                            "(as --client-mode); check --announce-host or the firewall",
-                            peer.peer_id, self.endpoint)
+            return None
+        return bool(reply.probe_ok) if reply.authenticated else None
 
     async def _announce(self) -> None:
         await self.discovery.announce(self.peer_info(), self.cfg.discovery.announce_ttl_s)

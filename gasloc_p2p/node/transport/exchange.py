@@ -50,6 +50,7 @@ from gasloc_p2p.protocol.messages import (
     ExchangeError,
     Identity,
     MessageStream,
+    ProtocolError,
     chunks,
 )
 from gasloc_p2p.protocol.session import ExchangeSession, Rules, Stage, Timeouts
@@ -76,6 +77,7 @@ class GossipTransport:
         self.inflight: set[str] = set()  # peers with an exchange in flight, either role
         self.inbound = 0
         self.accepting = True
+        self._guards: dict[int, RateGuard] = {}  # minimum-rate state of the running sessions
 
     @property
     def cfg(self) -> GossipConfig:
@@ -183,7 +185,7 @@ class GossipTransport:
         """Run the session's actions and feed it the stream's messages until it decides to
         apply; our payload goes out concurrently, one writer at a time."""
         write_lock = asyncio.Lock()
-        sender: asyncio.Task[None] | None = None
+        tasks: list[asyncio.Task[None]] = []
 
         async def write(msg: pb.ExchangeMsg) -> None:
             async with write_lock:
@@ -191,29 +193,38 @@ class GossipTransport:
 
         todo: deque[Action] = deque(actions)
         try:
-            while True:
-                while todo:
-                    act = todo.popleft()
-                    if isinstance(act, Apply):
-                        return act
-                    if isinstance(act, SendPayload):
-                        sender = asyncio.create_task(self._send_payload(write, act),
-                                                     name=f"send-payload-{session.peer_id[:8]}")
-                    elif isinstance(act, FlushPayload):
-                        assert sender is not None
-                        await asyncio.wait_for(sender, act.timeout_s)
-                        todo.extend(session.payload_sent())
-                    else:
-                        todo.extend(await self._run(act, session, write))
-                msg = await self._read(stream, session)
-                todo.extend(session.receive(msg))
-                if msg.WhichOneof("kind") == "chunk":
-                    self.stats.add_received(session.peer_codec, len(msg.chunk.data))
+            return await self._pump_loop(stream, session, todo, write, lambda t: tasks.append(t))
         finally:
-            if sender is not None:
+            self._guards.pop(id(session), None)
+            for sender in tasks:
                 if not sender.done():
                     sender.cancel()
                 await asyncio.gather(sender, return_exceptions=True)
+
+    async def _pump_loop(self, stream: MessageStream, session: ExchangeSession,
+                         todo: deque[Action], write: Write,
+                         started: Callable[[asyncio.Task[None]], None]) -> Apply:
+        """The body of :meth:`_pump`; ``started`` learns the payload sender task."""
+        sender: asyncio.Task[None] | None = None
+        while True:
+            while todo:
+                act = todo.popleft()
+                if isinstance(act, Apply):
+                    return act
+                if isinstance(act, SendPayload):
+                    sender = asyncio.create_task(self._send_payload(write, act),
+                                                 name=f"send-payload-{session.peer_id[:8]}")
+                    started(sender)
+                elif isinstance(act, FlushPayload):
+                    assert sender is not None
+                    await asyncio.wait_for(sender, act.timeout_s)
+                    todo.extend(session.payload_sent())
+                else:
+                    todo.extend(await self._run(act, session, write))
+            msg = await self._read(stream, session)
+            todo.extend(session.receive(msg))
+            if msg.WhichOneof("kind") == "chunk":
+                self.stats.add_received(session.peer_codec, len(msg.chunk.data))
 
     async def _run(self, act: Action, session: ExchangeSession, write: Write) -> list[Action]:
         """One action that yields the session's next actions (never Apply/payload ones)."""
@@ -254,9 +265,22 @@ class GossipTransport:
     async def _read(self, stream: MessageStream, session: ExchangeSession) -> Any:
         expected = session.expecting()
         assert expected is not None, f"nothing to read in stage {session.stage}"
+        timeout_s, rate_bound = expected[1], False
+        guard = self._guards.get(id(session))
+        if session.stage is Stage.TRANSFER and session.receiving_payload:
+            if guard is None:
+                guard = self._guards[id(session)] = RateGuard(
+                    time.monotonic(), self.cfg.min_transfer_bps, self.cfg.transfer_grace_s)
+            left = guard.seconds_left(time.monotonic(), session.payload_received)
+            if left < timeout_s:
+                timeout_s, rate_bound = max(left, 0.0), True
         try:
-            msg = await asyncio.wait_for(stream.read(), expected[1])
+            msg = await asyncio.wait_for(stream.read(), timeout_s)
         except TimeoutError:
+            if rate_bound:
+                self.stats.failures["slow-transfer"] += 1
+                raise ProtocolError(f"payload slower than {self.cfg.min_transfer_bps:g} B/s "
+                                    "after the grace") from None
             return session.timed_out()
         if is_eof(msg):
             return session.closed()
@@ -286,6 +310,22 @@ class GossipTransport:
         self.stats.failed += 1
         self.stats.failures[f"{where}:{type(exc).__name__}"] += 1
         log.debug("%s exchange failed: %s", where, exc)
+
+
+class RateGuard:
+    """A minimum transfer rate: after ``grace_s``, the peer's payload must have arrived at
+    ``min_bps`` bytes/s on average since the transfer started (0: no minimum). A peer that
+    trickles bytes just inside the per-message timeout is cut after about grace + its payload
+    size / min_bps, not after payload-size per-message timeouts."""
+
+    def __init__(self, started: float, min_bps: float, grace_s: float) -> None:
+        self.started, self.min_bps, self.grace_s = started, min_bps, grace_s
+
+    def seconds_left(self, now: float, received: int) -> float:
+        """How long the next message may take before the stream is below the rate."""
+        if self.min_bps <= 0:
+            return float("inf")
+        return self.started + self.grace_s + (received + 1) / self.min_bps - now
 
 
 def _message(act: Action) -> pb.ExchangeMsg:

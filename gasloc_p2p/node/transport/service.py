@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,21 +20,31 @@ from typing import Any
 import grpc
 import torch
 
+from gasloc_p2p import __version__
 from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
 from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
     BUSY,
     FINGERPRINT_MISMATCH,
+    INFO_DOMAIN,
     MAX_CHUNK_BYTES,
     PROTOCOL_VERSION,
     RUN_MISMATCH,
+    STATE_DOMAIN,
+    UNAUTHENTICATED,
     VERSION_MISMATCH,
     ExchangeError,
     Identity,
+    check_request_auth,
+    info_fields,
     reject,
+    sign_info_request,
+    sign_state_request,
+    state_fields,
 )
 
 log = logging.getLogger(__name__)
@@ -122,26 +133,75 @@ class SharedSnapshot:
         return snap, views, zlib.crc32(views[1], zlib.crc32(views[0]))
 
 
+@dataclass(frozen=True)
+class ServeLimits:
+    """Bounds on what callers can hold open: Exchange streams in all (before their Header
+    too) and per remote address, concurrent state downloads, and the clock skew accepted in
+    a signed request."""
+
+    max_streams: int = 12
+    max_streams_per_address: int = 3
+    max_downloads: int = 2
+    auth_skew_s: float = 120.0
+
+
+def remote_address(context: Any) -> str:
+    """The caller's IP address (gRPC's ``ipv4:1.2.3.4:5678`` without the port)."""
+    try:
+        peer = str(context.peer())
+    except Exception:  # noqa: BLE001 - a test double or a closed call
+        return "?"
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
 class GossipServicer(pb_grpc.GossipServicer):
     """Serves Exchange (via the node's :class:`GossipTransport`), Info and DownloadState.
 
     ``exchanger`` None (a mode that does not gossip, e.g. DiLoCo): every Exchange stream is
     answered BUSY after its first message, as a gossiping node at its inbound limit answers.
-    ``max_downloads``: concurrent DownloadState streams; more are answered BUSY.
+
+    Callers are authenticated by signatures (``me.signer``, with the swarm key if any): an
+    Exchange needs a signed Header (the session checks it), DownloadState a signed request;
+    Info to an unauthenticated caller answers health only. Exchange streams beyond
+    ``limits`` (in all or from one address) get BUSY at once, before their Header, so idle or
+    slow streams cannot hold the server's capacity or starve Info.
     """
 
     def __init__(self, me: Identity, exchanger: GossipTransport | None,
                  info: Callable[[], pb.InfoReply], snapshot: Callable[[], StateSnapshot],
-                 header_timeout_s: float = 10.0, max_downloads: int = 2) -> None:
+                 header_timeout_s: float = 10.0, limits: ServeLimits | None = None) -> None:
         self.me = me
         self.exchanger = exchanger
         self.info = info
-        self.downloads = SharedSnapshot(snapshot, max_downloads)
         self.header_timeout_s = header_timeout_s  # for the BUSY answer without an exchanger
-        self.probe: Callable[[str], Awaitable[bool]] | None = None  # set by the node
+        self.limits = limits or ServeLimits()
+        self.downloads = SharedSnapshot(snapshot, self.limits.max_downloads)
+        self.verifier: Verifier = me.signer or Verifier()
+        # probe(endpoint, peer_id): does the node at endpoint answer as peer_id (set by the node)
+        self.probe: Callable[[str, str], Awaitable[bool]] | None = None
+        self.dht_peer_id = ""  # for bootstrap multiaddrs, in every Info reply (set by the node)
         self._probing = asyncio.Lock()
+        self.streams: Counter[str] = Counter()  # open Exchange streams by remote address
+        self.refused_streams = 0
 
     async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        addr = remote_address(context)
+        lim = self.limits
+        if (sum(self.streams.values()) >= lim.max_streams
+                or self.streams[addr] >= lim.max_streams_per_address):
+            self.refused_streams += 1
+            log.debug("refusing an Exchange stream from %s: stream limit", addr)
+            await _try_write(context, reject(BUSY, "too many open streams"))
+            return
+        self.streams[addr] += 1
+        try:
+            await self._exchange(context)
+        finally:
+            self.streams[addr] -= 1
+            if self.streams[addr] <= 0:
+                del self.streams[addr]
+
+    async def _exchange(self, context: grpc.aio.ServicerContext) -> None:
         if self.exchanger is not None:
             await self.exchanger.respond(context)
             return
@@ -157,22 +217,32 @@ class GossipServicer(pb_grpc.GossipServicer):
             self.exchanger.accepting = False
 
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoReply:
+        why = check_request_auth(request.auth, self.verifier, INFO_DOMAIN,
+                                 info_fields(request), time.time(), self.limits.auth_skew_s)
+        if why is not None:  # health only; never a dial-back for a stranger
+            return pb.InfoReply(protocol_version=PROTOCOL_VERSION, run_id=self.me.run_id,
+                                peer_id=self.me.peer_id, software_version=__version__, ok=True,
+                                dht_peer_id=self.dht_peer_id)
         reply = self.info()
+        reply.ok = reply.authenticated = True
+        reply.dht_peer_id = self.dht_peer_id
         if request.probe_endpoint:
-            reply.probe_ok = await self._probe(request.probe_endpoint)
+            reply.probe_ok = await self._probe(request.probe_endpoint,
+                                               peer_id_of(request.auth.public_key))
         return reply
 
-    async def _probe(self, endpoint: str) -> bool:
+    async def _probe(self, endpoint: str, caller: str) -> bool:
         """Dial ``endpoint`` back with one Info call (a caller's reachability check).
 
         Uses the node's cached client channels (``self.probe``), never a channel owned by this
         handler, so a probe cannot hold up the server's stop. One probe at a time per server,
-        so the service cannot be used to fan out connections.
+        so the service cannot be used to fan out connections. Only authenticated callers get a
+        probe, and it succeeds only if the endpoint answers as the caller (``caller``'s id).
         """
         if self.probe is None or self._probing.locked():
             return False
         async with self._probing:
-            return await self.probe(endpoint)
+            return await self.probe(endpoint, caller)
 
     async def DownloadState(self, request: pb.StateRequest,
                             context: Any) -> AsyncIterator[pb.StateChunk]:
@@ -204,12 +274,27 @@ class GossipServicer(pb_grpc.GossipServicer):
             return ExchangeError(RUN_MISMATCH, f"run {r.run_id!r}")
         if r.model_fingerprint != self.me.fingerprint:
             return ExchangeError(FINGERPRINT_MISMATCH, "another model")
+        why = check_request_auth(r.auth, self.verifier, STATE_DOMAIN, state_fields(r),
+                                 time.time(), self.limits.auth_skew_s)
+        if why is not None:
+            return ExchangeError(UNAUTHENTICATED, why)
         return None
+
+
+async def _try_write(context: Any, msg: pb.ExchangeMsg) -> None:
+    try:
+        await asyncio.wait_for(context.write(msg), 1.0)
+    except Exception as exc:  # noqa: BLE001 - the caller is gone: nothing to tell it
+        log.debug("could not write to a refused stream: %s", exc)
 
 
 async def start_server(servicer: GossipServicer, host: str, port: int, net: NetworkConfig,
                        max_inbound: int) -> tuple[grpc.aio.Server, int]:
     """Start serving on ``host:port`` (0: any free port); returns the server and its port.
+
+    gRPC's own cap on concurrent calls is only a backstop far above the servicer's Exchange
+    limit, so Info and health calls always find room (they used to share one cap with idle
+    Exchange streams).
 
     OSError naming ``--port`` if the address cannot be bound (checked with a plain socket
     first, so gRPC's own multi-line bind failure never reaches the user's terminal).
@@ -217,7 +302,8 @@ async def start_server(servicer: GossipServicer, host: str, port: int, net: Netw
     if port:
         check_bindable(host, port, "--port", "the gRPC port")
     server = grpc.aio.server(options=grpc_options(net, server=True),
-                             maximum_concurrent_rpcs=2 * max_inbound + 16)
+                             maximum_concurrent_rpcs=servicer.limits.max_streams
+                             + 4 * max_inbound + 64)
     pb_grpc.add_GossipServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -264,6 +350,13 @@ class PeerChannels:
         self._channels.move_to_end(endpoint)
         return pb_grpc.GossipStub(channel), channel
 
+    def discard(self, endpoint: str) -> None:
+        """Close the channel to ``endpoint`` (after a failed connect: the next attempt starts
+        afresh instead of inheriting gRPC's growing reconnect backoff)."""
+        channel = self._channels.pop(endpoint, None)
+        if channel is not None:
+            self._closing.append(asyncio.ensure_future(channel.close(grace=0)))
+
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), OrderedDict()
         await asyncio.gather(*(c.close() for c in channels), *self._closing,
@@ -271,16 +364,29 @@ class PeerChannels:
         self._closing = []
 
 
-async def fetch_info(stub: pb_grpc.GossipStub, timeout_s: float) -> pb.InfoReply:
-    reply: pb.InfoReply = await stub.Info(pb.InfoRequest(), timeout=timeout_s)
+def info_request(signer: Signer | None, probe_endpoint: str = "") -> pb.InfoRequest:
+    """An Info request, signed if ``signer`` is given (else the node answers health only)."""
+    request = pb.InfoRequest(probe_endpoint=probe_endpoint)
+    return request if signer is None else sign_info_request(request, signer, time.time())
+
+
+async def fetch_info(stub: pb_grpc.GossipStub, timeout_s: float,
+                     signer: Signer | None = None) -> pb.InfoReply:
+    reply: pb.InfoReply = await stub.Info(info_request(signer), timeout=timeout_s)
     return reply
+
+
+def state_request(run_id: str, fingerprint: str, signer: Signer) -> pb.StateRequest:
+    request = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id,
+                              model_fingerprint=fingerprint)
+    return sign_state_request(request, signer, time.time())
 
 
 async def download_state(stub: pb_grpc.GossipStub, me: Identity,
                          timeout_s: float) -> tuple[pb.StateMeta, torch.Tensor, torch.Tensor]:
     """A peer's public iterate and momentum memory (float32 ``[numel]`` each) and its meta."""
-    request = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=me.run_id,
-                              model_fingerprint=me.fingerprint)
+    assert me.signer is not None, "state requests are signed"
+    request = state_request(me.run_id, me.fingerprint, me.signer)
     meta: pb.StateMeta | None = None
     body = bytearray()
     async with asyncio.timeout(timeout_s):

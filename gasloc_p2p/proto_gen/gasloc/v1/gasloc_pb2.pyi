@@ -16,6 +16,7 @@ class RejectCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_MISMATCH: _ClassVar[RejectCode]
     BAD_REQUEST: _ClassVar[RejectCode]
     INTERNAL: _ClassVar[RejectCode]
+    UNAUTHENTICATED: _ClassVar[RejectCode]
 REJECT_CODE_UNSPECIFIED: RejectCode
 BUSY: RejectCode
 VERSION_MISMATCH: RejectCode
@@ -23,9 +24,20 @@ FINGERPRINT_MISMATCH: RejectCode
 RUN_MISMATCH: RejectCode
 BAD_REQUEST: RejectCode
 INTERNAL: RejectCode
+UNAUTHENTICATED: RejectCode
+
+class Auth(_message.Message):
+    __slots__ = ("public_key", "timestamp", "signature")
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    public_key: bytes
+    timestamp: float
+    signature: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., timestamp: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_crc32", "link_version", "rounds", "references")
+    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_crc32", "link_version", "rounds", "public_key", "nonce", "signature", "references")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +51,9 @@ class Header(_message.Message):
     PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
     LINK_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
@@ -53,8 +68,11 @@ class Header(_message.Message):
     payload_crc32: int
     link_version: int
     rounds: int
+    public_key: bytes
+    nonce: bytes
+    signature: bytes
     references: str
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., link_version: _Optional[int] = ..., rounds: _Optional[int] = ..., references: _Optional[str] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., link_version: _Optional[int] = ..., rounds: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., references: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data",)
@@ -69,8 +87,10 @@ class Ready(_message.Message):
     def __init__(self, rounds_since_snapshot: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("signature",)
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    signature: bytes
+    def __init__(self, signature: _Optional[bytes] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("code", "message")
@@ -105,13 +125,15 @@ class ExchangeMsg(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ("probe_endpoint",)
+    __slots__ = ("probe_endpoint", "auth")
     PROBE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     probe_endpoint: str
-    def __init__(self, probe_endpoint: _Optional[str] = ...) -> None: ...
+    auth: Auth
+    def __init__(self, probe_endpoint: _Optional[str] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs", "probe_ok", "validation_set", "model")
+    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs", "probe_ok", "ok", "authenticated", "dht_peer_id", "validation_set", "model")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +161,9 @@ class InfoReply(_message.Message):
     OUTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
     PROBE_OK_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    AUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
+    DHT_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_SET_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
@@ -168,19 +193,24 @@ class InfoReply(_message.Message):
     outer_epoch: int
     resyncs: int
     probe_ok: bool
+    ok: bool
+    authenticated: bool
+    dht_peer_id: str
     validation_set: str
     model: str
-    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., validation_set: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., ok: _Optional[bool] = ..., authenticated: _Optional[bool] = ..., dht_peer_id: _Optional[str] = ..., validation_set: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "model_fingerprint")
+    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "auth")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     model_fingerprint: str
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    auth: Auth
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
 
 class StateMeta(_message.Message):
     __slots__ = ("protocol_version", "model_fingerprint", "numel", "step", "rounds", "momentum", "total_bytes", "body_crc32")

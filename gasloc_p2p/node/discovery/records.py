@@ -1,0 +1,101 @@
+"""Signed, owned peer records: what a node announces, and the checks every reader applies.
+
+A record about peer X sits under the run key with X's peer id as subkey. Its value carries X's
+ed25519 public key, the record's expiration and X's signature over the run key, the subkey,
+every announced field and that expiration (keyed by the swarm secret, if any). A reader accepts
+it only if the public key hashes to the subkey, the signature verifies, the signed expiration
+is the one the DHT stores, and it lies at most ``max_ttl_s`` ahead: nobody but X can write a
+record for X, nor make a captured one live longer than X asked.
+
+The same checks run as a hivemind record validator inside the DHT process
+(:class:`RecordValidator`), so honest DHT nodes refuse to store a forged or overwriting record
+and drop one returned by another node; and again when the node reads the list.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from gasloc_p2p.node.discovery.base import PeerInfo
+from gasloc_p2p.protocol.auth import Signer, Verifier
+
+log = logging.getLogger(__name__)
+RECORD_DOMAIN = "gasloc/record"
+SIGNED_KEYS = ("public_key", "expires", "signature")
+
+
+def _fields(key: str, info: PeerInfo, public_key: bytes, expires: float) -> list[object]:
+    return [key, info.peer_id, info.endpoint, info.protocol_version, info.fingerprint,
+            info.step, float(info.tokens_per_s), info.reachable, ",".join(info.codecs),
+            info.algorithm, public_key, float(expires)]
+
+
+def signed_value(key: str, info: PeerInfo, signer: Signer, expires: float) -> dict[str, Any]:
+    """The DHT value announcing ``info`` (whose peer id must be ``signer``'s) until ``expires``
+    (DHT time, seconds)."""
+    if info.peer_id != signer.peer_id:
+        raise ValueError("a node announces only itself")
+    value = info.to_value()
+    value.update(public_key=signer.public_key, expires=float(expires),
+                 signature=signer.sign(RECORD_DOMAIN, _fields(key, info, signer.public_key,
+                                                              expires)))
+    return value
+
+
+def verify_record(key: str, subkey: Any, value: Any, expiration: float | None,
+                  verifier: Verifier, now: float, max_ttl_s: float) -> PeerInfo | None:
+    """The announced :class:`PeerInfo` if the record is X's own and live (see the module
+    docstring), else None (logged at DEBUG). ``expiration``: what the DHT stores for it."""
+    info = PeerInfo.from_value(subkey, value)
+    if info is None or not isinstance(subkey, str):
+        log.debug("dropping a malformed record under %s", key)
+        return None
+    try:
+        public_key, expires, signature = (value[k] for k in SIGNED_KEYS)
+        expires = float(expires)
+    except (KeyError, TypeError, ValueError):
+        log.debug("dropping an unsigned record for %r", subkey[:64])
+        return None
+    why = None
+    if not isinstance(public_key, bytes) or not isinstance(signature, bytes):
+        why = "malformed key or signature"
+    elif expiration is not None and expires != expiration:
+        why = "its expiration is not the signed one"
+    elif not math.isfinite(expires) or expires > now + max_ttl_s:
+        why = f"expires more than {max_ttl_s:g} s ahead"
+    else:
+        why = verifier.verify(subkey, public_key, signature, RECORD_DOMAIN,
+                              _fields(key, info, public_key, expires))
+    if why is not None:
+        log.debug("dropping the record for %r: %s", subkey[:64], why)
+        return None
+    return info
+
+
+def make_validator(key: str, verifier: Verifier, max_ttl_s: float) -> Any:
+    """A hivemind ``RecordValidatorBase`` enforcing :func:`verify_record` on ``key``'s records
+    (other keys pass). Built here so hivemind is imported only where a DHT runs."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+
+    key_id = DHTID.generate(source=key).to_bytes()
+
+    class RecordValidator(RecordValidatorBase):
+        def validate(self, record: DHTRecord) -> bool:
+            if record.key != key_id:
+                return True
+            try:
+                subkey = MSGPackSerializer.loads(record.subkey)
+                value = MSGPackSerializer.loads(record.value)
+            except Exception:  # noqa: BLE001 - any undecodable record is invalid
+                return False
+            return verify_record(key, subkey, value, record.expiration_time, verifier,
+                                 get_dht_time(), max_ttl_s) is not None
+
+        def __reduce__(self) -> tuple[object, ...]:  # pickled into the DHT process by value
+            return (make_validator, (key, verifier, max_ttl_s))
+
+    return RecordValidator()

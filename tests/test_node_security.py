@@ -1,0 +1,518 @@
+"""Hostile peers against real gRPC servers: forged headers, outsiders without the swarm key,
+forged DHT records, fake records at a closed port, slow and idle streams; and reachability
+that heals (on a manual clock)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+
+import pytest
+
+from gasloc_p2p.node.config import NetworkConfig
+from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry, PeerInfo
+from gasloc_p2p.node.discovery.records import make_validator, signed_value
+from gasloc_p2p.node.modes.gossip import GossipLoop, PeerBook
+from gasloc_p2p.node.runtime.clock import ManualClock, every
+from gasloc_p2p.node.runtime.reachability import Reachability
+from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.transport.service import download_state, fetch_info
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.auth import Signer, new_nonce
+from gasloc_p2p.protocol.messages import (
+    UNAUTHENTICATED,
+    ExchangeError,
+    Identity,
+    Rejected,
+    make_header,
+    sign_header,
+)
+from gasloc_p2p.protocol.session import ProtocolError
+from tests.node_helpers import (
+    RUN,
+    assert_same_state,
+    full_state,
+    gossip_config,
+    make_peer,
+    run,
+    scaled,
+    settle,
+    wait_until,
+)
+
+SWARM_KEY = b"0123456789abcdef-the-swarm-secret"
+
+
+async def _send_header(a, b, forge):
+    """A raw stream from ``a`` to ``b`` whose first Header ``forge`` tampers with; returns the
+    first message ``b`` answers."""
+    prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec, False)
+    msg = sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
+    forge(msg.header)
+    call = a.open_call(b)
+    try:
+        await call.write(msg)
+        return await call.read()
+    finally:
+        call.cancel()
+
+
+def _claim_other_id(h):  # impersonate another peer, signed with our own key
+    h.peer_id = Signer().peer_id
+
+
+def _other_key(h):  # the right id but someone else's key and signature
+    other = Signer()
+    h.public_key = other.public_key
+    h.signature = other.sign("gasloc/header", [])
+
+
+def _tampered(h):  # a field changed after signing
+    h.rounds += 1
+
+
+def _unsigned(h):
+    h.signature = b""
+
+
+@pytest.mark.parametrize("forge", [_claim_other_id, _other_key, _tampered, _unsigned])
+def test_forged_header_is_rejected_unauthenticated(forge):
+    async def main():
+        a, b = await make_peer("A", 1), await make_peer("B", 2)
+        try:
+            before = full_state(b)
+            reply = await _send_header(a, b, forge)
+            assert reply.WhichOneof("kind") == "reject", reply
+            assert reply.reject.code == UNAUTHENTICATED, reply.reject
+            assert b.exchanger.stats.rejected_inbound == 1
+            assert_same_state(before, full_state(b))
+            await a.exchange(b)  # an honest, signed exchange still works
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_responder_must_own_the_dialed_id():
+    """An initiator that dials peer X's endpoint but reaches a node with another key aborts
+    (a stale or forged record cannot make it exchange with an impostor)."""
+    async def main():
+        a, b = await make_peer("A", 1), await make_peer("B", 2)
+        try:
+            x = Signer().peer_id  # the record said X lives at b's endpoint
+            result = await settle(a.exchanger.initiate(lambda: a.open_call(b), x, 0))
+            assert isinstance(result, ProtocolError), result
+            assert "answered by" in str(result)
+            assert b.exchanger.stats.ok == a.exchanger.stats.ok == 0
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_outsider_without_swarm_key_gets_health_only():
+    async def main():
+        a = await make_peer("A", 1, swarm_key=SWARM_KEY)
+        b = await make_peer("B", 2, swarm_key=SWARM_KEY)
+        outsider = await make_peer("O", 3)  # a valid key of its own, but no swarm secret
+        wrong = await make_peer("W", 4, swarm_key=b"another-secret-of-16-bytes")
+        try:
+            before = full_state(a)
+            for stranger in (outsider, wrong):
+                result = await settle(stranger.exchange(a))
+                assert isinstance(result, Rejected) and result.code == UNAUTHENTICATED, result
+                state = await settle(download_state(stranger.channels.stub(a.endpoint),
+                                                    stranger.me, scaled(5)))
+                assert isinstance(state, ExchangeError) and state.code == UNAUTHENTICATED
+                info = await fetch_info(stranger.channels.stub(a.endpoint), scaled(5),
+                                        stranger.me.signer)
+                assert info.ok and not info.authenticated
+                assert info.step == 0 and not info.peers and info.run_id == RUN
+            unsigned = await fetch_info(b.channels.stub(a.endpoint), scaled(5))
+            assert unsigned.ok and not unsigned.authenticated and unsigned.step == 0
+            assert_same_state(before, full_state(a))
+            # members: exchanges, state and the full Info
+            await b.exchange(a)
+            meta, params, _ = await download_state(b.channels.stub(a.endpoint), b.me, scaled(5))
+            assert params.numel() == meta.numel > 0
+            info = await fetch_info(b.channels.stub(a.endpoint), scaled(5), b.me.signer)
+            assert info.authenticated and info.step == 7 and list(info.peers) == ["x"]
+        finally:
+            for p in (a, b, outsider, wrong):
+                await p.close()
+
+    run(main())
+
+
+def test_forged_and_overwritten_dht_records_are_ignored():
+    async def main():
+        reg = InMemoryRegistry()
+        honest, reader = Signer(), Signer()
+        d = InMemoryDiscovery(reg, RUN, "h")
+        d.use_identity(honest, 10.0)
+        r = InMemoryDiscovery(reg, RUN, "r")
+        r.use_identity(reader, 10.0)
+        await d.start()
+        x = PeerInfo(honest.peer_id, "127.0.0.1:1111", 2, "f" * 64, step=5)
+        await d.announce(x, 5.0)
+        assert await r.peers() == [x]
+        entries = reg.entries[d.key]
+        value, exp = entries[x.peer_id]
+        attacker = Signer()
+        fake = PeerInfo(honest.peer_id, "6.6.6.6:1", 2, "f" * 64, step=10**9)
+        forged = [
+            # X's id, signed by the attacker's key
+            ({**signed_value(d.key, PeerInfo(attacker.peer_id, "6.6.6.6:1", 2, "f" * 64),
+                             attacker, exp), "endpoint": "6.6.6.6:1"}, exp),
+            ({**value, "endpoint": "6.6.6.6:1", "step": 10**9}, exp),  # X's signature, edited
+            ({**fake.to_value()}, exp),  # unsigned
+            (value, exp + 1000.0),  # X's own record stored with a longer life
+        ]
+        for v, e in forged:
+            entries[x.peer_id] = (v, e)
+            assert await r.peers() == [], v
+        # a record signed by its owner with an expiry too far ahead is refused too
+        far = time.monotonic() + 1000.0
+        entries[attacker.peer_id] = (signed_value(d.key, PeerInfo(
+            attacker.peer_id, "6.6.6.6:1", 2, "f" * 64), attacker, far), far)
+        entries[x.peer_id] = (value, exp)
+        assert await r.peers() == [x]
+
+    run(main())
+
+
+def test_dht_validator_refuses_records_not_signed_by_their_owner():
+    """The same checks inside hivemind's DHT (store and find): honest DHT nodes neither keep
+    nor pass on a forged or overwriting record."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+
+    key = f"gasloc/{RUN}/peers"
+    owner, attacker = Signer(), Signer()
+    validator = make_validator(key, owner, 40.0)
+    exp = get_dht_time() + 20.0
+    info = PeerInfo(owner.peer_id, "127.0.0.1:1", 2, "f" * 64)
+
+    def record(value, subkey=owner.peer_id, expiration=exp, k=key):
+        return DHTRecord(DHTID.generate(source=k).to_bytes(), MSGPackSerializer.dumps(subkey),
+                         MSGPackSerializer.dumps(value), expiration)
+
+    good = signed_value(key, info, owner, exp)
+    assert validator.validate(record(good))
+    assert not validator.validate(record({**good, "endpoint": "6.6.6.6:1"}))
+    assert not validator.validate(record(good, expiration=exp + 500))  # overwrite, longer life
+    stolen = signed_value(key, PeerInfo(attacker.peer_id, "6.6.6.6:1", 2, "f" * 64),
+                          attacker, exp)
+    assert not validator.validate(record(stolen))  # the attacker's record under X's id
+    assert validator.validate(record(stolen, subkey=attacker.peer_id))  # its own id is fine
+    assert validator.validate(record({"any": 1}, k="another/key"))  # other keys untouched
+    far = get_dht_time() + 500  # signed by its owner, but living far longer than allowed
+    assert not validator.validate(record(signed_value(key, info, owner, far), expiration=far))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _exchanges_in_window(a, b, fakes: int, window_s: float) -> int:
+    """Run ``a``'s gossip events back to back for ``window_s`` with ``b`` and ``fakes`` records
+    of peers at a closed port in its book; the exchanges that committed."""
+    book = PeerBook(a.me.peer_id)
+    fake_peers = [PeerInfo(Signer().peer_id, f"127.0.0.1:{_closed_port()}", 2, "f" * 64)
+                  for _ in range(fakes)]  # each at its own closed port
+    book.update([PeerInfo(b.me.peer_id, b.endpoint, 2, "f" * 64), *fake_peers])
+    net = NetworkConfig(connect_timeout_s=scaled(5))
+    loop = GossipLoop(a.exchanger, book, a.channels, a.exchanger.cfg, net, TrainStats(),
+                      inner_steps=10, seed=1)
+    before = a.exchanger.stats.ok_initiator
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        await loop.gossip_once()
+        await asyncio.sleep(0.01)
+    return a.exchanger.stats.ok_initiator - before
+
+
+def test_fake_records_at_closed_ports_do_not_stall_gossip():
+    async def main():
+        cfg = gossip_config(busy_retries=3, backoff_s=5.0)
+        a, b = await make_peer("A", 1, cfg), await make_peer("B", 2)
+        try:
+            window = scaled(4.0)
+            clean = await _exchanges_in_window(a, b, 0, window)
+            with_fakes = await _exchanges_in_window(a, b, 20, window)
+            print(f"exchanges in {window:g} s: {clean} without fakes, {with_fakes} with 20")
+            assert clean >= 3
+            assert with_fakes >= 0.5 * clean, (clean, with_fakes)
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main(), timeout_s=60)
+
+
+def test_slow_trickle_stream_is_cut_and_honest_peers_still_exchange():
+    async def main():
+        slow_cfg = gossip_config(min_transfer_bps=2000.0, transfer_grace_s=scaled(1.0),
+                                 chunk_timeout_s=scaled(3), exchange_timeout_s=scaled(60))
+        b = await make_peer("B", 2, slow_cfg)
+        a, c = await make_peer("A", 1), await make_peer("C", 3)
+        try:
+            prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec, False)
+            msg = sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
+            call = a.open_call(b)
+            await call.write(msg)
+            assert (await call.read()).WhichOneof("kind") == "header"
+            started = time.monotonic()
+
+            async def trickle():  # one byte every 0.5 s: inside the 3 s per-message timeout
+                for i in range(60):
+                    await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=prep.payload[i:i + 1])))
+                    await asyncio.sleep(0.5)
+
+            writer = asyncio.create_task(trickle())
+            await wait_until(lambda: b.exchanger.stats.failures["slow-transfer"] == 1,
+                             timeout_s=10, what="B cuts the slow stream")
+            cut_after = time.monotonic() - started
+            writer.cancel()
+            await settle(writer)
+            call.cancel()
+            print(f"slow stream cut after {cut_after:.2f} s")
+            assert cut_after < scaled(5)
+            assert not b.exchanger.inflight and b.exchanger.stats.ok == 0
+            await c.exchange(b)  # honest peers still exchange
+        finally:
+            for p in (a, b, c):
+                await p.close()
+
+    run(main())
+
+
+def test_idle_streams_cannot_make_info_fail():
+    async def main():
+        b = await make_peer("B", 2, gossip_config(header_timeout_s=scaled(8),
+                                                  exchange_timeout_s=scaled(20)))
+        a = await make_peer("A", 1)
+        idle = []
+        try:
+            stub = a.channels.stub(b.endpoint)
+            for _ in range(30):  # open streams that never send a Header
+                call = stub.Exchange(timeout=scaled(30))
+                await call.wait_for_connection()
+                idle.append(call)
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            for _ in range(5):
+                info = await fetch_info(stub, scaled(2), a.me.signer)
+                assert info.ok and info.authenticated
+            print(f"5 Info calls under 30 idle streams in {time.monotonic() - t0:.3f} s")
+            async def busy(call):  # beyond the limits: BUSY at once, before any Header
+                msg = await settle(asyncio.wait_for(call.read(), scaled(1)))
+                return getattr(msg, "reject", None) is not None and msg.reject.code == pb.BUSY
+
+            refused = sum(await asyncio.gather(*(busy(c) for c in idle)))
+            assert refused == 30 - 3, refused  # 3 streams per address
+        finally:
+            for call in idle:
+                call.cancel()
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_one_failed_dial_back_does_not_make_a_node_unreachable_and_it_heals():
+    async def main():
+        clock = ManualClock()
+        reach = Reachability(probes_needed=3, rng=random.Random(0))
+        answers = iter([False, None, False, False, True])  # a transient failure, then healed
+        asked: list[str] = []
+
+        async def ask(peer_id):
+            asked.append(peer_id)
+            return next(answers, True)
+
+        async def check():
+            await reach.check(["p1"], ask)  # one helper: successive checks accumulate
+
+        task = asyncio.create_task(every(clock, 60.0, check, "reachability"))
+        try:
+            await clock.advance(60)
+            assert reach.reachable  # one failed dial-back proves little
+            await clock.advance(120)
+            assert reach.reachable  # no answer teaches nothing: 1 failure in a row, then 2
+            await clock.advance(60)
+            assert not reach.reachable  # the third failure in a row
+            await clock.advance(60)
+            assert reach.reachable  # re-checked while unreachable: healed
+            assert len(asked) == 5
+        finally:
+            task.cancel()
+            await settle(task)
+
+    run(main())
+
+
+def test_reachability_asks_distinct_peers_within_one_check():
+    async def main():
+        reach = Reachability(probes_needed=3)
+        asked: list[str] = []
+
+        async def no(peer_id):
+            asked.append(peer_id)
+            return False
+
+        assert not await reach.check(["a", "b", "c", "d"], no)
+        assert len(set(asked)) == 3 == len(asked)
+
+    run(main())
+
+
+def test_identity_is_bound_to_the_key():
+    signer = Signer()
+    me = Identity.keyed(RUN, "f" * 64, signer)
+    assert me.peer_id == signer.peer_id and me.peer_id.startswith("g1")
+    assert Signer().peer_id != signer.peer_id
+
+
+@pytest.mark.parametrize("signature", [b"", bytes(64), "replayed"])
+def test_commit_not_signed_for_this_stream_is_not_applied(signature):
+    async def main():
+        a, b = await make_peer("A", 1), await make_peer("B", 2)
+        try:
+            before = full_state(b)
+            prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec, False)
+            msg = sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
+            call = a.open_call(b)
+            await call.write(msg)
+            reply = await call.read()
+            assert reply.WhichOneof("kind") == "header"
+            await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=prep.payload)))
+            await call.write(pb.ExchangeMsg(ready=pb.Ready()))
+            sig = signature
+            if sig == "replayed":  # a valid commit signature, but from another stream's nonces
+                from gasloc_p2p.protocol.messages import COMMIT_DOMAIN, commit_fields
+
+                old = pb.Header(nonce=new_nonce(), peer_id=a.me.peer_id)
+                sig = a.me.signer.sign(COMMIT_DOMAIN, commit_fields(msg.header, old))
+            await call.write(pb.ExchangeMsg(commit=pb.Commit(signature=sig)))
+            await wait_until(lambda: b.exchanger.stats.failed == 1, what="B refuses the commit")
+            call.cancel()
+            assert b.exchanger.stats.ok == 0
+            assert b.exchanger.stats.failures["inbound:ProtocolError"] == 1
+            assert_same_state(before, full_state(b))
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_nodes_with_swarm_key_ignore_a_node_without_it(corpus, tmp_path):
+    """Three real nodes (in-memory discovery): two share --swarm-key and gossip; the third has
+    none. Neither side accepts the other's records, so they never meet."""
+    from gasloc_p2p.node.runtime.daemon import Node
+    from tests.daemon_helpers import tiny_config
+
+    key_file = tmp_path / "swarm.key"
+    key_file.write_bytes(SWARM_KEY + b"\n")
+
+    async def main():
+        reg = InMemoryRegistry()
+        keyed = tiny_config(corpus, swarm_key=str(key_file))
+        a = Node(keyed, InMemoryDiscovery(reg, keyed.discovery.run_id, "a"))
+        b = Node(tiny_config(corpus, swarm_key=str(key_file), peers=("/memory/a",)),
+                 InMemoryDiscovery(reg, keyed.discovery.run_id, "b"))
+        c = Node(tiny_config(corpus), InMemoryDiscovery(reg, keyed.discovery.run_id, "c"))
+        async with a, b, c:
+            await wait_until(lambda: min(a.stats.ok_initiator, b.stats.ok_initiator) >= 2,
+                             timeout_s=60, what="the keyed nodes gossip")
+            assert len(reg.entries[f"gasloc/{keyed.discovery.run_id}/peers"]) == 3
+            assert [p.peer_id for p in a.peers] == [b.me.peer_id]
+            assert [p.peer_id for p in b.peers] == [a.me.peer_id]
+            assert c.peers == [] and c.stats.ok == 0
+            info = await fetch_info(c.channels.stub(a.endpoint), scaled(5), c.signer)
+            assert info.ok and not info.authenticated and not info.peers
+
+    run(main(), timeout_s=120)
+
+
+def test_identity_file_keeps_the_peer_id(tmp_path):
+    from gasloc_p2p.protocol.auth import load_or_create_identity
+
+    path = tmp_path / "node.key"
+    first = load_or_create_identity(str(path))
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = load_or_create_identity(str(path), SWARM_KEY)
+    assert again.peer_id == first.peer_id and again.swarm_key == SWARM_KEY
+    path.write_bytes(b"short")
+    with pytest.raises(ValueError, match="32-byte"):
+        load_or_create_identity(str(path))
+
+
+def test_health_reply_carries_the_dht_peer_id_for_bootstrap_multiaddrs():
+    """``gasloc-container join-via`` builds /p2p/<DHT id> from an unsigned Info call."""
+    from gasloc_p2p.node.transport.service import GossipServicer
+
+    me = Identity.keyed(RUN, "f" * 64, Signer())
+    servicer = GossipServicer(me, None, lambda: pb.InfoReply(step=3), lambda: None)
+    servicer.dht_peer_id = "12D3KooWexample"
+
+    async def main():
+        health = await servicer.Info(pb.InfoRequest(), None)
+        assert health.dht_peer_id == "12D3KooWexample" and health.peer_id == me.peer_id
+        assert health.ok and not health.authenticated and health.step == 0
+
+    run(main())
+
+
+def test_real_dht_keeps_the_owners_record_against_an_overwrite():
+    """Three hivemind DHT processes: X announces itself; an attacker's DHT (without the
+    validator) stores X's record with another endpoint and a long expiration. The honest DHT
+    nodes refuse to store it and drop it from the attacker's answers, so a reader still sees X's
+    own record (with a read-side check only, X would vanish for the attacker's expiration)."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from gasloc_p2p.node.discovery.dht import HivemindDiscovery
+
+    async def main():
+        owner, reader_key = Signer(), Signer()
+        x = HivemindDiscovery(RUN, "127.0.0.1", 0, [], scaled(10), scaled(60))
+        x.use_identity(owner, 40.0)
+        started: list = [x]
+        attacker = None
+        try:
+            await x.start()
+            addrs = await x.visible_addrs()
+            reader = HivemindDiscovery(RUN, "127.0.0.1", 0, addrs, scaled(10), scaled(60))
+            reader.use_identity(reader_key, 40.0)
+            started.append(reader)
+            await reader.start()
+            info = PeerInfo(owner.peer_id, "127.0.0.1:1111", 2, "f" * 64)
+            await x.announce(info, 20.0)
+            assert await reader.peers() == [info]
+            attacker = await asyncio.to_thread(
+                hivemind.DHT, initial_peers=addrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                start=True)
+            far = get_dht_time() + 1000.0
+            forged = {**signed_value(x.key, info, owner, far - 980.0), "expires": far,
+                      "endpoint": "6.6.6.6:1"}
+            await asyncio.to_thread(attacker.store, x.key, forged, far, subkey=owner.peer_id)
+            for _ in range(3):
+                assert await reader.peers() == [info]
+                assert await x.peers() == [info]
+                await asyncio.sleep(0.2)
+        finally:
+            if attacker is not None:
+                await asyncio.to_thread(attacker.shutdown)
+            for d in started:
+                await d.stop()
+
+    run(main(), timeout_s=120)
