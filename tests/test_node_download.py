@@ -18,13 +18,14 @@ from gasloc_p2p.node.transport.service import (
     StateSnapshot,
     download_state,
     start_server,
+    state_request,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.messages import (
     BUSY,
     MAX_CHUNK_BYTES,
-    PROTOCOL_VERSION,
     ExchangeError,
     Identity,
 )
@@ -47,9 +48,7 @@ async def serve(limit: int) -> tuple[Any, GossipServicer, str, PeerChannels]:
     return server, servicer, f"127.0.0.1:{port}", PeerChannels(NetworkConfig())
 
 
-ME = Identity(RUN, FINGERPRINT, "joiner")
-REQUEST = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=RUN,
-                          model_fingerprint=FINGERPRINT)
+ME = Identity.keyed(RUN, FINGERPRINT, Signer())  # state requests are signed
 
 
 def test_downloads_share_one_snapshot_stream_in_chunks_and_stop_at_the_limit() -> None:
@@ -60,7 +59,8 @@ def test_downloads_share_one_snapshot_stream_in_chunks_and_stop_at_the_limit() -
             # no BDP probing: the receive window stays at 64 KiB, so a stream we do not read
             # really stays open on the server (loopback would otherwise take it all at once)
             slow = grpc.aio.insecure_channel(endpoint, options=[("grpc.http2.bdp_probe", 0)])
-            held = [pb_grpc.GossipStub(slow).DownloadState(REQUEST, timeout=scaled(20))
+            held = [pb_grpc.GossipStub(slow).DownloadState(
+                state_request(RUN, FINGERPRINT, ME.signer), timeout=scaled(20))
                     for _ in range(2)]
             for call in held:  # both admitted and holding the stream open
                 assert (await call.read()).WhichOneof("kind") == "meta"

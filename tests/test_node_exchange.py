@@ -235,7 +235,7 @@ def test_responder_dying_mid_stream_changes_nothing_on_the_initiator():
                 prep = b.engine.prepare(a.me.peer_id, 0, CodecSpec("int8", 1024), False)
                 await stream.write(sign_header(make_header(b.me, prep, 2), b.me.signer,
                                                new_nonce(), first.header.nonce))
-                await stream.write(pb.ExchangeMsg(chunk=pb.Chunk(data=prep.payload[:1000])))
+                await stream.write(pb.ExchangeMsg(chunk=pb.Chunk(data=bytes(prep.payload[:1000]))))
                 assert first.WhichOneof("kind") == "header"
                 raise RuntimeError("simulated crash")
 

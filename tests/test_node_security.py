@@ -273,7 +273,7 @@ def test_slow_trickle_stream_is_cut_and_honest_peers_still_exchange():
 
             async def trickle():  # one byte every 0.5 s: inside the 3 s per-message timeout
                 for i in range(60):
-                    await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=prep.payload[i:i + 1])))
+                    await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=bytes(prep.payload[i:i + 1]))))
                     await asyncio.sleep(0.5)
 
             writer = asyncio.create_task(trickle())
@@ -393,7 +393,7 @@ def test_commit_not_signed_for_this_stream_is_not_applied(signature):
             await call.write(msg)
             reply = await call.read()
             assert reply.WhichOneof("kind") == "header"
-            await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=prep.payload)))
+            await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=bytes(prep.payload))))
             await call.write(pb.ExchangeMsg(ready=pb.Ready()))
             sig = signature
             if sig == "replayed":  # a valid commit signature, but from another stream's nonces

@@ -175,11 +175,11 @@ class ExchangeSession:
     def receiving_payload(self) -> bool:
         """The peer's payload is announced and not complete yet (the minimum rate applies)."""
         return (self.stage is Stage.TRANSFER and self._peer is not None
-                and self._received is None and len(self._buf) < self._peer.payload_bytes)
+                and self._received is None and self._filled < self._peer.payload_bytes)
 
     @property
     def payload_received(self) -> int:
-        return len(self._buf)
+        return self._filled
 
     @property
     def peer_codec(self) -> str:
