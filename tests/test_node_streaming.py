@@ -154,10 +154,11 @@ def test_solo_and_failed_syncs_apply_the_own_gradient():
     assert lonely.rounds.stats[0].wait_s > 0.05  # landing waited for the window to close
 
 
-def test_a_failed_fragment_is_repaired_by_resynchronizing():
+@pytest.mark.parametrize("codec", ["fp32", "fp4"])  # digests | epochs and dirty flags
+def test_a_failed_fragment_is_repaired_by_resynchronizing(codec):
     hubs = [InMemoryAveragingHub(matchmaking_time_s=scaled(2)) for _ in FRAGS]
     sources: dict[str, Callable[[], Snapshot]] = {}
-    cfg = diloco_cfg(0)
+    cfg = diloco_cfg(0, diloco_codec=codec)
     a, b = Worker("a", hubs, 1, cfg, sources), Worker("b", hubs, 1, cfg, sources)
     sources.update(a=a.rounds.snapshot, b=b.rounds.snapshot)
     hubs[1].fail_at("a", 0)  # fragment 1's first sync: a fails at once, b waits and fails
@@ -173,7 +174,7 @@ def test_a_failed_fragment_is_repaired_by_resynchronizing():
         torch.testing.assert_close(frag.gather(a.state.memory), frag.gather(b.state.memory),
                                    rtol=0, atol=1e-12)
     assert a.rounds.epochs == b.rounds.epochs == [2, 2, 1]
-    assert a.rounds.stats[1].resyncs == 1
+    assert a.rounds.stats[1].resyncs == 1 and a.rounds.dirty == b.rounds.dirty == [False] * 3
     for w in (a, b):
         w.rounds.finish()
 

@@ -187,8 +187,9 @@ def _averager_class() -> Any:
 
         class GaslocAverager(DecentralizedAverager):
             def run(self) -> None:  # in the averager's own (forked) process
-                if isinstance(self.compression, compression_class()):
-                    install(self.compression)
+                compression = self.allreduce_kwargs.get("compression")
+                if isinstance(compression, compression_class()):
+                    install(compression)
                 super().run()
 
             async def _gasloc_set_target(self, size: int | None) -> None:

@@ -17,8 +17,13 @@ after_step`, which
    mode) and merges ``theta_f <- alpha theta_f + (1 - alpha) anchor_f`` (``--merge-alpha``).
 
 Each fragment keeps its own epoch (outer steps along the shared history) and, as in DiLoCo mode
-(:mod:`gasloc_p2p.node.modes.diloco`), a member whose fragment state differs from its group's
-reference downloads the reference's state and adopts that fragment. State lives in the node's
+(:mod:`gasloc_p2p.node.modes.diloco`), a member whose fragment state is off its group's history
+downloads the reference member's state and adopts that fragment. With fp32 payloads "off" is
+decided by digests, as DiLoCo mode does. With a lossy codec the members' results differ by
+quantization noise (hivemind's reducer sends each member ``mean - its own part``, quantized), so
+a digest cannot tell a missed step from noise: there a fragment is off history when its epoch
+differs from the reference's or when it applied its own gradient after a failed sync (its
+``dirty`` flag, sent with the epoch; the reference prefers clean members). State lives in the node's
 :class:`AsyncGaslocState`: ``anchor`` holds every fragment's global copy and ``memory`` every
 fragment's Nesterov buffer, in the parameters' layout, so checkpoints, resume and late-join
 downloads work unchanged; ``rounds`` is the sum of the fragments' epochs.
@@ -123,6 +128,8 @@ class StreamingRounds:
         self.endpoint = endpoint
         self.fetch_state = fetch_state
         self.epochs = [0] * len(self.fragments)
+        self.dirty = [False] * len(self.fragments)  # a failed sync applied the own gradient
+        self.exact = cfg.diloco_codec == "fp32"  # members' results agree to float32 rounding
         self.stats = [FragmentStats(self.schedule.offset(f), frag.numel)
                       for f, frag in enumerate(self.fragments)]
         self.pending: dict[int, _Sync] = {}
@@ -162,8 +169,9 @@ class StreamingRounds:
             result = AveragingResult.failed(f"{type(exc).__name__}: {exc}")
         waited = time.monotonic() - t0
         reference = self._reference(result) if result is not None and result.ok else None
-        in_step = reference is not None and (reference[0] == self.averagers[f].peer_id
-                                             or digests_match(sync.digest, reference[1]["digest"]))
+        in_step = reference is not None and self._in_step(f, sync, *reference)
+        if in_step:
+            self.dirty[f] = False  # the group's history goes on from this state
         grad = result.averaged if result is not None and result.averaged is not None else sync.own
         frag, st = self.fragments[f], self.state
         with self.lock.urgent(), torch.no_grad():
@@ -192,7 +200,8 @@ class StreamingRounds:
         peers = self.peer_count()
         if peers + 1 < self.cfg.min_group_size:
             return None
-        gather = {"epoch": epoch, "digest": digest, "endpoint": self.endpoint(), "fragment": f}
+        gather = {"epoch": epoch, "digest": digest, "endpoint": self.endpoint(), "fragment": f,
+                  "dirty": self.dirty[f]}
         return self.averagers[f].average(own, gather, peers + 1, self.stop)
 
     @staticmethod
@@ -202,8 +211,19 @@ class StreamingRounds:
         if len(members) != len(result.gathered):
             log.warning("a groupmate sent malformed sync metadata; not checking sync this time")
             return None
-        ref = choose_reference(members)
+        ref = max(members, key=lambda p: (int(members[p]["epoch"]),
+                                          not members[p].get("dirty", False), p))
+        if not {"dirty"} <= set(members[ref]):  # an exact-codec group: DiLoCo's rule
+            ref = choose_reference(members)
         return ref, members[ref]
+
+    def _in_step(self, f: int, sync: _Sync, ref: str, meta: Mapping[str, Any]) -> bool:
+        """Whether this member's fragment ``f`` follows the reference's history (see module)."""
+        if ref == self.averagers[f].peer_id:
+            return True
+        if self.exact:
+            return digests_match(sync.digest, meta["digest"])
+        return int(meta["epoch"]) == sync.epoch and not self.dirty[f]
 
     def _record(self, f: int, result: AveragingResult | None, waited: float,
                 seconds: float) -> None:
@@ -218,6 +238,7 @@ class StreamingRounds:
             s.last_group_size = result.group_size
         else:
             s.failed += 1
+            self.dirty[f] = True
             kind = result.error.split(":")[0] or "unknown"
             s.failures[kind] = s.failures.get(kind, 0) + 1
             log.debug("fragment %d: sync failed after %.2f s (%s): applied the own outer "
@@ -249,6 +270,7 @@ class StreamingRounds:
             merge_fragment(frag, st.theta, frag.gather(anchor), self.cfg.merge_alpha)
             self.epochs[f] = int(ref["epoch"]) + 1
             st.rounds = self.train_stats.rounds = sum(self.epochs)
+        self.dirty[f] = False
         s.resyncs += 1
         log.info("fragment %d: adopted the state of %s at epoch %d", f, ref["endpoint"],
                  self.epochs[f])
