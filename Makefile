@@ -8,7 +8,7 @@ STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
-	bench-node bench-diloco reproduce proto clean
+	bench-node bench-diloco bench-streaming reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -56,7 +56,10 @@ bench-node: setup
 bench-diloco: setup
 	$(PY) benchmarks/bench_diloco.py
 
-bench: bench-core bench-codecs bench-sim bench-node bench-diloco
+bench-streaming: setup
+	$(PY) benchmarks/bench_streaming.py
+
+bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-streaming
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py

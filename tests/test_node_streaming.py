@@ -209,3 +209,21 @@ def test_config_flags_and_validation():
     for argv, flag in bad:
         with pytest.raises(ConfigError, match=flag):
             build_config(parser.parse_args(argv), environ={})
+
+
+def test_status_prints_every_fragment(capsys):
+    from google.protobuf.json_format import MessageToDict
+
+    from gasloc_p2p.node.cli_node import _print_report
+    from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+
+    info = pb.InfoReply(peer_id="p", endpoint="h:1", run_id="r", algorithm="streaming-diloco",
+                        outer_epoch=5, fragment_syncs=[
+                            pb.FragmentSync(index=0, offset=0, syncs_ok=3, bytes_sent=12345),
+                            pb.FragmentSync(index=1, offset=3, syncs_ok=2, syncs_failed=1)])
+    _print_report({"swarm": [], "info": MessageToDict(
+        info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)})
+    out = capsys.readouterr().out
+    assert "streaming-diloco epoch 5" in out
+    assert "fragment 0 at offset 0: syncs 3 ok / 0 failed / 0 solo, epoch 0, 12,345 B" in out
+    assert "fragment 1 at offset 3: syncs 2 ok / 1 failed" in out

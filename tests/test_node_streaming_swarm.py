@@ -52,9 +52,12 @@ def test_three_streaming_processes_average_every_fragment_at_its_offset(tmp_path
             for f in info.fragment_syncs:
                 assert (f.last_start_step - f.offset) % H == 0, (node.name, f)
                 assert f.epoch >= f.syncs_ok
-                # fp4: half a byte per value and a scale per block, 2 (n-1)/n of the fragment
+                # fp4: half a byte per value (and a scale per block) for the parts sent to and
+                # returned from the groupmates: 2 (n-1)/n of the fragment with equal shares, up
+                # to 2 (n-1) / 2 bytes per value when load balancing gives one peer all of it;
+                # fp32 would be 8 (n-1)/n bytes per value
                 per_sync = f.bytes_sent / max(1, f.syncs_ok + f.syncs_failed)
-                assert 0 < per_sync < 0.8 * f.numel, (node.name, f)
+                assert 0 < per_sync < 1.1 * f.numel, (node.name, f)
             assert info.val_loss < info.first_val_loss - 0.3, (node.name, info)
             print(f"{node.name}: " + "; ".join(
                 f"f{f.index}@{f.offset} ok {f.syncs_ok} failed {f.syncs_failed} solo "
