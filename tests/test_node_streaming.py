@@ -24,7 +24,8 @@ from gasloc_p2p.node.config import ConfigError, DilocoConfig
 from gasloc_p2p.node.modes.averaging import InMemoryAveragingHub, _Session
 from gasloc_p2p.node.modes.compression import make_compression
 from gasloc_p2p.node.modes.registry import make_mode
-from gasloc_p2p.node.modes.streaming import StreamingMode, StreamingRounds
+from gasloc_p2p.node.modes.streaming import StreamingRounds
+from gasloc_p2p.node.modes.streaming_mode import StreamingMode
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.settings import add_config_flags, build_config
@@ -101,13 +102,14 @@ def diloco_cfg(tau: int, alpha: float = 0.0, **kw) -> DilocoConfig:
     return DilocoConfig(diloco_eta=ETA, diloco_gamma=GAMMA, tau=tau, merge_alpha=alpha, **kw)
 
 
-@pytest.mark.parametrize(("tau", "alpha"), [(0, 0.0), (2, 0.0), (1, 0.25)])
-def test_daemon_rounds_equal_the_simulator_bit_for_bit(tau, alpha):
+@pytest.mark.parametrize(("tau", "alpha", "averagers"),
+                         [(0, 0.0, 3), (2, 0.0, 3), (1, 0.25, 3), (0, 0.0, 1), (1, 0.5, 1)])
+def test_daemon_rounds_equal_the_simulator_bit_for_bit(tau, alpha, averagers):
     n = 3
     sim = StreamingDiloco(theta0(), FRAGS, StreamingConfig(H=H, tau=tau, alpha=alpha, eta=ETA,
                                                            gamma=GAMMA, codec="none"))
     thetas = theta0().expand(n, NUMEL).clone()
-    hubs = [ExactMeanHub(matchmaking_time_s=scaled(5)) for _ in FRAGS]
+    hubs = [ExactMeanHub(matchmaking_time_s=scaled(5)) for _ in range(averagers)]
     workers = [Worker(f"w{i}", hubs, n - 1, diloco_cfg(tau, alpha)) for i in range(n)]
     for step in range(1, 2 * H + 1):  # every fragment syncs and lands at least once
         for i in range(n):
@@ -152,6 +154,28 @@ def test_solo_and_failed_syncs_apply_the_own_gradient():
     assert [s.failed for s in lonely.rounds.stats] == [1, 1, 1]
     assert lonely.rounds.stats[0].failures == {"no group": 1}
     assert lonely.rounds.stats[0].wait_s > 0.05  # landing waited for the window to close
+
+
+def test_a_shared_averager_brings_nodes_out_of_phase_in_step():
+    hub = InMemoryAveragingHub(matchmaking_time_s=scaled(0.5))
+    a, b = Worker("a", [hub], 1, diloco_cfg(0)), Worker("b", [hub], 1, diloco_cfg(0))
+    for step in (1, 2):  # b is two steps ahead: at a's step 6 (fragment 0) b syncs fragment 1
+        b.step(step, 1)
+    for step in range(1, 11):
+        threads = [threading.Thread(target=a.step, args=(step, 0)),
+                   threading.Thread(target=b.step, args=(step + 2, 1))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(scaled(20))
+    assert b.rounds.stats[0].failures == {"no group": 1}  # b's step 6: a had nothing due
+    assert a.rounds.stats[0].failures == b.rounds.stats[1].failures == {"fragment mismatch": 1}
+    assert (a.rounds.shift, b.rounds.shift) == (2, 0)  # a took b's phase (b: larger peer id)
+    assert [s.ok for s in a.rounds.stats] == [1, 0, 1] == [s.ok for s in b.rounds.stats]
+    f2 = FRAGS[2]  # synced once, in step: the same anchor on both
+    assert torch.equal(f2.gather(a.state.anchor), f2.gather(b.state.anchor))
+    for w in (a, b):
+        w.rounds.finish()
 
 
 @pytest.mark.parametrize("codec", ["fp32", "fp4"])  # digests | epochs and dirty flags

@@ -81,6 +81,13 @@ class FragmentSchedule:
         """The inner step after which a sync started after ``start_step`` merges."""
         return start_step + self.tau
 
+    def min_gap(self) -> int:
+        """Fewest inner steps between two consecutive sync starts (0: some start together).
+        With ``tau < min_gap()`` at most one sync is in flight at any time."""
+        offsets = [self.offset(f) for f in range(self.parts)]
+        return min(b - a for a, b in zip(offsets, [*offsets[1:], offsets[0] + self.H],
+                                         strict=True))
+
 
 def fragment_outer_grad(frag: Fragment, anchor: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """This worker's outer gradient on ``frag``: ``anchor_f - theta_f`` (compact ``[frag.numel]``)."""

@@ -31,7 +31,6 @@ downloads work unchanged; ``rounds`` is the sum of the fragments' epochs.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -42,34 +41,27 @@ from typing import Any
 
 import torch
 
-from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
-from gasloc_p2p.core.flat import Fragment, layer_fragments
+from gasloc_p2p.core.async_state import AsyncGaslocState
+from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.streaming import (
     FragmentSchedule,
     fragment_outer_grad,
     fragment_outer_step,
     merge_fragment,
 )
-from gasloc_p2p.model import layer_index
-from gasloc_p2p.node.config import DilocoConfig, NodeConfig
+from gasloc_p2p.node.config import DilocoConfig
 from gasloc_p2p.node.modes.averaging import (
     Averager,
     AveragingResult,
-    HivemindAverager,
-    averaging_prefix,
 )
-from gasloc_p2p.node.modes.base import Mode, ModeContext
 from gasloc_p2p.node.modes.diloco import (
     FetchState,
     choose_reference,
     digests_match,
     state_digest,
-    state_fetcher,
 )
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.stats import TrainStats
-from gasloc_p2p.node.transport.service import StateSnapshot, download_state
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +81,7 @@ class FragmentStats:
     last_group_size: int = 0
     resyncs: int = 0
     resync_failures: int = 0
+    bytes_sent: int = 0  # encoded payload bytes of this fragment's all-reduces
     failures: dict[str, int] = field(default_factory=dict)
 
 
@@ -96,7 +89,7 @@ class FragmentStats:
 class _Sync:
     """A fragment's sync in flight."""
 
-    start_step: int
+    start_step: int  # virtual: inner step + the node's phase shift
     own: torch.Tensor  # [fragment numel] this node's outer gradient
     digest: list[float]
     epoch: int
@@ -112,13 +105,21 @@ class StreamingRounds:
                  train_stats: TrainStats, stop: threading.Event,
                  peer_count: Callable[[], int], endpoint: Callable[[], str],
                  fetch_state: FetchState | None = None) -> None:
-        """``averagers``: one per fragment (they must not mix fragments); ``H``: inner steps
-        between two syncs of a fragment; the rest as :class:`DilocoRounds`."""
-        if len(averagers) != len(fragments):
-            raise ValueError(f"{len(fragments)} fragments need as many averagers")
+        """``averagers``: one per fragment (each fragment under its own group key), or one
+        shared by all (one key: nodes out of phase still meet, see :meth:`land`; needs
+        ``tau < schedule.min_gap()``, at most one sync in flight); ``H``: inner steps between
+        two syncs of a fragment; the rest as :class:`DilocoRounds`."""
         self.state = state
         self.fragments = list(fragments)
         self.schedule = FragmentSchedule(H, cfg.tau, len(self.fragments))
+        self.shared = len(averagers) == 1 < len(self.fragments)
+        if len(averagers) != len(fragments) and not self.shared:
+            raise ValueError(f"{len(fragments)} fragments need as many averagers, or one")
+        if self.shared and cfg.tau >= self.schedule.min_gap():
+            raise ValueError(f"one averager for all fragments needs tau < "
+                             f"{self.schedule.min_gap()} (one sync in flight at a time)")
+        self.width = max(frag.numel for frag in self.fragments)  # a shared averager's size
+        self.shift = 0  # virtual step = inner step + shift: the phase the group agreed on
         self.lock = lock
         self.averagers = list(averagers)
         self.cfg = cfg
@@ -139,15 +140,16 @@ class StreamingRounds:
     # ------------------------------------------------------------------ trainer thread
     def after_step(self) -> None:
         """Start the syncs due after the step just done, then land those whose overlap ended."""
-        step = self.train_stats.step
+        step = self.train_stats.step + self.shift
         for f in self.schedule.due(step):
             self.begin(f, step)
         for f in [f for f, s in self.pending.items()
-                  if self.schedule.lands_at(s.start_step) <= step]:
+                  if self.schedule.lands_at(s.start_step) <= self.train_stats.step + self.shift]:
             self.land(f)
 
     def begin(self, f: int, step: int) -> None:
-        """Snapshot fragment ``f``'s outer gradient and start its all-reduce in the background."""
+        """Snapshot fragment ``f``'s outer gradient and start its all-reduce in the background
+        (``step``: the virtual step, the inner step plus :attr:`shift`)."""
         if f in self.pending:  # cannot happen with tau < H; keep one sync per fragment
             self.land(f)
         frag, st = self.fragments[f], self.state
@@ -155,7 +157,7 @@ class StreamingRounds:
             own = fragment_outer_grad(frag, st.anchor, st.theta)
             digest = state_digest([frag.gather(st.anchor), frag.gather(st.memory)])
         epoch = self.epochs[f]
-        future = self._pool.submit(self._average, f, own, digest, epoch)
+        future = self._pool.submit(self._average, f, own, digest, epoch, step)
         self.pending[f] = _Sync(step, own, digest, epoch, time.monotonic(), future)
         self.stats[f].last_start_step = step
 
@@ -169,6 +171,9 @@ class StreamingRounds:
             result = AveragingResult.failed(f"{type(exc).__name__}: {exc}")
         waited = time.monotonic() - t0
         reference = self._reference(result) if result is not None and result.ok else None
+        if result is not None and reference is not None:
+            result = self._align(f, sync, result, reference[1])
+            reference = reference if result.ok else None
         in_step = reference is not None and self._in_step(f, sync, *reference)
         if in_step:
             self.dirty[f] = False  # the group's history goes on from this state
@@ -194,32 +199,59 @@ class StreamingRounds:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ helpers
-    def _average(self, f: int, own: torch.Tensor, digest: list[float],
-                 epoch: int) -> AveragingResult | None:
+    def _averager(self, f: int) -> Averager:
+        return self.averagers[0 if self.shared else f]
+
+    def _average(self, f: int, own: torch.Tensor, digest: list[float], epoch: int,
+                 vstep: int) -> AveragingResult | None:
         """All-reduce ``own`` in a background thread; None when no group is possible."""
         peers = self.peer_count()
         if peers + 1 < self.cfg.min_group_size:
             return None
         gather = {"epoch": epoch, "digest": digest, "endpoint": self.endpoint(), "fragment": f,
-                  "dirty": self.dirty[f]}
-        return self.averagers[f].average(own, gather, peers + 1, self.stop)
+                  "dirty": self.dirty[f], "vstep": vstep}
+        averager = self._averager(f)
+        if self.shared:  # zero-padded to the largest fragment
+            own = torch.cat([own, own.new_zeros(self.width - own.numel())])
+        sent = averager.bytes_sent()
+        result = averager.average(own, gather, peers + 1, self.stop)
+        self.stats[f].bytes_sent += averager.bytes_sent() - sent  # one sync per averager
+        if result.averaged is not None and self.shared:
+            result = AveragingResult(result.averaged[:self.fragments[f].numel], result.gathered)
+        return result
 
-    @staticmethod
-    def _reference(result: AveragingResult) -> tuple[str, Mapping[str, Any]] | None:
+    def _align(self, f: int, sync: _Sync, result: AveragingResult,
+               ref: Mapping[str, Any]) -> AveragingResult:
+        """Adopt the reference member's schedule phase; a group whose members synced different
+        fragments (a shared averager, nodes out of phase) counts as failed."""
+        delta = (int(ref.get("vstep", sync.start_step)) - sync.start_step) % self.schedule.H
+        if delta:  # forward only: the slots skipped sync one period later
+            self.shift += delta
+            for other in self.pending.values():
+                other.start_step += delta  # their overlap still counts tau inner steps
+            log.info("moved this node's sync schedule %d steps forward, in phase with its "
+                     "group", delta)
+        fragments = {g.get("fragment") for g in result.gathered.values()}
+        if fragments != {f}:
+            return AveragingResult.failed(f"fragment mismatch: group synced {sorted(map(str, fragments))}")
+        return result
+
+    def _reference(self, result: AveragingResult) -> tuple[str, Mapping[str, Any]] | None:
         members = {pid: g for pid, g in result.gathered.items()
                    if isinstance(g, Mapping) and {"epoch", "digest", "endpoint"} <= set(g)}
         if len(members) != len(result.gathered):
             log.warning("a groupmate sent malformed sync metadata; not checking sync this time")
             return None
-        ref = max(members, key=lambda p: (int(members[p]["epoch"]),
-                                          not members[p].get("dirty", False), p))
-        if not {"dirty"} <= set(members[ref]):  # an exact-codec group: DiLoCo's rule
+        if self.exact:  # DiLoCo's rule: epoch, then digest support, then peer id
             ref = choose_reference(members)
+        else:  # digests do not agree under lossy payloads: prefer members not off history
+            ref = max(members, key=lambda p: (int(members[p]["epoch"]),
+                                              not members[p].get("dirty", False), p))
         return ref, members[ref]
 
     def _in_step(self, f: int, sync: _Sync, ref: str, meta: Mapping[str, Any]) -> bool:
         """Whether this member's fragment ``f`` follows the reference's history (see module)."""
-        if ref == self.averagers[f].peer_id:
+        if ref == self._averager(f).peer_id:
             return True
         if self.exact:
             return digests_match(sync.digest, meta["digest"])
@@ -291,7 +323,7 @@ class StreamingRounds:
             return self.state.rounds, self.state.anchor.clone(), self.state.memory.clone()
 
     def bytes_sent(self, f: int) -> int:
-        return self.averagers[f].bytes_sent()
+        return self.stats[f].bytes_sent
 
     def info_fields(self) -> dict[str, Any]:
         """The streaming fields of the Info reply: totals, and one entry per fragment."""
@@ -317,89 +349,3 @@ class StreamingRounds:
         sent = sum(self.bytes_sent(f) for f in range(len(self.fragments)))
         return (f"streaming epochs {self.epochs} syncs ok/failed/solo {parts} | stalled "
                 f"{wait:.2f} s | sent {sent / 1e6:.2f} MB")
-
-
-# ---------------------------------------------------------------------------- daemon glue
-class StreamingMode(Mode):
-    """Streaming DiLoCo: staggered per-fragment all-reduces overlapped with training; no gossip
-    machinery (inbound Exchange streams are answered BUSY). Start it before the trainer thread
-    and any gRPC channel exist: the hivemind averagers fork."""
-
-    name = "streaming-diloco"
-
-    def __init__(self, averagers: Sequence[Averager] | None = None) -> None:
-        """``averagers``: one per fragment; default hivemind's on the discovery's DHT."""
-        self.averagers = list(averagers) if averagers is not None else None
-        self.rounds: StreamingRounds | None = None
-        self.ctx: ModeContext | None = None
-        self._averaging = False
-
-    @staticmethod
-    def outer_config(cfg: NodeConfig) -> AsyncConfig:
-        return cfg.diloco.async_config()  # "local": memory starts at zero, holds the buffers
-
-    async def start(self, ctx: ModeContext) -> None:
-        cfg, trainer = ctx.cfg, ctx.trainer
-        self.ctx = ctx
-        fragments = layer_fragments(trainer.flat.spans, layer_index, cfg.gossip.fragments,
-                                    "strided")  # the simulator's split
-        if self.averagers is None:
-            dht = ctx.discovery.averaging_backend()
-            if dht is None:
-                raise RuntimeError("--algorithm streaming-diloco needs the hivemind DHT discovery")
-            self.averagers = [
-                HivemindAverager(dht, frag.numel, averaging_prefix(
-                    cfg.discovery.run_id, trainer.fingerprint, cfg.diloco.diloco_codec,
-                    f"stream{len(fragments)}x{f}"), cfg.diloco)
-                for f, frag in enumerate(fragments)]
-        self._averaging = True  # close even half-started averagers (close is safe twice)
-        for averager in self.averagers:
-            await asyncio.to_thread(averager.start)
-
-        async def download(peer_endpoint: str) -> Any:
-            return await download_state(ctx.channels.stub(peer_endpoint), ctx.me,
-                                        cfg.gossip.download_timeout_s)
-
-        self.rounds = StreamingRounds(
-            trainer.state, fragments, cfg.train.inner_steps, ctx.lock, self.averagers,
-            cfg.diloco, ctx.train_stats, ctx.stop, lambda: len(ctx.peers()), ctx.endpoint,
-            state_fetcher(asyncio.get_running_loop(), download, ctx.stop))
-        trainer.round_end_every_step = True  # the schedule decides what each step does
-        log.info("streaming-diloco mode: %d fragments at offsets %s of every %d steps, tau %d, "
-                 "merge alpha %g, %s payload, outer Nesterov eta %g gamma %g", len(fragments),
-                 [self.rounds.schedule.offset(f) for f in range(len(fragments))],
-                 cfg.train.inner_steps, cfg.diloco.tau, cfg.diloco.merge_alpha,
-                 cfg.diloco.diloco_codec, cfg.diloco.diloco_eta, cfg.diloco.diloco_gamma)
-
-    def _started(self) -> StreamingRounds:
-        assert self.rounds is not None, "start the mode first"
-        return self.rounds
-
-    def round_end(self) -> None:
-        """Called after every inner step (``Trainer.round_end_every_step``)."""
-        self._started().after_step()
-
-    def adopted(self, meta: pb.StateMeta) -> None:
-        self._started().set_epoch(int(meta.rounds))
-
-    def snapshot(self) -> StateSnapshot:
-        """The anchor (every fragment's global copy) and the Nesterov buffers."""
-        assert self.ctx is not None
-        rounds, anchor, buf = self._started().snapshot()
-        return StateSnapshot(self.ctx.train_stats.step, rounds, self.name, anchor, buf)
-
-    def info_fields(self) -> dict[str, Any]:
-        fields = self._started().info_fields()
-        fields["fragment_syncs"] = [pb.FragmentSync(**f) for f in fields["fragment_syncs"]]
-        return fields
-
-    def progress(self) -> str:
-        return self._started().progress_text()
-
-    async def stop(self) -> None:
-        if self.rounds is not None:
-            await asyncio.to_thread(self.rounds.finish)
-        if self._averaging and self.averagers is not None:
-            self._averaging = False
-            for averager in self.averagers:
-                await asyncio.to_thread(averager.close)
