@@ -1,6 +1,6 @@
 """Streaming DiLoCo in the daemon: peak bandwidth per sync and compute utilization, on loopback.
 
-Usage: python benchmarks/bench_streaming.py [--nodes 2] [--fragments 4] [--taus 0 5]
+Usage: python benchmarks/bench_streaming.py [--nodes 2] [--fragments 4] [--taus 0 3]
                                             [--codec fp4] [--seconds 60] [-- more join flags]
 
 For each ``--taus`` value, starts ``--nodes`` `gasloc-node join --algorithm streaming-diloco`
@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gasloc_p2p.node.config import NodeConfig  # noqa: E402
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
 from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
 
@@ -109,29 +110,35 @@ def report(tau: int, run: dict[str, object]) -> tuple[float, float]:
 
 def _step_seconds(info: pb.InfoReply) -> float:
     """Compute time of one inner step: the trainer's throughput EMA excludes the syncs."""
-    return 0.0 if info.tokens_per_s <= 0 else (info.tokens / max(1, info.step)) / info.tokens_per_s
+    train = NodeConfig().train  # tokens per step of the default model flags
+    return 0.0 if info.tokens_per_s <= 0 else train.batch_size * train.seq_len / info.tokens_per_s
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--fragments", type=int, default=4, help="--fragments (layers split)")
-    parser.add_argument("--taus", type=int, nargs="+", default=[0, 5])
+    parser.add_argument("--taus", type=int, nargs="+", default=[0, 3])
     parser.add_argument("--codec", default="fp4", help="--diloco-codec of every node")
     parser.add_argument("--inner-steps", type=int, default=20, help="H of every node")
     parser.add_argument("--seconds", type=float, default=60.0, help="measured window per run")
     parser.add_argument("--data", default="", help="corpus (default: Shakespeare, downloaded)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
-    parser.add_argument("extra", nargs="*", help="more gasloc-node join flags (after --)")
+    parser.add_argument("extra", nargs="*", help="more gasloc-node join flags (after --; "
+                        "not --batch-size or --seq-len: utilization assumes the defaults)")
     args = parser.parse_args()
     print(f"Streaming DiLoCo on loopback: --fragments {args.fragments} --diloco-codec "
           f"{args.codec} --inner-steps {args.inner_steps}, torch threads 1 per node "
           f"{' '.join(args.extra)}")
-    summary = [(tau, *report(tau, measure(args, tau))) for tau in args.taus]
+    runs = [(tau, measure(args, tau)) for tau in args.taus]
+    summary = [(tau, *report(tau, run)) for tau, run in runs]
+    numel, n = int(runs[0][1]["numel"]), args.nodes  # type: ignore[call-overload]
     print("\nsummary: tau, compute utilization (mean over nodes), whole-model bytes per sync / "
-          "streaming peak bytes per sync")
+          "streaming peak bytes per sync (same codec)")
     for tau, util, ratio in summary:
         print(f"  tau {tau}: utilization {100 * util:.1f}%, peak bandwidth reduction {ratio:.2f}x")
+    print(f"for scale: a whole-model fp32 all-reduce sends 2 (n-1)/n * 4 * numel = "
+          f"{2 * (n - 1) / n * 4 * numel:,.0f} bytes per node and round (computed)")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ after_step`, which
 
 1. starts the syncs due now: under the training lock it takes the fragment's outer gradient
    ``anchor_f - theta_f`` and a digest of ``(anchor_f, buffer_f)``, then hands the all-reduce
-   to a background thread (one hivemind averager per fragment, each under its own group key),
-   and training goes on;
+   to a background thread (hivemind averaging: one averager per fragment, or one shared by all
+   when at most one sync is in flight, see :mod:`.streaming_mode`), and training goes on;
 2. lands the syncs started ``--tau`` steps ago: waits for the result if it is not there yet
    (the stall is recorded per fragment: the cost overlap hides), then under the lock takes the
    fragment's Nesterov step with the mean gradient (or its own when the group failed, as DiLoCo
