@@ -103,7 +103,8 @@ def diloco_cfg(tau: int, alpha: float = 0.0, **kw) -> DilocoConfig:
 
 
 @pytest.mark.parametrize(("tau", "alpha", "averagers"),
-                         [(0, 0.0, 3), (2, 0.0, 3), (1, 0.25, 3), (0, 0.0, 1), (1, 0.5, 1)])
+                         [(0, 0.0, 3), (2, 0.0, 3), (1, 0.25, 3), (0, 0.0, 1), (1, 0.5, 1),
+                          (2, 0.0, 1), (4, 0.25, 1)])  # tau >= 2: syncs queue on one averager
 def test_daemon_rounds_equal_the_simulator_bit_for_bit(tau, alpha, averagers):
     n = 3
     sim = StreamingDiloco(theta0(), FRAGS, StreamingConfig(H=H, tau=tau, alpha=alpha, eta=ETA,

@@ -106,18 +106,15 @@ class StreamingRounds:
                  peer_count: Callable[[], int], endpoint: Callable[[], str],
                  fetch_state: FetchState | None = None) -> None:
         """``averagers``: one per fragment (each fragment under its own group key), or one
-        shared by all (one key: nodes out of phase still meet, see :meth:`land`; needs
-        ``tau < schedule.min_gap()``, at most one sync in flight); ``H``: inner steps between
-        two syncs of a fragment; the rest as :class:`DilocoRounds`."""
+        shared by all (one key: nodes out of phase still meet, see :meth:`land`; a sync that
+        starts while another is in flight waits for it); ``H``: inner steps between two syncs
+        of a fragment; the rest as :class:`DilocoRounds`."""
         self.state = state
         self.fragments = list(fragments)
         self.schedule = FragmentSchedule(H, cfg.tau, len(self.fragments))
         self.shared = len(averagers) == 1 < len(self.fragments)
         if len(averagers) != len(fragments) and not self.shared:
             raise ValueError(f"{len(fragments)} fragments need as many averagers, or one")
-        if self.shared and cfg.tau >= self.schedule.min_gap():
-            raise ValueError(f"one averager for all fragments needs tau < "
-                             f"{self.schedule.min_gap()} (one sync in flight at a time)")
         self.width = max(frag.numel for frag in self.fragments)  # a shared averager's size
         self.shift = 0  # virtual step = inner step + shift: the phase the group agreed on
         self.lock = lock
@@ -134,6 +131,7 @@ class StreamingRounds:
         self.stats = [FragmentStats(self.schedule.offset(f), frag.numel)
                       for f, frag in enumerate(self.fragments)]
         self.pending: dict[int, _Sync] = {}
+        self._busy = [threading.Lock() for _ in self.averagers]  # one all-reduce per averager
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=len(self.fragments), thread_name_prefix="streaming-avg")
 
@@ -213,9 +211,10 @@ class StreamingRounds:
         averager = self._averager(f)
         if self.shared:  # zero-padded to the largest fragment
             own = torch.cat([own, own.new_zeros(self.width - own.numel())])
-        sent = averager.bytes_sent()
-        result = averager.average(own, gather, peers + 1, self.stop)
-        self.stats[f].bytes_sent += averager.bytes_sent() - sent  # one sync per averager
+        with self._busy[0 if self.shared else f]:
+            sent = averager.bytes_sent()
+            result = averager.average(own, gather, peers + 1, self.stop)
+            self.stats[f].bytes_sent += averager.bytes_sent() - sent
         if result.averaged is not None and self.shared:
             result = AveragingResult(result.averaged[:self.fragments[f].numel], result.gathered)
         return result

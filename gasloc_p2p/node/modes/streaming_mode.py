@@ -1,11 +1,12 @@
 """The daemon glue of ``--algorithm streaming-diloco`` (the rounds: :mod:`.streaming`).
 
-Averagers: with ``--tau`` shorter than the fewest steps between two sync starts, at most one
-sync is in flight, and one hivemind averager (one group key, sized to the largest fragment)
-serves every fragment: nodes out of phase still meet, and a group that synced different
-fragments realigns its members' schedules (:meth:`StreamingRounds.land`). Longer overlaps need
-one averager per fragment (each under its own key); there a node ahead waits at its landing
-for the others to start the same fragment, which brings the swarm in phase.
+Averaging: one hivemind averager (one group key, sized to the largest fragment, zero-padded)
+serves every fragment, so nodes out of phase still meet: a group that synced different
+fragments counts as failed and realigns its members' schedules (:meth:`StreamingRounds.land`).
+A sync that starts while another is still in flight (``--tau`` longer than the gap between two
+sync starts) waits for it before its own all-reduce. (Per-fragment averagers, each under its own
+key, would run such syncs at once, but nodes out of phase rarely meet; observed on a
+loaded machine: most syncs failed.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.flat import layer_fragments
-from gasloc_p2p.core.streaming import FragmentSchedule
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.modes.averaging import Averager, HivemindAverager, averaging_prefix
@@ -29,13 +29,6 @@ from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-
-def averager_sizes(numels: Sequence[int], H: int, tau: int) -> list[int]:
-    """Sizes of the averagers a node needs: one of the largest fragment's size when at most
-    one sync is in flight (``tau`` below the schedule's smallest gap), else one per fragment."""
-    if len(numels) > 1 and tau < FragmentSchedule(H, tau, len(numels)).min_gap():
-        return [max(numels)]
-    return list(numels)
 
 class StreamingMode(Mode):
     """Streaming DiLoCo: staggered per-fragment all-reduces overlapped with training; no gossip
@@ -64,13 +57,10 @@ class StreamingMode(Mode):
             dht = ctx.discovery.averaging_backend()
             if dht is None:
                 raise RuntimeError("--algorithm streaming-diloco needs the hivemind DHT discovery")
-            sizes = averager_sizes([f.numel for f in fragments], cfg.train.inner_steps,
-                                   cfg.diloco.tau)
-            self.averagers = [
-                HivemindAverager(dht, size, averaging_prefix(
+            self.averagers = [HivemindAverager(
+                dht, max(f.numel for f in fragments), averaging_prefix(
                     cfg.discovery.run_id, trainer.fingerprint, cfg.diloco.diloco_codec,
-                    f"stream{len(fragments)}x{k if len(sizes) > 1 else 'all'}"), cfg.diloco)
-                for k, size in enumerate(sizes)]
+                    f"stream{len(fragments)}"), cfg.diloco)]
         self._averaging = True  # close even half-started averagers (close is safe twice)
         for averager in self.averagers:
             await asyncio.to_thread(averager.start)
