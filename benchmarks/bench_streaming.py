@@ -33,8 +33,7 @@ from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
 from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
 
 FLAGS = ["--algorithm", "streaming-diloco", "--host", "127.0.0.1", "--torch-threads", "1",
-         "--log-interval-s", "30", "--eval-interval-steps", "1000000", "--matchmaking-time-s",
-         "2", "--request-timeout-s", "1", "--averaging-timeout-s", "10"]
+         "--log-interval-s", "30", "--eval-interval-steps", "1000000"]
 
 
 def start_node(name: str, tmp: Path, flags: list[str]) -> NodeChild:

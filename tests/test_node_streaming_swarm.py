@@ -49,24 +49,28 @@ def test_three_streaming_processes_average_every_fragment_at_its_offset(tmp_path
         for node, info in zip(nodes, infos, strict=True):
             assert info.algorithm == "streaming-diloco" and info.exchanges_ok_initiator == 0
             assert [f.offset for f in info.fragment_syncs] == [0, 2, 4]
+            width = max(f.numel for f in info.fragment_syncs)  # the shared averager's size
             for f in info.fragment_syncs:
                 assert (f.last_start_step - f.offset) % H == 0, (node.name, f)
                 assert f.epoch >= f.syncs_ok
-                # fp4: half a byte per value (and a scale per block) for the parts sent to and
-                # returned from the groupmates: 2 (n-1)/n of the fragment with equal shares, up
-                # to 2 (n-1) / 2 bytes per value when load balancing gives one peer all of it;
-                # fp32 would be 8 (n-1)/n bytes per value
+                # fp4: half a byte per value (and a scale per block) of the zero-padded vector
+                # for the parts sent to and returned from the groupmates: 2 (n-1)/n of it with
+                # equal shares, up to (n-1) bytes per value when load balancing gives one peer
+                # all of it; fp32 would be 8 (n-1)/n bytes per value
                 per_sync = f.bytes_sent / max(1, f.syncs_ok + f.syncs_failed)
-                assert 0 < per_sync < 1.1 * f.numel, (node.name, f)
+                assert 0 < per_sync < 1.1 * width, (node.name, f)
             assert info.val_loss < info.first_val_loss - 0.3, (node.name, info)
             print(f"{node.name}: " + "; ".join(
                 f"f{f.index}@{f.offset} ok {f.syncs_ok} failed {f.syncs_failed} solo "
                 f"{f.syncs_solo} epoch {f.epoch} {f.bytes_sent / max(1, f.syncs_ok):.0f} B/sync "
                 f"stalled {f.wait_s:.2f} s resyncs {f.resyncs}" for f in info.fragment_syncs)
                   + f" | val {info.first_val_loss:.3f} -> {info.val_loss:.3f}")
-        # the joiners started from theta_0 (--no-init-from-swarm) while s0 trained alone; after
-        # that, fp4's return-path noise alone must not trigger resyncs (epochs and dirty flags)
-        assert 1 <= sum(i.resyncs for i in infos) <= 3 * 3 * 2, [i.resyncs for i in infos]
+        # the joiners started from theta_0 (--no-init-from-swarm) while s0 trained alone, and
+        # groups that met out of phase failed (then resynced); fp4's return-path noise alone
+        # must not make every sync resync (epochs and dirty flags, not digests)
+        assert sum(i.resyncs for i in infos) >= 1
+        for info in infos:
+            assert info.resyncs < sum(f.syncs_ok for f in info.fragment_syncs) / 2, info
         states = [n.download_state("gasloc") for n in nodes]
         assert {meta.momentum for meta, _ in states} == {"streaming-diloco"}
         spread = max(float((a - states[0][1]).abs().max()) for _, a in states[1:])
