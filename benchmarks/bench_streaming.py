@@ -11,9 +11,10 @@ every node (warm-up), then measures for ``--seconds`` from the nodes' Info count
   fragment's; whole-model DiLoCo sends all fragments at once, so its peak is their sum (the
   same all-reduce over the whole vector): the ratio is the peak-bandwidth reduction (about the
   number of fragments when they are of similar size);
-- utilization: the share of wall time spent in inner steps (tokens / compute throughput,
-  which excludes the syncs) and the share stalled waiting for all-reduce results. With tau = 0
-  every sync blocks training; with tau > 0 it overlaps tau inner steps.
+- utilization: inner steps per second of wall time, and the share of wall time the trainer
+  stalled waiting for all-reduce results (with tau = 0 every sync blocks training; with
+  tau > 0 it overlaps tau inner steps). The fragments share one averager sized to the largest
+  fragment, so the smaller (non-layer) fragment is zero-padded and costs as much as a layer.
 Loopback, not a shaped link: the all-reduce's cost here is hivemind's matchmaking and
 round trips rather than bandwidth. Timings on shared 2-core machines vary by about 30%.
 """
@@ -21,6 +22,7 @@ round trips rather than bandwidth. Timings on shared 2-core machines vary by abo
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -28,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gasloc_p2p.node.config import NodeConfig  # noqa: E402
+from gasloc_p2p.core.codecs import CodecSpec  # noqa: E402
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
 from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
 
@@ -77,40 +79,35 @@ def measure(args: argparse.Namespace, tau: int) -> dict[str, object]:
     return {"numel": numel, "seconds": t1 - t0, "first": first, "last": last}
 
 
-def report(tau: int, run: dict[str, object]) -> tuple[float, float]:
-    """Print one run's table; returns (mean utilization, peak bytes/sync ratio)."""
+def report(tau: int, run: dict[str, object], codec: str) -> tuple[float, float, float]:
+    """Print one run's table; returns (steps/s, stalled share, peak bandwidth reduction), means
+    over nodes. The reduction compares a whole-model all-reduce with the same codec (computed:
+    ``2 (n-1)/n * wire_bytes(numel)``) with the largest measured bytes of one fragment's sync."""
     first: list[pb.InfoReply] = run["first"]  # type: ignore[assignment]
     last: list[pb.InfoReply] = run["last"]  # type: ignore[assignment]
     seconds = float(run["seconds"])  # type: ignore[arg-type]
-    print(f"\n--tau {tau}: {len(last)} nodes, {run['numel']:,} parameters, window {seconds:.0f} s")
-    print(f"{'node':<5} {'steps':>6} {'compute %':>9} {'stalled %':>9} {'syncs ok':>8} "
-          f"{'failed':>6}  bytes/sync per fragment (numel)")
-    utils, ratios = [], []
+    numel, n = int(run["numel"]), len(last)  # type: ignore[call-overload]
+    whole = 2 * (n - 1) / n * CodecSpec.of(codec).codec().wire_bytes(numel)
+    print(f"\n--tau {tau}: {n} nodes, {numel:,} parameters, window {seconds:.0f} s; a "
+          f"whole-model {codec} all-reduce: {whole:,.0f} bytes per node")
+    print(f"{'node':<5} {'steps/s':>7} {'stalled %':>9} {'syncs ok':>8} {'failed':>6} "
+          f"{'peak B/sync':>11}  bytes/sync per fragment (numel)")
+    rows = []
     for k, (a, b) in enumerate(zip(first, last, strict=True)):
-        util = (b.step - a.step) * _step_seconds(b) / seconds
-        stalled = sum(fb.wait_s - fa.wait_s for fa, fb in
-                      zip(a.fragment_syncs, b.fragment_syncs, strict=True)) / seconds
-        per_frag = []
-        for fa, fb in zip(a.fragment_syncs, b.fragment_syncs, strict=True):
-            n_sync = fb.syncs_ok + fb.syncs_failed - fa.syncs_ok - fa.syncs_failed
-            per_frag.append((fb.bytes_sent - fa.bytes_sent) / max(1, n_sync))
-        ok = sum(fb.syncs_ok - fa.syncs_ok for fa, fb in
-                 zip(a.fragment_syncs, b.fragment_syncs, strict=True))
-        failed = sum(fb.syncs_failed - fa.syncs_failed for fa, fb in
-                     zip(a.fragment_syncs, b.fragment_syncs, strict=True))
-        frags = " ".join(f"{p:,.0f} ({f.numel:,})" for p, f in zip(per_frag, b.fragment_syncs,
-                                                                    strict=True))
-        print(f"n{k:<4} {b.step - a.step:>6} {100 * util:>8.1f}% {100 * stalled:>8.1f}% "
-              f"{ok:>8} {failed:>6}  {frags}")
-        utils.append(util)
-        ratios.append(sum(per_frag) / max(per_frag) if max(per_frag) > 0 else float("nan"))
-    return sum(utils) / len(utils), sum(ratios) / len(ratios)
-
-
-def _step_seconds(info: pb.InfoReply) -> float:
-    """Compute time of one inner step: the trainer's throughput EMA excludes the syncs."""
-    train = NodeConfig().train  # tokens per step of the default model flags
-    return 0.0 if info.tokens_per_s <= 0 else train.batch_size * train.seq_len / info.tokens_per_s
+        pairs = list(zip(a.fragment_syncs, b.fragment_syncs, strict=True))
+        stalled = sum(fb.wait_s - fa.wait_s for fa, fb in pairs) / seconds
+        per_frag = [(fb.bytes_sent - fa.bytes_sent)
+                    / max(1, fb.syncs_ok + fb.syncs_failed - fa.syncs_ok - fa.syncs_failed)
+                    for fa, fb in pairs]
+        ok = sum(fb.syncs_ok - fa.syncs_ok for fa, fb in pairs)
+        failed = sum(fb.syncs_failed - fa.syncs_failed for fa, fb in pairs)
+        frags = " ".join(f"{p:,.0f} ({fb.numel:,})" for p, (_, fb) in zip(per_frag, pairs,
+                                                                          strict=True))
+        rate = (b.step - a.step) / seconds
+        print(f"n{k:<4} {rate:>7.2f} {100 * stalled:>8.1f}% {ok:>8} {failed:>6} "
+              f"{max(per_frag):>11,.0f}  {frags}")
+        rows.append((rate, stalled, whole / max(per_frag) if max(per_frag) else math.nan))
+    return tuple(sum(r[i] for r in rows) / len(rows) for i in range(3))  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -123,22 +120,18 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="measured window per run")
     parser.add_argument("--data", default="", help="corpus (default: Shakespeare, downloaded)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
-    parser.add_argument("extra", nargs="*", help="more gasloc-node join flags (after --; "
-                        "not --batch-size or --seq-len: utilization assumes the defaults)")
+    parser.add_argument("extra", nargs="*", help="more gasloc-node join flags (after --)")
     args = parser.parse_args()
     print(f"Streaming DiLoCo on loopback: --fragments {args.fragments} --diloco-codec "
           f"{args.codec} --inner-steps {args.inner_steps}, torch threads 1 per node "
           f"{' '.join(args.extra)}")
     runs = [(tau, measure(args, tau)) for tau in args.taus]
-    summary = [(tau, *report(tau, run)) for tau, run in runs]
-    numel, n = int(runs[0][1]["numel"]), args.nodes  # type: ignore[call-overload]
-    print("\nsummary: tau, compute utilization (mean over nodes), whole-model bytes per sync / "
-          "streaming peak bytes per sync (same codec)")
-    for tau, util, ratio in summary:
-        print(f"  tau {tau}: utilization {100 * util:.1f}%, peak bandwidth reduction {ratio:.2f}x")
-    print(f"for scale: a whole-model fp32 all-reduce sends 2 (n-1)/n * 4 * numel = "
-          f"{2 * (n - 1) / n * 4 * numel:,.0f} bytes per node and round (computed)")
-
+    summary = [(tau, *report(tau, run, args.codec)) for tau, run in runs]
+    print("\nsummary (means over nodes): inner steps per second of wall time, share of wall time "
+          "stalled waiting for all-reduce results, whole-model / streaming peak bytes per sync")
+    for tau, rate, stalled, ratio in summary:
+        print(f"  tau {tau}: {rate:.2f} steps/s, stalled {100 * stalled:.1f}%, peak bandwidth "
+              f"reduction {ratio:.2f}x")
 
 if __name__ == "__main__":
     main()

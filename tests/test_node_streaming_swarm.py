@@ -20,8 +20,8 @@ H = 6
 STREAMING = ["--algorithm", "streaming-diloco", "--fragments", "2", "--tau", "2",
              "--diloco-codec", "fp4", "--n-layer", "2", "--n-embd", "32", "--seq-len", "32",
              "--batch-size", "4", "--inner-steps", str(H), "--eval-interval-steps", "24",
-             "--matchmaking-time-s", "2", "--request-timeout-s", "1",
-             "--averaging-timeout-s", "8", "--log-interval-s", "3"]
+             "--matchmaking-time-s", "3", "--request-timeout-s", "2",
+             "--averaging-timeout-s", "15", "--log-interval-s", "3"]
 
 
 def fragments_averaged(infos: list[pb.InfoReply], syncs: int) -> bool:
@@ -43,7 +43,7 @@ def test_three_streaming_processes_average_every_fragment_at_its_offset(tmp_path
                   for i in (1, 2)]
         for node in nodes:
             node.wait_up()
-        wait_for(lambda: fragments_averaged([n.info() for n in nodes], 8), 75,
+        wait_for(lambda: fragments_averaged([n.info() for n in nodes], 8), 90,
                  "8 averaged syncs of every fragment on every node", 1.0)
         infos = [n.info() for n in nodes]
         for node, info in zip(nodes, infos, strict=True):
