@@ -8,7 +8,8 @@ STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
-	bench-node bench-diloco bench-scale bench-downloads bench-data reproduce proto clean
+	bench-node bench-diloco bench-scale bench-downloads bench-data bench-streaming reproduce \
+	proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -65,8 +66,11 @@ bench-downloads: setup
 bench-data: setup
 	$(PY) benchmarks/bench_data.py --mb 300
 
+bench-streaming: setup
+	$(PY) benchmarks/bench_streaming.py
+
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-downloads \
-	bench-data
+	bench-data bench-streaming
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py

@@ -193,7 +193,7 @@ def test_config_flags_env_and_validation():
            (["--averaging-timeout-s", "4"], "--averaging-timeout-s"),
            (["--min-group-size", "1"], "--min-group-size"),
            (["--target-group-size", "1"], "--target-group-size"),
-           (["--diloco-codec", "int4"], "--diloco-codec"),
+           (["--diloco-codec", "int2"], "--diloco-codec"),
            (["--algorithm", "diloco", "--fragments", "2"], "--fragments")]
     for argv, flag in bad:
         with pytest.raises(ConfigError, match=flag):

@@ -39,7 +39,7 @@ def context(mode: Mode, discovery: InMemoryDiscovery | None = None) -> ModeConte
 
 
 def test_registry_maps_each_algorithm_to_its_mode():
-    assert set(MODES) == {"gasloc", "diloco"}
+    assert set(MODES) == {"gasloc", "diloco", "streaming-diloco"}
     assert isinstance(make_mode("gasloc"), GossipMode)
     assert isinstance(make_mode("diloco"), DilocoMode)
     with pytest.raises(ValueError, match="--algorithm"):

@@ -4,6 +4,14 @@ Parameters are split into fragments; fragment ``f`` syncs every ``H`` steps at a
 offset. A sync started at step ``t`` all-reduces the fragment's (optionally 4-bit) outer
 gradients, applies a Nesterov outer step to the shared global copy, and lands ``tau`` inner
 steps later as ``theta_f <- alpha * local + (1 - alpha) * global``.
+
+The schedule (:class:`FragmentSchedule`) and the per-fragment math (:func:`fragment_outer_grad`,
+:func:`fragment_outer_step`, :func:`merge_fragment`) are the one implementation both drivers
+use: :class:`StreamingDiloco` (the simulator's lock-step workers) and the node daemon's
+``--algorithm streaming-diloco`` (:mod:`gasloc_p2p.node.modes.streaming`), where the all-reduce
+runs in the background during the overlap. Both keep the global copies of all fragments in
+one flat ``anchor`` buffer and the Nesterov buffers in one flat ``memory`` buffer (same
+layout as the parameters), so a fragment's state is its slice of those two.
 """
 
 from __future__ import annotations
@@ -33,45 +41,108 @@ class StreamingConfig:
     codec: str = "fp4"
 
     def validate(self) -> None:
-        if self.H < 1 or self.tau < 0 or self.tau >= self.H:
-            raise ValueError(f"need H >= 1 and 0 <= tau < H, got H={self.H} tau={self.tau}")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
+        check_schedule(self.H, self.tau, self.alpha)
         check_outer_step(self.eta, self.gamma)
         parse_optional(self.codec)  # ValueError for an unknown codec
 
 
+def check_schedule(H: int, tau: int, alpha: float) -> None:
+    """ValueError unless ``H >= 1``, ``0 <= tau < H`` (a sync lands before the fragment's
+    next one starts) and ``0 <= alpha <= 1``."""
+    if H < 1 or tau < 0 or tau >= H:
+        raise ValueError(f"need H >= 1 and 0 <= tau < H, got H={H} tau={tau}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha} must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class FragmentSchedule:
+    """When each of ``parts`` fragments syncs: fragment ``f`` starts after inner steps
+    ``offset(f) + k H`` (``k >= 1`` when the offset is 0) and lands ``tau`` steps later."""
+
+    H: int
+    tau: int
+    parts: int
+
+    def offset(self, f: int) -> int:
+        """Staggered phase of fragment ``f`` within the period ``H``: ``f H // parts``."""
+        return (f * self.H) // self.parts
+
+    def starts(self, f: int, step: int) -> bool:
+        """Whether fragment ``f``'s sync starts after inner step ``step`` (1-based count)."""
+        off = self.offset(f)
+        return step > off and (step - off) % self.H == 0
+
+    def due(self, step: int) -> list[int]:
+        """Fragments whose sync starts after inner step ``step``, in fragment order."""
+        return [f for f in range(self.parts) if self.starts(f, step)]
+
+    def lands_at(self, start_step: int) -> int:
+        """The inner step after which a sync started after ``start_step`` merges."""
+        return start_step + self.tau
+
+    def min_gap(self) -> int:
+        """Fewest inner steps between two consecutive sync starts (0: some start together).
+        With ``tau < min_gap()`` at most one sync is in flight at any time."""
+        offsets = [self.offset(f) for f in range(self.parts)]
+        return min(b - a for a, b in zip(offsets, [*offsets[1:], offsets[0] + self.H],
+                                         strict=True))
+
+
+def fragment_outer_grad(frag: Fragment, anchor: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """This worker's outer gradient on ``frag``: ``anchor_f - theta_f`` (compact ``[frag.numel]``)."""
+    return frag.gather(anchor) - frag.gather(theta)
+
+
+def fragment_outer_step(frag: Fragment, anchor: torch.Tensor, memory: torch.Tensor,
+                        mean_grad: torch.Tensor, eta: float, gamma: float) -> torch.Tensor:
+    """Nesterov step of fragment ``frag`` with the (averaged) outer gradient ``mean_grad``
+    ``[frag.numel]``: updates the flat ``anchor`` and Nesterov ``memory`` buffers in place on
+    the fragment's slices and returns the new global fragment (compact copy)."""
+    outer = NesterovOuter(0, eta, gamma, anchor.dtype)
+    outer.buf = frag.gather(memory)
+    new_global = outer.step_(frag.gather(anchor), mean_grad.to(anchor.dtype))
+    frag.copy_(memory, outer.buf)
+    frag.copy_(anchor, new_global)
+    return new_global
+
+
+def merge_fragment(frag: Fragment, theta: torch.Tensor, new_global: torch.Tensor,
+                   alpha: float) -> None:
+    """The landing merge, in place: ``theta_f <- alpha * theta_f + (1 - alpha) * new_global``."""
+    frag.copy_(theta, torch.lerp(new_global, frag.gather(theta), alpha))
+
+
 class StreamingDiloco:
-    """The shared outer state of ``n`` lock-step workers, one Nesterov optimizer per fragment."""
+    """The shared outer state of ``n`` lock-step workers, one Nesterov buffer per fragment."""
 
     def __init__(self, theta0: torch.Tensor, fragments: Sequence[Fragment],
                  cfg: StreamingConfig) -> None:
         cfg.validate()
         self.cfg = cfg
         self.fragments = list(fragments)
+        self.schedule = FragmentSchedule(cfg.H, cfg.tau, len(self.fragments))
         self.global_params = theta0.detach().clone()
-        self.outer = [NesterovOuter(f.numel, cfg.eta, cfg.gamma, theta0.dtype) for f in fragments]
+        self.memory = torch.zeros_like(self.global_params)  # Nesterov buffers, flat layout
         spec = parse_optional(cfg.codec)
         self.codec = spec.codec() if spec is not None else None
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (land step, global)
 
     def offset(self, f: int) -> int:
         """Staggered phase of fragment ``f`` within the period ``H``."""
-        return (f * self.cfg.H) // len(self.fragments)
+        return self.schedule.offset(f)
 
     def due(self, step: int) -> list[int]:
         """Fragments whose sync starts after inner step ``step`` (1-based count of steps done)."""
-        return [f for f in range(len(self.fragments))
-                if step > self.offset(f) and (step - self.offset(f)) % self.cfg.H == 0]
+        return self.schedule.due(step)
 
     def begin(self, f: int, step: int, thetas: torch.Tensor) -> int:
         """Start fragment ``f``'s sync from ``thetas: [n, numel]``; returns bytes per worker sent."""
         frag = self.fragments[f]
-        anchor = frag.gather(self.global_params)
-        grads = torch.zeros_like(anchor)
+        grads = torch.zeros(frag.numel, dtype=self.global_params.dtype)
         nbytes = 0
         for row in thetas:  # each worker quantizes its own outer gradient, the sum is in fp32
-            delta = anchor - frag.gather(row)
+            delta = fragment_outer_grad(frag, self.global_params, row)
             if self.codec is None:  # exact ("none"): for equivalence tests in float64
                 grads.add_(delta)
                 nbytes = delta.numel() * delta.element_size()
@@ -80,9 +151,9 @@ class StreamingDiloco:
             grads.add_(self.codec.decode(enc).to(grads.dtype))
             nbytes = enc.nbytes
         grads.div_(thetas.shape[0])
-        new_global = self.outer[f].step_(anchor, grads)
-        frag.copy_(self.global_params, new_global)
-        self.pending[f] = (step + self.cfg.tau, new_global)
+        new_global = fragment_outer_step(frag, self.global_params, self.memory, grads,
+                                         self.cfg.eta, self.cfg.gamma)
+        self.pending[f] = (self.schedule.lands_at(step), new_global)
         return nbytes
 
     def land(self, step: int, thetas: torch.Tensor) -> list[int]:
@@ -90,8 +161,6 @@ class StreamingDiloco:
         landed = [f for f, (at, _) in self.pending.items() if at == step]
         for f in landed:
             _, new_global = self.pending.pop(f)
-            frag = self.fragments[f]
             for row in thetas:
-                merged = torch.lerp(new_global, frag.gather(row), self.cfg.alpha)
-                frag.copy_(row, merged)
+                merge_fragment(self.fragments[f], row, new_global, self.cfg.alpha)
         return landed

@@ -250,12 +250,18 @@ def _print_report(report: dict[str, Any]) -> None:
               f"{float(info['tokens_per_s']):.0f} tok/s, val loss {float(loss):.4f}, exchanges "
               f"{info['exchanges_ok_initiator']} out / {info['exchanges_ok_responder']} in / "
               f"{info['exchanges_failed']} failed, {len(info['peers'])} peers")
-        if info.get("algorithm") == "diloco":
-            print(f"  diloco epoch {info['outer_epoch']}: averaged rounds "
+        if info.get("algorithm") in ("diloco", "streaming-diloco"):
+            print(f"  {info['algorithm']} epoch {info['outer_epoch']}: averaged rounds "
                   f"{info['averaging_rounds_ok']} ok / {info['averaging_rounds_failed']} failed / "
                   f"{info['averaging_rounds_solo']} solo, last group {info['last_group_size']}, "
                   f"last averaging {float(info['last_averaging_s']):.2f} s, resyncs "
                   f"{info['resyncs']}")
+        for f in info.get("fragment_syncs", []):
+            print(f"    fragment {f.get('index', 0)} at offset {f.get('offset', 0)}: syncs "
+                  f"{f.get('syncs_ok', 0)} ok / {f.get('syncs_failed', 0)} failed / "
+                  f"{f.get('syncs_solo', 0)} solo, epoch {f.get('epoch', 0)}, "
+                  f"{int(f.get('bytes_sent', 0)):,} B sent, stalled "
+                  f"{float(f.get('wait_s', 0.0)):.2f} s, resyncs {f.get('resyncs', 0)}")
     if report["swarm"]:
         print(f"swarm ({len(report['swarm'])} nodes):")
         for p in sorted(report["swarm"], key=lambda p: p["peer_id"]):

@@ -27,8 +27,8 @@ from gasloc_p2p.protocol.auth import read_swarm_key
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 FRAGMENT_ORDERS = ("round-robin", "random")
-ALGORITHMS = ("gasloc", "diloco")
-DILOCO_CODECS = ("fp32", "fp16", "int8")
+ALGORITHMS = ("gasloc", "diloco", "streaming-diloco")
+DILOCO_CODECS = ("fp32", "fp16", "int8", "int4", "fp4")
 PRECISIONS = ("fp32", "bf16")
 DEVICE_RE = re.compile(r"cpu|mps|cuda(:\d+)?")
 
@@ -145,7 +145,9 @@ class AlgorithmConfig(AsyncConfig):
     :class:`AsyncConfig` (the simulator uses the same)."""
 
     algorithm: str = opt("gasloc", "gasloc: gossip, ALGORITHM.md section 2 | diloco: the DiLoCo "
-                                   "baseline, an all-reduce every H steps (see [diloco])",
+                                   "baseline, an all-reduce every H steps (see [diloco]) | "
+                                   "streaming-diloco: one fragment of --fragments at a time, "
+                                   "overlapped with --tau steps",
                          choices=ALGORITHMS)
 
     def async_config(self) -> AsyncConfig:
@@ -369,7 +371,12 @@ class DilocoConfig:
     diloco_eta: float = opt(0.7, "DiLoCo outer learning rate (Nesterov SGD)")
     diloco_gamma: float = opt(0.9, "DiLoCo outer momentum (Nesterov)")
     diloco_codec: str = opt("fp32", f"all-reduce payload: {' | '.join(DILOCO_CODECS)} "
-                                    "(hivemind compression)")
+                                    "(the project's codecs inside hivemind averaging; fp4 = "
+                                    "E3M0)")
+    tau: int = opt(1, "streaming-diloco: inner steps a fragment's all-reduce overlaps before "
+                      "it merges (0: blocking; must be < --inner-steps)")
+    merge_alpha: float = opt(0.0, "streaming-diloco: weight of the local fragment when merging "
+                                  "(theta_f <- a * local + (1 - a) * averaged)")
     target_group_size: int = opt(0, "peers per all-reduce group (0: every compatible peer the "
                                     "DHT lists, this node included)")
     min_group_size: int = opt(2, "smallest group that averages; a smaller one fails the round")
@@ -391,6 +398,8 @@ class DilocoConfig:
         check_outer_step(self.diloco_eta, self.diloco_gamma, "diloco_eta", "diloco_gamma")
         need(self.diloco_codec in DILOCO_CODECS, "diloco_codec", self.diloco_codec,
               f"choose one of {DILOCO_CODECS}")
+        need(self.tau >= 0, "tau", self.tau, "must be >= 0")
+        need(0.0 <= self.merge_alpha <= 1.0, "merge_alpha", self.merge_alpha, "must be in [0, 1]")
         need(self.min_group_size >= 2, "min_group_size", self.min_group_size, "must be >= 2")
         need(self.target_group_size == 0 or self.target_group_size >= self.min_group_size,
               "target_group_size", self.target_group_size,
@@ -470,11 +479,16 @@ class NodeConfig:
         need(self.metrics.metrics_port <= 0 or self.metrics.metrics_port != self.network.port,
               "metrics_port", self.metrics.metrics_port, "must differ from --port")
         need(self.gossip.fragments == 1 or self.outer.algorithm != "diloco", "fragments",
-              self.gossip.fragments, "--algorithm diloco all-reduces the whole model: use 1")
+              self.gossip.fragments, "--algorithm diloco all-reduces the whole model: use 1 "
+              "(or --algorithm streaming-diloco)")
+        need(self.outer.algorithm != "streaming-diloco"
+             or self.diloco.tau < self.train.inner_steps, "tau", self.diloco.tau,
+             f"must be shorter than --inner-steps={self.train.inner_steps} (a fragment's sync "
+             "lands before its next one starts)")
         need(self.network.max_streams > self.gossip.max_inbound, "max_streams",
-              self.network.max_streams,
-              f"must exceed --max-inbound={self.gossip.max_inbound} (streams before their "
-              "Header count too)")
+             self.network.max_streams,
+             f"must exceed --max-inbound={self.gossip.max_inbound} (streams before their "
+             "Header count too)")
         need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
               "connect_timeout_s", self.network.connect_timeout_s,
               f"must be shorter than --exchange-timeout-s={self.gossip.exchange_timeout_s}")

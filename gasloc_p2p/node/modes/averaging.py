@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from gasloc_p2p.node.config import DilocoConfig
+from gasloc_p2p.node.modes.compression import compression_class, install, make_compression
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.05  # how often a waiting round checks the stop event
@@ -76,6 +77,10 @@ class Averager(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release processes and memory; safe to call twice."""
+
+    def bytes_sent(self) -> int:
+        """Encoded payload bytes this averager sent to groupmates so far (0 if not counted)."""
+        return 0
 
 
 # ---------------------------------------------------------------------------------- in memory
@@ -181,6 +186,12 @@ def _averager_class() -> Any:
         from hivemind.averaging import DecentralizedAverager
 
         class GaslocAverager(DecentralizedAverager):
+            def run(self) -> None:  # in the averager's own (forked) process
+                compression = self.allreduce_kwargs.get("compression")
+                if isinstance(compression, compression_class()):
+                    install(compression)
+                super().run()
+
             async def _gasloc_set_target(self, size: int | None) -> None:
                 self._matchmaking.target_group_size = size
 
@@ -193,22 +204,19 @@ def _averager_class() -> Any:
     return _AVERAGER_CLASS
 
 
-def _compression(codec: str) -> Any:
-    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
-
-    return {"fp32": NoCompression, "fp16": Float16Compression,
-            "int8": Uniform8BitQuantization}[codec]()
-
-
-def averaging_prefix(run_id: str, fingerprint: str) -> str:
-    """The hivemind group-key prefix: run- and model-scoped (hivemind forbids dots in it)."""
-    return f"gasloc_{run_id}_diloco_{fingerprint[:16]}".replace(".", "_")
+def averaging_prefix(run_id: str, fingerprint: str, codec: str = "",
+                     part: str = "diloco") -> str:
+    """The hivemind group-key prefix: run-, model-, codec- and ``part``-scoped (the payload's
+    codec must be the same in a group; streaming-diloco averages each fragment under its own
+    ``part``); hivemind forbids dots in it."""
+    return f"gasloc_{run_id}_{part}_{codec}_{fingerprint[:16]}".replace(".", "_")
 
 
 class HivemindAverager(Averager):
     """hivemind ``DecentralizedAverager`` over one shared-memory ``[numel]`` buffer, on ``dht``."""
 
     def __init__(self, dht: Any, numel: int, prefix: str, cfg: DilocoConfig) -> None:
+        """``prefix``: from :func:`averaging_prefix` (with ``cfg.diloco_codec``)."""
         self.dht = dht
         self.numel = numel
         self.prefix = prefix
@@ -216,6 +224,7 @@ class HivemindAverager(Averager):
         self.peer_id = dht.peer_id.to_base58()
         self._avg: Any = None
         self._target: int | None = cfg.target_group_size or None
+        self.compression = make_compression(cfg.diloco_codec)
 
     def start(self) -> None:
         cfg = self.cfg
@@ -224,7 +233,7 @@ class HivemindAverager(Averager):
             target_group_size=self._target, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time_s, request_timeout=cfg.request_timeout_s,
             allreduce_timeout=cfg.allreduce_timeout_s, next_chunk_timeout=cfg.part_timeout_s,
-            compression=_compression(cfg.diloco_codec),
+            compression=self.compression,
             allow_state_sharing=False, shutdown_timeout=5.0)
         # Process.start, not run_in_background: that one sets SIGINT to SIG_IGN in the caller,
         # which is not the main thread here (and the node handles SIGINT itself).
@@ -267,6 +276,9 @@ class HivemindAverager(Averager):
                 return AveragingResult.failed(_LOCKED)
             averaged = buf.clone()
         return AveragingResult(averaged, {_peer_name(p): g for p, g in gathered.items()})
+
+    def bytes_sent(self) -> int:
+        return int(self.compression.bytes_sent())
 
     @contextlib.contextmanager
     def _tensors(self) -> Iterator[torch.Tensor | None]:

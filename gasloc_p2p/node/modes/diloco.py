@@ -343,7 +343,8 @@ class DilocoMode(Mode):
                 raise RuntimeError("--algorithm diloco needs the hivemind DHT discovery")
             self.averager = HivemindAverager(
                 dht, trainer.flat.numel,
-                averaging_prefix(cfg.discovery.run_id, trainer.fingerprint), cfg.diloco)
+                averaging_prefix(cfg.discovery.run_id, trainer.fingerprint,
+                                 cfg.diloco.diloco_codec), cfg.diloco)
         self._averaging = True  # close even a half-started averager (close is safe twice)
         await asyncio.to_thread(self.averager.start)
 

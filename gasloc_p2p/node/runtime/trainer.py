@@ -114,6 +114,7 @@ class Trainer:
         self.generator = torch.Generator()
         self.finished = threading.Event()
         self.round_end = round_end
+        self.round_end_every_step = False  # a mode's callback after every step (streaming)
 
     def load_data(self, data_seed: int) -> None:
         """Start sampling this node's batches with ``data_seed`` (the data is loaded already)."""
@@ -169,7 +170,7 @@ class Trainer:
         st.tokens += y.numel()
         st.tokens_per_s = y.numel() / st.step_time_s
         st.train_loss = float(loss.detach())
-        if round_end and self.round_end is not None:
+        if self.round_end is not None and (round_end or self.round_end_every_step):
             self.round_end()  # after the timing: tokens/s stays compute throughput
         return st.train_loss
 

@@ -1,0 +1,88 @@
+"""The project's codecs (:mod:`gasloc_p2p.core.codecs`) as a hivemind compression.
+
+hivemind's all-reduce compresses each part a peer sends with the averager's ``compression``
+object, and the receiver picks the decoder by the part's ``CompressionType`` enum, looking it up
+in hivemind's process-wide table of built-in codecs (the reducer also re-encodes the averaged
+delta it sends back with the same enum). The enum has no free value, so :func:`install` puts a
+:class:`CodecCompression` in the slot of ``QUANTILE_8BIT`` (which the project never uses) inside
+the averager's own process (:meth:`HivemindAverager` forks it); the group key includes the codec
+name, so every member of a group decodes that slot with the same codec.
+
+Each encoded part is ``Encoded.to_bytes()`` (scales then data, see :mod:`gasloc_p2p.core.wire`);
+the bytes put on the wire are added to a counter shared with the node's process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import torch
+
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.wire import Encoded
+
+SLOT = "QUANTILE_8BIT"  # the CompressionType value CodecCompression takes over
+_CLASS: Any = None
+
+
+def compression_class() -> Any:
+    """:class:`CodecCompression`: built lazily (importing hivemind takes a second)."""
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    from hivemind.compression import CompressionBase, CompressionInfo
+    from hivemind.proto import runtime_pb2
+
+    class CodecCompression(CompressionBase):
+        """Encodes float32 parts with a project codec; counts the encoded bytes sent."""
+
+        compression_type = runtime_pb2.CompressionType.Value(SLOT)
+
+        def __init__(self, spec: CodecSpec) -> None:
+            self.spec = spec
+            self.codec = spec.codec()
+            self.sent = multiprocessing.Value("q", 0)  # shared with the forked averager
+
+        def compress(self, tensor: torch.Tensor, info: CompressionInfo,
+                     allow_inplace: bool = False) -> Any:
+            flat = tensor.detach().reshape(-1).float()
+            payload = self.codec.encode(flat).to_bytes()
+            with self.sent.get_lock():
+                self.sent.value += len(payload)
+            return runtime_pb2.Tensor(compression=self.compression_type, buffer=payload,
+                                      size=tensor.shape, dtype="float32",
+                                      requires_grad=tensor.requires_grad)
+
+        def extract(self, serialized_tensor: Any) -> torch.Tensor:
+            shape = torch.Size(serialized_tensor.size)
+            enc = Encoded.from_bytes(self.spec.name, shape.numel(), self.spec.block_size,
+                                     serialized_tensor.buffer)
+            return self.codec.decode(enc).reshape(shape)
+
+        def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+            numel = max(info.descriptor.numel(), 1)
+            return self.codec.wire_bytes(numel) / (4 * numel)
+
+        def bytes_sent(self) -> int:
+            return int(self.sent.value)
+
+        def __repr__(self) -> str:
+            return f"CodecCompression({self.spec})"
+
+    _CLASS = CodecCompression
+    return _CLASS
+
+
+def make_compression(codec: str) -> Any:
+    """A :class:`CodecCompression` for ``codec`` (fp32 | fp16 | int8 | int4 | fp4, default
+    block size)."""
+    return compression_class()(CodecSpec.of(codec))
+
+
+def install(compression: Any) -> None:
+    """Make hivemind decode (and re-encode) the :data:`SLOT` parts with ``compression``, in this
+    process. Call it in the averager's process only."""
+    from hivemind.compression import serialization
+
+    serialization._BASE_COMPRESSION_TYPES[SLOT] = compression

@@ -1,0 +1,350 @@
+"""``--algorithm streaming-diloco``: Streaming DiLoCo in the node daemon (ALGORITHM.md section 3).
+
+The model is split into fragments (strided layers, the simulator's split:
+``layer_fragments(spans, layer_index, --fragments, "strided")``, plus one fragment of non-layer
+tensors). Fragment ``f`` syncs every H inner steps at its own offset ``f H // parts``; the
+schedule and the per-fragment math are the core's (:mod:`gasloc_p2p.core.streaming`), shared
+with the simulator. After each inner step the trainer thread calls :meth:`StreamingRounds.
+after_step`, which
+
+1. starts the syncs due now: under the training lock it takes the fragment's outer gradient
+   ``anchor_f - theta_f`` and a digest of ``(anchor_f, buffer_f)``, then hands the all-reduce
+   to a background thread (hivemind averaging: one averager per fragment, or one shared by all
+   when at most one sync is in flight, see :mod:`.streaming_mode`), and training goes on;
+2. lands the syncs started ``--tau`` steps ago: waits for the result if it is not there yet
+   (the stall is recorded per fragment: the cost overlap hides), then under the lock takes the
+   fragment's Nesterov step with the mean gradient (or its own when the group failed, as DiLoCo
+   mode) and merges ``theta_f <- alpha theta_f + (1 - alpha) anchor_f`` (``--merge-alpha``).
+
+Each fragment keeps its own epoch (outer steps along the shared history) and, as in DiLoCo mode
+(:mod:`gasloc_p2p.node.modes.diloco`), a member whose fragment state is off its group's history
+downloads the reference member's state and adopts that fragment. With fp32 payloads "off" is
+decided by digests, as DiLoCo mode does. With a lossy codec the members' results differ by
+quantization noise (hivemind's reducer sends each member ``mean - its own part``, quantized), so
+a digest cannot tell a missed step from noise: there a fragment is off history when its epoch
+differs from the reference's or when it applied its own gradient after a failed sync (its
+``dirty`` flag, sent with the epoch; the reference prefers clean members). State lives in the node's
+:class:`AsyncGaslocState`: ``anchor`` holds every fragment's global copy and ``memory`` every
+fragment's Nesterov buffer, in the parameters' layout, so checkpoints, resume and late-join
+downloads work unchanged; ``rounds`` is the sum of the fragments' epochs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gasloc_p2p.core.async_state import AsyncGaslocState
+from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.streaming import (
+    FragmentSchedule,
+    fragment_outer_grad,
+    fragment_outer_step,
+    merge_fragment,
+)
+from gasloc_p2p.node.config import DilocoConfig
+from gasloc_p2p.node.modes.averaging import (
+    Averager,
+    AveragingResult,
+)
+from gasloc_p2p.node.modes.diloco import (
+    FetchState,
+    choose_reference,
+    digests_match,
+    state_digest,
+)
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.stats import TrainStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FragmentStats:
+    """One fragment's syncs, written by the trainer thread; read for Info and logs."""
+
+    offset: int
+    numel: int
+    ok: int = 0
+    failed: int = 0
+    solo: int = 0
+    last_start_step: int = 0
+    wait_s: float = 0.0  # training stalled waiting for results (the overlap did not hide)
+    averaging_s: float = 0.0  # wall time of the syncs (start to result)
+    last_group_size: int = 0
+    resyncs: int = 0
+    resync_failures: int = 0
+    bytes_sent: int = 0  # encoded payload bytes of this fragment's all-reduces
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Sync:
+    """A fragment's sync in flight."""
+
+    start_step: int  # virtual: inner step + the node's phase shift
+    own: torch.Tensor  # [fragment numel] this node's outer gradient
+    digest: list[float]
+    epoch: int
+    started: float  # time.monotonic()
+    future: concurrent.futures.Future[AveragingResult | None]
+
+
+class StreamingRounds:
+    """The per-step hook of a streaming-diloco node (module docstring); trainer thread only."""
+
+    def __init__(self, state: AsyncGaslocState, fragments: Sequence[Fragment], H: int,
+                 lock: TrainingLock, averagers: Sequence[Averager], cfg: DilocoConfig,
+                 train_stats: TrainStats, stop: threading.Event,
+                 peer_count: Callable[[], int], endpoint: Callable[[], str],
+                 fetch_state: FetchState | None = None) -> None:
+        """``averagers``: one per fragment (each fragment under its own group key), or one
+        shared by all (one key: nodes out of phase still meet, see :meth:`land`; a sync that
+        starts while another is in flight waits for it); ``H``: inner steps between two syncs
+        of a fragment; the rest as :class:`DilocoRounds`."""
+        self.state = state
+        self.fragments = list(fragments)
+        self.schedule = FragmentSchedule(H, cfg.tau, len(self.fragments))
+        self.shared = len(averagers) == 1 < len(self.fragments)
+        if len(averagers) != len(fragments) and not self.shared:
+            raise ValueError(f"{len(fragments)} fragments need as many averagers, or one")
+        self.width = max(frag.numel for frag in self.fragments)  # a shared averager's size
+        self.shift = 0  # virtual step = inner step + shift: the phase the group agreed on
+        self.lock = lock
+        self.averagers = list(averagers)
+        self.cfg = cfg
+        self.train_stats = train_stats
+        self.stop = stop
+        self.peer_count = peer_count
+        self.endpoint = endpoint
+        self.fetch_state = fetch_state
+        self.epochs = [0] * len(self.fragments)
+        self.dirty = [False] * len(self.fragments)  # a failed sync applied the own gradient
+        self.exact = cfg.diloco_codec == "fp32"  # members' results agree to float32 rounding
+        self.stats = [FragmentStats(self.schedule.offset(f), frag.numel)
+                      for f, frag in enumerate(self.fragments)]
+        self.pending: dict[int, _Sync] = {}
+        self._busy = [threading.Lock() for _ in self.averagers]  # one all-reduce per averager
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=len(self.fragments), thread_name_prefix="streaming-avg")
+
+    # ------------------------------------------------------------------ trainer thread
+    def after_step(self) -> None:
+        """Start the syncs due after the step just done, then land those whose overlap ended."""
+        step = self.train_stats.step + self.shift
+        for f in self.schedule.due(step):
+            self.begin(f, step)
+        for f in [f for f, s in self.pending.items()
+                  if self.schedule.lands_at(s.start_step) <= self.train_stats.step + self.shift]:
+            self.land(f)
+
+    def begin(self, f: int, step: int) -> None:
+        """Snapshot fragment ``f``'s outer gradient and start its all-reduce in the background
+        (``step``: the virtual step, the inner step plus :attr:`shift`)."""
+        if f in self.pending:  # cannot happen with tau < H; keep one sync per fragment
+            self.land(f)
+        frag, st = self.fragments[f], self.state
+        with self.lock.urgent(), torch.no_grad():
+            own = fragment_outer_grad(frag, st.anchor, st.theta)
+            digest = state_digest([frag.gather(st.anchor), frag.gather(st.memory)])
+        epoch = self.epochs[f]
+        future = self._pool.submit(self._average, f, own, digest, epoch, step)
+        self.pending[f] = _Sync(step, own, digest, epoch, time.monotonic(), future)
+        self.stats[f].last_start_step = step
+
+    def land(self, f: int) -> None:
+        """Wait for fragment ``f``'s sync, take its outer step and merge it (see the module)."""
+        sync = self.pending.pop(f)
+        t0 = time.monotonic()
+        try:
+            result = sync.future.result()  # the averager gives up at its deadlines or on stop
+        except Exception as exc:  # a bug in the averager: fail soft, as a failed group
+            result = AveragingResult.failed(f"{type(exc).__name__}: {exc}")
+        waited = time.monotonic() - t0
+        reference = self._reference(result) if result is not None and result.ok else None
+        if result is not None and reference is not None:
+            result = self._align(f, sync, result, reference[1])
+            reference = reference if result.ok else None
+        in_step = reference is not None and self._in_step(f, sync, *reference)
+        if in_step:
+            self.dirty[f] = False  # the group's history goes on from this state
+        grad = result.averaged if result is not None and result.averaged is not None else sync.own
+        frag, st = self.fragments[f], self.state
+        with self.lock.urgent(), torch.no_grad():
+            new_global = fragment_outer_step(frag, st.anchor, st.memory, grad,
+                                             self.cfg.diloco_eta, self.cfg.diloco_gamma)
+            merge_fragment(frag, st.theta, new_global, self.cfg.merge_alpha)
+            self.epochs[f] = (int(reference[1]["epoch"]) + 1 if in_step and reference
+                              else sync.epoch + 1)
+            st.rounds = self.train_stats.rounds = sum(self.epochs)
+        self._record(f, result, waited, time.monotonic() - sync.started)
+        if reference is not None and not in_step:
+            log.warning("fragment %d's state (epoch %d) differs from its group's (reference "
+                        "epoch %s): resynchronizing it", f, sync.epoch, reference[1]["epoch"])
+            self._resync(f, reference[1], grad)
+
+    def finish(self) -> None:
+        """Drop the syncs in flight (the node is stopping: their averaging gives up on ``stop``)
+        and wait for the background threads; safe to call twice."""
+        self.pending.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ helpers
+    def _averager(self, f: int) -> Averager:
+        return self.averagers[0 if self.shared else f]
+
+    def _average(self, f: int, own: torch.Tensor, digest: list[float], epoch: int,
+                 vstep: int) -> AveragingResult | None:
+        """All-reduce ``own`` in a background thread; None when no group is possible."""
+        peers = self.peer_count()
+        if peers + 1 < self.cfg.min_group_size:
+            return None
+        gather = {"epoch": epoch, "digest": digest, "endpoint": self.endpoint(), "fragment": f,
+                  "dirty": self.dirty[f], "vstep": vstep}
+        averager = self._averager(f)
+        if self.shared:  # zero-padded to the largest fragment
+            own = torch.cat([own, own.new_zeros(self.width - own.numel())])
+        with self._busy[0 if self.shared else f]:
+            sent = averager.bytes_sent()
+            result = averager.average(own, gather, peers + 1, self.stop)
+            self.stats[f].bytes_sent += averager.bytes_sent() - sent
+        if result.averaged is not None and self.shared:
+            result = AveragingResult(result.averaged[:self.fragments[f].numel], result.gathered)
+        return result
+
+    def _align(self, f: int, sync: _Sync, result: AveragingResult,
+               ref: Mapping[str, Any]) -> AveragingResult:
+        """Adopt the reference member's schedule phase; a group whose members synced different
+        fragments (a shared averager, nodes out of phase) counts as failed."""
+        delta = (int(ref.get("vstep", sync.start_step)) - sync.start_step) % self.schedule.H
+        if delta:  # forward only: the slots skipped sync one period later
+            self.shift += delta
+            for other in self.pending.values():
+                other.start_step += delta  # their overlap still counts tau inner steps
+            log.info("moved this node's sync schedule %d steps forward, in phase with its "
+                     "group", delta)
+        fragments = {g.get("fragment") for g in result.gathered.values()}
+        if fragments != {f}:
+            return AveragingResult.failed(f"fragment mismatch: group synced {sorted(map(str, fragments))}")
+        return result
+
+    def _reference(self, result: AveragingResult) -> tuple[str, Mapping[str, Any]] | None:
+        members = {pid: g for pid, g in result.gathered.items()
+                   if isinstance(g, Mapping) and {"epoch", "digest", "endpoint"} <= set(g)}
+        if len(members) != len(result.gathered):
+            log.warning("a groupmate sent malformed sync metadata; not checking sync this time")
+            return None
+        if self.exact:  # DiLoCo's rule: epoch, then digest support, then peer id
+            ref = choose_reference(members)
+        else:  # digests do not agree under lossy payloads: prefer members not off history
+            ref = max(members, key=lambda p: (int(members[p]["epoch"]),
+                                              not members[p].get("dirty", False), p))
+        return ref, members[ref]
+
+    def _in_step(self, f: int, sync: _Sync, ref: str, meta: Mapping[str, Any]) -> bool:
+        """Whether this member's fragment ``f`` follows the reference's history (see module)."""
+        if ref == self._averager(f).peer_id:
+            return True
+        if self.exact:
+            return digests_match(sync.digest, meta["digest"])
+        return int(meta["epoch"]) == sync.epoch and not self.dirty[f]
+
+    def _record(self, f: int, result: AveragingResult | None, waited: float,
+                seconds: float) -> None:
+        s = self.stats[f]
+        s.wait_s += waited
+        if result is None:
+            s.solo += 1
+            return
+        s.averaging_s += seconds
+        if result.ok:
+            s.ok += 1
+            s.last_group_size = result.group_size
+        else:
+            s.failed += 1
+            self.dirty[f] = True
+            kind = result.error.split(":")[0] or "unknown"
+            s.failures[kind] = s.failures.get(kind, 0) + 1
+            log.debug("fragment %d: sync failed after %.2f s (%s): applied the own outer "
+                      "gradient", f, seconds, result.error)
+
+    def _resync(self, f: int, ref: Mapping[str, Any], grad: torch.Tensor) -> None:
+        """Adopt fragment ``f`` of the reference member's anchor and buffer."""
+        if self.fetch_state is None:
+            return
+        frag, st, s = self.fragments[f], self.state, self.stats[f]
+        try:
+            _, anchor, buf = self.fetch_state(str(ref["endpoint"]))
+        except Exception as exc:  # keep our own state; the next sync checks again
+            s.resync_failures += 1
+            log.warning("state download from %s failed: %s", ref["endpoint"], exc)
+            return
+        if anchor.shape != st.anchor.shape or buf.shape != anchor.shape:
+            s.resync_failures += 1
+            log.warning("state from %s has %d params, this model %d", ref["endpoint"],
+                        anchor.numel(), st.anchor.numel())
+            return
+        if digests_match(state_digest([frag.gather(anchor), frag.gather(buf)]), ref["digest"]):
+            # downloaded before the reference landed this sync: take its step here
+            fragment_outer_step(frag, anchor, buf, grad, self.cfg.diloco_eta,
+                                self.cfg.diloco_gamma)
+        with self.lock.urgent(), torch.no_grad():
+            frag.copy_(st.anchor, frag.gather(anchor))
+            frag.copy_(st.memory, frag.gather(buf))
+            merge_fragment(frag, st.theta, frag.gather(anchor), self.cfg.merge_alpha)
+            self.epochs[f] = int(ref["epoch"]) + 1
+            st.rounds = self.train_stats.rounds = sum(self.epochs)
+        self.dirty[f] = False
+        s.resyncs += 1
+        log.info("fragment %d: adopted the state of %s at epoch %d", f, ref["endpoint"],
+                 self.epochs[f])
+
+    # ------------------------------------------------------------------ views
+    def set_epoch(self, rounds: int) -> None:
+        """After adopting a peer's state at start-up: its ``rounds`` (the sum of its fragment
+        epochs) spread over the fragments in their sync order, as nodes in step have them."""
+        parts = len(self.fragments)
+        with self.lock.urgent():
+            self.epochs = [rounds // parts + (1 if f < rounds % parts else 0)
+                           for f in range(parts)]
+            self.state.rounds = self.train_stats.rounds = rounds
+
+    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(rounds, anchor copy, buffers copy) under the lock: what DownloadState serves."""
+        with self.lock.urgent():
+            return self.state.rounds, self.state.anchor.clone(), self.state.memory.clone()
+
+    def bytes_sent(self, f: int) -> int:
+        return self.stats[f].bytes_sent
+
+    def info_fields(self) -> dict[str, Any]:
+        """The streaming fields of the Info reply: totals, and one entry per fragment."""
+        ss = self.stats
+        last = max(range(len(ss)), key=lambda f: ss[f].last_start_step)
+        return {
+            "averaging_rounds_ok": sum(s.ok for s in ss),
+            "averaging_rounds_failed": sum(s.failed for s in ss),
+            "averaging_rounds_solo": sum(s.solo for s in ss),
+            "last_group_size": ss[last].last_group_size,
+            "total_averaging_s": sum(s.wait_s for s in ss),
+            "outer_epoch": sum(self.epochs), "resyncs": sum(s.resyncs for s in ss),
+            "fragment_syncs": [
+                {"index": f, "offset": s.offset, "numel": s.numel, "syncs_ok": s.ok,
+                 "syncs_failed": s.failed, "syncs_solo": s.solo,
+                 "last_start_step": s.last_start_step, "epoch": self.epochs[f],
+                 "bytes_sent": self.bytes_sent(f), "wait_s": s.wait_s, "resyncs": s.resyncs}
+                for f, s in enumerate(ss)]}
+
+    def progress_text(self) -> str:
+        parts = " ".join(f"f{f}:{s.ok}/{s.failed}/{s.solo}" for f, s in enumerate(self.stats))
+        wait = sum(s.wait_s for s in self.stats)
+        sent = sum(self.bytes_sent(f) for f in range(len(self.fragments)))
+        return (f"streaming epochs {self.epochs} syncs ok/failed/solo {parts} | stalled "
+                f"{wait:.2f} s | sent {sent / 1e6:.2f} MB")
