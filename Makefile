@@ -59,7 +59,7 @@ bench-diloco: setup
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco
 
 reproduce: setup
-	$(PY) benchmarks/reproduce.py
+	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -4,7 +4,7 @@ Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs
 Parts: momentum-h10, momentum-h50, async, slow (see PARTS). Every run: n = 4 workers, 1000 inner
 steps per worker, the default tiny GPT (2 layers, width 64; 121k parameters) on byte-level
 Shakespeare, i.i.d. shards, int8 payloads. Each run is cached as JSON under --cache, so an
-interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the saved JSON.
+interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the cache.
 Writes ``docs/results/{part}.json|md|png`` and ``docs/results/reproduction.md``.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -33,14 +34,17 @@ BASE = SimConfig(workers=N, steps=STEPS, H=10, codec="int8", eval_every=STEPS //
 Row = tuple[str, SimConfig]
 
 
-def _momentum(H: int) -> list[Row]:
-    """Outer momentum at equal effective step eta / (1 - gamma) = 1, against plain averaging."""
+def _momentum(H: int, baselines: bool = True) -> list[Row]:
+    """Outer momentum at equal effective step eta / (1 - gamma) = 1, against plain averaging
+    (and, with ``baselines``, NoLoCo and all-reduce averaging)."""
     b = dataclasses.replace(BASE, H=H, graph="ring")
     r = dataclasses.replace
-    return [
+    rows = [
         ("gasloc sync g0 eta1 (plain pair averaging)", r(b, algorithm="gasloc", gamma=0.0, eta=1.0)),
         ("gasloc sync g0.5 eta0.5", r(b, algorithm="gasloc", gamma=0.5, eta=0.5)),
         ("gasloc sync g0.9 eta0.1", r(b, algorithm="gasloc", gamma=0.9, eta=0.1)),
+    ]
+    return rows if not baselines else rows + [
         ("noloco a0.5 b0.5 c0.5 (random peer)",
          r(b, algorithm="noloco", graph="complete", gamma=0.5, eta=0.5, consensus=0.5)),
         ("diloco g0 eta1 (all-reduce averaging)", r(b, algorithm="diloco", gamma=0.0, eta=1.0)),
@@ -55,8 +59,6 @@ def _async() -> list[Row]:
         ("sync g0 eta1 (1 exchange/round)", r(b, gamma=0.0, eta=1.0)),
         ("async g0 eta1, 1 participation/round", r(b, mode="async", gamma=0.0, eta=1.0,
                                                    participations_per_round=1.0)),
-        ("async g0 eta1, 2 participations/round", r(b, mode="async", gamma=0.0, eta=1.0,
-                                                    participations_per_round=2.0)),
         ("async default (mixed g0.5 eta0.7, 2/round)", r(b, mode="async")),
     ]
 
@@ -86,28 +88,29 @@ def _slow() -> list[Row]:
 PARTS: dict[str, tuple[str, list[Row]]] = {
     "momentum-h10": ("H = 10: outer momentum at equal effective step, NoLoCo, DiLoCo",
                      _momentum(10)),
-    "momentum-h50": ("H = 50: outer momentum at equal effective step, NoLoCo, DiLoCo",
-                     _momentum(50)),
+    "momentum-h50": ("H = 50: outer momentum at equal effective step", _momentum(50, False)),
     "async": ("Async against sync GASLoC at equal participation (bytes)", _async()),
     "slow": ("One worker 3x slower compute on a 20x slower link: time to target", _slow()),
 }
 
 
+def cache_path(cache: Path, cfg: SimConfig) -> Path:
+    """One file per configuration (seed included): parts that share a row share its runs."""
+    key = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
 def _run(item: tuple[str, str, SimConfig, Path]) -> tuple[str, str, dict[str, Any]]:
     part, name, cfg, cache = item
-    path = cache / part / f"{_slug(name)}-seed{cfg.seed}.json"
+    path = cache_path(cache, cfg)
     if path.exists():
         res = json.loads(path.read_text())
     else:
         res = run(cfg)
-        res["label"] = name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res))
+    res["label"] = name
     return part, name, res
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
 
 
 def _fmt(mean_half: tuple[float, float], fmt: str = ".3f") -> str:
@@ -206,7 +209,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--cache", type=Path, default=Path("runs/reproduce"))
     parser.add_argument("--rebuild", action="store_true",
-                        help="only rewrite the markdown and plots from the saved JSON results")
+                        help="only rewrite the markdown and plots from the cached runs")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     todo = [p.strip() for p in args.only.split(",") if p.strip()]
@@ -216,14 +219,16 @@ def main() -> None:
     for part in todo:
         started = time.perf_counter()
         group: dict[str, list[dict[str, Any]]] = {}
-        if args.rebuild:
-            for res in json.loads((args.out / f"{part}.json").read_text()):
-                group.setdefault(res["label"], []).append(res)
+        items = [(part, name, dataclasses.replace(cfg, seed=s, steps=args.steps,
+                                                  eval_every=max(1, args.steps // 4)),
+                  args.cache)
+                 for s in seeds for name, cfg in PARTS[part][1]]
+        if args.rebuild:  # every cached run of the part's rows (also of an interrupted part)
+            for _, name, cfg, cache in items:
+                if cache_path(cache, cfg).exists():
+                    res = json.loads(cache_path(cache, cfg).read_text())
+                    group.setdefault(name, []).append({**res, "label": name})
         else:
-            items = [(part, name, dataclasses.replace(cfg, seed=s, steps=args.steps,
-                                                      eval_every=max(1, args.steps // 4)),
-                      args.cache)
-                     for s in seeds for name, cfg in PARTS[part][1]]
             with ProcessPoolExecutor(args.jobs) as pool:
                 for _, name, res in pool.map(_run, items):
                     group.setdefault(name, []).append(res)
