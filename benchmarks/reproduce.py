@@ -59,7 +59,6 @@ def _async() -> list[Row]:
         ("sync g0 eta1 (1 exchange/round)", r(b, gamma=0.0, eta=1.0)),
         ("async g0 eta1, 1 participation/round", r(b, mode="async", gamma=0.0, eta=1.0,
                                                    participations_per_round=1.0)),
-        ("async default (mixed g0.5 eta0.7, 2/round)", r(b, mode="async")),
     ]
 
 
