@@ -79,8 +79,9 @@ def _slow() -> list[Row]:
         ("gasloc async g0 eta1, 1/round, H_i", r(b, algorithm="gasloc", mode="async",
                                                  graph="complete", gamma=0.0, eta=1.0,
                                                  participations_per_round=1.0, **hi)),
-        ("gasloc async default (mixed g0.5), H_i", r(b, algorithm="gasloc", mode="async",
-                                                     graph="complete", **hi)),
+        ("gasloc async old default (mixed g0.5 eta0.7, 2/round), H_i",
+         r(b, algorithm="gasloc", mode="async", graph="complete", gamma=0.5, eta=0.7,
+           participations_per_round=2.0, **hi)),
     ]
 
 

@@ -62,7 +62,7 @@ def test_one_worker_equals_plain_local_training(data, algorithm):
 
 
 def test_sync_gasloc_complete_graph_gives_the_diloco_curve(data):
-    base = dataclasses.replace(TINY, dtype="float64", codec="none", gamma=0.6)
+    base = dataclasses.replace(TINY, dtype="float64", codec="none", gamma=0.6, eta=0.7)
     gasloc = run(dataclasses.replace(base, algorithm="gasloc", graph="complete", matching="all"), data)
     diloco = run(dataclasses.replace(base, algorithm="diloco"), data)
     a = [p["val_loss"] for p in gasloc["history"]]

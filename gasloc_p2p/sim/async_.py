@@ -31,7 +31,7 @@ class AsyncSim:
         n = cfg.workers
         gossip = cfg.algorithm == "gossip-sgd"
         w = cfg.w if cfg.w is not None else default_weight(cfg.graph, n, "1-peer")
-        self.acfg = AsyncConfig(eta=1.0 if gossip else cfg.eta, gamma=cfg.outer_gamma, w=w,
+        self.acfg = AsyncConfig(eta=1.0 if gossip else cfg.outer_eta, gamma=cfg.outer_gamma, w=w,
                                 momentum=cfg.momentum, staleness_policy=cfg.staleness_policy,
                                 max_staleness=cfg.max_staleness)
         self.states = [AsyncGaslocState(sim.thetas[i], sim.theta0, self.acfg)

@@ -50,7 +50,7 @@ def compute_seconds(sim: SimWorkers, steps: list[int]) -> float:
 def run_gasloc_sync(sim: SimWorkers, clock: Clock, record: Record) -> None:
     cfg, n = sim.cfg, sim.cfg.workers
     gossip = cfg.algorithm == "gossip-sgd"
-    outer = OuterConfig(eta=1.0 if gossip else cfg.eta, gamma=cfg.outer_gamma,
+    outer = OuterConfig(eta=1.0 if gossip else cfg.outer_eta, gamma=cfg.outer_gamma,
                         variant=cfg.variant)
     state = SyncGasloc(sim.theta0, n, outer)
     edges = graph_edges(cfg.graph, n)
@@ -84,7 +84,7 @@ def run_gasloc_sync(sim: SimWorkers, clock: Clock, record: Record) -> None:
 def run_diloco(sim: SimWorkers, clock: Clock, record: Record) -> None:
     cfg, n = sim.cfg, sim.cfg.workers
     anchor = sim.theta0.clone()
-    outer = NesterovOuter(anchor.numel(), cfg.eta, cfg.outer_gamma, anchor.dtype)
+    outer = NesterovOuter(anchor.numel(), cfg.outer_eta, cfg.outer_gamma, anchor.dtype)
     spec = cfg.codec_spec
     codec = spec.codec() if spec is not None else None
     while not sim.finished():
@@ -111,7 +111,7 @@ def run_noloco(sim: SimWorkers, clock: Clock, record: Record) -> None:
     directly, as DiLoCo's) and its outer parameters ``phi`` (through references, as GASLoC's
     iterates), so a side sends two payloads per exchange."""
     cfg, n = sim.cfg, sim.cfg.workers
-    outer = NolocoOuter(sim.theta0, n, NolocoConfig(alpha=cfg.outer_gamma, beta=cfg.eta,
+    outer = NolocoOuter(sim.theta0, n, NolocoConfig(alpha=cfg.outer_gamma, beta=cfg.outer_eta,
                                                     gamma=cfg.consensus))
     edges = graph_edges(cfg.graph, n)
     exchanger = SimExchanger(sim.theta0, n, cfg.codec_spec)
@@ -157,7 +157,7 @@ def run_noloco(sim: SimWorkers, clock: Clock, record: Record) -> None:
 def run_streaming(sim: SimWorkers, clock: Clock, record: Record) -> None:
     cfg, n = sim.cfg, sim.cfg.workers
     frags = layer_fragments(sim.spans, layer_index, cfg.fragments, "strided")
-    scfg = StreamingConfig(H=cfg.H, tau=min(cfg.tau, cfg.H - 1), alpha=cfg.alpha, eta=cfg.eta,
+    scfg = StreamingConfig(H=cfg.H, tau=min(cfg.tau, cfg.H - 1), alpha=cfg.alpha, eta=cfg.outer_eta,
                            gamma=cfg.outer_gamma, codec=cfg.codec)
     sd = StreamingDiloco(sim.theta0, frags, scfg)
     in_flight = 0.0  # seconds of communication still to hide behind compute
