@@ -73,7 +73,7 @@ bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale ben
 	bench-data bench-streaming
 
 reproduce: setup
-	$(PY) benchmarks/reproduce.py
+	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

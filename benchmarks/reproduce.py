@@ -1,161 +1,254 @@
-"""Check ALGORITHM.md section 5, claims 2 to 4, at CPU scale; write a table and plots.
+"""Measure ALGORITHM.md section 5 in the simulator, one part at a time (each <= 30 min here).
 
-Usage: python benchmarks/reproduce.py [--seeds 0,1,2] [--steps 200] [--jobs 2] [--out docs/results]
-Runs every configuration for every seed (n = 8 workers, tiny GPT on Shakespeare), in parallel
-processes with one torch thread each, and writes ``reproduction.md``, one JSON and one PNG per
-claim. Numbers are reported as measured, including where they disagree with the claims.
+Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
+Parts: momentum-h10, momentum-h50, async, slow (see PARTS). Every run: n = 4 workers, 1000 inner
+steps per worker, the default tiny GPT (2 layers, width 64; 121k parameters) on byte-level
+Shakespeare, i.i.d. shards, int8 payloads. Each run is cached as JSON under --cache, so an
+interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the cache.
+Writes ``docs/results/{part}.json|md|png`` and ``docs/results/reproduction.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
-import statistics
+import math
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from gasloc_p2p.sim.analysis import mean_ci, paired_ci, time_to_target, value_at
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.run import run, write_results
 
-N = 8
-TARGETS = (3.0, 2.7)  # claim 4: losses to reach, nats/byte
+N, STEPS = 4, 1000
+BUDGETS = (0.25, 0.5, 1.0)  # fractions of the token budget at which losses are read
+TARGETS = (2.8, 2.6, 2.4)  # losses (nats/byte) for time-to-target, in the slow part
+
+# references="links": the per-peer scheme these tables were measured with (the default "auto"
+# became per-node error feedback for int8 later; docs/results/references.md compares them).
+BASE = SimConfig(workers=N, steps=STEPS, H=10, codec="int8", eval_every=STEPS // 4,
+                 eval_batches=64, trace_batches=4, eval_workers=False, threads=1,
+                 references="links")
+Row = tuple[str, SimConfig]
 
 
-def claims(steps: int) -> dict[str, tuple[str, list[tuple[str, SimConfig]]]]:
-    base = SimConfig(workers=N, steps=steps, eval_every=max(1, steps // 10), threads=1)
-    h1 = dataclasses.replace(base, H=1, graph="ring", codec="int8")
-    h10 = dataclasses.replace(base, H=10, codec="int8")
-    slow = dataclasses.replace(h10, slow_workers=1, slow_link_factor=20.0, bandwidth_mbps=20.0)
+def _momentum(H: int, baselines: bool = True) -> list[Row]:
+    """Outer momentum at equal effective step eta / (1 - gamma) = 1, against plain averaging
+    (and, with ``baselines``, NoLoCo and all-reduce averaging)."""
+    b = dataclasses.replace(BASE, H=H, graph="ring")
     r = dataclasses.replace
-    return {
-        "claim2": ("H = 1 on a ring: does outer momentum (GASLoC gamma > 0) beat plain gossip?", [
-            ("gasloc g0.5 (sync)", r(h1, algorithm="gasloc", gamma=0.5, eta=1.0)),
-            ("gasloc g0.7 (sync)", r(h1, algorithm="gasloc", gamma=0.7, eta=1.0)),
-            ("gossip g0 (sync D-PSGD)", r(h1, algorithm="gasloc", gamma=0.0, eta=1.0)),
-            ("AD-PSGD-like (async gossip-sgd)", r(h1, algorithm="gossip-sgd", mode="async")),
-        ]),
-        "claim3": ("H = 10: GASLoC on sparse graphs against DiLoCo at equal tokens", [
-            ("diloco g0.9 (paper default)", r(h10, algorithm="diloco")),
-            ("diloco g0 (best of the sweep)", r(h10, algorithm="diloco", gamma=0.0)),
-            ("gasloc ring g0.5", r(h10, algorithm="gasloc", graph="ring")),
-            ("gasloc complete 1-peer g0.5", r(h10, algorithm="gasloc", graph="complete")),
-            ("gossip ring g0 (no momentum)", r(h10, algorithm="gasloc", graph="ring", gamma=0.0)),
-            ("local only", r(h10, algorithm="local")),
-        ]),
-        "claim4": ("One worker's link 20x slower: loss against simulated wall-clock time", [
-            ("diloco fp32", r(slow, algorithm="diloco", codec="fp32")),
-            ("diloco int8", r(slow, algorithm="diloco", codec="int8")),
-            ("diloco int8 g0 (best of the sweep)", r(slow, algorithm="diloco", gamma=0.0)),
-            ("gasloc async mixed g0.5 int8", r(slow, algorithm="gasloc", mode="async")),
-            ("gasloc async mixed g0 int8",
-             r(slow, algorithm="gasloc", mode="async", gamma=0.0)),
-            ("gasloc async local g0.7 int8",
-             r(slow, algorithm="gasloc", mode="async", momentum="local", gamma=0.7)),
-        ]),
-        "sweep": ("Sweep at H = 10 (one seed): outer momentum and learning rate of both methods", [
-            *[(f"diloco eta0.7 g{g}", r(h10, algorithm="diloco", gamma=g)) for g in (0.0, 0.5, 0.7, 0.9)],
-            *[(f"gasloc ring eta{e} g{g}", r(h10, algorithm="gasloc", graph="ring", eta=e, gamma=g))
-              for e in (0.7, 1.0) for g in (0.0, 0.3, 0.5)],
-            ("gasloc ring eta1.0 g0.5 w0.3", r(h10, algorithm="gasloc", graph="ring", eta=1.0,
-                                                gamma=0.5, w=0.3)),
-        ]),
-    }
+    rows = [
+        ("gasloc sync g0 eta1 (plain pair averaging)", r(b, algorithm="gasloc", gamma=0.0, eta=1.0)),
+        ("gasloc sync g0.5 eta0.5", r(b, algorithm="gasloc", gamma=0.5, eta=0.5)),
+        ("gasloc sync g0.9 eta0.1", r(b, algorithm="gasloc", gamma=0.9, eta=0.1)),
+    ]
+    return rows if not baselines else rows + [
+        ("noloco a0.5 b0.5 c0.5 (random peer)",
+         r(b, algorithm="noloco", graph="complete", gamma=0.5, eta=0.5, consensus=0.5)),
+        ("diloco g0 eta1 (all-reduce averaging)", r(b, algorithm="diloco", gamma=0.0, eta=1.0)),
+    ]
 
 
-def _run(item: tuple[str, str, SimConfig]) -> tuple[str, str, dict[str, Any]]:
-    claim, name, cfg = item
-    res = run(cfg)
+def _async() -> list[Row]:
+    """Async against sync at equal bytes: one participation per round on each side."""
+    b = dataclasses.replace(BASE, graph="ring", algorithm="gasloc")
+    r = dataclasses.replace
+    return [
+        ("sync g0 eta1 (1 exchange/round)", r(b, gamma=0.0, eta=1.0)),
+        ("async g0 eta1, 1 participation/round", r(b, mode="async", gamma=0.0, eta=1.0,
+                                                   participations_per_round=1.0)),
+    ]
+
+
+def _slow() -> list[Row]:
+    """Worker 0 computes 3x slower and sits on a 20x slower link (1 of 20 Mbit/s); where the
+    method allows it, it takes H_0 = 3 steps per round against 10 (rounds equal in time)."""
+    b = dataclasses.replace(BASE, slow_workers=1, slow_compute_factor=3.0, slow_link_factor=20.0,
+                            bandwidth_mbps=20.0)
+    hi = dict(H_per_worker=(3, 10, 10, 10), budget="total")
+    r = dataclasses.replace
+    return [
+        ("diloco g0 eta1, H_i (blocking all-reduce)", r(b, algorithm="diloco", gamma=0.0,
+                                                         eta=1.0, **hi)),
+        ("streaming-diloco g0 eta1 tau5 (overlapped)", r(b, algorithm="streaming-diloco",
+                                                          gamma=0.0, eta=1.0, tau=5)),
+        ("noloco a0.5 b0.5 c0.5, H_i", r(b, algorithm="noloco", graph="complete", gamma=0.5,
+                                         eta=0.5, consensus=0.5, **hi)),
+        ("gasloc async g0 eta1, 1/round, H_i", r(b, algorithm="gasloc", mode="async",
+                                                 graph="complete", gamma=0.0, eta=1.0,
+                                                 participations_per_round=1.0, **hi)),
+        ("gasloc async old default (mixed g0.5 eta0.7, 2/round), H_i",
+         r(b, algorithm="gasloc", mode="async", graph="complete", gamma=0.5, eta=0.7,
+           participations_per_round=2.0, **hi)),
+    ]
+
+
+PARTS: dict[str, tuple[str, list[Row]]] = {
+    "momentum-h10": ("H = 10: outer momentum at equal effective step, NoLoCo, DiLoCo",
+                     _momentum(10)),
+    "momentum-h50": ("H = 50: outer momentum at equal effective step", _momentum(50, False)),
+    "async": ("Async against sync GASLoC at equal participation (bytes)", _async()),
+    "slow": ("One worker 3x slower compute on a 20x slower link: time to target", _slow()),
+}
+
+
+def cache_path(cache: Path, cfg: SimConfig) -> Path:
+    """One file per configuration (seed included): parts that share a row share its runs."""
+    key = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _run(item: tuple[str, str, SimConfig, Path]) -> tuple[str, str, dict[str, Any]]:
+    part, name, cfg, cache = item
+    path = cache_path(cache, cfg)
+    if path.exists():
+        res = json.loads(path.read_text())
+    else:
+        res = run(cfg)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res))
     res["label"] = name
-    return claim, name, res
+    return part, name, res
 
 
-def summarize(name: str, results: Sequence[dict[str, Any]], targets: Sequence[float]) -> str:
-    def ms(values: Sequence[float], fmt: str) -> str:
-        mean = statistics.fmean(values)
-        sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{mean:{fmt}} ± {sd:{fmt}}"
-
-    finals = [r["final"] for r in results]
-    cells = [name, ms([f["val_loss"] for f in finals], ".3f"),
-             ms([f["worst_val_loss"] for f in finals], ".3f"),
-             ms([f["consensus"] for f in finals], ".2e"),
-             ms([f["sim_seconds"] for f in finals], ".0f"),
-             f"{statistics.fmean(f['bytes_per_worker'] for f in finals) / 1e6:.1f}"]
-    for target in targets:  # simulated seconds until the average model's loss first <= target
-        times = [next((p["sim_seconds"] for p in r["history"] if p["val_loss"] <= target), None)
-                 for r in results]
-        reached = [t for t in times if t is not None]
-        cells.append(f"{statistics.fmean(reached):.0f} ({len(reached)}/{len(times)} seeds)"
-                     if reached else "not reached")
-    return "| " + " | ".join(cells) + " |"
+def _fmt(mean_half: tuple[float, float], fmt: str = ".3f") -> str:
+    mean, half = mean_half
+    return f"{mean:{fmt}}" + ("" if math.isnan(half) else f" ± {half:{fmt.lstrip('+')}}")
 
 
-def write_claim(claim: str, title: str, group: dict[str, list[dict[str, Any]]],
-                out: Path) -> None:
-    """``{claim}.md`` (table), ``{claim}.json`` and ``{claim}.png`` from one claim's runs."""
-    targets = TARGETS if claim == "claim4" else ()
-    header = "| config | val loss | worst worker | consensus | sim s | MB/worker |"
-    header += "".join(f" sim s to loss {t} |" for t in targets)
+def _budget_losses(res: dict[str, Any], frac: float) -> float:
+    c = res["config"]
+    tokens = frac * c["workers"] * c["steps"] * c["batch_size"] * c["seq_len"]
+    value = value_at(res["history"], "tokens", tokens, "val_loss")
+    return math.nan if value is None else value
+
+
+def table(part: str, group: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Markdown rows: losses at token budgets (mean ± 95% t half-width over seeds), the paired
+    difference to the first row at the full budget, bytes, simulated time, time to targets."""
+    targets = TARGETS if part == "slow" else ()
+    names = list(group)
+    ref = {r["config"]["seed"]: r for r in group[names[0]]}
+    head = ["config", "seeds"] + [f"loss @{int(f * 100)}% tokens" for f in BUDGETS]
+    head += ["Δ vs first row @100% (paired)", "MB/worker", "sim s"]
+    head += [f"sim s to {t} (reached)" for t in targets]
+    if targets:
+        head.append(f"speed-up to {targets[-2]} vs first row")
+    if part == "async":
+        head.append("participations/round (measured)")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ref_t = {}
+    for name in names:
+        runs = sorted(group[name], key=lambda r: r["config"]["seed"])
+        cells = [name, str(len(runs))]
+        cells += [_fmt(mean_ci([_budget_losses(r, f) for r in runs])) for f in BUDGETS]
+        paired = [r for r in runs if r["config"]["seed"] in ref]
+        if name == names[0]:
+            cells.append("(reference)")
+        elif len(paired) >= 2:
+            cells.append(_fmt(paired_ci([_budget_losses(r, 1.0) for r in paired],
+                                        [_budget_losses(ref[r["config"]["seed"]], 1.0)
+                                         for r in paired]), "+.3f"))
+        else:
+            cells.append("n/a")
+        cells.append(f"{mean_ci([r['final']['bytes_per_worker'] / 1e6 for r in runs])[0]:.2f}")
+        cells.append(f"{mean_ci([r['final']['sim_seconds'] for r in runs])[0]:.0f}")
+        for t in targets:
+            times = [time_to_target(r["trace"], t) for r in runs]
+            got = [x for x in times if x is not None]
+            cells.append(f"{_fmt(mean_ci(got), '.1f')} ({len(got)}/{len(times)})" if got
+                         else f"not reached (0/{len(times)})")
+            if t == targets[-2]:
+                ref_t.setdefault(name, got if len(got) == len(times) else [])
+        if targets:
+            base, mine = ref_t.get(names[0], []), ref_t.get(name, [])
+            cells.append(f"{sum(base) / sum(mine):.2f}x" if base and mine else "n/a")
+        if part == "async":
+            parts = [r["stats"].get("participations_per_round") for r in runs]
+            cells.append("1 (sync matching)" if None in parts
+                         else f"{mean_ci([float(p) for p in parts])[0]:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
+               seeds: Sequence[int]) -> None:
+    title = PARTS[part][0]
     runs = [r for rs in group.values() for r in rs]
-    seeds = ",".join(str(s) for s in sorted({r["config"]["seed"] for r in runs}))
-    steps = runs[0]["config"]["steps"]
-    flag = "--sweep-seeds" if claim == "sweep" else "--seeds"
-    lines = [f"## {claim}: {title}", "",
-             f"`python benchmarks/reproduce.py --only {claim} --steps {steps} {flag} {seeds}` "
-             f"({len(runs)} runs, {sum(r['wall_seconds'] for r in runs) / 60:.0f} CPU-minutes)",
-             "", header, "|" + "---|" * (header.count("|") - 1)]
-    lines += [summarize(name, rs, targets) for name, rs in group.items()]
-    lines += ["", f"![{claim}]({claim}.png)", ""]
-    (out / f"{claim}.md").write_text("\n".join(lines))
-    write_results(runs, out, claim)
-    print("\n".join(lines))
+    wall = sum(r["wall_seconds"] for r in runs) / 60
+    cfg = runs[0]["config"]
+    lines = [f"## {part}: {title}", "",
+             f"`python benchmarks/reproduce.py --only {part} --seeds "
+             f"{','.join(map(str, seeds))}`: {len(runs)} runs of n = {cfg['workers']} workers x "
+             f"{cfg['steps']} inner steps, {runs[0]['params']:,} parameters, "
+             f"{wall:.0f} CPU-minutes (1 thread per run).", "",
+             "Losses: the network-average model on 65,536 validation tokens (nats/byte), mean ± "
+             "95% t half-width over seeds; Δ: paired by seed against the first row (negative = "
+             "better). MB/worker: bytes each worker sent over the run."]
+    if part == "slow":
+        lines.append("Time to target: simulated seconds until the quick loss (first 4,096 "
+                     "validation tokens, logged at every round end) reaches the target, "
+                     "linearly interpolated; speed-up: ratio of mean times (all seeds "
+                     "reached).")
+    lines += ["", *table(part, group), "", f"![{part}]({part}.png)", ""]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{part}.md").write_text("\n".join(lines))
+    write_results(runs, out, part)
+    print("\n".join(lines), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", required=True, help=f"comma-separated parts: {', '.join(PARTS)}")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help="inner steps per worker (shorter only for smoke tests)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
-    parser.add_argument("--only", default="", help="comma-separated claims to run (default all)")
-    parser.add_argument("--sweep-seeds", default="0", help="seeds of the sweep")
+    parser.add_argument("--cache", type=Path, default=Path("runs/reproduce"))
     parser.add_argument("--rebuild", action="store_true",
-                        help="only rewrite the markdown and plots from the saved JSON results")
+                        help="only rewrite the markdown and plots from the cached runs")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    todo = claims(args.steps)
-    if args.only:
-        todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
-    sweep_seeds = [int(s) for s in args.sweep_seeds.split(",")]
-    items = [(claim, name, dataclasses.replace(cfg, seed=s))
-             for claim, (_, cfgs) in todo.items() for name, cfg in cfgs
-             for s in (sweep_seeds if claim == "sweep" else seeds)]
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {c: {} for c in todo}
-    if args.rebuild:
-        for claim in todo:
-            path = args.out / f"{claim}.json"
-            for res in json.loads(path.read_text()) if path.exists() else []:
-                results[claim].setdefault(res["label"], []).append(res)
-    else:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            for claim, name, res in pool.map(_run, items):
-                results[claim].setdefault(name, []).append(res)
-                print(f"{claim} {name} seed {res['config']['seed']}: "
-                      f"{res['final']['val_loss']:.3f} ({res['wall_seconds']:.0f} s)", flush=True)
-    for claim, (title, _) in todo.items():
-        if results[claim]:
-            write_claim(claim, title, results[claim], args.out)
-    intro = ["# Reproduction of ALGORITHM.md section 5 (claims 2-4) at CPU scale", "",
-             f"n = {N} workers, tiny GPT (2 layers, width 64, context 64, batch 8; "
-             "121k parameters), byte-level Shakespeare, i.i.d. shards, int8 payloads unless "
-             "named, mean ± std over seeds. Loss: the network-average model's validation loss "
-             "(nats/byte); consensus: mean_i ||theta_i - mean||^2. Simulated time: 0.05 s per "
-             "step, 100 Mbit/s links (20 Mbit/s in claim 4, the slow link 1 Mbit/s).", ""]
-    parts = [(args.out / f"{c}.md").read_text() for c in claims(args.steps)
-             if (args.out / f"{c}.md").exists()]
+    todo = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = [p for p in todo if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    for part in todo:
+        started = time.perf_counter()
+        group: dict[str, list[dict[str, Any]]] = {}
+        items = [(part, name, dataclasses.replace(cfg, seed=s, steps=args.steps,
+                                                  eval_every=max(1, args.steps // 4)),
+                  args.cache)
+                 for s in seeds for name, cfg in PARTS[part][1]]
+        if args.rebuild:  # every cached run of the part's rows (also of an interrupted part)
+            for _, name, cfg, cache in items:
+                if cache_path(cache, cfg).exists():
+                    res = json.loads(cache_path(cache, cfg).read_text())
+                    group.setdefault(name, []).append({**res, "label": name})
+        else:
+            with ProcessPoolExecutor(args.jobs) as pool:
+                for _, name, res in pool.map(_run, items):
+                    group.setdefault(name, []).append(res)
+                    print(f"{part} {name} seed {res['config']['seed']}: "
+                          f"{res['final']['val_loss']:.3f} ({res['wall_seconds']:.0f} s)",
+                          flush=True)
+            group = {name: group[name] for name, _ in PARTS[part][1] if name in group}
+        write_part(part, group, args.out, seeds)
+        print(f"{part}: {(time.perf_counter() - started) / 60:.1f} min wall", flush=True)
+    parts = [(args.out / f"{p}.md").read_text() for p in PARTS if (args.out / f"{p}.md").exists()]
+    intro = ["# Measurements in the simulator (issue 14)", "",
+             "Each part: `python benchmarks/reproduce.py --only PART` (`--jobs 2`, one torch "
+             "thread per run, under about 30 minutes on 2 cores). Regime of every table: n = 4 "
+             "workers, 1000 inner steps per worker (512 tokens per step), 121k-parameter GPT, "
+             "byte-level Shakespeare, i.i.d. shards, int8 payloads, 3 seeds unless a row says "
+             "otherwise. Simulated time: 0.05 s per inner step, 100 Mbit/s links, 20 ms latency "
+             "(slow part: 20 Mbit/s, the slow worker 1 Mbit/s and 3x slower compute).", ""]
     (args.out / "reproduction.md").write_text("\n".join(intro) + "\n" + "\n\n".join(parts) + "\n")
 
 

@@ -62,7 +62,7 @@ def test_one_worker_equals_plain_local_training(data, algorithm):
 
 
 def test_sync_gasloc_complete_graph_gives_the_diloco_curve(data):
-    base = dataclasses.replace(TINY, dtype="float64", codec="none", gamma=0.6)
+    base = dataclasses.replace(TINY, dtype="float64", codec="none", gamma=0.6, eta=0.7)
     gasloc = run(dataclasses.replace(base, algorithm="gasloc", graph="complete", matching="all"), data)
     diloco = run(dataclasses.replace(base, algorithm="diloco"), data)
     a = [p["val_loss"] for p in gasloc["history"]]
@@ -174,3 +174,52 @@ def test_exchanger_resets_links_evicted_on_one_side():
         ps[j] += c_j
         torch.testing.assert_close(torch.stack(ps).double().sum(dim=0), before, rtol=0, atol=1e-4)
         assert torch.equal(ex.tables[i].get(str(j)).ref_out, ex.tables[j].get(str(i)).ref_in)
+
+
+@pytest.mark.parametrize("participations", [1.0, 2.0])
+def test_async_participation_per_round_matches_the_setting(data, participations):
+    """--participations-per-round counts exchanges a worker takes part in (started or
+    accepted), so async bytes per round match a sync run with as many matchings per round."""
+    cfg = dataclasses.replace(TINY, mode="async", workers=8, graph="complete", steps=400, H=10,
+                              participations_per_round=participations, eval_every=400,
+                              trace_batches=0, n_embd=16)
+    res = run(cfg, data)
+    assert res["stats"]["participations_per_round"] == pytest.approx(participations, rel=0.15)
+    # a sync 1-peer matching on the complete graph (n even): one participation per round
+    sync = run(dataclasses.replace(cfg, mode="sync", matching="1-peer"), data)
+    assert res["final"]["bytes_per_worker"] == pytest.approx(
+        participations * sync["final"]["bytes_per_worker"], rel=0.15)
+
+
+def test_starts_per_round_keeps_the_old_meaning():
+    cfg = SimConfig(participations_per_round=2.0)
+    assert cfg.start_rate == 1.0
+    assert dataclasses.replace(cfg, starts_per_round=2.0).start_rate == 2.0
+
+
+def test_trace_logs_every_round_end_and_history_every_eval(data):
+    cfg = dataclasses.replace(TINY, steps=20, H=5, eval_every=10)
+    for algorithm, mode in [("gasloc", "sync"), ("gasloc", "async"), ("diloco", "sync"),
+                            ("noloco", "sync"), ("streaming-diloco", "sync")]:
+        res = run(dataclasses.replace(cfg, algorithm=algorithm, mode=mode, fragments=1), data)
+        assert [p["steps"] for p in res["trace"]] == [0, 5, 10, 15, 20], algorithm
+        assert [p["steps"] for p in res["history"]] == [0, 10, 20], algorithm
+
+
+def test_noloco_learns_and_sends_two_payloads_per_exchange(data):
+    cfg = dataclasses.replace(TINY, algorithm="noloco", steps=30, graph="complete")
+    res = run(cfg, data)
+    assert res["history"][-1]["val_loss"] < res["history"][0]["val_loss"] - 0.3
+    gasloc = run(dataclasses.replace(cfg, algorithm="gasloc"), data)
+    assert res["final"]["bytes_per_worker"] == pytest.approx(
+        2 * gasloc["final"]["bytes_per_worker"], rel=0.01)
+
+
+def test_total_budget_lets_fast_workers_go_on(data):
+    cfg = dataclasses.replace(TINY, workers=3, steps=6, H_per_worker=(1, 2, 3), budget="total",
+                              algorithm="diloco")
+    sim = SimWorkers(cfg, data)
+    from gasloc_p2p.sim import sync
+
+    sync.run_diloco(sim, sync.Clock(3), lambda now: None)
+    assert [w.steps for w in sim.workers] == [3, 6, 9]

@@ -1,8 +1,9 @@
 """Event-driven asynchronous driver (ALGORITHM.md section 2): what the daemon does, in memory.
 
 Each worker steps at its own speed (``step_time_s * compute_factor``) and ends a round after its
-own ``H_i`` steps. Gossip events arrive at exponential waiting times (``exchanges_per_round``
-per own round on average) with a random graph neighbour that is not exchanging; the exchange is
+own ``H_i`` steps. Gossip events arrive at exponential waiting times (``start_rate`` = half of
+``participations_per_round`` per own round on average: every exchange has two participants)
+with a random graph neighbour that is not exchanging; the exchange is
 snapshotted at start and committed ``bytes / min(bw) + latency`` seconds later, while both keep
 training. Nothing waits for the slowest worker. The run ends at the equal-token budget
 (``workers * steps`` inner steps in total).
@@ -30,7 +31,7 @@ class AsyncSim:
         n = cfg.workers
         gossip = cfg.algorithm == "gossip-sgd"
         w = cfg.w if cfg.w is not None else default_weight(cfg.graph, n, "1-peer")
-        self.acfg = AsyncConfig(eta=1.0 if gossip else cfg.eta, gamma=cfg.outer_gamma, w=w,
+        self.acfg = AsyncConfig(eta=1.0 if gossip else cfg.outer_eta, gamma=cfg.outer_gamma, w=w,
                                 momentum=cfg.momentum, staleness_policy=cfg.staleness_policy,
                                 max_staleness=cfg.max_staleness)
         self.states = [AsyncGaslocState(sim.thetas[i], sim.theta0, self.acfg)
@@ -66,14 +67,14 @@ class AsyncSim:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
 
     def gossip_gap(self, i: int) -> float:
-        rate = self.cfg.exchanges_per_round / (self.cfg.h_of(i) * self.step_seconds(i))
+        rate = self.cfg.start_rate / (self.cfg.h_of(i) * self.step_seconds(i))
         return self.rng.expovariate(rate)
 
-    def run(self) -> dict[str, int]:
+    def run(self) -> dict[str, float]:
         cfg, n = self.cfg, self.cfg.workers
         if cfg.aligned:
             return self.run_aligned()
-        budget, done, next_eval = n * cfg.steps, 0, n * cfg.eval_every
+        budget, done, next_eval = n * cfg.steps, 0, n * cfg.H
         for i in range(n):
             self.push(self.step_seconds(i), "step", i)
             if cfg.algorithm != "local" and n > 1:
@@ -88,8 +89,8 @@ class AsyncSim:
                 if self.sim.workers[i].steps % cfg.h_of(i) == 0:
                     self.states[i].round_end()
                 self.push(t + self.step_seconds(i), "step", i)
-                if done >= next_eval:
-                    next_eval += n * cfg.eval_every
+                if done >= next_eval:  # a "round end" of the mean worker: log the loss
+                    next_eval += n * cfg.H
                     self.record(t)
             elif kind == "gossip":
                 i = int(payload)  # type: ignore[call-overload]
@@ -99,7 +100,16 @@ class AsyncSim:
                 assert isinstance(payload, Pending)
                 self.commit(payload)
         self.record(self.clock.now)
-        return self.stats
+        return self.summary()
+
+    def summary(self) -> dict[str, float]:
+        """Counters, plus the participation actually measured: committed exchanges a worker
+        took part in per own round (``2 * exchanges / sum of rounds``)."""
+        rounds = sum(w.steps / self.cfg.h_of(w.index) for w in self.sim.workers)
+        out: dict[str, float] = dict(self.stats)
+        out["rounds"] = rounds
+        out["participations_per_round"] = 2 * self.stats["exchanges"] / rounds if rounds else 0.0
+        return out
 
     def start_exchange(self, i: int, t: float) -> None:
         if i in self.busy:
@@ -147,7 +157,7 @@ class AsyncSim:
         self.stats["stale"] += staleness > self.acfg.max_staleness
         self.stats["dropped"] += w == 0.0
 
-    def run_aligned(self) -> dict[str, int]:
+    def run_aligned(self) -> dict[str, float]:
         """Lock-step rounds; instantaneous exchanges on a random matching right before each
         synchronized round end. Worker ``i`` takes its own ``H_i`` steps per round (a faster
         one waits). With momentum "mixed" this is the synchronous algorithm."""
@@ -165,8 +175,8 @@ class AsyncSim:
                 s.round_end()
             self.clock.now += max(k * self.step_seconds(i) for i, k in enumerate(steps))
             self.record(self.clock.now)
-        return self.stats
+        return self.summary()
 
 
-def run_async(sim: SimWorkers, clock: Clock, record: Record) -> dict[str, int]:
+def run_async(sim: SimWorkers, clock: Clock, record: Record) -> dict[str, float]:
     return AsyncSim(sim, clock, record).run()

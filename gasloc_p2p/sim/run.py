@@ -31,32 +31,40 @@ def run(cfg: SimConfig, data: TokenData | None = None,
     started = time.perf_counter()
     sim = SimWorkers(cfg, data if data is not None else load_token_data(cfg.data, cfg.tokenizer))
     clock = Clock(cfg.workers)
-    history: list[dict[str, float]] = []
+    history: list[dict[str, float]] = []  # full evaluations, every eval_every steps
+    trace: list[dict[str, float]] = []  # the quick loss at every round end
 
     def record(now: float, force: bool = False) -> None:
+        """Called by the drivers at every round end (async: every H mean steps)."""
         steps = sum(w.steps for w in sim.workers) / cfg.workers
-        if progress is not None:
-            progress(int(steps), cfg.steps)
-        if not force and history and steps - history[-1]["steps"] < cfg.eval_every:
-            return
         point = {"steps": steps, "tokens": steps * cfg.workers * sim.tokens_per_step,
                  "sim_seconds": now,
                  "bytes_per_worker": sum(clock.bytes_sent) / cfg.workers}
+        if cfg.trace_batches and (not trace or steps > trace[-1]["steps"]):
+            trace.append({**point, "loss": sim.trace_loss()})
+        if not force and history and steps - history[-1]["steps"] < cfg.eval_every:
+            return
+        if progress is not None:
+            progress(int(steps), cfg.steps)
         point.update(sim.evaluate())
         history.append(point)
 
     record(0.0, force=True)
-    stats: dict[str, int] = {}
+    stats: dict[str, float] = {}
     if cfg.mode == "async":
         stats = run_async(sim, clock, record)
     else:
         SYNC_DRIVERS[cfg.algorithm](sim, clock, record)
-    if history[-1]["sim_seconds"] != clock.now or len(history) == 1:
+    if history[-1]["sim_seconds"] != clock.now or history[-1]["steps"] != trace_steps(sim):
         record(clock.now, force=True)
     final = history[-1]
     return {"config": dataclasses.asdict(cfg), "label": label(cfg), "history": history,
-            "final": final, "stats": stats, "params": int(sim.theta0.numel()),
+            "trace": trace, "final": final, "stats": stats, "params": int(sim.theta0.numel()),
             "wall_seconds": time.perf_counter() - started}
+
+
+def trace_steps(sim: SimWorkers) -> float:
+    return sum(w.steps for w in sim.workers) / sim.cfg.workers
 
 
 def label(cfg: SimConfig) -> str:
@@ -86,9 +94,10 @@ def write_results(results: Sequence[dict[str, Any]], out_dir: Path, name: str = 
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
-    """Validation loss of the network-average model vs tokens and vs simulated time, and the
-    consensus distance vs tokens: one line per configuration (mean over its seeds, with the
-    min-max band of the seeds)."""
+    """Validation loss of the network-average model vs tokens and vs simulated time (the quick
+    loss logged at every round end, else the full evaluations), and the consensus distance vs
+    tokens: one line per configuration (mean over its seeds, with the min-max band of the
+    seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,11 +109,14 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     panels = [(0, "tokens", "val_loss"), (1, "sim_seconds", "val_loss"), (2, "tokens", "consensus")]
     for lbl, runs in groups.items():
-        length = min(len(r["history"]) for r in runs)
         seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
         for ax_i, xkey, ykey in panels:
-            xs = [statistics.fmean(r["history"][k][xkey] for r in runs) for k in range(length)]
-            ys = [[max(r["history"][k][ykey], 1e-12) for r in runs] for k in range(length)]
+            # losses: the round-end trace where there is one; consensus: the full evaluations
+            key, y = ("trace", "loss") if ykey == "val_loss" and runs[0].get("trace") else (
+                "history", ykey)
+            length = min(len(r[key]) for r in runs)
+            xs = [statistics.fmean(r[key][k][xkey] for r in runs) for k in range(length)]
+            ys = [[max(r[key][k][y], 1e-12) for r in runs] for k in range(length)]
             line, = axes[ax_i].plot(xs, [statistics.fmean(v) for v in ys], label=lbl + seeds)
             if len(runs) > 1:
                 axes[ax_i].fill_between(xs, [min(v) for v in ys], [max(v) for v in ys],
@@ -112,7 +124,8 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
     axes[0].set(xlabel="tokens (all workers)", ylabel="val loss (avg model, nats)")
     axes[1].set(xlabel="simulated seconds", ylabel="val loss (avg model, nats)")
     axes[2].set(xlabel="tokens (all workers)", ylabel="consensus distance", yscale="log")
-    low = min(p["val_loss"] for r in results for p in r["history"])
+    low = min([p["val_loss"] for r in results for p in r["history"]]
+              + [p["loss"] for r in results for p in r.get("trace", [])])
     for ax in axes[:2]:
         ax.set_ylim(low - 0.05, low + 1.2)  # the interesting part, not the first drop
     for ax in axes:

@@ -1,4 +1,5 @@
-"""Synchronous-round driver: gasloc (mixed/unmixed), gossip-sgd, diloco, streaming-diloco, local.
+"""Synchronous-round drivers: gasloc (mixed/unmixed), gossip-sgd, diloco, streaming-diloco,
+noloco, local.
 
 Simulated time per round = the slowest worker's compute + the round's communication: a pairwise
 exchange takes ``bytes / min(bw_i, bw_j) + latency``; a ring all-reduce takes
@@ -15,6 +16,7 @@ import torch
 from gasloc_p2p.core.diloco import NesterovOuter
 from gasloc_p2p.core.flat import layer_fragments, whole
 from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc, propose
+from gasloc_p2p.core.noloco import NolocoConfig, NolocoOuter, exact_round_
 from gasloc_p2p.core.streaming import StreamingConfig, StreamingDiloco
 from gasloc_p2p.core.topology import default_weight, graph_edges, round_edges
 from gasloc_p2p.model import layer_index
@@ -48,7 +50,7 @@ def compute_seconds(sim: SimWorkers, steps: list[int]) -> float:
 def run_gasloc_sync(sim: SimWorkers, clock: Clock, record: Record) -> None:
     cfg, n = sim.cfg, sim.cfg.workers
     gossip = cfg.algorithm == "gossip-sgd"
-    outer = OuterConfig(eta=1.0 if gossip else cfg.eta, gamma=cfg.outer_gamma,
+    outer = OuterConfig(eta=1.0 if gossip else cfg.outer_eta, gamma=cfg.outer_gamma,
                         variant=cfg.variant)
     state = SyncGasloc(sim.theta0, n, outer)
     edges = graph_edges(cfg.graph, n)
@@ -56,9 +58,9 @@ def run_gasloc_sync(sim: SimWorkers, clock: Clock, record: Record) -> None:
     exchanger = SimExchanger(sim.theta0, n, cfg.codec_spec)
     frag = whole(sim.theta0.numel())
     rng = random.Random(cfg.seed)
-    while min(wk.steps for wk in sim.workers) < cfg.steps:
+    while not sim.finished():
         anchors = sim.thetas.clone()
-        steps = [min(cfg.h_of(i), cfg.steps - sim.workers[i].steps) for i in range(n)]
+        steps = sim.round_steps()
         for i in range(n):
             for _ in range(steps[i]):
                 sim.inner_step(i)
@@ -82,11 +84,11 @@ def run_gasloc_sync(sim: SimWorkers, clock: Clock, record: Record) -> None:
 def run_diloco(sim: SimWorkers, clock: Clock, record: Record) -> None:
     cfg, n = sim.cfg, sim.cfg.workers
     anchor = sim.theta0.clone()
-    outer = NesterovOuter(anchor.numel(), cfg.eta, cfg.outer_gamma, anchor.dtype)
+    outer = NesterovOuter(anchor.numel(), cfg.outer_eta, cfg.outer_gamma, anchor.dtype)
     spec = cfg.codec_spec
     codec = spec.codec() if spec is not None else None
-    while min(wk.steps for wk in sim.workers) < cfg.steps:
-        steps = [min(cfg.h_of(i), cfg.steps - sim.workers[i].steps) for i in range(n)]
+    while not sim.finished():
+        steps = sim.round_steps()
         for i in range(n):
             for _ in range(steps[i]):
                 sim.inner_step(i)
@@ -104,10 +106,58 @@ def run_diloco(sim: SimWorkers, clock: Clock, record: Record) -> None:
         record(clock.now)
 
 
+def run_noloco(sim: SimWorkers, clock: Clock, record: Record) -> None:
+    """NoLoCo: per round, a random matching; each pair shares its outer gradients (quantized
+    directly, as DiLoCo's) and its outer parameters ``phi`` (through references, as GASLoC's
+    iterates), so a side sends two payloads per exchange."""
+    cfg, n = sim.cfg, sim.cfg.workers
+    outer = NolocoOuter(sim.theta0, n, NolocoConfig(alpha=cfg.outer_gamma, beta=cfg.outer_eta,
+                                                    gamma=cfg.consensus))
+    edges = graph_edges(cfg.graph, n)
+    exchanger = SimExchanger(sim.theta0, n, cfg.codec_spec)
+    spec = cfg.codec_spec
+    codec = spec.codec() if spec is not None else None
+    frag = whole(sim.theta0.numel())
+    rng = random.Random(cfg.seed)
+    while not sim.finished():
+        steps = sim.round_steps()
+        for i in range(n):
+            for _ in range(steps[i]):
+                sim.inner_step(i)
+        pairs = round_edges(edges, cfg.matching, rng)
+        comm = 0.0
+        if codec is None:
+            exact_round_(outer, sim.thetas, [tuple(p) for p in pairs])
+        else:
+            grads = outer.phi - sim.thetas
+            sent = torch.stack([codec.decode(codec.encode(g)).to(g.dtype) for g in grads])
+            paired = {k for p in pairs for k in p}
+            todo = [(k, sent[k], torch.zeros_like(sent[k])) for k in range(n) if k not in paired]
+            for i, j in pairs:
+                c_i, c_j = exchanger.commit(
+                    exchanger.begin(i, j, outer.phi[i], outer.phi[j], frag), 0.5)
+                g_mean = (sent[i] + sent[j]) / 2
+                todo += [(i, g_mean, -c_i), (j, g_mean, -c_j)]
+            for k, g_mean, gap in todo:
+                outer.step_(k, g_mean, gap)
+            sim.thetas.copy_(outer.phi)
+        # per side: phi (through references) and the outer gradient
+        nbytes = exchanger.payload_bytes(frag) + (
+            codec.wire_bytes(frag.numel) if codec is not None
+            else frag.numel * sim.theta0.element_size())
+        for i, j in pairs:
+            clock.bytes_sent[i] += nbytes
+            clock.bytes_sent[j] += nbytes
+            link = min(cfg.bandwidth_bytes_s(i), cfg.bandwidth_bytes_s(j))
+            comm = max(comm, nbytes / link + cfg.latency_s)
+        clock.now += compute_seconds(sim, steps) + comm
+        record(clock.now)
+
+
 def run_streaming(sim: SimWorkers, clock: Clock, record: Record) -> None:
     cfg, n = sim.cfg, sim.cfg.workers
     frags = layer_fragments(sim.spans, layer_index, cfg.fragments, "strided")
-    scfg = StreamingConfig(H=cfg.H, tau=min(cfg.tau, cfg.H - 1), alpha=cfg.alpha, eta=cfg.eta,
+    scfg = StreamingConfig(H=cfg.H, tau=min(cfg.tau, cfg.H - 1), alpha=cfg.alpha, eta=cfg.outer_eta,
                            gamma=cfg.outer_gamma, codec=cfg.codec)
     sd = StreamingDiloco(sim.theta0, frags, scfg)
     in_flight = 0.0  # seconds of communication still to hide behind compute
@@ -130,9 +180,9 @@ def run_streaming(sim: SimWorkers, clock: Clock, record: Record) -> None:
 
 
 def run_local(sim: SimWorkers, clock: Clock, record: Record) -> None:
-    cfg, n = sim.cfg, sim.cfg.workers
-    while min(wk.steps for wk in sim.workers) < cfg.steps:
-        steps = [min(cfg.h_of(i), cfg.steps - sim.workers[i].steps) for i in range(n)]
+    n = sim.cfg.workers
+    while not sim.finished():
+        steps = sim.round_steps()
         for i in range(n):
             for _ in range(steps[i]):
                 sim.inner_step(i)
@@ -142,5 +192,5 @@ def run_local(sim: SimWorkers, clock: Clock, record: Record) -> None:
 
 SYNC_DRIVERS: dict[str, Callable[[SimWorkers, Clock, Record], None]] = {
     "gasloc": run_gasloc_sync, "gossip-sgd": run_gasloc_sync, "diloco": run_diloco,
-    "streaming-diloco": run_streaming, "local": run_local,
+    "streaming-diloco": run_streaming, "noloco": run_noloco, "local": run_local,
 }

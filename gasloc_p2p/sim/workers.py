@@ -71,6 +71,7 @@ class SimWorkers:
             gen = torch.Generator().manual_seed(worker_data_seed(cfg.seed, i))
             self.workers.append(Worker(i, InnerLoop(model, schedule, adamw), shards[i], gen))
         self.val = self.data.val_batches(cfg.batch_size * 2, cfg.seq_len, cfg.eval_batches)
+        self.trace_val = self.val[:max(1, cfg.trace_batches)]
         self.spans = self.flat0.spans
 
     @property
@@ -89,6 +90,26 @@ class SimWorkers:
         """Validation loss of the model with flat parameters ``flat: [numel]``."""
         self.flat0.buffer.copy_(flat)
         return evaluate(self.eval_model, self.val)
+
+    def trace_loss(self) -> float:
+        """Quick loss of the network-average model on the first ``trace_batches`` batches."""
+        self.flat0.buffer.copy_(self.thetas.mean(dim=0))
+        return evaluate(self.eval_model, self.trace_val)
+
+    def finished(self) -> bool:
+        """The equal-token budget is spent: every worker took ``steps`` steps (budget "each"),
+        or all of them ``workers * steps`` together (budget "total")."""
+        done = [w.steps for w in self.workers]
+        if self.cfg.budget == "total":
+            return sum(done) >= self.cfg.steps * self.cfg.workers
+        return min(done) >= self.cfg.steps
+
+    def round_steps(self) -> list[int]:
+        """Inner steps each worker takes this round: its ``H_i``, clipped to the budget."""
+        if self.cfg.budget == "total":
+            return [self.cfg.h_of(i) for i in range(self.cfg.workers)]
+        return [min(self.cfg.h_of(i), self.cfg.steps - w.steps)
+                for i, w in enumerate(self.workers)]
 
     def evaluate(self) -> dict[str, float]:
         """Network-average model's loss, worst worker's loss, and consensus distance."""
