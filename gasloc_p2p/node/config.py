@@ -16,6 +16,7 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
 from gasloc_p2p.core.options import ConfigError, check_outer_step, need, opt
 from gasloc_p2p.model import GPTConfig
+from gasloc_p2p.protocol.guard import GuardRule
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 FRAGMENT_ORDERS = ("round-robin", "random")
@@ -122,11 +123,24 @@ class GossipConfig:
     exchange_timeout_s: float = opt(120.0, "deadline of a whole exchange")
     init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any")
     download_timeout_s: float = opt(60.0, "deadline of a state download")
+    guard_factor: float = opt(8.0, "reject a peer's update whose RMS distance exceeds this many "
+                              "times the median of recent accepted ones (0: no guard)")
+    guard_window: int = opt(32, "accepted exchanges per fragment the guard's median covers")
+    guard_warmup: int = opt(8, "accepted exchanges per fragment before the median rule applies")
+    guard_warmup_factor: float = opt(4.0, "warm-up limit: this many times the node's own scale "
+                                     "(RMS of p - theta_0, at least RMS of theta_0)")
+    guard_backoff_s: float = opt(300.0, "leave a peer whose update was implausible alone this "
+                                 "long (both directions)")
 
     @property
     def codec_spec(self) -> CodecSpec:
         """What this node sends: ``codec`` with ``block_size`` (0 for fp32/fp16)."""
         return CodecSpec.of(self.codec, self.block_size)
+
+    def guard_rule(self) -> GuardRule:
+        """The bounded-update guard's thresholds (factor 0: off)."""
+        return GuardRule(self.guard_factor, self.guard_window, self.guard_warmup,
+                         self.guard_warmup_factor)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -144,6 +158,14 @@ class GossipConfig:
               f"must be in [1024, {MAX_CHUNK_BYTES}]")
         need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
         need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
+        need(self.guard_factor == 0 or self.guard_factor >= 2, "guard_factor", self.guard_factor,
+             "must be 0 (off) or >= 2 (honest distances vary by about 2x)")
+        need(self.guard_window >= 1 and 0 <= self.guard_warmup <= self.guard_window,
+             "guard_warmup", self.guard_warmup, f"must be in [0, --guard-window="
+             f"{self.guard_window}]")
+        need(self.guard_warmup_factor > 0, "guard_warmup_factor", self.guard_warmup_factor,
+             "must be > 0")
+        need(self.guard_backoff_s >= 0, "guard_backoff_s", self.guard_backoff_s, "must be >= 0")
         # An inbound exchange pins its peer's references: eviction must find an unpinned one.
         need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",
               self.reference_capacity, f"must exceed --max-inbound + 1 = {self.max_inbound + 1}")

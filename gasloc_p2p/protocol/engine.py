@@ -26,7 +26,12 @@ import torch
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.references import ReferenceTable
+from gasloc_p2p.core.references import ReferenceTable, decode
+from gasloc_p2p.protocol.guard import UpdateGuard
+
+# No parameter or delta of a trained network is anywhere near this: a payload that decodes to
+# larger values (a finite fp32 offset of 1e30, an int8 block scale of 3e38) is rejected.
+MAX_ABS_VALUE = 1e6
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +74,7 @@ class ExchangeEngine:
         self.lock = lock
         self.refs = ReferenceTable(theta0, capacity=reference_capacity)
         self._refs_lock = threading.Lock()  # the LRU is touched from several worker threads
+        self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
 
     def link_version(self, peer_id: str) -> int:
         with self._refs_lock:
@@ -99,17 +105,42 @@ class ExchangeEngine:
                         zlib.crc32(payload))
 
     def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray,
-              crc32: int) -> Encoded:
-        """Parse the peer's payload; ValueError if it is corrupt or decodes to NaN/Inf."""
+              crc32: int, prep: Prepared | None = None) -> Encoded:
+        """Parse the peer's payload; ValueError if it is corrupt, decodes to NaN/Inf or to
+        values beyond ``MAX_ABS_VALUE``; with ``prep`` (our half) and a guard,
+        :class:`ImplausibleUpdate` if the correction it implies is implausibly large."""
         if zlib.crc32(payload) != crc32:
             raise ValueError("payload CRC32 mismatch")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload)
         values = spec.codec().decode(received)
         # amax/amin propagate NaN and allocate nothing, unlike isfinite() (3x slower here)
-        if numel and not (math.isfinite(float(values.amax()))
-                          and math.isfinite(float(values.amin()))):
-            raise ValueError("payload decodes to non-finite values")
+        if numel:
+            hi, lo = float(values.amax()), float(values.amin())
+            if not (math.isfinite(hi) and math.isfinite(lo)):
+                raise ValueError("payload decodes to non-finite values")
+            if max(hi, -lo) > MAX_ABS_VALUE:
+                raise ValueError(f"payload decodes to absurd values (|x| up to "
+                                 f"{max(hi, -lo):.3g} > {MAX_ABS_VALUE:g})")
+        if prep is not None and self.guard is not None and self.guard.rule.enabled:
+            self.screen(prep, received, values)
         return received
+
+    def screen(self, prep: Prepared, received: Encoded, values: torch.Tensor) -> None:
+        """ImplausibleUpdate if ``||ref_in' - ref_out'||`` (the references after this commit,
+        which the peer computes identically) is beyond the guard's limit; changes nothing."""
+        assert self.guard is not None
+        fragment = prep.fragment
+        with self._refs_lock:
+            link = self.refs.get(prep.peer_id) if prep.peer_id in self.refs else None
+        ref_out, ref_in = ((self.theta0, self.theta0) if link is None or prep.reset
+                           else (link.ref_out, link.ref_in))
+        base = fragment.gather(self.theta0)  # gather copies
+        mine = fragment.gather(ref_out).add_(decode(prep.encoded))
+        theirs = fragment.gather(ref_in).add_(values)
+        root_n = math.sqrt(max(fragment.numel, 1))
+        distance = float(theirs.sub_(mine).norm()) / root_n
+        own = max(float(mine.sub_(base).norm()), float(base.norm())) / root_n
+        self.guard.screen(fragment.index, distance, own)
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,
                pinned: Iterable[str] = ()) -> float:
@@ -129,7 +160,11 @@ class ExchangeEngine:
             correction = link.commit(prep.encoded, received, prep.fragment, weight)
             if weight > 0:
                 self.state.apply_correction(correction, prep.fragment)
-        return float(correction.norm())
+        norm = float(correction.norm())
+        if self.guard is not None and weight > 0:  # the pair distance, without w
+            self.guard.accept(prep.fragment.index,
+                              norm / (weight * math.sqrt(max(prep.fragment.numel, 1))))
+        return norm
 
 
 def _sub_fragment_(compact: torch.Tensor, buf: torch.Tensor, fragment: Fragment) -> torch.Tensor:

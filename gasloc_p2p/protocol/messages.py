@@ -14,6 +14,7 @@ from gasloc_p2p.core.codecs import BLOCK_CODECS, CODEC_NAMES, CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.engine import Prepared
+from gasloc_p2p.safelog import safe
 
 PROTOCOL_VERSION = 1
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
@@ -37,7 +38,8 @@ class ExchangeError(Exception):
     """An exchange failed; nothing was applied. ``code`` is a ``RejectCode`` value."""
 
     def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{code_name(code)}: {message}")
+        # the message may come from the peer (Reject, Abort): escaped, it cannot forge log lines
+        super().__init__(f"{code_name(code)}: {safe(message, 200)}")
         self.code = code
         self.message = message
 
@@ -55,6 +57,11 @@ class ProtocolError(ExchangeError):
 
     def __init__(self, message: str, code: int = BAD_REQUEST) -> None:
         super().__init__(code, message)
+
+
+class ImplausiblePayload(ProtocolError):
+    """The peer's payload implies an implausibly large correction (the bounded-update guard):
+    we abort before Commit and back the peer off."""
 
 
 class MessageStream(Protocol):

@@ -46,6 +46,7 @@ from gasloc_p2p.protocol.actions import (
     SendPayload,
 )
 from gasloc_p2p.protocol.engine import ExchangeEngine, Prepared
+from gasloc_p2p.protocol.guard import ImplausibleUpdate
 from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
     BUSY,
@@ -53,6 +54,7 @@ from gasloc_p2p.protocol.messages import (
     MAX_CHUNK_BYTES,
     ExchangeError,
     Identity,
+    ImplausiblePayload,
     PeerAborted,
     ProtocolError,
     Rejected,
@@ -229,6 +231,10 @@ class ExchangeSession:
         return [Send(ready), *self._maybe_flush()]
 
     def check_failed(self, exc: Exception) -> list[Action]:
+        """Abort (before Ready, so the peer cannot commit either): a bad or implausible
+        payload."""
+        if isinstance(exc, ImplausibleUpdate):
+            raise ImplausiblePayload(str(exc))
         raise ProtocolError(f"bad payload: {exc}")
 
     def payload_sent(self) -> list[Action]:
@@ -291,7 +297,7 @@ class ExchangeSession:
         if problem is not None:
             raise problem
         if msg.header.peer_id != self.peer_id:
-            raise ProtocolError(f"dialed {self.peer_id}, answered by {msg.header.peer_id}")
+            raise ProtocolError(f"dialed {self.peer_id!r}, answered by {msg.header.peer_id!r}")
         self._peer = msg.header
         if msg.header.link_version != self._prep.link_version:  # both restart from theta_0
             self.stage = Stage.PREPARING
@@ -322,7 +328,8 @@ class ExchangeSession:
         self._buf += data
         if len(self._buf) < peer.payload_bytes:
             return []
-        return [Check(header_codec(peer), peer.fragment_numel, self._buf, peer.payload_crc32)]
+        return [Check(header_codec(peer), peer.fragment_numel, self._buf, peer.payload_crc32,
+                      self._prep)]
 
     def _replacement_header(self, new: pb.Header, old: pb.Header) -> pb.Header:
         problem = check_header(new, self.rules.me, self.engine.fragments, self.rules.accepted)

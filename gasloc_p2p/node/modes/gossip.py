@@ -35,6 +35,7 @@ from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
+from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
@@ -120,7 +121,7 @@ class GossipLoop:
         """One gossip event: try peers until one exchange commits, fails, or none is left."""
         tried: list[str] = []
         for _ in range(self.cfg.busy_retries + 1):
-            exclude = [*tried, *self.exchanger.inflight]
+            exclude = [*tried, *self.exchanger.inflight, *self.exchanger.penalized()]
             options = self.book.candidates(exclude)
             if not options:
                 return None
@@ -154,7 +155,7 @@ class GossipLoop:
         self.exchanger.stats.failed += 1
         self.exchanger.stats.failures[f"outbound:{type(exc).__name__}"] += 1
         self.book.backoff(peer.peer_id, self.cfg.backoff_s)
-        log.debug("exchange with %s failed: %s", peer.peer_id, exc)
+        log.debug("exchange with %s failed: %s", safe(peer.peer_id), exc)
 
 
 def compatible_codecs(peers: Sequence[PeerInfo], codec: str) -> list[PeerInfo]:

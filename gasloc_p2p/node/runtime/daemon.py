@@ -44,6 +44,7 @@ from gasloc_p2p.node.transport.service import (
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
+from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +174,10 @@ class Node:
                     stub, self.me, self.cfg.gossip.download_timeout_s)
                 await asyncio.to_thread(self.trainer.adopt, params, memory)
                 self.mode.adopted(meta)
-                log.info("starting from the state of %s (its step %d)", peer.peer_id, meta.step)
+                log.info("starting from the state of %s (its step %d)", safe(peer.peer_id), meta.step)
                 return
             except Exception as exc:  # any failure: try the next peer, then theta_0
-                log.warning("state download from %s failed: %s", peer.peer_id, exc)
+                log.warning("state download from %s failed: %s", safe(peer.peer_id), exc)
         log.info("starting from theta_0 (%s)", "no peer yet" if not peers else "no download")
 
     async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
@@ -256,7 +257,7 @@ class Node:
                 pb.InfoRequest(), timeout=self.cfg.network.connect_timeout_s)
             return True
         except (grpc.RpcError, OSError, ValueError) as exc:
-            log.debug("dial-back to %s failed: %s", endpoint, exc)
+            log.debug("dial-back to %s failed: %s", safe(endpoint), exc)
             return False
 
     async def _check_reachability(self) -> None:
@@ -278,7 +279,7 @@ class Node:
                 pb.InfoRequest(probe_endpoint=self.endpoint),
                 timeout=self.cfg.network.info_timeout_s + self.cfg.network.connect_timeout_s)
         except (grpc.RpcError, OSError) as exc:
-            log.debug("reachability check via %s failed: %s", peer.peer_id, exc)
+            log.debug("reachability check via %s failed: %s", safe(peer.peer_id), exc)
             return
         if reply.probe_ok != self.reachable:
             self.reachable = reply.probe_ok
