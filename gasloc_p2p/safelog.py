@@ -26,14 +26,16 @@ def safe(text: object, limit: int = _LIMIT) -> str:
 
 class OneLineFormatter(logging.Formatter):
     """Each record on one line: CR/LF in messages escaped; gRPC's tracebacks cut to their last
-    line (the exception), since they report peer input, not bugs here."""
+    line (the exception) at WARNING at most, since they report peer input, not bugs here."""
 
     def format(self, record: logging.LogRecord) -> str:
         if record.name.startswith("grpc") and record.exc_info:
             exc = record.exc_info[1]
+            level = min(record.levelno, logging.WARNING)  # the peer's fault, not ours
             record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None,
                                             "msg": f"{record.getMessage()} ({exc!r})",
-                                            "args": None})
+                                            "args": None, "levelno": level,
+                                            "levelname": logging.getLevelName(level)})
         return super().format(record)  # our own tracebacks stay multi-line
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)

@@ -119,6 +119,9 @@ async def _join(cfg: NodeConfig) -> int:
         log.error("node failed: %s: %s", type(exc).__name__, exc)
         log.debug("details", exc_info=True)
         return 1
+    if node.checkpoint_problem:  # the run went on, but a restart would lose all of it
+        log.error("%s", node.checkpoint_problem)
+        return 1
     return 1 if node.error else 0
 
 

@@ -50,6 +50,8 @@ class TrainConfig:
     max_time_s: float = opt(0.0, "stop after this many seconds (0: run until stopped)")
     eval_interval_steps: int = opt(100, "validation loss every this many inner steps")
     eval_batches: int = opt(8, "held-out batches per validation (fixed, same on every node)")
+    max_rollbacks: int = opt(3, "non-finite losses rolled back to the last good anchor before "
+                             "the node gives up and stops")
 
     def gpt(self) -> GPTConfig:
         return GPTConfig(vocab_size=256, seq_len=self.seq_len, n_layer=self.n_layer,

@@ -156,6 +156,9 @@ class Node:
         if cp.checkpoint_dir and cp.resume:
             saved = await asyncio.to_thread(ckpt.load, cp.checkpoint_dir)
             if saved is not None:
+                await asyncio.to_thread(ckpt.validate, saved, self.trainer.fingerprint,
+                                        self.trainer.flat.numel,
+                                        ckpt.checkpoint_path(cp.checkpoint_dir))
                 await asyncio.to_thread(self.trainer.restore, saved)
                 log.info("resumed from %s at step %d", ckpt.checkpoint_path(cp.checkpoint_dir),
                          self.train_stats.step)
@@ -314,9 +317,21 @@ class Node:
         try:
             path = await asyncio.to_thread(ckpt.save_atomic, payload,
                                            self.cfg.checkpoint.checkpoint_dir)
+            self.train_stats.checkpoints_written += 1
             log.debug("checkpoint written to %s at step %d", path, payload["step"])
         except ckpt.CheckpointError as exc:
-            log.error("%s", exc)
+            self.train_stats.checkpoint_failures += 1
+            log.warning("%s (gasloc_checkpoint_failures_total %d)", exc,
+                        self.train_stats.checkpoint_failures)
+
+    @property
+    def checkpoint_problem(self) -> str:
+        """One line if checkpoints were asked for and none could be written (else "")."""
+        t, where = self.train_stats, self.cfg.checkpoint.checkpoint_dir
+        if where and t.checkpoint_failures and not t.checkpoints_written:
+            return (f"no checkpoint could be written to {where} ({t.checkpoint_failures} "
+                    "attempts failed; see the warnings above)")
+        return ""
 
     async def _progress(self) -> None:
         self._log_progress()
