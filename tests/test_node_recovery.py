@@ -139,3 +139,32 @@ def test_a_malformed_protobuf_is_logged_in_one_line():
     assert "Traceback" not in text
     for line in text.splitlines():
         assert line.split(" ", 1)[0] in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), text
+
+
+def test_a_blocked_worker_thread_cannot_hold_the_exit(monkeypatch):
+    import threading
+    import time
+
+    from gasloc_p2p.node.cli_node import BoundedExecutor
+
+    monkeypatch.setattr(BoundedExecutor, "limit_s", 0.3)
+    release = threading.Event()
+    pool = BoundedExecutor(2, "test-io")
+    pool.submit(release.wait)
+    t0 = time.monotonic()
+    pool.shutdown(wait=True)
+    assert time.monotonic() - t0 < 2 and len(pool.stuck()) == 1
+    release.set()
+
+
+def test_slow_teardown_steps_are_logged_at_info(caplog, monkeypatch):
+    import asyncio
+
+    from gasloc_p2p.node.runtime import daemon
+
+    monkeypatch.setattr(daemon, "SLOW_TEARDOWN_S", 0.05)
+    with caplog.at_level(logging.INFO, logger="gasloc_p2p.node.runtime.daemon"):
+        asyncio.run(daemon._timed("server stop", lambda: asyncio.sleep(0.1)))
+        asyncio.run(daemon._timed("fast", lambda: asyncio.sleep(0)))
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(lines) == 1 and lines[0].startswith("stop: server stop took")
