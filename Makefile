@@ -8,7 +8,7 @@ STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
-	bench-node bench-diloco reproduce proto clean
+	bench-node bench-diloco bench-fuzz bench-byzantine bench-chaos reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -56,7 +56,18 @@ bench-node: setup
 bench-diloco: setup
 	$(PY) benchmarks/bench_diloco.py
 
-bench: bench-core bench-codecs bench-sim bench-node bench-diloco
+# Security figures (README, Security): each runs real node processes for minutes.
+bench-fuzz: setup
+	$(PY) benchmarks/bench_fuzz.py
+
+bench-byzantine: setup
+	$(PY) benchmarks/bench_byzantine.py
+
+bench-chaos: setup
+	$(PY) benchmarks/bench_chaos.py
+
+bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-fuzz bench-byzantine \
+	bench-chaos
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py
