@@ -25,7 +25,7 @@ from gasloc_p2p.protocol.memory import MemoryExchange
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, ExchangeError
 from tests.daemon_helpers import tiny_config
 from tests.node_helpers import run, scaled, wait_until
-from tests.test_protocol_session import node
+from tests.session_helpers import node
 
 
 def test_guard_rule_warmup_median_and_floor():

@@ -14,7 +14,7 @@ import torch
 
 from gasloc_p2p.protocol.memory import MemoryExchange
 from gasloc_p2p.protocol.messages import INTERNAL, ExchangeError
-from tests.test_protocol_session import node
+from tests.session_helpers import node
 
 FAULTS = ("kill", "abort", "timeout")
 # (side receiving the message: 0 initiator / 1 responder, message kind, n-th of that kind)

@@ -22,6 +22,9 @@ EXPECTED = {
     "bench-sim": ["benchmarks/bench_sim.py"],
     "bench-node": ["benchmarks/bench_node.py"],
     "bench-diloco": ["benchmarks/bench_diloco.py"],
+    "bench-fuzz": ["benchmarks/bench_fuzz.py"],
+    "bench-byzantine": ["benchmarks/bench_byzantine.py"],
+    "bench-chaos": ["benchmarks/bench_chaos.py"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
 

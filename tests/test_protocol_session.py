@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import (
@@ -18,30 +17,17 @@ from gasloc_p2p.protocol.actions import (
     Send,
     SendPayload,
 )
-from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
+from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.memory import MemoryExchange
 from gasloc_p2p.protocol.messages import (
     ExchangeError,
-    Identity,
     PeerAborted,
     ProtocolError,
     make_header,
 )
-from gasloc_p2p.protocol.session import ExchangeSession, Rules, Stage, Timeouts
-from tests.node_helpers import NUMEL, fragments, theta0
-
-OUTER = AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
-TIMEOUTS = Timeouts(1.0, 2.0, 3.0)
-
-
-def node(name: str, seed: int, codec: str = "int8", run_id: str = "run"):
-    t0 = theta0()
-    theta = t0 + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
-    state = AsyncGaslocState(theta, t0, OUTER)
-    state.theta.add_(0.05)
-    engine = ExchangeEngine(state, t0, fragments(), NoLock(), 4)
-    rules = Rules.build(Identity(run_id, "f" * 64, name), CodecSpec.of(codec), OUTER, TIMEOUTS)
-    return rules, engine
+from gasloc_p2p.protocol.session import ExchangeSession, Stage
+from tests.node_helpers import fragments
+from tests.session_helpers import node
 
 
 def snapshot(engine: ExchangeEngine) -> list[torch.Tensor]:
