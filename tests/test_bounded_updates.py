@@ -189,3 +189,17 @@ def test_an_in_swarm_peer_with_scaled_deltas_is_rejected(corpus):
             assert honest.train_stats.train_loss < honest.train_stats.first_val_loss + 1
 
     run(main(), timeout_s=180)
+
+
+@pytest.mark.parametrize("flip", ["signflip", "random"])
+def test_a_delta_pointing_away_is_refused_whatever_its_size(flip):
+    a, b = guarded("A", 1), node("E", 3)
+    t0 = a[1].theta0
+    mine = a[1].state.theta - t0
+    g = torch.Generator().manual_seed(7)
+    delta = -mine if flip == "signflip" else torch.randn(mine.shape, generator=g) * mine.std()
+    for t in (b[1].state.theta, b[1].state.anchor):
+        t.copy_(t0 + delta)
+    with pytest.raises(ExchangeError, match="cosine"):
+        MemoryExchange(b, a, 0).run()
+    assert a[1].refs.version("E") == 0

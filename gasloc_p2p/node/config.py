@@ -131,6 +131,8 @@ class GossipConfig:
     guard_warmup: int = opt(8, "accepted exchanges per fragment before the median rule applies")
     guard_warmup_factor: float = opt(4.0, "warm-up limit: this many times the node's own scale "
                                      "(RMS of p - theta_0, at least RMS of theta_0)")
+    guard_min_cosine: float = opt(0.05, "reject a peer whose displacement from theta_0 has a "
+                                  "lower cosine with this node's (-1: off)")
     guard_backoff_s: float = opt(300.0, "leave a peer whose update was implausible alone this "
                                  "long (both directions)")
 
@@ -142,7 +144,7 @@ class GossipConfig:
     def guard_rule(self) -> GuardRule:
         """The bounded-update guard's thresholds (factor 0: off)."""
         return GuardRule(self.guard_factor, self.guard_window, self.guard_warmup,
-                         self.guard_warmup_factor)
+                         self.guard_warmup_factor, min_cosine=self.guard_min_cosine)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -167,6 +169,8 @@ class GossipConfig:
              f"{self.guard_window}]")
         need(self.guard_warmup_factor > 0, "guard_warmup_factor", self.guard_warmup_factor,
              "must be > 0")
+        need(-1 <= self.guard_min_cosine < 1, "guard_min_cosine", self.guard_min_cosine,
+             "must be in [-1, 1) (-1: off)")
         need(self.guard_backoff_s >= 0, "guard_backoff_s", self.guard_backoff_s, "must be >= 0")
         # An inbound exchange pins its peer's references: eviction must find an unpinned one.
         need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",

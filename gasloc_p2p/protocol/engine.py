@@ -138,9 +138,14 @@ class ExchangeEngine:
         mine = fragment.gather(ref_out).add_(decode(prep.encoded))
         theirs = fragment.gather(ref_in).add_(values)
         root_n = math.sqrt(max(fragment.numel, 1))
-        distance = float(theirs.sub_(mine).norm()) / root_n
-        own = max(float(mine.sub_(base).norm()), float(base.norm())) / root_n
+        distance = float((theirs - mine).norm()) / root_n
+        mine.sub_(base)
+        theirs.sub_(base)
+        own = max(float(mine.norm()), float(base.norm())) / root_n
         self.guard.screen(fragment.index, distance, own)
+        norms = float(mine.norm()) * float(theirs.norm())
+        if norms > 1e-30:  # both moved: compare directions
+            self.guard.screen_direction(fragment.index, float(mine.dot(theirs)) / norms)
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,
                pinned: Iterable[str] = ()) -> float:

@@ -14,6 +14,11 @@ The rule, per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance,
 - during the warm-up: at most ``warmup_factor`` times this node's own scale, the larger of the
   RMS of its public iterate's displacement from ``theta_0`` and the RMS of ``theta_0`` itself.
 
+Independently of the size, the peer's displacement from ``theta_0`` must point the same way
+as this node's (cosine at least ``min_cosine``): honest nodes start from one ``theta_0`` and see
+data of one distribution, so their displacements correlate; a sign-flipped delta or random
+noise does not. Both sides compute the same cosine.
+
 Values are plain floats: the engine computes them (tensor work, in a worker thread).
 """
 
@@ -38,6 +43,7 @@ class GuardRule:
     warmup: int = 8
     warmup_factor: float = 4.0
     floor: float = 0.05
+    min_cosine: float = 0.05  # of the two displacements from theta_0 (-1: off)
 
     @property
     def enabled(self) -> bool:
@@ -72,6 +78,15 @@ class UpdateGuard:
         if not distance <= limit:  # also catches NaN
             raise ImplausibleUpdate(f"implausible update: RMS distance {distance:.3g} on "
                                     f"fragment {fragment} exceeds the limit {limit:.3g}")
+
+    def screen_direction(self, fragment: int, cosine: float) -> None:
+        """ImplausibleUpdate if the peer's displacement from ``theta_0`` points away from ours
+        (a sign-flipped or random delta): honest nodes share ``theta_0`` and the data's
+        distribution, so their displacements are positively correlated."""
+        if self.rule.enabled and not cosine >= self.rule.min_cosine:
+            raise ImplausibleUpdate(f"implausible update: its displacement from theta_0 has "
+                                    f"cosine {cosine:.3f} with ours on fragment {fragment} "
+                                    f"(minimum {self.rule.min_cosine:g})")
 
     def accept(self, fragment: int, distance: float) -> None:
         """Record the RMS distance of a committed exchange."""
