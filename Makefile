@@ -8,8 +8,8 @@ STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
-	bench-node bench-diloco bench-scale bench-downloads bench-data bench-streaming reproduce \
-	proto clean
+	bench-node bench-diloco bench-scale bench-downloads bench-data bench-streaming \
+	bench-fuzz bench-byzantine bench-chaos reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -69,8 +69,18 @@ bench-data: setup
 bench-streaming: setup
 	$(PY) benchmarks/bench_streaming.py
 
+# Security figures (README, Security): each runs real node processes for minutes.
+bench-fuzz: setup
+	$(PY) benchmarks/bench_fuzz.py
+
+bench-byzantine: setup
+	$(PY) benchmarks/bench_byzantine.py
+
+bench-chaos: setup
+	$(PY) benchmarks/bench_chaos.py
+
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-downloads \
-	bench-data bench-streaming
+	bench-data bench-streaming bench-fuzz bench-byzantine bench-chaos
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from gasloc_p2p import __version__
+from gasloc_p2p.safelog import OneLineFormatter
 
 
 class Parser(argparse.ArgumentParser):
@@ -47,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level, handlers=[handler])
     return int(args.func(args) or 0)
 
 

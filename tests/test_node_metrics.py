@@ -32,6 +32,7 @@ DOCUMENTED = {
     "gasloc_exchange_duration_seconds", "gasloc_exchange_staleness_rounds",
     "gasloc_peers_known", "gasloc_peers_reachable", "gasloc_consensus_estimate",
     "gasloc_event_loop_lag_seconds", "gasloc_threads", "gasloc_info",
+    "gasloc_rollbacks", "gasloc_checkpoint_failures", "gasloc_updates_rejected",
 }
 
 

@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -74,7 +75,39 @@ def run_join(args: argparse.Namespace) -> int:
         return _fail_config("join", exc)
     import uvloop
 
-    return int(uvloop.run(_join(cfg)))
+    executor = BoundedExecutor(_EXECUTOR_THREADS, "gasloc-io")
+    code = int(uvloop.run(_join(cfg, executor)))
+    if executor.stuck():  # the interpreter would join them at exit, for as long as they block
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+class BoundedExecutor(ThreadPoolExecutor):
+    """The node's ``to_thread`` pool; ``shutdown(wait=True)`` waits at most ``limit_s``.
+
+    A worker blocked on a dead DHT process or peer (its own timeout still running) must not
+    hold the process after SIGTERM: the event loop's exit would wait for it, and so would the
+    interpreter's (``run_join`` then exits with ``os._exit``, everything else being closed).
+    """
+
+    limit_s = 3.0
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=cancel_futures)
+        if not wait:
+            return
+        deadline = time.monotonic() + self.limit_s
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if self.stuck():
+            log.info("exiting with %d worker thread(s) still blocked after %g s",
+                     len(self.stuck()), self.limit_s)
+
+    def stuck(self) -> list[str]:
+        return [t.name for t in self._threads if t.is_alive()]
 
 
 def _check_ports(cfg: NodeConfig) -> None:
@@ -90,11 +123,11 @@ def _check_ports(cfg: NodeConfig) -> None:
         check_bindable(m.metrics_host or net.host, m.metrics_port, "--metrics-port", "/metrics")
 
 
-async def _join(cfg: NodeConfig) -> int:
+async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
     from gasloc_p2p.node.runtime.daemon import Node
 
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(ThreadPoolExecutor(_EXECUTOR_THREADS, "gasloc-io"))
+    loop.set_default_executor(executor)
     node = Node(cfg)
     signals = 0
 
@@ -116,6 +149,9 @@ async def _join(cfg: NodeConfig) -> int:
     except Exception as exc:
         log.error("node failed: %s: %s", type(exc).__name__, exc)
         log.debug("details", exc_info=True)
+        return 1
+    if node.checkpoint_problem:  # the run went on, but a restart would lose all of it
+        log.error("%s", node.checkpoint_problem)
         return 1
     return 1 if node.error else 0
 

@@ -24,6 +24,7 @@ from gasloc_p2p.data.stream import stream_files
 from gasloc_p2p.model import GPTConfig
 from gasloc_p2p.model_spec import BUILTIN, PRESETS, ModelSource, gpt_config
 from gasloc_p2p.protocol.auth import read_swarm_key
+from gasloc_p2p.protocol.guard import GuardRule
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 FRAGMENT_ORDERS = ("round-robin", "random")
@@ -72,6 +73,8 @@ class TrainConfig:
     max_time_s: float = opt(0.0, "stop after this many seconds (0: run until stopped)")
     eval_interval_steps: int = opt(100, "validation loss every this many inner steps")
     eval_batches: int = opt(8, "held-out batches per validation (fixed, same on every node)")
+    max_rollbacks: int = opt(3, "non-finite losses rolled back to the last good anchor before "
+                             "the node gives up and stops")
 
     def gpt(self, vocab_size: int = 256) -> GPTConfig:
         """The built-in GPT's config (a preset's depth, width and heads if --model names one)."""
@@ -200,6 +203,16 @@ class GossipConfig:
     exchange_timeout_s: float = opt(120.0, "deadline of a whole exchange")
     init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any")
     download_timeout_s: float = opt(60.0, "deadline of a state download")
+    guard_factor: float = opt(8.0, "reject a peer's update whose RMS distance exceeds this many "
+                              "times the median of recent accepted ones (0: no guard)")
+    guard_window: int = opt(32, "accepted exchanges per fragment the guard's median covers")
+    guard_warmup: int = opt(8, "accepted exchanges per fragment before the median rule applies")
+    guard_warmup_factor: float = opt(4.0, "warm-up limit: this many times the node's own scale "
+                                     "(RMS of p - theta_0, at least RMS of theta_0)")
+    guard_min_cosine: float = opt(0.05, "reject a peer whose displacement from theta_0 has a "
+                                  "lower cosine with this node's (-1: off)")
+    guard_backoff_s: float = opt(300.0, "leave a peer whose update was implausible alone this "
+                                 "long (both directions)")
 
     @property
     def codec_spec(self) -> CodecSpec:
@@ -210,6 +223,11 @@ class GossipConfig:
     def reference_scheme(self) -> str:
         """``references`` with ``auto`` resolved for this node's codec."""
         return resolve_references(self.references, self.codec)
+
+    def guard_rule(self) -> GuardRule:
+        """The bounded-update guard's thresholds (factor 0: off)."""
+        return GuardRule(self.guard_factor, self.guard_window, self.guard_warmup,
+                         self.guard_warmup_factor, min_cosine=self.guard_min_cosine)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -236,6 +254,16 @@ class GossipConfig:
               "must be >= 0 (0: no minimum)")
         need(self.transfer_grace_s >= 0, "transfer_grace_s", self.transfer_grace_s,
               "must be >= 0")
+        need(self.guard_factor == 0 or self.guard_factor >= 2, "guard_factor", self.guard_factor,
+             "must be 0 (off) or >= 2 (honest distances vary by about 2x)")
+        need(self.guard_window >= 1 and 0 <= self.guard_warmup <= self.guard_window,
+             "guard_warmup", self.guard_warmup, f"must be in [0, --guard-window="
+             f"{self.guard_window}]")
+        need(self.guard_warmup_factor > 0, "guard_warmup_factor", self.guard_warmup_factor,
+             "must be > 0")
+        need(-1 <= self.guard_min_cosine < 1, "guard_min_cosine", self.guard_min_cosine,
+             "must be in [-1, 1) (-1: off)")
+        need(self.guard_backoff_s >= 0, "guard_backoff_s", self.guard_backoff_s, "must be >= 0")
         # An inbound exchange pins its peer's references: eviction must find an unpinned one.
         need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",
               self.reference_capacity, f"must exceed --max-inbound + 1 = {self.max_inbound + 1}")

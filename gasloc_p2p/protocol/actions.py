@@ -59,12 +59,14 @@ class SendPayload:
 
 @dataclass(frozen=True, eq=False)
 class Check:
-    """Run ``engine.check``; then call ``checked`` (or ``check_failed`` on ValueError)."""
+    """Run ``engine.check`` (with ``prep``: also the bounded-update guard); then call
+    ``checked`` (or ``check_failed`` on ValueError)."""
 
     codec: CodecSpec
     numel: int
     payload: bytearray
     crc32: int
+    prep: Prepared | None = None  # our half, for the guard
 
 
 @dataclass(frozen=True)

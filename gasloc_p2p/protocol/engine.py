@@ -29,11 +29,17 @@ from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
 from gasloc_p2p.core.feedback import FEEDBACK_SPEC, make_scheme
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.references import LinkScheme
+from gasloc_p2p.protocol.guard import UpdateGuard
 
 DEFAULT_SCHEME = "feedback"  # see gasloc_p2p.core.feedback.resolve_references
 # Scratch of the fused loops: 2^18 float32 (1 MiB) stays in a core's L2; bigger chunks were
 # slower on a 2-core EPYC, smaller ones paid per-op overhead (see benchmarks/bench_scale.py).
 CHUNK_ELEMS = 1 << 18
+
+# No parameter or delta of a trained network is anywhere near this: a payload that decodes to
+# larger values (a finite fp32 offset of 1e30, an int8 block scale of 3e38) is rejected.
+MAX_ABS_VALUE = 1e6
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +102,7 @@ class ExchangeEngine:
         """Switch the reference scheme (before any exchange: all references restart)."""
         if name != self.refs.name:
             self.refs = make_scheme(name, self.theta0, self.capacity)
+        self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
 
     def link_version(self, peer_id: str) -> int:
         with self._refs_lock:
@@ -130,8 +137,10 @@ class ExchangeEngine:
                         zlib.crc32(payload))
 
     def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray,
-              crc32: int) -> Encoded:
-        """Parse the peer's payload; ValueError if it is corrupt or would decode to NaN/Inf.
+              crc32: int, prep: Prepared | None = None) -> Encoded:
+        """Parse the peer's payload; ValueError if it is corrupt or would decode to NaN/Inf or
+        to values beyond ``MAX_ABS_VALUE``; with ``prep`` (our half) and a guard,
+        :class:`ImplausibleUpdate` if the correction it implies is implausibly large.
 
         A bytearray payload is used in place (the session hands over its receive buffer).
         """
@@ -140,7 +149,50 @@ class ExchangeEngine:
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
         received = received.to(self.theta0.device)  # decoded where the model lives
         spec.codec().check_decodable(received)
+        if prep is not None and self.guard is not None and self.guard.rule.enabled:
+            self.screen(prep, received)
+        elif numel:  # the absolute bound, without a decode where the scales tell it
+            self._bounded(spec, received)
         return received
+
+    @staticmethod
+    def _bounded(spec: CodecSpec, received: Encoded) -> None:
+        codec = spec.codec()
+        if spec.block_size:  # |x| <= scale * the largest code
+            top = float(received.scales.amax()) * float(getattr(codec, "_max_code", 1.0))
+        else:
+            top = float(codec.decode(received).abs().amax())
+        if top > MAX_ABS_VALUE:
+            raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
+                             f"{MAX_ABS_VALUE:g})")
+
+    def screen(self, prep: Prepared, received: Encoded) -> None:
+        """ImplausibleUpdate if the pair's references after this commit (what each side will
+        hold of the other, computed identically by the peer) are implausibly far apart, or
+        their displacements from ``theta_0`` point different ways; changes nothing."""
+        assert self.guard is not None
+        fragment, codec = prep.fragment, prep.encoded.spec.codec()
+        mine, theirs = codec.decode(prep.encoded), codec.decode(received)
+        top = float(theirs.abs().amax()) if theirs.numel() else 0.0
+        if top > MAX_ABS_VALUE:
+            raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
+                             f"{MAX_ABS_VALUE:g})")
+        base = fragment.gather(self.theta0)
+        if isinstance(self.refs, LinkScheme):  # deltas against per-peer references
+            with self._refs_lock:
+                link = (self.refs.get(prep.peer_id)
+                        if prep.peer_id in self.refs and not prep.reset else None)
+            mine.add_(fragment.gather(link.ref_out) if link is not None else base)
+            theirs.add_(fragment.gather(link.ref_in) if link is not None else base)
+        root_n = math.sqrt(max(fragment.numel, 1))
+        distance = float((theirs - mine).norm()) / root_n
+        mine.sub_(base)
+        theirs.sub_(base)
+        own = max(float(mine.norm()), float(base.norm())) / root_n
+        self.guard.screen(fragment.index, distance, own)
+        norms = float(mine.norm()) * float(theirs.norm())
+        if norms > 1e-30:  # both moved: compare directions
+            self.guard.screen_direction(fragment.index, float(mine.dot(theirs)) / norms)
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,
                pinned: Iterable[str] = ()) -> float:
@@ -170,7 +222,11 @@ class ExchangeEngine:
                         anchor[start : start + length].add_(c[o : o + length])
                         theta[start : start + length].add_(c[o : o + length])
             folder.done()
-        return math.sqrt(square)
+        norm = math.sqrt(square)
+        if self.guard is not None and weight > 0:  # the pair distance, without w
+            self.guard.accept(fragment.index,
+                              norm / (weight * math.sqrt(max(fragment.numel, 1))))
+        return norm
 
 
 def chunk_elems(spec: CodecSpec) -> int:

@@ -15,6 +15,7 @@ from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
 from gasloc_p2p.protocol.engine import Prepared
+from gasloc_p2p.safelog import safe
 
 # 3: signed headers, commits and requests (protocol/auth.py), and the Header names the
 # reference scheme ("feedback" payloads are not deltas)
@@ -41,7 +42,8 @@ class ExchangeError(Exception):
     """An exchange failed; nothing was applied. ``code`` is a ``RejectCode`` value."""
 
     def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{code_name(code)}: {message}")
+        # the message may come from the peer (Reject, Abort): escaped, it cannot forge log lines
+        super().__init__(f"{code_name(code)}: {safe(message, 200)}")
         self.code = code
         self.message = message
 
@@ -59,6 +61,11 @@ class ProtocolError(ExchangeError):
 
     def __init__(self, message: str, code: int = BAD_REQUEST) -> None:
         super().__init__(code, message)
+
+
+class ImplausiblePayload(ProtocolError):
+    """The peer's payload implies an implausibly large correction (the bounded-update guard):
+    we abort before Commit and back the peer off."""
 
 
 class MessageStream(Protocol):

@@ -47,6 +47,7 @@ from gasloc_p2p.protocol.actions import (
 )
 from gasloc_p2p.protocol.auth import new_nonce
 from gasloc_p2p.protocol.engine import ExchangeEngine, Prepared
+from gasloc_p2p.protocol.guard import ImplausibleUpdate
 from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
     BUSY,
@@ -56,6 +57,7 @@ from gasloc_p2p.protocol.messages import (
     UNAUTHENTICATED,
     ExchangeError,
     Identity,
+    ImplausiblePayload,
     PeerAborted,
     ProtocolError,
     Rejected,
@@ -256,6 +258,10 @@ class ExchangeSession:
         return [Send(ready), *self._maybe_flush()]
 
     def check_failed(self, exc: Exception) -> list[Action]:
+        """Abort (before Ready, so the peer cannot commit either): a bad or implausible
+        payload."""
+        if isinstance(exc, ImplausibleUpdate):
+            raise ImplausiblePayload(str(exc))
         raise ProtocolError(f"bad payload: {exc}")
 
     def payload_sent(self) -> list[Action]:
@@ -362,7 +368,8 @@ class ExchangeSession:
         self._filled += len(data)
         if self._filled < peer.payload_bytes:
             return []
-        return [Check(header_codec(peer), peer.fragment_numel, self._buf, peer.payload_crc32)]
+        return [Check(header_codec(peer), peer.fragment_numel, self._buf, peer.payload_crc32,
+                      self._prep)]
 
     def _replacement_header(self, new: pb.Header, old: pb.Header) -> pb.Header:
         problem = check_header(new, self.rules.me, self.engine.fragments, self.rules.accepted,

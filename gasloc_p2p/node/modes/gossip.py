@@ -35,6 +35,7 @@ from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
+from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
@@ -150,7 +151,8 @@ class GossipLoop:
         until one exchange commits, fails, or no candidate is left."""
         tried: list[str] = []
         for _ in range(self.cfg.busy_retries + 1):
-            options = self.book.candidates([*tried, *self.exchanger.inflight])
+            exclude = [*tried, *self.exchanger.inflight, *self.exchanger.penalized()]
+            options = self.book.candidates(exclude)
             if not options:
                 return None
             picks = self.rng.sample(options, min(len(options), self.cfg.connect_fanout))
@@ -210,7 +212,7 @@ class GossipLoop:
         self.exchanger.stats.failed += 1
         self.exchanger.stats.failures[f"outbound:{type(exc).__name__}"] += 1
         seconds = self.book.failed(peer, self.cfg.backoff_s, self.cfg.max_backoff_s)
-        log.debug("exchange with %r failed (backoff %.0f s): %s", peer.peer_id, seconds, exc)
+        log.debug("exchange with %s failed (backoff %.0f s): %s", safe(peer.peer_id), seconds, exc)
 
 
 class ConnectFailed(ExchangeError):

@@ -17,8 +17,11 @@ gasloc_rounds_total                    counter    round ends (outer updates)
 gasloc_train_loss                      gauge      loss of the last inner step
 gasloc_val_loss                        gauge      last validation loss (fixed held-out batches)
 gasloc_tokens_per_second               gauge      training throughput (EMA over steps)
+gasloc_rollbacks_total                 counter    non-finite losses rolled back to a good anchor
+gasloc_checkpoint_failures_total       counter    checkpoints that could not be written
 gasloc_exchanges_total{outcome}        counter    gossip exchanges by outcome, see OUTCOMES
 gasloc_exchanges_by_role_total{role}   counter    committed exchanges, role initiator|responder
+gasloc_updates_rejected_total          counter    exchanges aborted: implausibly large update
 gasloc_sent_bytes_total{codec}         counter    payload bytes sent (Chunk data), by codec
 gasloc_received_bytes_total{codec}     counter    payload bytes received, by codec
 gasloc_exchange_duration_seconds       histogram  wall time of committed exchanges, both roles
@@ -130,6 +133,12 @@ class NodeCollector(Collector):
         yield CounterMetricFamily("gasloc_train_steps", "Inner optimizer steps.", value=t.step)
         yield CounterMetricFamily("gasloc_tokens", "Training tokens consumed.", value=t.tokens)
         yield CounterMetricFamily("gasloc_rounds", "Round ends (outer updates).", value=t.rounds)
+        for name, doc, n in (
+                ("gasloc_rollbacks", "Non-finite losses rolled back to the last good round end.",
+                 t.rollbacks),
+                ("gasloc_checkpoint_failures", "Checkpoints that could not be written.",
+                 t.checkpoint_failures)):
+            yield CounterMetricFamily(name, doc, value=n)
         yield GaugeMetricFamily("gasloc_tokens_per_second", "Training throughput (EMA).",
                                 value=t.tokens_per_s)
         for name, doc, value in (("gasloc_train_loss", "Loss of the last inner step.",
@@ -153,6 +162,9 @@ class NodeCollector(Collector):
         for role, n in zip(ROLES, (x.ok_initiator, x.ok_responder), strict=True):
             roles.add_metric([role], n)
         yield roles
+        yield CounterMetricFamily("gasloc_updates_rejected", "Exchanges aborted because the "
+                                  "peer's update was implausibly large (bounded updates).",
+                                  value=x.implausible)
         for name, doc, by_codec in (
                 ("gasloc_sent_bytes", "Payload bytes sent, by codec.", x.sent_by_codec),
                 ("gasloc_received_bytes", "Payload bytes received, by codec.",

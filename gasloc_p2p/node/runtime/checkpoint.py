@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 
 log = logging.getLogger(__name__)
 FILENAME = "node.pt"
+MAX_ABS_VALUE = 1e6  # as the exchange engine's limit on decoded values
 
 
 class CheckpointError(RuntimeError):
@@ -52,6 +54,52 @@ def save_atomic(payload: dict[str, Any], directory: str | Path) -> Path:
         raise CheckpointError(f"checkpoint to {target} failed ({exc.strerror}); the previous "
                               f"checkpoint is kept; {hint}") from exc
     return target
+
+
+_TENSORS = ("theta", "anchor", "memory")
+_FIELDS = ("fingerprint", "step", "rounds", "tokens", "momentum", "optimizer", "generator",
+           *_TENSORS)
+
+
+def validate(payload: dict[str, Any], fingerprint: str, numel: int, path: str | Path) -> None:
+    """CheckpointError (one line) unless ``payload`` is this model's, complete and finite.
+
+    A checkpoint holding NaN or huge values would load and crash at the first step: under a
+    restart policy, a crash loop. Optimizer moments are checked too (a NaN there is as fatal).
+    """
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path} is unusable: {why}; move it away to start "
+                               "fresh (or resume another one)")
+
+    missing = [k for k in _FIELDS if k not in payload]
+    if missing:
+        raise bad(f"missing {', '.join(missing)}")
+    if payload["fingerprint"] != fingerprint:
+        raise bad("it belongs to another model (fingerprint differs): use the same model "
+                  "flags and --seed, or another --checkpoint-dir")
+    for name in _TENSORS:
+        t = payload[name]
+        if not isinstance(t, torch.Tensor) or t.shape != (numel,):
+            shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise bad(f"{name} has shape {shape}, the model needs [{numel}]")
+        _check_values(t, name, bad)
+    for key, t in _optimizer_tensors(payload["optimizer"]):
+        _check_values(t, f"optimizer {key}", bad)
+
+
+def _check_values(t: torch.Tensor, name: str, bad: Any) -> None:
+    if t.numel() and t.is_floating_point():
+        hi, lo = float(t.amax()), float(t.amin())
+        if not (math.isfinite(hi) and math.isfinite(lo)):
+            raise bad(f"{name} holds NaN or Inf")
+        if max(hi, -lo) > MAX_ABS_VALUE:
+            raise bad(f"{name} holds values up to {max(hi, -lo):.3g} (limit {MAX_ABS_VALUE:g})")
+
+
+def _optimizer_tensors(state_dict: Any) -> list[tuple[str, torch.Tensor]]:
+    state = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
+    return [(f"{k}.{name}", t) for k, per in state.items() if isinstance(per, dict)
+            for name, t in per.items() if isinstance(t, torch.Tensor) and t.dim() > 0]
 
 
 def load(directory: str | Path) -> dict[str, Any] | None:

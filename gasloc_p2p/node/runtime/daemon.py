@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import socket
 import threading
 import time
@@ -30,6 +31,7 @@ from gasloc_p2p.node.modes.base import Mode, ModeContext
 from gasloc_p2p.node.modes.gossip import compatible_codecs
 from gasloc_p2p.node.modes.registry import make_mode
 from gasloc_p2p.node.observability.metrics import NodeMetrics
+from gasloc_p2p.node.runtime import bootstrap
 from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.clock import Clock, WallClock, every
 from gasloc_p2p.node.runtime.lock import TrainingLock
@@ -47,8 +49,10 @@ from gasloc_p2p.node.transport.service import (
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.auth import Signer, load_or_create_identity
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
+from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
+MAX_DONORS = 4  # state downloads tried at start-up before starting from theta_0
 
 
 class Node:
@@ -170,6 +174,9 @@ class Node:
         if cp.checkpoint_dir and cp.resume:
             saved = await asyncio.to_thread(ckpt.load, cp.checkpoint_dir)
             if saved is not None:
+                await asyncio.to_thread(ckpt.validate, saved, self.trainer.fingerprint,
+                                        self.trainer.flat.numel,
+                                        ckpt.checkpoint_path(cp.checkpoint_dir))
                 await asyncio.to_thread(self.trainer.restore, saved)
                 log.info("resumed from %s at step %d", ckpt.checkpoint_path(cp.checkpoint_dir),
                          self.train_stats.step)
@@ -178,21 +185,45 @@ class Node:
             await self._download_from_swarm()
 
     async def _download_from_swarm(self) -> None:
+        """Adopt a peer's state only when two donors agree (see ``runtime/bootstrap.py``)."""
         assert self.trainer is not None
         await self._refresh_peers()
-        peers = sorted(self.mode.candidates(self.peers), key=lambda p: -p.step)
-        for peer in peers[:3]:
-            try:
-                stub = self.channels.stub(peer.endpoint)
-                meta, params, memory = await download_state(
-                    stub, self.me, self.cfg.gossip.download_timeout_s)
-                await asyncio.to_thread(self.trainer.adopt, params, memory)
-                self.mode.adopted(meta)
-                log.info("starting from the state of %s (its step %d)", peer.peer_id, meta.step)
-                return
-            except Exception as exc:  # any failure: try the next peer, then theta_0
-                log.warning("state download from %s failed: %s", peer.peer_id, exc)
-        log.info("starting from theta_0 (%s)", "no peer yet" if not peers else "no download")
+        peers = list(self.mode.candidates(self.peers))
+        random.shuffle(peers)  # never chosen by their self-announced step
+        numel, states = self.trainer.flat.numel, []
+        for peer in peers[:MAX_DONORS]:
+            state = await self._download(peer, numel)
+            if state is None:
+                continue
+            states.append(state)
+            chosen = bootstrap.choose(states, self.trainer.theta0)
+            if chosen is not None:
+                return await self._adopt(chosen, f"{len(states)} donors, two agree")
+        if len(states) == 1 and len(peers) == 1:
+            return await self._adopt(states[0], "the only peer: unverified")
+        log.info("starting from theta_0 (%s)", "no peer yet" if not peers else
+                 "no download" if not states else f"{len(states)} donors disagree")
+
+    async def _download(self, peer: PeerInfo, numel: int) -> bootstrap.Candidate | None:
+        try:
+            meta, params, memory = await download_state(
+                self.channels.stub(peer.endpoint), self.me, self.cfg.gossip.download_timeout_s)
+        except Exception as exc:  # any failure: try the next donor
+            log.warning("state download from %s failed: %s", safe(peer.peer_id), exc)
+            return None
+        state = bootstrap.Candidate(peer.peer_id, meta.step, params, memory, meta)
+        why = await asyncio.to_thread(bootstrap.problem, state, numel)
+        if why:
+            log.warning("state of %s rejected: %s", safe(peer.peer_id), why)
+            return None
+        return state
+
+    async def _adopt(self, state: bootstrap.Candidate, why: str) -> None:
+        assert self.trainer is not None
+        await asyncio.to_thread(self.trainer.adopt, state.params, state.memory)
+        self.mode.adopted(state.meta)
+        log.info("starting from the state of %s (its step %d; %s)", safe(state.peer_id),
+                 state.step, why)
 
     async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
         net = self.cfg.network
@@ -274,7 +305,7 @@ class Node:
             reply = await self.channels.stub(endpoint).Info(
                 pb.InfoRequest(), timeout=self.cfg.network.connect_timeout_s)
         except (grpc.RpcError, OSError, ValueError) as exc:
-            log.debug("dial-back to %s failed: %s", endpoint, exc)
+            log.debug("dial-back to %s failed: %s", safe(endpoint), exc)
             return False
         return bool(reply.peer_id == peer_id)
 
@@ -292,7 +323,7 @@ class Node:
                 info_request(self.signer, self.endpoint),
                 timeout=self.cfg.network.info_timeout_s + self.cfg.network.connect_timeout_s)
         except (grpc.RpcError, OSError) as exc:
-            log.debug("reachability check via %s failed: %s", peer.peer_id, exc)
+            log.debug("reachability check via %s failed: %s", safe(peer.peer_id), exc)
             return None
         return bool(reply.probe_ok) if reply.authenticated else None
 
@@ -320,9 +351,21 @@ class Node:
         try:
             path = await asyncio.to_thread(ckpt.save_atomic, payload,
                                            self.cfg.checkpoint.checkpoint_dir)
+            self.train_stats.checkpoints_written += 1
             log.debug("checkpoint written to %s at step %d", path, payload["step"])
         except ckpt.CheckpointError as exc:
-            log.error("%s", exc)
+            self.train_stats.checkpoint_failures += 1
+            log.warning("%s (gasloc_checkpoint_failures_total %d)", exc,
+                        self.train_stats.checkpoint_failures)
+
+    @property
+    def checkpoint_problem(self) -> str:
+        """One line if checkpoints were asked for and none could be written (else "")."""
+        t, where = self.train_stats, self.cfg.checkpoint.checkpoint_dir
+        if where and t.checkpoint_failures and not t.checkpoints_written:
+            return (f"no checkpoint could be written to {where} ({t.checkpoint_failures} "
+                    "attempts failed; see the warnings above)")
+        return ""
 
     async def _progress(self) -> None:
         self._log_progress()
@@ -385,8 +428,16 @@ async def _cancel_all(tasks: list[asyncio.Task[None]], recheck_s: float = 1.0) -
                         task.get_name())
 
 
+SLOW_TEARDOWN_S = 1.0  # teardown steps slower than this are logged at INFO
+
+
 async def _timed(name: str, fn: Callable[[], Awaitable[None]]) -> None:
-    """Run one teardown step, logging its duration (slow shutdowns are worth knowing about)."""
+    """Run one teardown step, logging its duration (slow shutdowns are worth knowing about:
+    at INFO beyond ``SLOW_TEARDOWN_S``, also when the step fails)."""
     t0 = time.monotonic()
-    await fn()
-    log.debug("%s took %.2f s", name, time.monotonic() - t0)
+    try:
+        await fn()
+    finally:
+        took = time.monotonic() - t0
+        log.log(logging.INFO if took > SLOW_TEARDOWN_S else logging.DEBUG, "stop: %s took "
+                "%.2f s", name, took)

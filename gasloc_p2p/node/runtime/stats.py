@@ -47,6 +47,7 @@ class ExchangeStats:
     failed: int = 0
     busy: int = 0  # our attempts answered BUSY (not failures)
     rejected_inbound: int = 0  # inbound exchanges we refused (BUSY or incompatible)
+    implausible: int = 0  # exchanges aborted by the bounded-update guard (either side)
     bytes_sent: int = 0
     bytes_received: int = 0
     staleness: Counter[int] = field(default_factory=Counter)  # round ends spanned -> count
@@ -103,6 +104,9 @@ class TrainStats:
     train_loss: float = math.nan
     val_loss: float = math.nan
     first_val_loss: float = math.nan
+    rollbacks: int = 0  # non-finite losses rolled back to the last good round end
+    checkpoints_written: int = 0
+    checkpoint_failures: int = 0  # checkpoints that could not be written
     running: bool = False
     error: str = ""
 

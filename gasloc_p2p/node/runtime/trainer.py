@@ -115,6 +115,7 @@ class Trainer:
         self.finished = threading.Event()
         self.round_end = round_end
         self.round_end_every_step = False  # a mode's callback after every step (streaming)
+        self._good: tuple[torch.Tensor, torch.Tensor] | None = None  # (anchor, memory)
 
     def load_data(self, data_seed: int) -> None:
         """Start sampling this node's batches with ``data_seed`` (the data is loaded already)."""
@@ -163,8 +164,8 @@ class Trainer:
                 self.state.round_end()
                 st.rounds = self.state.rounds
         if not math.isfinite(float(loss.detach())):
-            raise FloatingPointError(f"training diverged: loss {float(loss.detach())} at step "
-                                     f"{st.step}; lower --lr or --gamma, or resume a checkpoint")
+            self._roll_back(float(loss.detach()))
+            return float(loss.detach())
         dt = time.perf_counter() - t0
         st.step_time_s = dt if st.step_time_s == 0 else _EMA * st.step_time_s + (1 - _EMA) * dt
         st.tokens += y.numel()
@@ -172,7 +173,40 @@ class Trainer:
         st.train_loss = float(loss.detach())
         if self.round_end is not None and (round_end or self.round_end_every_step):
             self.round_end()  # after the timing: tokens/s stays compute throughput
+        if round_end or self._good is None:
+            self._keep_good()
         return st.train_loss
+
+    # ------------------------------------------------------------------ rollback
+    def _keep_good(self) -> None:
+        """Remember the anchor and outer memory of a round end reached with a finite loss."""
+        with self.lock.urgent():
+            st = self.state
+            if not math.isfinite(float(st.anchor.sum())):
+                return  # never keep a bad anchor as the good one
+            if self._good is None:
+                self._good = (st.anchor.clone(), st.memory.clone())
+            else:
+                self._good[0].copy_(st.anchor)
+                self._good[1].copy_(st.memory)
+
+    def _roll_back(self, loss: float) -> None:
+        """A non-finite loss: back to the last good anchor with fresh AdamW moments, at most
+        ``max_rollbacks`` times (then FloatingPointError: the node stops)."""
+        st = self.stats
+        if self._good is None or st.rollbacks >= self.cfg.max_rollbacks:
+            raise FloatingPointError(f"training diverged: loss {loss} at step {st.step} "
+                                     f"after {st.rollbacks} rollback(s); lower --lr or --gamma, "
+                                     "or resume a checkpoint")
+        with self.lock.urgent():
+            anchor, memory = self._good
+            self.state.theta.copy_(anchor)
+            self.state.anchor.copy_(anchor)
+            self.state.memory.copy_(memory)
+            self.optimizer.state.clear()  # the moments may hold NaN too
+        st.rollbacks += 1
+        log.warning("loss %s at step %d: rolled back to the last good anchor (rollback %d of "
+                    "at most %d)", loss, st.step, st.rollbacks, self.cfg.max_rollbacks)
 
     def _evaluate(self) -> None:
         with self.inner.autocast():
@@ -223,6 +257,7 @@ class Trainer:
             self.stats.tokens = int(ckpt["tokens"])
             self.stats.val_loss = float(ckpt["val_loss"])
             self.stats.first_val_loss = float(ckpt["first_val_loss"])
+            self._good = None
 
     def adopt(self, params: torch.Tensor, memory: torch.Tensor) -> None:
         """Start from a peer's public iterate and outer memory (late join).
@@ -237,3 +272,4 @@ class Trainer:
             self.state.theta.copy_(params)
             self.state.anchor.copy_(params)
             self.state.memory.copy_(memory)
+            self._good = None

@@ -44,22 +44,26 @@ from gasloc_p2p.protocol.actions import (
     SendPayload,
 )
 from gasloc_p2p.protocol.engine import ExchangeEngine
+from gasloc_p2p.protocol.guard import UpdateGuard
 from gasloc_p2p.protocol.messages import (
     BUSY,
     MAX_CHUNK_BYTES,
     ExchangeError,
     Identity,
+    ImplausiblePayload,
     MessageStream,
     ProtocolError,
     chunks,
 )
 from gasloc_p2p.protocol.session import ExchangeSession, Rules, Stage, Timeouts
+from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
 
 # Opens an Exchange call on the peer: a MessageStream that also has done_writing/cancel/code.
 CallFactory = Callable[[], Any]
 Write = Callable[[pb.ExchangeMsg], Awaitable[None]]
+_MAX_PENALIZED = 1024  # peers remembered as penalized (bounded memory)
 
 
 class GossipTransport:
@@ -78,6 +82,24 @@ class GossipTransport:
         self.inbound = 0
         self.accepting = True
         self._guards: dict[int, RateGuard] = {}  # minimum-rate state of the running sessions
+        engine.guard = UpdateGuard(gossip.guard_rule()) if gossip.guard_factor > 0 else None
+        self._penalized: dict[str, float] = {}  # peer -> monotonic time its penalty ends
+
+    def penalized(self) -> list[str]:
+        """Peers left alone (both directions) after an implausible update."""
+        now = time.monotonic()
+        for peer in [p for p, until in self._penalized.items() if until <= now]:
+            del self._penalized[peer]
+        return list(self._penalized)
+
+    def _implausible(self, peer_id: str, exc: BaseException) -> None:
+        """Our guard rejected ``peer_id``'s update: back it off in both directions."""
+        self.stats.implausible += 1
+        if len(self._penalized) >= _MAX_PENALIZED:  # bounded: forget the oldest
+            self._penalized.pop(next(iter(self._penalized)))
+        self._penalized[peer_id] = time.monotonic() + self.cfg.guard_backoff_s
+        log.warning("peer %s sent an implausible update (%s); leaving it alone for %g s",
+                    safe(peer_id), exc, self.cfg.guard_backoff_s)
 
     @property
     def cfg(self) -> GossipConfig:
@@ -115,6 +137,8 @@ class GossipTransport:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
                 apply = await self._pump(call, session, first)
         except BaseException as exc:
+            if isinstance(exc, ImplausiblePayload):
+                self._implausible(peer_id, exc)
             lost = isinstance(exc, grpc.RpcError | asyncio.CancelledError)
             for act in session.fail(exc, transport_lost=lost):
                 await self._try_write(call, _message(act))
@@ -146,11 +170,12 @@ class GossipTransport:
             return
         if actions and isinstance(actions[0], Admit):
             peer = actions[0].peer_id
-            if not self.accepting or self.inbound >= self.cfg.max_inbound or peer in self.inflight:
+            if (not self.accepting or self.inbound >= self.cfg.max_inbound
+                    or peer in self.inflight or peer in self.penalized()):
                 actions = session.refused()
         if session.stage is Stage.REJECTED:
             self.stats.rejected_inbound += 1
-            log.debug("rejecting %s: %s", session.peer_id or "?", session.problem)
+            log.debug("rejecting %s: %s", safe(session.peer_id or "?"), session.problem)
             await self._try_write(stream, _message(actions[0]))
             return
         self.inflight.add(session.peer_id)
@@ -163,9 +188,11 @@ class GossipTransport:
             raise
         except Exception as exc:  # peer errors, timeouts, our own failures: nothing applied
             self._fail("inbound", exc)
+            if isinstance(exc, ImplausiblePayload):
+                self._implausible(session.peer_id, exc)
             if not isinstance(exc, ExchangeError | TimeoutError | grpc.RpcError):
                 log.warning("inbound exchange from %s failed on this side: %r",
-                            session.peer_id, exc)
+                            safe(session.peer_id), exc)
             for act in session.fail(exc):
                 await self._try_write(stream, _message(act))
         finally:
@@ -236,7 +263,7 @@ class GossipTransport:
         if isinstance(act, Check):
             try:
                 received = await asyncio.to_thread(self.engine.check, act.codec, act.numel,
-                                                   act.payload, act.crc32)
+                                                   act.payload, act.crc32, act.prep)
             except ValueError as exc:
                 return session.check_failed(exc)
             return session.checked(received)
@@ -302,7 +329,7 @@ class GossipTransport:
         st.staleness[outcome.staleness] += 1
         st.last_correction_norm = outcome.correction_norm
         log.debug("exchange %s %s frag %d staleness %d w %.3g |c| %.3g",
-                  "to" if initiator else "from", outcome.peer_id[:12], outcome.fragment,
+                  "to" if initiator else "from", safe(outcome.peer_id[:12]), outcome.fragment,
                   outcome.staleness, outcome.weight, outcome.correction_norm)
         return outcome
 

@@ -1,0 +1,205 @@
+"""Bounded updates: the guard's rule, decode-time sanity, and injections against live nodes.
+
+An outsider with a hand-written client (nothing but the .proto) sends finite offsets of 1e4
+and 1e30, and an int8 payload with a block scale of 3e38; an in-swarm peer running the real
+protocol sends scaled deltas. The target must reject them all before anything is applied,
+keep training, and keep its loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+import zlib
+
+import pytest
+import torch
+
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
+from gasloc_p2p.node.runtime.daemon import Node
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.guard import GuardRule, ImplausibleUpdate, UpdateGuard
+from gasloc_p2p.protocol.memory import MemoryExchange
+from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, ExchangeError
+from tests.daemon_helpers import tiny_config
+from tests.node_helpers import run, scaled, wait_until
+from tests.session_helpers import node
+
+
+def test_guard_rule_warmup_median_and_floor():
+    guard = UpdateGuard(GuardRule(factor=8, window=4, warmup=3, warmup_factor=4, floor=0.05))
+    guard.screen(0, 3.9, own_scale=1.0)  # warm-up: 4x own scale
+    with pytest.raises(ImplausibleUpdate):
+        guard.screen(0, 4.1, own_scale=1.0)
+    for d in (0.1, 0.2, 0.1):
+        guard.accept(0, d)
+    guard.screen(0, 0.8, own_scale=1.0)  # 8 x median 0.1
+    with pytest.raises(ImplausibleUpdate):
+        guard.screen(0, 0.81, own_scale=1.0)
+    with pytest.raises(ImplausibleUpdate):
+        guard.screen(0, math.nan, own_scale=1.0)
+    guard.screen(1, 3.0, own_scale=1.0)  # per fragment: fragment 1 is still warming up
+    for _ in range(4):
+        guard.accept(0, 0.0)  # a swarm in perfect consensus: the floor still admits a little
+    guard.screen(0, 0.05, own_scale=1.0)
+    UpdateGuard(GuardRule(factor=0)).screen(0, 1e30, own_scale=1.0)  # off
+
+
+def guarded(name: str, seed: int, rule: GuardRule | None = None):
+    rules, engine = node(name, seed)
+    engine.guard = UpdateGuard(rule or GuardRule())
+    return rules, engine
+
+
+def drift(engine, seed: int, scale: float = 0.02) -> None:
+    g = torch.Generator().manual_seed(seed)
+    engine.state.theta.add_(scale * torch.randn(engine.state.theta.shape, generator=g))
+
+
+@pytest.mark.parametrize("attacker_initiates", [True, False])
+@pytest.mark.parametrize("offset", [1e4, 10.0])  # theta_0 here has RMS 1: limit 4
+def test_a_large_offset_is_refused_before_commit_on_both_sides(attacker_initiates, offset):
+    honest, evil = guarded("H", 1), node("E", 2, codec="fp32")
+    evil[1].state.theta.add_(offset)
+    evil[1].state.anchor.add_(offset)
+    before = [t.clone() for e in (honest[1], evil[1]) for t in (e.state.theta, e.state.anchor)]
+    pair = (evil, honest) if attacker_initiates else (honest, evil)
+    with pytest.raises(ExchangeError, match="implausible"):
+        MemoryExchange(*pair, 0).run()
+    after = [t for e in (honest[1], evil[1]) for t in (e.state.theta, e.state.anchor)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    assert honest[1].refs.version("E") == evil[1].refs.version("H") == 0
+
+
+def test_after_warmup_the_median_rule_catches_scaled_deltas():
+    a, b = guarded("A", 1, GuardRule(warmup=4)), guarded("B", 2, GuardRule(warmup=4))
+    for i in range(12):  # honest history: both drift, then average
+        drift(a[1], 100 + i)
+        drift(b[1], 200 + i)
+        MemoryExchange(a, b, i % 2).run()
+    assert a[1].guard.accepted(0) == b[1].guard.accepted(0) == 6
+    evil = node("E", 3)
+    for t in (evil[1].state.theta, evil[1].state.anchor):  # a copy of A with 30x its drift
+        t.copy_(a[1].theta0 + 30 * (a[1].state.theta - a[1].theta0))
+    with pytest.raises(ExchangeError, match="implausible"):
+        MemoryExchange(evil, a, 0).run()
+    drift(b[1], 999)
+    MemoryExchange(b, a, 0).run()  # an honest peer still gets through
+
+
+def _engine_check(engine, spec: CodecSpec, numel: int, payload: bytes):
+    return engine.check(spec, numel, payload, zlib.crc32(payload))
+
+
+def test_absurd_values_are_rejected_at_decode():
+    _, engine = node("A", 1)
+    n = 4096
+    fp32 = struct.pack(f"<{n}f", *([1e30] * n))
+    with pytest.raises(ValueError, match="absurd"):
+        _engine_check(engine, CodecSpec("fp32", 0), n, fp32)
+    scales = struct.pack("<4f", 3e38, 0.0, 0.0, 0.0)  # int8, block 1024: q=1 -> 3e38
+    int8 = scales + bytes([1] + [0] * (n - 1))
+    with pytest.raises(ValueError, match="absurd"):
+        _engine_check(engine, CodecSpec("int8", 1024), n, int8)
+    ok = struct.pack(f"<{n}f", *([0.5] * n))
+    assert _engine_check(engine, CodecSpec("fp32", 0), n, ok).numel == n
+
+
+# ------------------------------------------------------------------ live nodes
+async def _inject(node: Node, payload: bytes, codec: str, block: int, peer_id: str) -> str:
+    """A hand-written Exchange client: Header, payload, then read what the node answers."""
+    numel = node.trainer.flat.numel
+    call = node.channels.stub(node.endpoint).Exchange(timeout=scaled(20))
+    await call.write(pb.ExchangeMsg(header=pb.Header(
+        protocol_version=PROTOCOL_VERSION, run_id=node.me.run_id,
+        model_fingerprint=node.me.fingerprint, peer_id=peer_id, codec=codec, block_size=block,
+        fragment_index=0, fragment_count=1, fragment_numel=numel, payload_bytes=len(payload),
+        payload_crc32=zlib.crc32(payload), link_version=0, rounds=0)))
+    reply = await call.read()
+    assert reply.WhichOneof("kind") == "header", reply
+    for start in range(0, len(payload), 1 << 20):
+        await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=payload[start:start + (1 << 20)])))
+    answers = []
+    while True:
+        msg = await asyncio.wait_for(call.read(), scaled(10))
+        if msg is None or msg == grpc_eof():
+            break
+        kind = msg.WhichOneof("kind")
+        answers.append(kind)
+        if kind in ("abort", "ready"):
+            if kind == "ready":  # a payload the node accepted: never send Commit
+                call.cancel()
+            break
+    return ",".join(answers) or "eof"
+
+
+def grpc_eof():
+    import grpc
+
+    return grpc.aio.EOF
+
+
+def test_outsider_offsets_are_rejected_and_the_node_keeps_training(corpus):
+    async def main():
+        node = Node(tiny_config(corpus), InMemoryDiscovery(InMemoryRegistry(), "gasloc", "target"))
+        async with node:
+            await wait_until(lambda: node.train_stats.step >= 20, timeout_s=60, what="steps")
+            numel = node.trainer.flat.numel
+            nblocks = -(-numel // 1024)
+            int8 = struct.pack(f"<{nblocks}f", *([3e38] * nblocks)) + bytes([1] * numel)
+            attacks = [(struct.pack(f"<{numel}f", *([1e4] * numel)), "fp32", 0),
+                       (struct.pack(f"<{numel}f", *([1e30] * numel)), "fp32", 0),
+                       (int8, "int8", 1024)]
+            for i, (payload, codec, block) in enumerate(attacks):
+                answer = await _inject(node, payload, codec, block, f"evil-{i}\nINFO forged")
+                assert answer.endswith("abort"), (i, answer)
+            step = node.train_stats.step
+            await wait_until(lambda: node.train_stats.step >= step + 30, timeout_s=60,
+                             what="training goes on")
+            theta = node.trainer.state.theta
+            assert torch.isfinite(theta).all() and float(theta.abs().max()) < 100
+            assert node.stats.implausible == 1  # 1e4; the other two fail at decode
+            assert not node.error and node.train_stats.train_loss < node.train_stats.first_val_loss + 1
+            assert node.stats.ok == 0  # nothing was ever committed
+
+    run(main(), timeout_s=120)
+
+
+def test_an_in_swarm_peer_with_scaled_deltas_is_rejected(corpus):
+    async def main():
+        reg = InMemoryRegistry()
+        fast = {"exchanges_per_round": 4.0, "inner_steps": 5}
+        honest = Node(tiny_config(corpus, **fast),
+                      InMemoryDiscovery(reg, "gasloc", "honest"))
+        evil = Node(tiny_config(corpus, peers=("/memory/honest",), guard_factor=0, **fast),
+                    InMemoryDiscovery(reg, "gasloc", "evil"))
+        async with honest, evil:
+            guard = honest.mode.exchanger.engine.guard
+            await wait_until(lambda: guard.accepted(0) >= 8, timeout_s=90, what="warm-up")
+            st, t0 = evil.trainer.state, evil.trainer.theta0
+            with evil.lock.urgent():  # from now on: 50x its real delta, every exchange
+                for t in (st.theta, st.anchor):
+                    t.copy_(t0 + 50 * (t - t0))
+            await wait_until(lambda: honest.stats.implausible >= 1, timeout_s=60,
+                             what="a rejected exchange")
+            theta = honest.trainer.state.theta
+            assert torch.isfinite(theta).all()
+            assert honest.train_stats.train_loss < honest.train_stats.first_val_loss + 1
+
+    run(main(), timeout_s=180)
+
+
+@pytest.mark.parametrize("flip", ["signflip", "random"])
+def test_a_delta_pointing_away_is_refused_whatever_its_size(flip):
+    a, b = guarded("A", 1), node("E", 3)
+    t0 = a[1].theta0
+    mine = a[1].state.theta - t0
+    g = torch.Generator().manual_seed(7)
+    delta = -mine if flip == "signflip" else torch.randn(mine.shape, generator=g) * mine.std()
+    for t in (b[1].state.theta, b[1].state.anchor):
+        t.copy_(t0 + delta)
+    with pytest.raises(ExchangeError, match="cosine"):
+        MemoryExchange(b, a, 0).run()
+    assert a[1].refs.version("E") == 0

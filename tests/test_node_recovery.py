@@ -1,0 +1,170 @@
+"""Operational safety: checkpoints validated on load, unwritable checkpoint directories,
+rollback of a non-finite loss, escaped peer strings and one-line gRPC errors in the log."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import grpc
+import pytest
+import torch
+
+from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
+from gasloc_p2p.node.observability.metrics import NodeMetrics  # noqa: F401 (registry below)
+from gasloc_p2p.node.runtime import checkpoint as ckpt
+from gasloc_p2p.node.runtime.daemon import Node
+from gasloc_p2p.safelog import OneLineFormatter, safe
+from tests.daemon_helpers import tiny_config
+from tests.node_helpers import make_peer, run, wait_until
+
+
+def solo(cfg) -> Node:
+    return Node(cfg, InMemoryDiscovery(InMemoryRegistry(), "gasloc", "solo"))
+
+
+def test_a_checkpoint_with_nan_or_foreign_shapes_fails_in_one_line(corpus, tmp_path):
+    cfg = tiny_config(corpus, checkpoint_dir=str(tmp_path), max_steps=12)
+
+    async def first():
+        async with solo(cfg) as node:
+            await node.wait()
+
+    run(first(), timeout_s=90)
+    good = ckpt.load(tmp_path)
+    assert good is not None
+    for change, why in ((lambda p: p["theta"].__setitem__(3, float("nan")), "NaN"),
+                        (lambda p: p.__setitem__("anchor", torch.zeros(7)), "shape"),
+                        (lambda p: p["memory"].__setitem__(0, 1e30), "values up to"),
+                        (lambda p: p.__setitem__("fingerprint", "x"), "another model")):
+        bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in good.items()}
+        change(bad)
+        ckpt.save_atomic(bad, tmp_path)
+
+        async def start():
+            async with solo(cfg):
+                pass
+
+        with pytest.raises(ckpt.CheckpointError, match=why) as info:
+            run(start(), timeout_s=60)
+        assert "\n" not in str(info.value) and "move it away" in str(info.value)
+
+
+def test_an_unwritable_checkpoint_directory_is_counted_and_reported(corpus, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the directory should be")
+
+    async def main():
+        cfg = tiny_config(corpus, checkpoint_dir=str(blocker / "ckpt"), max_steps=12)
+        node = solo(cfg)
+        async with node:
+            await node.wait()
+        assert node.train_stats.checkpoint_failures >= 1
+        assert node.train_stats.checkpoints_written == 0
+        assert "no checkpoint could be written" in node.checkpoint_problem
+        get = node.metrics.registry.get_sample_value
+        assert get("gasloc_checkpoint_failures_total") >= 1
+
+    run(main(), timeout_s=90)
+
+
+def test_a_non_finite_loss_rolls_back_then_gives_up(corpus):
+    async def main(max_rollbacks: int):
+        node = solo(tiny_config(corpus, max_rollbacks=max_rollbacks))
+        async with node:
+            await wait_until(lambda: node.train_stats.rounds >= 2, timeout_s=60, what="rounds")
+            with node.lock.urgent():
+                node.trainer.state.theta.fill_(float("nan"))
+            if max_rollbacks == 0:
+                await node.wait()  # the trainer gives up: the node stops
+                return node
+            step = node.train_stats.step
+            await wait_until(lambda: node.train_stats.step >= step + 15, timeout_s=60,
+                             what="training after the rollback")
+            assert torch.isfinite(node.trainer.state.theta).all()
+            assert node.train_stats.rollbacks == 1 and not node.error
+            return node
+
+    run(main(1), timeout_s=90)
+    node = run(main(0), timeout_s=90)
+    assert "diverged" in node.error and node.train_stats.rollbacks == 0
+
+
+def test_peer_strings_cannot_forge_log_lines():
+    assert safe("node-a") == "node-a"
+    assert "\n" not in safe("evil\nINFO forged") and "\x1b" not in safe("\x1b[2J")
+    assert len(safe("x" * 1000)) < 200
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(OneLineFormatter("%(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("gasloc_p2p.test_forge")
+    log.addHandler(handler)
+    try:
+        log.warning("peer %s failed", "evil\nERROR gasloc_p2p: forged")
+    finally:
+        log.removeHandler(handler)
+    assert out.getvalue().count("\n") == 1
+
+
+def test_a_malformed_protobuf_is_logged_in_one_line():
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(OneLineFormatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+
+    async def main():
+        peer = await make_peer("victim", 1)
+        try:
+            channel = grpc.aio.insecure_channel(peer.endpoint)
+            call = channel.stream_stream("/gasloc.v1.Gossip/Exchange",
+                                         request_serializer=lambda b: b,
+                                         response_deserializer=lambda b: b)(timeout=5)
+            await call.write(b"\xff\xff\xff\xff garbage, not a protobuf")
+            await call.done_writing()
+            with pytest.raises(grpc.RpcError):
+                async for _ in call:
+                    pass
+            await channel.close()
+            info = channel  # noqa: F841
+        finally:
+            await peer.close()
+
+    try:
+        run(main(), timeout_s=30)
+    finally:
+        root.removeHandler(handler)
+    text = out.getvalue()
+
+    assert "Traceback" not in text
+    for line in text.splitlines():
+        assert line.split(" ", 1)[0] in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), text
+
+
+def test_a_blocked_worker_thread_cannot_hold_the_exit(monkeypatch):
+    import threading
+    import time
+
+    from gasloc_p2p.node.cli_node import BoundedExecutor
+
+    monkeypatch.setattr(BoundedExecutor, "limit_s", 0.3)
+    release = threading.Event()
+    pool = BoundedExecutor(2, "test-io")
+    pool.submit(release.wait)
+    t0 = time.monotonic()
+    pool.shutdown(wait=True)
+    assert time.monotonic() - t0 < 2 and len(pool.stuck()) == 1
+    release.set()
+
+
+def test_slow_teardown_steps_are_logged_at_info(caplog, monkeypatch):
+    import asyncio
+
+    from gasloc_p2p.node.runtime import daemon
+
+    monkeypatch.setattr(daemon, "SLOW_TEARDOWN_S", 0.05)
+    with caplog.at_level(logging.INFO, logger="gasloc_p2p.node.runtime.daemon"):
+        asyncio.run(daemon._timed("server stop", lambda: asyncio.sleep(0.1)))
+        asyncio.run(daemon._timed("fast", lambda: asyncio.sleep(0)))
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(lines) == 1 and lines[0].startswith("stop: server stop took")
