@@ -119,7 +119,7 @@ def _feedback_tensors(state: AsyncGaslocState, refs: object) -> dict[str, object
 def test_daemon_and_simulator_feedback_exchanges_are_bit_identical():
     """The same over the per-node error-feedback scheme (no links, so no resets)."""
     async def main():
-        gossip = gossip_config(codec="int4", references="feedback")
+        gossip = gossip_config(codec="int4", references="feedback", guard_factor=0)
         peers = [await make_peer("0", 1, gossip, outer=OUTER),
                  await make_peer("1", 2, gossip, outer=OUTER)]
         try:

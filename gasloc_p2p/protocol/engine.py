@@ -92,6 +92,7 @@ class ExchangeEngine:
         self.capacity = reference_capacity
         self.refs = make_scheme(references, theta0, reference_capacity)
         self._refs_lock = threading.Lock()  # the scheme is touched from several worker threads
+        self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
 
     @property
     def references(self) -> str:
@@ -102,7 +103,6 @@ class ExchangeEngine:
         """Switch the reference scheme (before any exchange: all references restart)."""
         if name != self.refs.name:
             self.refs = make_scheme(name, self.theta0, self.capacity)
-        self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
 
     def link_version(self, peer_id: str) -> int:
         with self._refs_lock:
