@@ -42,7 +42,7 @@ def test_two_nodes_train_and_gossip_a_llama_on_jsonl(tmp_path):
             return all(i.exchanges_ok_initiator >= 1 and i.exchanges_ok_responder >= 1
                        and i.val_loss < i.first_val_loss - 0.3 for i in infos)
 
-        wait_for(trained_and_gossiped, 90, "both nodes to learn and to gossip in both roles")
+        wait_for(trained_and_gossiped, 180, "both nodes to learn and to gossip in both roles")
         infos = [n.info() for n in nodes]
         assert infos[0].validation_set == infos[1].validation_set != ""
         assert infos[0].validation_set.startswith("json:corpus.jsonl field=text tokenizer=bpe")
