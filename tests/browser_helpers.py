@@ -48,3 +48,23 @@ def chromium(args: list[str], profile: Path, timeout_s: float) -> subprocess.Com
             os.killpg(proc.pid, signal.SIGKILL)  # renderer and zygote children too
         proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def live_panels(base_url: str, profile: Path, timeout_s: float) -> tuple[str, dict[str, dict]]:
+    """Load the dashboard of a live 2-node swarm in Chromium: its DOM and its panels by query,
+    after checking that every panel is there and that the per-node charts have live lines."""
+    from gasloc_p2p.tools.dashboard_page import PANELS
+
+    dom = chromium(["--dump-dom", base_url + "?range=300&refresh=60"], profile, timeout_s)
+    assert "<main>" in dom.stdout, dom.stderr[-2000:]
+    parser = Panels()
+    parser.feed(dom.stdout)
+    panels = {p["panel"]["data-query"]: p for p in parser.panels}
+    assert len(panels) == len(PANELS)
+    for query in ("gasloc_val_loss", "gasloc_tokens_per_second",
+                  "sum by (node) (rate(gasloc_sent_bytes_total[30s]))"):
+        p = panels[query]
+        assert p["panel"]["data-state"] == "ok", p
+        assert set(p["lines"]) == {"node0", "node1"}, p
+        assert min(p["lines"].values()) >= 3, p
+    return dom.stdout, panels
