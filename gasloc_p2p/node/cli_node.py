@@ -20,12 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gasloc_p2p.node.config import (
-    ConfigError,
-    NetworkConfig,
-    NodeConfig,
-    check_bootstrap_peers,
-)
+from gasloc_p2p.node.config import ConfigError, NetworkConfig, NodeConfig
+from gasloc_p2p.node.config_network import check_bootstrap_peers
 from gasloc_p2p.node.settings import add_config_flags, build_config
 
 log = logging.getLogger(__name__)

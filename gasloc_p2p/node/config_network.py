@@ -1,0 +1,130 @@
+"""Node configuration: the network and discovery sections (see :mod:`gasloc_p2p.node.config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gasloc_p2p.core.options import ConfigError, need, opt
+from gasloc_p2p.protocol.auth import read_swarm_key
+from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """The gRPC server and channels."""
+
+    host: str = opt("0.0.0.0", "listen address for gRPC and the DHT")
+    port: int = opt(0, "gRPC port (0: any free port)")
+    announce_host: str = opt("", "address peers should dial (empty: guessed from --host/DHT)")
+    client_mode: bool = opt(False, "behind NAT: do not accept exchanges, only dial out")
+    max_message_bytes: int = opt(MAX_CHUNK_BYTES + 64 * 1024, "gRPC message size limit")
+    keepalive_time_s: float = opt(20.0, "HTTP/2 keepalive ping interval")
+    keepalive_timeout_s: float = opt(10.0, "close a connection whose ping is unanswered this long")
+    connect_timeout_s: float = opt(5.0, "wait for a TCP/HTTP2 connection to a peer")
+    info_timeout_s: float = opt(5.0, "deadline of a unary Info call")
+    stop_grace_s: float = opt(3.0, "on stop, let running RPCs finish this long")
+    max_channels: int = opt(32, "cached client channels to peers (LRU)")
+    reachability_interval_s: float = opt(
+        60.0, "ask a random peer to dial this node back this often (0: never); if it cannot, "
+        "the node gossips by dialing out only, as with --client-mode")
+    reachability_probes: int = opt(3, "unreachable only after this many dial-backs by distinct "
+                                      "peers failed in a row (and none succeeded)")
+    swarm_key: str = opt("", "file with the swarm's shared secret (>= 16 bytes): without it "
+                             "nobody can exchange, download state or publish accepted records")
+    identity_file: str = opt("", "file with this node's ed25519 key, created if missing, so "
+                                 "its peer id survives restarts (empty: a new key at each start)")
+    auth_skew_s: float = opt(120.0, "accept signed requests whose time is this close to ours")
+    max_streams: int = opt(12, "open Exchange streams served at once (before their Header "
+                               "too); more get BUSY at once")
+    max_streams_per_address: int = opt(3, "open Exchange streams from one IP address")
+    max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY")
+
+    def validate(self) -> None:
+        need(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535] (0: any)")
+        need(self.max_message_bytes >= MAX_CHUNK_BYTES + 1024, "max_message_bytes",
+              self.max_message_bytes, f"must be >= 1 MiB + 1 KiB = {MAX_CHUNK_BYTES + 1024}")
+        for name in ("keepalive_time_s", "keepalive_timeout_s", "connect_timeout_s",
+                     "info_timeout_s", "stop_grace_s"):
+            need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        need(self.keepalive_timeout_s < self.keepalive_time_s, "keepalive_timeout_s",
+              self.keepalive_timeout_s,
+              f"must be shorter than --keepalive-time-s={self.keepalive_time_s}")
+        need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
+        need(self.reachability_interval_s >= 0, "reachability_interval_s",
+              self.reachability_interval_s, "must be >= 0 seconds (0: no checks)")
+        for name in ("reachability_probes", "max_streams", "max_streams_per_address",
+                     "max_downloads"):
+            need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        need(self.auth_skew_s > 0, "auth_skew_s", self.auth_skew_s, "must be > 0 seconds")
+        if self.swarm_key:
+            try:
+                read_swarm_key(self.swarm_key)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--swarm-key={self.swarm_key}: {exc}") from None
+        if self.identity_file:
+            path = Path(self.identity_file)
+            size = path.stat().st_size if path.is_file() else None
+            need(size in (None, 32) and path.parent.is_dir() and not path.is_dir(),
+                 "identity_file", self.identity_file, "must be a 32-byte key file, or a new "
+                 "file in an existing directory (it is then created)")
+
+    def swarm_secret(self) -> bytes:
+        """The shared secret of --swarm-key (empty: an open swarm)."""
+        return read_swarm_key(self.swarm_key) if self.swarm_key else b""
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """hivemind DHT discovery: run-scoped announcements with a TTL."""
+
+    run_id: str = opt("gasloc", "run name; only nodes with the same run id gossip")
+    peers: tuple[str, ...] = opt((), "bootstrap multiaddrs of running nodes (empty: new swarm)",
+                                 metavar="MADDR")
+    dht_port: int = opt(0, "DHT (libp2p) TCP port (0: any free port)")
+    announce_interval_s: float = opt(5.0, "re-announce this node every this many seconds")
+    announce_ttl_s: float = opt(20.0, "an announcement expires after this many seconds")
+    refresh_interval_s: float = opt(3.0, "re-read the peer list every this many seconds")
+    dht_timeout_s: float = opt(10.0, "deadline of one DHT get/store")
+    dht_start_timeout_s: float = opt(60.0, "deadline of DHT start-up and bootstrap")
+
+    def validate(self) -> None:
+        need(bool(self.run_id) and "/" not in self.run_id, "run_id", self.run_id,
+              "must be a non-empty name without '/'")
+        need(0 <= self.dht_port < 65536, "dht_port", self.dht_port, "must be in [0, 65535]")
+        for name in ("announce_interval_s", "refresh_interval_s", "dht_timeout_s",
+                     "dht_start_timeout_s"):
+            need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        need(self.announce_ttl_s > self.announce_interval_s, "announce_ttl_s",
+              self.announce_ttl_s,
+              f"must exceed --announce-interval-s={self.announce_interval_s}, or the node "
+              "vanishes between refreshes")
+        for peer in self.peers:
+            need(peer.startswith("/"), "peers", peer, PEERS_HINT)
+
+
+PEERS_HINT = ("each peer is a multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/Qm... (the line a "
+              "running node prints)")
+
+
+def check_bootstrap_peers(peers: tuple[str, ...]) -> None:
+    """ConfigError unless every peer parses as a libp2p multiaddr with a peer id (the DHT
+    would otherwise fail seconds later with a less helpful message)."""
+    for peer in peers:
+        problem = multiaddr_problem(peer)
+        need(problem is None, "peers", peer, f"{problem}; {PEERS_HINT}")
+
+
+def multiaddr_problem(text: str) -> str | None:
+    """Why ``text`` is not a bootstrap multiaddr (with a ``/p2p/`` peer id), or None."""
+    if not text.startswith("/"):
+        return "not a multiaddr"
+    from hivemind.utils.multiaddr import Multiaddr  # heavy: only when peers are given
+
+    try:
+        addr = Multiaddr(text)
+    except Exception as exc:  # noqa: BLE001 - the parser raises several types
+        return f"not a valid multiaddr ({str(exc).split(': ', 1)[-1]})"
+    if "p2p" not in [p.name for p in addr.protocols()]:
+        return "no /p2p/<peer id> part"
+    return None
