@@ -38,7 +38,7 @@ class Evaluator:
         cfg = build_config(argparse.Namespace(**{**TINY, **(extra or {})}), environ={})
         self.model = build_model(cfg.train.gpt(), cfg.train.seed)
         self.flat = FlatParams(self.model)  # the daemon's layout of the flat vector
-        _, self.val = load_data(cfg.train, cfg.train.seed)
+        self.val = load_data(cfg.train, cfg.train.seed).val
         self.theta0 = self.flat.buffer.detach().clone()
 
     def loss(self, flat: torch.Tensor) -> float:

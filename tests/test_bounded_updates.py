@@ -125,9 +125,12 @@ async def _inject(node: Node, payload: bytes, codec: str, block: int, peer_id: s
         block_size=block, fragment_index=0, fragment_count=1, fragment_numel=numel,
         payload_bytes=len(payload), payload_crc32=zlib.crc32(payload), link_version=0, rounds=0,
         references=node.mode.exchanger.engine.references))
-    await call.write(sign_header(header, signer, new_nonce(), b""))
+    nonce, proof = new_nonce(), pb.ExchangeMsg()
+    proof.CopyFrom(header)
+    await call.write(sign_header(header, signer, nonce, b""))
     reply = await call.read()
     assert reply.WhichOneof("kind") == "header", reply
+    await call.write(sign_header(proof, signer, nonce, reply.header.nonce))  # proof of key
     for start in range(0, len(payload), 1 << 20):
         await call.write(pb.ExchangeMsg(chunk=pb.Chunk(data=payload[start:start + (1 << 20)])))
     answers = []

@@ -265,10 +265,15 @@ def test_slow_trickle_stream_is_cut_and_honest_peers_still_exchange():
         a, c = await make_peer("A", 1), await make_peer("C", 3)
         try:
             prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec, False)
-            msg = sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
+            nonce = new_nonce()
+            msg = sign_header(make_header(a.me, prep, 2), a.me.signer, nonce, b"")
             call = a.open_call(b)
             await call.write(msg)
-            assert (await call.read()).WhichOneof("kind") == "header"
+            reply = await call.read()
+            assert reply.WhichOneof("kind") == "header"
+            # the proof of key over B's nonce, then a payload far too slow
+            await call.write(sign_header(make_header(a.me, prep, 2), a.me.signer, nonce,
+                                         reply.header.nonce))
             started = time.monotonic()
 
             async def trickle():  # one byte every 0.5 s: inside the 3 s per-message timeout

@@ -19,7 +19,7 @@ from gasloc_p2p.safelog import safe
 
 # 3: signed headers, commits and requests (protocol/auth.py), and the Header names the
 # reference scheme ("feedback" payloads are not deltas)
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: the responder's payload waits for the initiator's proof of key
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 # Block sizes a responder accepts besides its own: a peer's header never picks another one, so
 # it cannot make this node allocate (or cache codecs for) sizes of its choosing.

@@ -19,10 +19,15 @@ the shell then asks :meth:`~ExchangeSession.fail` what to tell the peer. Nothing
 before :class:`Apply`, which the initiator gets right after its ``Commit`` message and the
 responder once it has read that ``Commit``.
 
-Order on the stream: initiator Header -> responder Header (or Reject); if the link versions
-differ, the initiator re-encodes against ``theta_0`` and re-sends its Header; then both
-payloads (Chunks) cross, each side sends Ready (with its round ends since its snapshot) once
-it holds the peer's payload; the initiator sends Commit; both apply with the same weight.
+Order on the stream: initiator Header -> responder Header (or Reject) -> the initiator's Header
+again, signed over the responder's fresh nonce (re-encoded against ``theta_0`` if the link
+versions differ); then both payloads (Chunks) cross, each side sends Ready (with its round ends
+since its snapshot) once it holds the peer's payload; the initiator sends Commit; both apply
+with the same weight. The responder sends its payload only after that second Header: its
+signature over a nonce the responder just chose proves the initiator holds its key now, so a
+recorded Header replayed by someone else reads nothing. (Without keys, as in the simulator,
+there is no second Header unless the link is reset, and the responder's payload follows its
+Header at once.)
 """
 
 from __future__ import annotations
@@ -219,6 +224,11 @@ class ExchangeSession:
         # responder (its header carries its version before any reset, so the initiator resets
         # too), or the initiator's re-encoded Header after a link reset
         self.stage = Stage.TRANSFER
+        if self.role is Role.RESPONDER and signer is not None:
+            # the payload waits for the initiator's Header signed over our fresh nonce: a
+            # replayed Header (an outsider's recording) gets our Header and nothing else
+            self._await_header = True
+            return [Send(header)]
         return [Send(header), SendPayload(prep.payload, prep.encoded.spec)]
 
     def receive(self, msg: pb.ExchangeMsg) -> list[Action]:
@@ -340,13 +350,23 @@ class ExchangeSession:
             self.stage = Stage.PREPARING
             return [Prepare(self.peer_id, self.fragment, self.rules.codec, True)]
         self.stage = Stage.TRANSFER
-        return [SendPayload(self._prep.payload, self._prep.encoded.spec)]
+        signer = self.rules.me.signer
+        if signer is None:
+            return [SendPayload(self._prep.payload, self._prep.encoded.spec)]
+        # prove our key over the responder's fresh nonce: it sends its payload only then
+        proof = pb.ExchangeMsg()
+        proof.header.CopyFrom(self._mine)
+        self._sent = sign_header(proof, signer, self._nonce, self._peer.nonce).header
+        return [Send(proof), SendPayload(self._prep.payload, self._prep.encoded.spec)]
 
     def _transfer(self, msg: pb.ExchangeMsg, kind: str | None) -> list[Action]:
         assert self._peer is not None
         if kind == "header" and self._await_header:
             self._peer = self._replacement_header(msg.header, self._peer)
             self._await_header = False
+            if self.rules.me.signer is not None:  # the initiator proved its key: our payload
+                assert self._prep is not None
+                return [SendPayload(self._prep.payload, self._prep.encoded.spec)]
             return []
         if kind == "chunk" and self._received is None and not self._await_header:
             return self._chunk(msg.chunk.data, self._peer)
