@@ -44,7 +44,7 @@ from gasloc_p2p.tools.procs import Child  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 EXCHANGES = re.compile(r"exchanges ok (\d+) \(init \d+ resp \d+\) failed (\d+) busy (\d+)")
-REJECTED = re.compile(r"peer (\S+) sent an implausible update")
+REJECTED = re.compile(r"peer (\S+) sent an implausible update \((.*)$", re.MULTILINE)
 
 
 def child(name: str, log_dir: Path, node_flags: list[str], attack: str = "") -> NodeChild:
@@ -120,6 +120,7 @@ def _swarm_result(evaluator: Evaluator, tmp: Path, nodes: list[NodeChild], ids: 
               for n in honest if (tmp / f"{n.name}.ckpt" / "node.pt").exists()]
     mean = torch.stack([f["theta"] for f in finals]).mean(0)
     ok = rej_attacker = rej_honest = failed = busy = 0
+    by_rule = {"size": 0, "direction": 0}  # which test rejected the attacker
     for node in honest:
         log = node.err.read_text(errors="replace")
         counts = EXCHANGES.findall(log)
@@ -127,15 +128,16 @@ def _swarm_result(evaluator: Evaluator, tmp: Path, nodes: list[NodeChild], ids: 
             ok += int(counts[-1][0])
             failed += int(counts[-1][1])
             busy += int(counts[-1][2])
-        for peer in REJECTED.findall(log):
+        for peer, why in REJECTED.findall(log):
             if peer == attacker:
                 rej_attacker += 1
+                by_rule["direction" if "cosine" in why else "size"] += 1
             else:
                 rej_honest += 1
     return {"loss": evaluator.loss(mean), "steps": [f["step"] for f in finals],
             "nan": sum(not bool(torch.isfinite(f["theta"]).all()) for f in finals),
             "ok": ok, "failed": failed, "busy": busy, "rej_attacker": rej_attacker,
-            "rej_honest": rej_honest}
+            "rej_honest": rej_honest, "by_rule": by_rule}
 
 
 def _report(args: argparse.Namespace, evaluator: Evaluator, took: float,
@@ -152,10 +154,10 @@ def _report(args: argparse.Namespace, evaluator: Evaluator, took: float,
         print(f"{name:>9}: network-average val loss of its honest nodes {r['loss']:.4f} "
               f"(steps {r['steps']}, non-finite {r['nan']}); honest-honest exchanges "
               f"{pairs:.0f}, failed {r['failed']}, busy {r['busy']}; guard rejections of the "
-              f"attacker {r['rej_attacker']}, of honest peers {r['rej_honest']}")
+              f"attacker {r['rej_attacker']} {r['by_rule']}, of honest peers {r['rej_honest']}")
     for kind, a in attacks.items():
-        print(f"  attack {kind:>8}: prepared {a['prepared']}, accepted by an honest peer "
-              f"{a['committed']}")
+        print(f"  attack {kind:>8}: payloads prepared {a['prepared']} (exchanges the attacker "
+              f"started or was admitted to), accepted by an honest peer {a['committed']}")
     honest, attacked = results["honest"]["loss"], results["attacked"]["loss"]
     print(f"ratio attacked / honest {attacked / honest:.3f} (goal <= 1.05); "  # type: ignore
           f"attacked / honest+1 {attacked / results['honest+1']['loss']:.3f}")  # type: ignore
