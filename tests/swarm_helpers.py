@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +41,18 @@ class NodeProc(NodeChild):
 
     def wait_up(self, timeout_s: float = 60) -> str:
         return super().wait_up(scaled(timeout_s))
+
+
+def stopped_within(node: NodeChild, timeout_s: float) -> int:
+    """The exit code of ``node`` (already sent SIGTERM) once it exits within ``timeout_s``.
+    If it does not, its threads' stacks (SIGUSR1: faulthandler) end the assertion message."""
+    try:
+        return node.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        node.signal(signal.SIGUSR1)
+        time.sleep(2)
+        raise AssertionError(f"{node.name} still runs {timeout_s:g} s after SIGTERM; its log "
+                             f"and stacks:\n{node.tail(12000)}") from None
 
 
 def tiny_node_args(corpus: Path) -> tuple[str, ...]:

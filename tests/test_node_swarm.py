@@ -19,7 +19,7 @@ import sys
 
 from tests.daemon_helpers import write_corpus
 from tests.node_helpers import scaled
-from tests.swarm_helpers import NodeProc, wait_for
+from tests.swarm_helpers import NodeProc, stopped_within, wait_for
 
 
 def test_swarm_of_processes(tmp_path):
@@ -91,7 +91,7 @@ def test_swarm_of_processes(tmp_path):
             node.proc.send_signal(signal.SIGTERM)
         os.killpg(controls[1].pid, signal.SIGTERM)  # as `timeout` or systemd would: all of it
         for node in [*survivors, *controls]:
-            assert node.proc.wait(timeout=scaled(30)) == 0, node.err.read_text()[-3000:]
+            assert stopped_within(node, scaled(30)) == 0, node.err.read_text()[-3000:]
             wait_for(lambda n=node: not n.group_alive(), 15, f"{node.name}'s children")
     finally:
         for node in nodes:

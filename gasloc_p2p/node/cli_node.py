@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
 import math
@@ -71,6 +72,8 @@ def run_join(args: argparse.Namespace) -> int:
         return _fail_config("join", exc)
     import uvloop
 
+    # `kill -USR1 PID` writes every thread's stack to stderr (a node that seems stuck)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     executor = BoundedExecutor(_EXECUTOR_THREADS, "gasloc-io")
     code = int(uvloop.run(_join(cfg, executor)))
     if executor.stuck():  # the interpreter would join them at exit, for as long as they block
