@@ -3,7 +3,8 @@
 Usage: python benchmarks/bench_soak.py [--nodes 4] [--minutes 10] [--rate-mbit 10]
                                        [--warmup-minutes 2] [--sample-s 30]
 
-Every node is a real `gasloc-node join` process (tiny model, 1 torch thread, under `nice`) in
+Every node is a real `gasloc-node join` process (tiny model, fp32 payloads, 1 torch thread,
+under `nice`) in
 its own network namespace (gasloc_p2p.tools.netns), bound to that namespace's address; the
 last node's egress is shaped with `tc tbf` to ``--rate-mbit``. Every ``--sample-s`` seconds
 the benchmark reads each node's resident memory (the node process alone, and its whole process
@@ -81,7 +82,8 @@ def main() -> int:
         nodes: list[NodeChild] = []
         peers: list[str] = []
         try:
-            base = {"eval_interval_steps": 200, "metrics_port": -1, "dht_start_timeout_s": 120.0}
+            base = {"eval_interval_steps": 200, "metrics_port": -1, "dht_start_timeout_s": 120.0,
+                    "codec": "fp32"}  # 480 KB payloads: the shaped link is the bottleneck
             for i, host in enumerate(net.hosts):
                 extra = flags({**base, "host": host.addr})
                 if nodes:
