@@ -28,6 +28,8 @@ EXPECTED = {
     "bench-fuzz": ["benchmarks/bench_fuzz.py"],
     "bench-byzantine": ["benchmarks/bench_byzantine.py"],
     "bench-chaos": ["benchmarks/bench_chaos.py"],
+    "bench-poison": ["benchmarks/bench_poison.py"],
+    "bench-soak": ["benchmarks/bench_soak.py"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
 
