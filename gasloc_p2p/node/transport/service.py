@@ -346,6 +346,7 @@ class PeerChannels:
             self._channels[endpoint] = channel
             if len(self._channels) > self.net.max_channels:
                 _, old = self._channels.popitem(last=False)
+                self._closing = [f for f in self._closing if not f.done()]
                 self._closing.append(asyncio.ensure_future(old.close(grace=1.0)))
         self._channels.move_to_end(endpoint)
         return pb_grpc.GossipStub(channel), channel
@@ -355,7 +356,8 @@ class PeerChannels:
         afresh instead of inheriting gRPC's growing reconnect backoff)."""
         channel = self._channels.pop(endpoint, None)
         if channel is not None:
-            self._closing.append(asyncio.ensure_future(channel.close(grace=0)))
+            self._closing = [f for f in self._closing if not f.done()]  # bounded: a dead peer
+            self._closing.append(asyncio.ensure_future(channel.close(grace=0)))  # is retried
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), OrderedDict()
