@@ -15,8 +15,10 @@ nodes' Info) in three windows of ``--window-s`` seconds:
    expiration, the owner's signature reused). It re-publishes every 5 s;
 3. after: the attacker's DHT has left.
 
-Prints the rates, how many fake and forged records the nodes' DHT reads return, and a verdict:
-gossip during the attack at least half of the clean rate, and again after it. Exit code 1 if not.
+Prints the rates (per minute, and per 100 training steps: gossip events follow the steps, so
+that one does not move with the machine's load), how many fakes a node knows at the end of
+the attack, and a verdict: exchanges per step during the attack at least half of the clean
+rate, and again after it. Exit code 1 if not.
 """
 
 from __future__ import annotations
@@ -60,15 +62,19 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-def committed(nodes: list[NodeChild]) -> int:
-    """Exchanges committed so far, counted once (by their initiator)."""
-    return sum(int(n.info(timeout_s=10).exchanges_ok_initiator) for n in nodes)
+def committed(nodes: list[NodeChild]) -> tuple[int, int]:
+    """Exchanges committed so far, counted once (by their initiator), and training steps."""
+    infos = [n.info(timeout_s=10) for n in nodes]
+    return sum(int(i.exchanges_ok_initiator) for i in infos), sum(int(i.step) for i in infos)
 
 
-def rate(nodes: list[NodeChild], window_s: float) -> float:
-    before = committed(nodes)
+def rate(nodes: list[NodeChild], window_s: float) -> tuple[float, float]:
+    """Exchanges per minute and per 100 training steps (gossip events follow the steps, so
+    the second does not move with the machine's load) during ``window_s``."""
+    x0, s0 = committed(nodes)
     time.sleep(window_s)
-    return (committed(nodes) - before) / window_s * 60
+    x1, s1 = committed(nodes)
+    return (x1 - x0) / window_s * 60, 100 * (x1 - x0) / max(s1 - s0, 1)
 
 
 class Attacker:
@@ -154,7 +160,7 @@ def main() -> int:
                 attacker.close()
             after = rate(nodes, args.window_s)
             fake_ids = {s.peer_id for s in attacker.fakes}
-            ok = attacked >= MIN_SHARE * clean and after >= MIN_SHARE * clean
+            ok = attacked[1] >= MIN_SHARE * clean[1] and after[1] >= MIN_SHARE * clean[1]
             print(f"poison: {args.nodes} nodes, {args.fakes} fake records (each a valid key, "
                   f"a closed port, step 1e9) and overwrite attempts of every real record, "
                   f"re-published {attacker.published} times")
@@ -162,11 +168,12 @@ def main() -> int:
             print(f"  at the end of the attack n0 knows {len(listed) - fakes_seen} real and "
                   f"{fakes_seen} fake peers (the fakes are valid records: each fails to connect "
                   "and is backed off; the overwrites are refused)")
-            print(f"  exchanges per minute: clean {clean:.1f}, attacked {attacked:.1f} "
-                  f"({attacked / max(clean, 1e-9):.2f}x), after {after:.1f} "
-                  f"({after / max(clean, 1e-9):.2f}x)")
-            print(f"verdict: {'PASS' if ok else 'FAIL'} (gossip at least {MIN_SHARE:g}x the "
-                  "clean rate during and after the attack)")
+            for what, i in (("per minute", 0), ("per 100 training steps", 1)):
+                print(f"  exchanges {what}: clean {clean[i]:.1f}, attacked {attacked[i]:.1f} "
+                      f"({attacked[i] / max(clean[i], 1e-9):.2f}x), after {after[i]:.1f} "
+                      f"({after[i] / max(clean[i], 1e-9):.2f}x)")
+            print(f"verdict: {'PASS' if ok else 'FAIL'} (exchanges per step at least "
+                  f"{MIN_SHARE:g}x the clean rate during and after the attack)")
             return 0 if ok else 1
         finally:
             print(f"exit codes after SIGTERM: {[stop(n) for n in nodes]}")
