@@ -129,6 +129,7 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
     loop.set_default_executor(executor)
     node = Node(cfg)
     signals = 0
+    deadline = _StopDeadline(cfg.network.stop_deadline_s)
 
     def on_signal() -> None:
         nonlocal signals
@@ -136,6 +137,7 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
         if signals > 1:  # a second Ctrl-C: give up on a clean stop (the DHT watchdog reaps)
             os._exit(130)
         log.info("stopping (signal received; again to force)")
+        deadline.arm()
         node.request_stop()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -145,6 +147,7 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
             addrs = await node.discovery.visible_addrs()
             print(startup_block(node, addrs), flush=True)
             await node.wait()
+            deadline.arm()  # also when a step or time limit ends the run
     except Exception as exc:
         log.error("node failed: %s: %s", type(exc).__name__, exc)
         log.debug("details", exc_info=True)
@@ -153,6 +156,21 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
         log.error("%s", node.checkpoint_problem)
         return 1
     return 1 if node.error else 0
+
+
+class _StopDeadline:
+    """Once armed, the process ends within ``seconds`` whatever blocks its stop (SIGTERM never
+    hangs; its bounded steps add up to about 20 s): faulthandler then writes every thread's
+    stack to stderr, which shows where it hung, and exits 1. ``seconds`` 0: never."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.armed = False
+
+    def arm(self) -> None:
+        if self.seconds > 0 and not self.armed:
+            self.armed = True
+            faulthandler.dump_traceback_later(self.seconds, exit=True)
 
 
 def startup_block(node: Any, addrs: list[str]) -> str:

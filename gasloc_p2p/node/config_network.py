@@ -24,6 +24,9 @@ class NetworkConfig:
     connect_timeout_s: float = opt(5.0, "wait for a TCP/HTTP2 connection to a peer")
     info_timeout_s: float = opt(5.0, "deadline of a unary Info call")
     stop_grace_s: float = opt(3.0, "on stop, let running RPCs finish this long")
+    stop_deadline_s: float = opt(120.0, "a stop (signal or limit) still running after this "
+                                 "long writes every thread's stack to stderr and exits 1 (0: "
+                                 "no deadline; raise it if a final checkpoint takes longer)")
     max_channels: int = opt(32, "cached client channels to peers (LRU)")
     reachability_interval_s: float = opt(
         60.0, "ask a random peer to dial this node back this often (0: never); if it cannot, "
@@ -50,6 +53,9 @@ class NetworkConfig:
         need(self.keepalive_timeout_s < self.keepalive_time_s, "keepalive_timeout_s",
               self.keepalive_timeout_s,
               f"must be shorter than --keepalive-time-s={self.keepalive_time_s}")
+        need(self.stop_deadline_s == 0 or self.stop_deadline_s > self.stop_grace_s,
+             "stop_deadline_s", self.stop_deadline_s,
+             f"must be 0 (none) or longer than --stop-grace-s={self.stop_grace_s}")
         need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
         need(self.reachability_interval_s >= 0, "reachability_interval_s",
               self.reachability_interval_s, "must be >= 0 seconds (0: no checks)")
