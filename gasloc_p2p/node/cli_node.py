@@ -78,9 +78,9 @@ def run_join(args: argparse.Namespace) -> int:
     code = int(uvloop.run(_join(cfg, executor)))
     # Everything the node opened is closed by now: skip the interpreter's own teardown. Its
     # final garbage collection runs native finalizers, and one of them blocked a stopped node
-    # for over 30 s (the SIGTERM hang, about 1 stop in 40 on a loaded machine: one thread left,
-    # "Garbage-collecting", no Python frame); it would also join worker threads still blocked
-    # (see BoundedExecutor) for as long as they block.
+    # for over 30 s (the SIGTERM hang, twice in about 100 stops on a loaded machine: one thread
+    # left, "Garbage-collecting", no Python frame); it would also join worker threads still
+    # blocked (see BoundedExecutor) for as long as they block.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
