@@ -3,10 +3,9 @@
 Usage: python benchmarks/bench_soak.py [--nodes 4] [--minutes 10] [--rate-mbit 10]
                                        [--warmup-minutes 2] [--sample-s 30]
 
-Every node is a real `gasloc-node join` process (tiny model, fp32 payloads, 1 torch thread,
-under `nice`) in
-its own network namespace (gasloc_p2p.tools.netns), bound to that namespace's address; the
-last node's egress is shaped with `tc tbf` to ``--rate-mbit``. Every ``--sample-s`` seconds
+Every node is a real `gasloc-node join` process (tiny model, fp32 payloads of 480 KB, 1 torch
+thread, under `nice`) in its own network namespace (gasloc_p2p.tools.netns), bound to that
+namespace's address; the last node's egress is shaped with `tc tbf` to ``--rate-mbit``. Every ``--sample-s`` seconds
 the benchmark reads each node's resident memory (the node process alone, and its whole process
 group: node, DHT process and p2pd, from /proc) and the shaped node's exchanges (Info over
 the bridge) and link bytes (kernel counters of its veth). It prints the series and a verdict:
