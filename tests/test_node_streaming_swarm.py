@@ -66,8 +66,8 @@ def test_three_streaming_processes_average_every_fragment_at_its_offset(tmp_path
                 f"stalled {f.wait_s:.2f} s resyncs {f.resyncs}" for f in info.fragment_syncs)
                   + f" | val {info.first_val_loss:.3f} -> {info.val_loss:.3f}")
         # the joiners started from theta_0 (--no-init-from-swarm) while s0 trained alone, and
-        # groups that met out of phase failed (then resynced); fp4's return-path noise alone
-        # must not make every sync resync (epochs and dirty flags, not digests)
+        # groups that met out of phase failed (then resynced); fp4 payloads alone must not
+        # make syncs resync (every member keeps the same averaged bytes: digests agree)
         assert sum(i.resyncs for i in infos) >= 1
         for info in infos:
             assert info.resyncs < sum(f.syncs_ok for f in info.fragment_syncs) / 2, info
