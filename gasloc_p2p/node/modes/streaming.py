@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,28 +59,9 @@ from gasloc_p2p.node.modes.diloco import (
     state_digest,
 )
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.runtime.stats import FragmentStats, TrainStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FragmentStats:
-    """One fragment's syncs, written by the trainer thread; read for Info and logs."""
-
-    offset: int
-    numel: int
-    ok: int = 0
-    failed: int = 0
-    solo: int = 0
-    last_start_step: int = 0
-    wait_s: float = 0.0  # training stalled waiting for results (the overlap did not hide)
-    averaging_s: float = 0.0  # wall time of the syncs (start to result)
-    last_group_size: int = 0
-    resyncs: int = 0
-    resync_failures: int = 0
-    bytes_sent: int = 0  # encoded payload bytes of this fragment's all-reduces
-    failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -206,9 +187,10 @@ class StreamingRounds:
         if self.shared:  # zero-padded to the largest fragment
             own = torch.cat([own, own.new_zeros(self.width - own.numel())])
         with self._busy[0 if self.shared else f]:
-            sent = averager.bytes_sent()
+            sent, received = averager.bytes_sent(), averager.bytes_received()
             result = averager.average(own, gather, peers + 1, self.stop)
             self.stats[f].bytes_sent += averager.bytes_sent() - sent
+            self.stats[f].bytes_received += averager.bytes_received() - received
         if result.averaged is not None and self.shared:
             result = AveragingResult(result.averaged[:self.fragments[f].numel], result.gathered)
         return result

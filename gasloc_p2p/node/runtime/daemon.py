@@ -88,7 +88,8 @@ class Node:
         self.trainer: Trainer | None = None
         self.peers: list[PeerInfo] = []  # compatible peers from discovery, this node excluded
         self.channels = PeerChannels(cfg.network)
-        self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, self._peer_counts)
+        self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, self._peer_counts,
+                                   self.mode.fragment_stats)
         self._stop = asyncio.Event()
         self._train_stop = threading.Event()
         self._stack: contextlib.AsyncExitStack | None = None
