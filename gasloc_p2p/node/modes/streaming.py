@@ -301,6 +301,8 @@ class StreamingRounds:
             "last_group_size": ss[last].last_group_size,
             "total_averaging_s": sum(s.wait_s for s in ss),
             "outer_epoch": sum(self.epochs), "resyncs": sum(s.resyncs for s in ss),
+            "bytes_sent": sum(s.bytes_sent for s in ss),
+            "bytes_received": sum(s.bytes_received for s in ss),
             "fragment_syncs": [
                 {"index": f, "offset": s.offset, "numel": s.numel, "syncs_ok": s.ok,
                  "syncs_failed": s.failed, "syncs_solo": s.solo,
