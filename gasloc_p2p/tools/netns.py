@@ -1,0 +1,224 @@
+"""Shaped links for benchmarks and soak tests: one network namespace per node, joined by a bridge.
+
+Each host is a namespace with a veth pair: one end (``eth0``) inside the namespace with the
+host's address, the other end on a bridge in the root namespace, which also holds the gateway
+address (so the root namespace reaches every host, for example to scrape metrics). A host's
+egress is shaped with ``tc tbf`` on its ``eth0``: what it sends leaves at most at its rate.
+This kernel has no ``netem``, so there is no delay or jitter qdisc.
+
+Names carry this process's pid, so :func:`sweep_stale` can delete what a killed run left
+behind (namespaces and bridges whose pid is gone). Closing is idempotent and runs on
+``__exit__`` also after an exception. Needs root, ``ip`` and ``tc`` (iproute2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PREFIX = "gln"  # every namespace, bridge and veth name: PREFIX, the owner's pid in base 36, "-"
+_NAME = re.compile(rf"^{PREFIX}([0-9a-z]+)-")
+_COMMAND_TIMEOUT_S = 10.0
+
+
+class NetnsError(RuntimeError):
+    """An ``ip``/``tc`` command failed; the message has the command and its stderr."""
+
+
+def netns_unavailable() -> str | None:
+    """None when namespaces can be made here, else a one-line reason (for ``pytest.skip``)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' (iproute2) is not installed"
+    return None
+
+
+def _run(argv: Sequence[str], check: bool = True) -> str:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S)
+    if check and proc.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.returncode}")
+    return proc.stdout
+
+
+def _b36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out
+
+
+def _free_subnet(start: int) -> int:
+    """A third octet ``S`` such that no local address is in 10.213.S.0/24 yet."""
+    used = set(re.findall(r"inet 10\.213\.(\d+)\.", _run(["ip", "-o", "-4", "addr", "show"])))
+    for k in range(250):
+        candidate = (start + k - 1) % 250 + 1
+        if str(candidate) not in used:
+            return candidate
+    raise NetnsError("no free 10.213.x.0/24 subnet: 250 shaped networks exist")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> int:
+    """Delete namespaces and bridges left by dead processes; returns how many were deleted."""
+    deleted = 0
+    names = [line.split()[0] for line in _run(["ip", "netns", "list"], check=False).splitlines()
+             if line.strip()]
+    links = [p.name for p in Path("/sys/class/net").iterdir()] if Path("/sys/class/net").exists() else []
+    for name in names + links:
+        m = _NAME.match(name)
+        if m is None or _pid_alive(int(m.group(1), 36)):
+            continue
+        if name in names:
+            _run(["ip", "netns", "del", name], check=False)
+        else:
+            _run(["ip", "link", "del", name], check=False)
+        deleted += 1
+    return deleted
+
+
+@dataclass
+class Host:
+    """One node's namespace: bind its ports to ``addr``; start its processes with :meth:`cmd`."""
+
+    ns: str
+    addr: str
+    rate_mbit: float | None
+    dev: str = "eth0"
+
+    def cmd(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host's namespace."""
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+    def _counter(self, name: str) -> int:
+        path = f"/sys/class/net/{self.dev}/statistics/{name}"
+        return int(_run(self.cmd(["cat", path])).strip())
+
+    def tx_bytes(self) -> int:
+        """Bytes this host has sent on its link (kernel counter, Ethernet frames)."""
+        return self._counter("tx_bytes")
+
+    def rx_bytes(self) -> int:
+        """Bytes this host has received on its link (kernel counter, Ethernet frames)."""
+        return self._counter("rx_bytes")
+
+    def qdisc_stats(self) -> str:
+        """``tc -s qdisc`` of the host's link: sent bytes, drops and overlimits of the shaper."""
+        return _run(self.cmd(["tc", "-s", "qdisc", "show", "dev", self.dev]))
+
+
+class ShapedNetwork:
+    """``len(rates_mbit)`` hosts on one bridge; ``rates_mbit[i]`` shapes host i's egress (None: unshaped).
+
+    Addresses are ``10.213.S.i+2/24`` with ``S`` derived from the pid and a counter, so two
+    networks in one machine do not collide; the root namespace is ``10.213.S.1`` (:attr:`gateway`).
+    """
+
+    _count = 0
+
+    def __init__(self, rates_mbit: Sequence[float | None], burst_bytes: int | None = None) -> None:
+        reason = netns_unavailable()
+        if reason is not None:
+            raise NetnsError(reason)
+        if not 1 <= len(rates_mbit) <= 200:
+            raise ValueError("ShapedNetwork: between 1 and 200 hosts")
+        for rate in rates_mbit:
+            if rate is not None and not rate > 0:
+                raise ValueError(f"ShapedNetwork: rate {rate!r} Mbit/s must be positive or None")
+        ShapedNetwork._count += 1
+        pid = os.getpid()
+        # Interface names are at most 15 bytes: "gln" + pid (<= 5 base-36 digits) + "-b" + count.
+        self._tag = f"{PREFIX}{_b36(pid)}-"
+        count = _b36(ShapedNetwork._count % 1296)
+        subnet = _free_subnet((pid * 7 + ShapedNetwork._count) % 250 + 1)
+        self.bridge = f"{self._tag}b{count}"
+        self._veth = f"{self._tag}v{count}."
+        self.gateway = f"10.213.{subnet}.1"
+        self.hosts = [Host(ns=f"{self._tag}h{count}.{i}", addr=f"10.213.{subnet}.{i + 2}",
+                           rate_mbit=rate) for i, rate in enumerate(rates_mbit)]
+        self._burst = burst_bytes
+        self._closed = False
+        sweep_stale()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
+        _run(["ip", "link", "set", self.bridge, "up"])
+        self._allow_forwarding(True)
+        for i, host in enumerate(self.hosts):
+            outer = f"{self._veth}{_b36(i)}"
+            _run(["ip", "netns", "add", host.ns])
+            _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", host.dev,
+                  "netns", host.ns])
+            _run(["ip", "link", "set", outer, "master", self.bridge])
+            _run(["ip", "link", "set", outer, "up"])
+            _run(host.cmd(["ip", "addr", "add", f"{host.addr}/24", "dev", host.dev]))
+            _run(host.cmd(["ip", "link", "set", host.dev, "up"]))
+            _run(host.cmd(["ip", "link", "set", "lo", "up"]))
+            if host.rate_mbit is not None:
+                self._shape(host)
+        log.info("shaped network %s: %s", self.bridge,
+                 ", ".join(f"{h.addr}@{h.rate_mbit or 'unshaped'}" for h in self.hosts))
+
+    def _shape(self, host: Host) -> None:
+        rate = float(host.rate_mbit or 0)
+        # Burst: at least one MTU-sized packet, about 5 ms of traffic at the rate (tbf needs
+        # burst >= rate / HZ to reach the rate at all on a kernel with a 250 Hz timer).
+        burst = self._burst or max(16_000, int(rate * 1e6 / 8 / 200))
+        _run(host.cmd(["tc", "qdisc", "add", "dev", host.dev, "root", "tbf",
+                       "rate", f"{rate}mbit", "burst", str(burst), "latency", "100ms"]))
+
+    def _allow_forwarding(self, allow: bool) -> None:
+        # With br_netfilter loaded, bridged frames pass iptables' FORWARD chain, which a Docker
+        # engine sets to DROP: accept this bridge's traffic explicitly while it exists.
+        if shutil.which("iptables") is None:
+            return
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        _run(["iptables", "-I" if allow else "-D", *rule], check=False)
+
+    def close(self) -> None:
+        """Delete the namespaces (their veths go with them) and the bridge; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for host in self.hosts:
+            _run(["ip", "netns", "del", host.ns], check=False)
+        _run(["ip", "link", "del", self.bridge], check=False)
+        self._allow_forwarding(False)
+
+    def __enter__(self) -> ShapedNetwork:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
