@@ -15,14 +15,19 @@ and after ``--settle-s`` the bench records for ``--seconds`` each node's Info co
 four times a second, the bytes its veth sent (kernel counter). Per configuration (means over
 nodes):
 
-- steps/s and utilization: the share of wall time the trainer was not stalled waiting for an
-  all-reduce result (Info ``total_averaging_s``: DiLoCo waits for every round, streaming only
-  for the part of a sync the ``--tau`` overlap did not hide);
+- steps/s and compute utilization: steps/s over the node's compute-only rate (Info
+  ``tokens_per_s`` times tokens per step: the trainer times its steps without the round-end
+  work), i.e. the share of wall time spent training. Everything else lowers it: waits for
+  all-reduce results, and state downloads after a node fell off the group's history (resyncs,
+  counted). "not stalled" is the share of wall time not waiting for results by Info's own count
+  (``total_averaging_s``: DiLoCo waits for every round, streaming only for the part of a sync
+  the ``--tau`` overlap did not hide; it leaves out resync downloads);
 - bytes per sync, the program's own count (encoded hivemind parts): the burst one sync puts on
   the link; whole-model DiLoCo's is about the fragments' sum, streaming's the largest fragment's
   (the averager is shared and sized to it), so their ratio is the peak-bandwidth reduction;
 - the veth's mean and peak (largest 1 s window) send rate, and the veth bytes over the
-  program's count (framing, TCP/IP, libp2p, DHT and matchmaking traffic on top of payloads).
+  program's count (framing, TCP/IP, libp2p, DHT and matchmaking traffic on top of payloads,
+  and TCP's resends of what the shaper dropped: its drop count is shown).
 
 Timings on shared 2-core machines vary by about 30%: compare rows of one run.
 """
@@ -30,6 +35,7 @@ Timings on shared 2-core machines vary by about 30%: compare rows of one run.
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import statistics
 import subprocess
@@ -73,6 +79,8 @@ class Run:
     first: list[pb.InfoReply]
     last: list[pb.InfoReply]
     tx: list[list[tuple[float, int]]]  # per node: (time, veth tx bytes) samples
+    drops: list[int]  # per node: packets the shaper dropped in the window
+    tokens_per_step: int
     per_sync: list[float] = field(default_factory=list)  # program bytes per sync, per node
 
 
@@ -91,6 +99,14 @@ def wait_warm(nodes: list[NsNode], syncs: int, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+def tokens_per_step(flags: list[str]) -> int:
+    """--batch-size x --seq-len x --grad-accum of ``flags`` (the last occurrence wins)."""
+    def flag(name: str, default: int) -> int:
+        at = [i for i, f in enumerate(flags) if f == name]
+        return int(flags[at[-1] + 1]) if at else default
+    return flag("--batch-size", 16) * flag("--seq-len", 128) * flag("--grad-accum", 1)
+
+
 def shape(host: Host, rate_mbit: float | None) -> None:
     """Shape ``host``'s egress with tbf at ``rate_mbit`` (None: remove the shaper). The burst
     is :mod:`gasloc_p2p.tools.netns`'s: about 5 ms of traffic, at least 16 kB."""
@@ -102,6 +118,12 @@ def shape(host: Host, rate_mbit: float | None) -> None:
     subprocess.run(host.cmd(["tc", "qdisc", "replace", "dev", host.dev, "root", "tbf", "rate",
                              f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]),
                    capture_output=True, check=True)
+
+
+def tbf_drops(host: Host) -> int:
+    """Packets the host's shaper has dropped (TCP sends them again: the veth counts both)."""
+    found = re.search(r"dropped (\d+)", host.qdisc_stats())
+    return int(found.group(1)) if found else 0
 
 
 def sample_tx(hosts: list[Host], stop: threading.Event) -> list[list[tuple[float, int]]]:
@@ -141,9 +163,11 @@ def measure(net: ShapedNetwork, label: str, flags: list[str], args: argparse.Nam
             samples: list[list[list[tuple[float, int]]]] = []
             sampler = threading.Thread(target=lambda: samples.append(sample_tx(hosts, stop)))
             t0, first = time.monotonic(), [n.info() for n in nodes]
+            drops0 = [tbf_drops(h) for h in hosts]
             sampler.start()
             time.sleep(args.seconds)
             last = [n.info() for n in nodes]
+            drops = [tbf_drops(h) - d for h, d in zip(hosts, drops0, strict=True)]
             t1 = time.monotonic()
             stop.set()
             sampler.join()
@@ -152,7 +176,7 @@ def measure(net: ShapedNetwork, label: str, flags: list[str], args: argparse.Nam
                 n.stop(30)
             for h in hosts:
                 shape(h, None)
-    return Run(label, t1 - t0, first, last, samples[0])
+    return Run(label, t1 - t0, first, last, samples[0], drops, tokens_per_step(flags))
 
 
 def sync_bytes(a: pb.InfoReply, b: pb.InfoReply) -> float:
@@ -180,15 +204,19 @@ def peak_rate(samples: list[tuple[float, int]], window_s: float = 1.0) -> float:
 
 def report(run: Run) -> dict[str, float]:
     rows = []
-    for a, b, tx in zip(run.first, run.last, run.tx, strict=True):
+    for a, b, tx, drops in zip(run.first, run.last, run.tx, run.drops, strict=True):
         stalled = (b.total_averaging_s - a.total_averaging_s) / run.seconds
         veth = tx[-1][1] - tx[0][1]
         span = tx[-1][0] - tx[0][0]
         program = b.bytes_sent - a.bytes_sent
-        rows.append({"steps/s": (b.step - a.step) / run.seconds, "utilization": 1 - stalled,
+        rate = (b.step - a.step) / run.seconds
+        compute = (a.tokens_per_s + b.tokens_per_s) / 2 / run.tokens_per_step
+        rows.append({"steps/s": rate, "compute utilization": rate / compute,
+                     "not stalled": 1 - stalled,
                      "B/sync": sync_bytes(a, b), "veth mean Mbit/s": veth * 8 / span / 1e6,
                      "veth peak Mbit/s": peak_rate(tx) * 8 / 1e6,
                      "veth / program": veth / program if program else float("nan"),
+                     "tbf drops": float(drops), "resyncs": float(b.resyncs - a.resyncs),
                      "failed": float(sum(f.syncs_failed for f in b.fragment_syncs)
                                      - sum(f.syncs_failed for f in a.fragment_syncs)
                                      + b.averaging_rounds_failed - a.averaging_rounds_failed)})
@@ -236,11 +264,14 @@ def main() -> None:
     print("|---" * (len(keys) + 1) + "|")
     for label, r in results:
         print(f"| {label} | " + " | ".join(
-            f"{r[k]:,.0f}" if k == "B/sync" else f"{r[k]:.2f}" for k in keys) + " |")
+            f"{r[k]:,.0f}" if k in ("B/sync", "tbf drops") else f"{r[k]:.2f}" for k in keys)
+              + " |")
     whole = results[-1][1]["B/sync"]
     for label, r in results[:-1]:
         print(f"{label}: bytes per sync {whole / r['B/sync']:.2f}x fewer than whole-model "
-              f"DiLoCo; utilization {r['utilization']:.2f} vs {whole and results[-1][1]['utilization']:.2f}")
+              f"DiLoCo, veth peak {results[-1][1]['veth peak Mbit/s'] / r['veth peak Mbit/s']:.2f}x"
+              f" lower; compute utilization {r['compute utilization']:.2f} vs "
+              f"{results[-1][1]['compute utilization']:.2f}")
 
 
 if __name__ == "__main__":

@@ -167,3 +167,43 @@ def test_one_average_equals_the_mean_up_to_the_codec_error(dhts, codec):
     finally:
         for a in averagers:
             a.close()
+
+
+def test_a_reducer_accepts_only_parts_of_its_codec_size_and_weight():
+    from hivemind.averaging.partition import AllreduceException
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.proto import averaging_pb2, runtime_pb2
+
+    from gasloc_p2p.node.modes.compression import make_compression
+    from gasloc_p2p.node.modes.uniform import runner_class
+
+    class FakeP2P:
+        peer_id = "a"
+
+    comp = make_compression("fp4")
+    runner = runner_class()(p2p=FakeP2P(), servicer_type=runner_class(), prefix=None,
+                            group_id=b"g", tensors=[torch.zeros(1000)],
+                            ordered_peer_ids=["a", "b"], peer_fractions=(0.5, 0.5),
+                            compression=comp, part_size_bytes=125)  # ~250 fp4 values a part
+    shapes = runner.tensor_part_reducer.part_shapes
+    assert len(shapes) == 2  # this reducer's share of the 1000 values, in parts
+    n = shapes[0][0]
+    x = torch.randn(n)
+
+    def data(part, weight=1.0):
+        return averaging_pb2.AveragingData(tensor_part=part, weight=weight)
+
+    index, got, weight = runner._decode_input((0, data(comp.encode_part(x))), shapes)
+    spec = CodecSpec.of("fp4")
+    assert index == 0 and weight == 1.0
+    assert torch.equal(got, spec.codec().decode(spec.codec().encode(x)))
+    assert comp.bytes_received() == spec.codec().wire_bytes(n)
+    bad = [data(comp.encode_part(torch.randn(n - 1))),  # not this share's part size
+           data(serialize_torch_tensor(x, runtime_pb2.CompressionType.NONE)),  # another codec
+           data(comp.encode_part(x), weight=1e9)]  # would outweigh the group
+    for msg in bad:
+        with pytest.raises(AllreduceException):
+            runner._decode_input((0, msg), shapes)
+    with pytest.raises(AllreduceException):  # more parts than the share has
+        runner._decode_input((2, data(comp.encode_part(x))), shapes)
+    runner.finalize()
