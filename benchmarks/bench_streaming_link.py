@@ -15,13 +15,11 @@ and after ``--settle-s`` the bench records for ``--seconds`` each node's Info co
 four times a second, the bytes its veth sent (kernel counter). Per configuration (means over
 nodes):
 
-- steps/s and compute utilization: steps/s over the node's compute-only rate (Info
-  ``tokens_per_s`` times tokens per step: the trainer times its steps without the round-end
-  work), i.e. the share of wall time spent training. Everything else lowers it: waits for
-  all-reduce results, and state downloads after a node fell off the group's history (resyncs,
-  counted). "not stalled" is the share of wall time not waiting for results by Info's own count
-  (``total_averaging_s``: DiLoCo waits for every round, streaming only for the part of a sync
-  the ``--tau`` overlap did not hide; it leaves out resync downloads);
+- steps/s and utilization: the share of wall time the trainer was not stalled waiting for an
+  all-reduce result, by Info's own count (``total_averaging_s``: DiLoCo waits for every round,
+  streaming only for the part of a sync the ``--tau`` overlap did not hide). It leaves out the
+  state downloads of a node that fell off the group's history (resyncs: counted, and their
+  bytes show in the veth's count, not in the program's averaging count);
 - bytes per sync, the program's own count (encoded hivemind parts): the burst one sync puts on
   the link; whole-model DiLoCo's is about the fragments' sum, streaming's the largest fragment's
   (the averager is shared and sized to it), so their ratio is the peak-bandwidth reduction;
@@ -80,7 +78,6 @@ class Run:
     last: list[pb.InfoReply]
     tx: list[list[tuple[float, int]]]  # per node: (time, veth tx bytes) samples
     drops: list[int]  # per node: packets the shaper dropped in the window
-    tokens_per_step: int
     per_sync: list[float] = field(default_factory=list)  # program bytes per sync, per node
 
 
@@ -97,14 +94,6 @@ def wait_warm(nodes: list[NsNode], syncs: int, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"warm-up: syncs {[syncs_ok(n.info()) for n in nodes]}")
         time.sleep(0.5)
-
-
-def tokens_per_step(flags: list[str]) -> int:
-    """--batch-size x --seq-len x --grad-accum of ``flags`` (the last occurrence wins)."""
-    def flag(name: str, default: int) -> int:
-        at = [i for i, f in enumerate(flags) if f == name]
-        return int(flags[at[-1] + 1]) if at else default
-    return flag("--batch-size", 16) * flag("--seq-len", 128) * flag("--grad-accum", 1)
 
 
 def shape(host: Host, rate_mbit: float | None) -> None:
@@ -176,7 +165,7 @@ def measure(net: ShapedNetwork, label: str, flags: list[str], args: argparse.Nam
                 n.stop(30)
             for h in hosts:
                 shape(h, None)
-    return Run(label, t1 - t0, first, last, samples[0], drops, tokens_per_step(flags))
+    return Run(label, t1 - t0, first, last, samples[0], drops)
 
 
 def sync_bytes(a: pb.InfoReply, b: pb.InfoReply) -> float:
@@ -209,10 +198,7 @@ def report(run: Run) -> dict[str, float]:
         veth = tx[-1][1] - tx[0][1]
         span = tx[-1][0] - tx[0][0]
         program = b.bytes_sent - a.bytes_sent
-        rate = (b.step - a.step) / run.seconds
-        compute = (a.tokens_per_s + b.tokens_per_s) / 2 / run.tokens_per_step
-        rows.append({"steps/s": rate, "compute utilization": rate / compute,
-                     "not stalled": 1 - stalled,
+        rows.append({"steps/s": (b.step - a.step) / run.seconds, "utilization": 1 - stalled,
                      "B/sync": sync_bytes(a, b), "veth mean Mbit/s": veth * 8 / span / 1e6,
                      "veth peak Mbit/s": peak_rate(tx) * 8 / 1e6,
                      "veth / program": veth / program if program else float("nan"),
@@ -270,8 +256,8 @@ def main() -> None:
     for label, r in results[:-1]:
         print(f"{label}: bytes per sync {whole / r['B/sync']:.2f}x fewer than whole-model "
               f"DiLoCo, veth peak {results[-1][1]['veth peak Mbit/s'] / r['veth peak Mbit/s']:.2f}x"
-              f" lower; compute utilization {r['compute utilization']:.2f} vs "
-              f"{results[-1][1]['compute utilization']:.2f}")
+              f" lower; utilization {r['utilization']:.2f} vs "
+              f"{results[-1][1]['utilization']:.2f}")
 
 
 if __name__ == "__main__":
