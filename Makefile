@@ -9,7 +9,8 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-downloads bench-data bench-streaming \
-	bench-fuzz bench-byzantine bench-chaos bench-poison bench-soak reproduce proto clean
+	bench-streaming-link bench-fuzz bench-byzantine bench-chaos bench-poison bench-soak reproduce \
+	proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -69,6 +70,10 @@ bench-data: setup
 bench-streaming: setup
 	$(PY) benchmarks/bench_streaming.py
 
+# Network namespaces with tbf-shaped links: needs root and iproute2.
+bench-streaming-link: setup
+	$(PY) benchmarks/bench_streaming_link.py
+
 # Security figures (README, Security): each runs real node processes for minutes.
 bench-fuzz: setup
 	$(PY) benchmarks/bench_fuzz.py
@@ -87,7 +92,8 @@ bench-soak: setup
 	$(PY) benchmarks/bench_soak.py
 
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-downloads \
-	bench-data bench-streaming bench-fuzz bench-byzantine bench-chaos bench-poison bench-soak
+	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-chaos \
+	bench-poison bench-soak
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50

@@ -16,7 +16,8 @@ every node (warm-up), then measures for ``--seconds`` from the nodes' Info count
   tau > 0 it overlaps tau inner steps). The fragments share one averager sized to the largest
   fragment, so the smaller (non-layer) fragment is zero-padded and costs as much as a layer.
 Loopback, not a shaped link: the all-reduce's cost here is hivemind's matchmaking and
-round trips rather than bandwidth. Timings on shared 2-core machines vary by about 30%.
+round trips rather than bandwidth (``benchmarks/bench_streaming_link.py`` runs the nodes on
+tbf-shaped links in network namespaces). Timings on shared 2-core machines vary by about 30%.
 """
 
 from __future__ import annotations

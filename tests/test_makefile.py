@@ -25,6 +25,8 @@ EXPECTED = {
     "bench-scale": ["benchmarks/bench_scale.py"],
     "bench-downloads": ["benchmarks/bench_downloads.py"],
     "bench-data": ["benchmarks/bench_data.py"],
+    "bench-streaming": ["benchmarks/bench_streaming.py"],
+    "bench-streaming-link": ["benchmarks/bench_streaming_link.py"],
     "bench-fuzz": ["benchmarks/bench_fuzz.py"],
     "bench-byzantine": ["benchmarks/bench_byzantine.py"],
     "bench-chaos": ["benchmarks/bench_chaos.py"],

@@ -20,7 +20,7 @@ from gasloc_p2p.node.config import ConfigError, NodeConfig
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.node.observability.metrics import OUTCOMES, NodeCollector, NodeMetrics
 from gasloc_p2p.node.runtime.daemon import Node
-from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
+from gasloc_p2p.node.runtime.stats import ExchangeStats, FragmentStats, TrainStats
 from gasloc_p2p.node.settings import build_config
 from tests.daemon_helpers import tiny_config, write_corpus
 from tests.node_helpers import make_peer, run, wait_until
@@ -33,6 +33,11 @@ DOCUMENTED = {
     "gasloc_peers_known", "gasloc_peers_reachable", "gasloc_consensus_estimate",
     "gasloc_event_loop_lag_seconds", "gasloc_threads", "gasloc_info",
     "gasloc_rollbacks", "gasloc_checkpoint_failures", "gasloc_updates_rejected",
+}
+FRAGMENT_METRICS = {
+    "gasloc_fragment_syncs", "gasloc_fragment_sent_bytes", "gasloc_fragment_received_bytes",
+    "gasloc_fragment_last_sync_step", "gasloc_fragment_stall_seconds",
+    "gasloc_fragment_averaging_seconds", "gasloc_fragment_resyncs",
 }
 
 
@@ -91,6 +96,38 @@ def test_training_values_and_unknown_gauges_are_left_out():
     assert get("gasloc_consensus_estimate") is None  # no commit yet
     train.val_loss = 3.0  # read at scrape time
     assert get("gasloc_val_loss") == 3.0
+
+
+def test_fragment_series_are_read_at_scrape_time_and_absent_without_fragments():
+    fragments: list[FragmentStats] = []
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(TrainStats(), ExchangeStats(), lambda: None, {"a": "b"},
+                                    lambda: 0.0, lambda: fragments))
+    get = registry.get_sample_value
+    assert not FRAGMENT_METRICS & {m.name for m in registry.collect()}  # not streaming
+    fragments += [FragmentStats(0, 10, ok=3, failed=1, solo=2, last_start_step=20,
+                                wait_s=0.5, averaging_s=2.0, resyncs=1, bytes_sent=700,
+                                bytes_received=650), FragmentStats(5, 10, ok=4)]
+    assert {m.name for m in registry.collect()} >= FRAGMENT_METRICS
+    syncs = {(f, o): get("gasloc_fragment_syncs_total", {"fragment": f, "outcome": o})
+             for f in "01" for o in ("ok", "failed", "solo")}
+    assert syncs == {("0", "ok"): 3, ("0", "failed"): 1, ("0", "solo"): 2, ("1", "ok"): 4,
+                     ("1", "failed"): 0, ("1", "solo"): 0}
+    zero = {"fragment": "0"}
+    assert get("gasloc_fragment_sent_bytes_total", zero) == 700
+    assert get("gasloc_fragment_received_bytes_total", zero) == 650
+    assert get("gasloc_fragment_last_sync_step", zero) == 20
+    assert get("gasloc_fragment_stall_seconds_total", zero) == 0.5
+    assert get("gasloc_fragment_averaging_seconds_total", zero) == 2.0
+    assert get("gasloc_fragment_resyncs_total", zero) == 1
+    fragments[1].ok += 1  # a live object: the next scrape sees it
+    assert get("gasloc_fragment_syncs_total", {"fragment": "1", "outcome": "ok"}) == 5
+    root = Path(__file__).resolve().parent.parent
+    for doc in (root / "README.md", root / "docs/observability.md"):
+        text = doc.read_text()
+        for family in registry.collect():
+            if family.name in FRAGMENT_METRICS:  # the sample names users query
+                assert family.samples[0].name in text, (doc.name, family.samples[0].name)
 
 
 def test_dropped_stale_and_failures_have_their_own_outcomes():

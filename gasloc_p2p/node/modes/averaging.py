@@ -27,6 +27,7 @@ import torch
 
 from gasloc_p2p.node.config import DilocoConfig
 from gasloc_p2p.node.modes.compression import compression_class, install, make_compression
+from gasloc_p2p.node.modes.uniform import GROUP_TAG, run_uniform_allreduce
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.05  # how often a waiting round checks the stop event
@@ -80,6 +81,10 @@ class Averager(abc.ABC):
 
     def bytes_sent(self) -> int:
         """Encoded payload bytes this averager sent to groupmates so far (0 if not counted)."""
+        return 0
+
+    def bytes_received(self) -> int:
+        """Encoded payload bytes this averager received from groupmates so far."""
         return 0
 
 
@@ -173,7 +178,8 @@ _AVERAGER_CLASS: Any = None
 
 
 def _averager_class() -> Any:
-    """``DecentralizedAverager`` plus two control messages for its background process.
+    """``DecentralizedAverager`` with the uniform all-reduce (:mod:`.uniform`: every member
+    keeps the same result, bit for bit) plus two control messages for its background process.
 
     The averager process runs one coroutine per message sent through its control pipe (hivemind
     1.1.12's own mechanism for ``step``): ``_gasloc_set_target`` changes the target group size
@@ -192,6 +198,10 @@ def _averager_class() -> Any:
                     install(compression)
                 super().run()
 
+            async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any,
+                                              group_id: Any = None, **kwargs: Any) -> None:
+                await run_uniform_allreduce(self, tensors, group_info, group_id, **kwargs)
+
             async def _gasloc_set_target(self, size: int | None) -> None:
                 self._matchmaking.target_group_size = size
 
@@ -208,8 +218,10 @@ def averaging_prefix(run_id: str, fingerprint: str, codec: str = "",
                      part: str = "diloco") -> str:
     """The hivemind group-key prefix: run-, model-, codec- and ``part``-scoped (the payload's
     codec must be the same in a group; streaming-diloco averages each fragment under its own
-    ``part``); hivemind forbids dots in it."""
-    return f"gasloc_{run_id}_{part}_{codec}_{fingerprint[:16]}".replace(".", "_")
+    ``part``), and tagged with the all-reduce's version (:data:`.uniform.GROUP_TAG`: nodes
+    running another all-reduce never meet); hivemind forbids dots in it."""
+    return (f"gasloc_{run_id}_{part}_{codec}_{GROUP_TAG}_{fingerprint[:16]}"
+            .replace(".", "_"))
 
 
 class HivemindAverager(Averager):
@@ -279,6 +291,9 @@ class HivemindAverager(Averager):
 
     def bytes_sent(self) -> int:
         return int(self.compression.bytes_sent())
+
+    def bytes_received(self) -> int:
+        return int(self.compression.bytes_received())
 
     @contextlib.contextmanager
     def _tensors(self) -> Iterator[torch.Tensor | None]:

@@ -27,7 +27,7 @@ from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.discovery.base import Discovery, PeerInfo
 from gasloc_p2p.node.runtime.clock import Clock
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
+from gasloc_p2p.node.runtime.stats import ExchangeStats, FragmentStats, TrainStats
 from gasloc_p2p.node.runtime.trainer import Trainer
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
@@ -115,6 +115,11 @@ class Mode(abc.ABC):
     def info_fields(self) -> dict[str, Any]:
         """The mode's own fields of the Info reply."""
         return {}
+
+    def fragment_stats(self) -> Sequence[FragmentStats]:
+        """Per-fragment sync counters (streaming-diloco), read at scrape time; none by
+        default."""
+        return ()
 
     @abc.abstractmethod
     def progress(self) -> str:

@@ -9,7 +9,10 @@ the averager's own process (:meth:`HivemindAverager` forks it); the group key in
 name, so every member of a group decodes that slot with the same codec.
 
 Each encoded part is ``Encoded.to_bytes()`` (scales then data, see :mod:`gasloc_p2p.core.wire`);
-the bytes put on the wire are added to a counter shared with the node's process.
+the bytes put on the wire and taken off it are added to two counters shared with the node's
+process. The all-reduce (:mod:`.uniform`) encodes each averaged part once and sends the same
+bytes to every groupmate: it uses the uncounted :meth:`~CodecCompression.encode_part` and counts
+each send itself.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def compression_class() -> Any:
     from hivemind.proto import runtime_pb2
 
     class CodecCompression(CompressionBase):
-        """Encodes float32 parts with a project codec; counts the encoded bytes sent."""
+        """Encodes float32 parts with a project codec; counts the encoded bytes sent and
+        received."""
 
         compression_type = runtime_pb2.CompressionType.Value(SLOT)
 
@@ -43,22 +47,36 @@ def compression_class() -> Any:
             self.spec = spec
             self.codec = spec.codec()
             self.sent = multiprocessing.Value("q", 0)  # shared with the forked averager
+            self.received = multiprocessing.Value("q", 0)
 
         def compress(self, tensor: torch.Tensor, info: CompressionInfo,
                      allow_inplace: bool = False) -> Any:
+            msg = self.encode_part(tensor)
+            self.count_sent(len(msg.buffer))
+            return msg
+
+        def extract(self, serialized_tensor: Any) -> torch.Tensor:
+            _add(self.received, len(serialized_tensor.buffer))
+            return self.decode_part(serialized_tensor)
+
+        def encode_part(self, tensor: torch.Tensor) -> Any:
+            """``tensor`` (any shape) as a hivemind ``Tensor`` message; not counted."""
             flat = tensor.detach().reshape(-1).float()
-            payload = self.codec.encode(flat).to_bytes()
-            with self.sent.get_lock():
-                self.sent.value += len(payload)
-            return runtime_pb2.Tensor(compression=self.compression_type, buffer=payload,
+            return runtime_pb2.Tensor(compression=self.compression_type,
+                                      buffer=self.codec.encode(flat).to_bytes(),
                                       size=tensor.shape, dtype="float32",
                                       requires_grad=tensor.requires_grad)
 
-        def extract(self, serialized_tensor: Any) -> torch.Tensor:
+        def decode_part(self, serialized_tensor: Any) -> torch.Tensor:
+            """The float32 tensor of an :meth:`encode_part` message; not counted. Raises
+            ValueError when the buffer's length does not match the declared size."""
             shape = torch.Size(serialized_tensor.size)
             enc = Encoded.from_bytes(self.spec.name, shape.numel(), self.spec.block_size,
                                      serialized_tensor.buffer)
             return self.codec.decode(enc).reshape(shape)
+
+        def count_sent(self, nbytes: int) -> None:
+            _add(self.sent, nbytes)
 
         def estimate_compression_ratio(self, info: CompressionInfo) -> float:
             numel = max(info.descriptor.numel(), 1)
@@ -67,11 +85,19 @@ def compression_class() -> Any:
         def bytes_sent(self) -> int:
             return int(self.sent.value)
 
+        def bytes_received(self) -> int:
+            return int(self.received.value)
+
         def __repr__(self) -> str:
             return f"CodecCompression({self.spec})"
 
     _CLASS = CodecCompression
     return _CLASS
+
+
+def _add(counter: Any, nbytes: int) -> None:
+    with counter.get_lock():
+        counter.value += nbytes
 
 
 def make_compression(codec: str) -> Any:

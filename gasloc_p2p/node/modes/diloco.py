@@ -286,7 +286,9 @@ class DilocoRounds:
         return {"averaging_rounds_ok": s.rounds_ok, "averaging_rounds_failed": s.rounds_failed,
                 "averaging_rounds_solo": s.rounds_solo, "last_group_size": s.last_group_size,
                 "last_averaging_s": s.last_averaging_s, "total_averaging_s": s.total_averaging_s,
-                "outer_epoch": self.epoch, "resyncs": s.resyncs}
+                "outer_epoch": self.epoch, "resyncs": s.resyncs,
+                "bytes_sent": self.averager.bytes_sent(),
+                "bytes_received": self.averager.bytes_received()}
 
     def progress_text(self) -> str:
         s = self.stats

@@ -18,12 +18,10 @@ after_step`, which
 
 Each fragment keeps its own epoch (outer steps along the shared history) and, as in DiLoCo mode
 (:mod:`gasloc_p2p.node.modes.diloco`), a member whose fragment state is off its group's history
-downloads the reference member's state and adopts that fragment. With fp32 payloads "off" is
-decided by digests, as DiLoCo mode does. With a lossy codec the members' results differ by
-quantization noise (hivemind's reducer sends each member ``mean - its own part``, quantized), so
-a digest cannot tell a missed step from noise: there a fragment is off history when its epoch
-differs from the reference's or when it applied its own gradient after a failed sync (its
-``dirty`` flag, sent with the epoch; the reference prefers clean members). State lives in the node's
+downloads the reference member's state and adopts that fragment; "off" is decided by digests of
+``(anchor_f, buffer_f)``, as DiLoCo mode does, whatever the payload codec: the all-reduce gives
+every member the same averaged outer gradient bit for bit, lossy codecs included
+(:mod:`gasloc_p2p.node.modes.uniform`), so members in step hold equal fragments. State lives in the node's
 :class:`AsyncGaslocState`: ``anchor`` holds every fragment's global copy and ``memory`` every
 fragment's Nesterov buffer, in the parameters' layout, so checkpoints, resume and late-join
 downloads work unchanged; ``rounds`` is the sum of the fragments' epochs.
@@ -36,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,28 +59,9 @@ from gasloc_p2p.node.modes.diloco import (
     state_digest,
 )
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.runtime.stats import FragmentStats, TrainStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FragmentStats:
-    """One fragment's syncs, written by the trainer thread; read for Info and logs."""
-
-    offset: int
-    numel: int
-    ok: int = 0
-    failed: int = 0
-    solo: int = 0
-    last_start_step: int = 0
-    wait_s: float = 0.0  # training stalled waiting for results (the overlap did not hide)
-    averaging_s: float = 0.0  # wall time of the syncs (start to result)
-    last_group_size: int = 0
-    resyncs: int = 0
-    resync_failures: int = 0
-    bytes_sent: int = 0  # encoded payload bytes of this fragment's all-reduces
-    failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -126,8 +105,6 @@ class StreamingRounds:
         self.endpoint = endpoint
         self.fetch_state = fetch_state
         self.epochs = [0] * len(self.fragments)
-        self.dirty = [False] * len(self.fragments)  # a failed sync applied the own gradient
-        self.exact = cfg.diloco_codec == "fp32"  # members' results agree to float32 rounding
         self.stats = [FragmentStats(self.schedule.offset(f), frag.numel)
                       for f, frag in enumerate(self.fragments)]
         self.pending: dict[int, _Sync] = {}
@@ -172,9 +149,7 @@ class StreamingRounds:
         if result is not None and reference is not None:
             result = self._align(f, sync, result, reference[1])
             reference = reference if result.ok else None
-        in_step = reference is not None and self._in_step(f, sync, *reference)
-        if in_step:
-            self.dirty[f] = False  # the group's history goes on from this state
+        in_step = reference is not None and self._in_step(sync, *reference)
         grad = result.averaged if result is not None and result.averaged is not None else sync.own
         frag, st = self.fragments[f], self.state
         with self.lock.urgent(), torch.no_grad():
@@ -207,14 +182,15 @@ class StreamingRounds:
         if peers + 1 < self.cfg.min_group_size:
             return None
         gather = {"epoch": epoch, "digest": digest, "endpoint": self.endpoint(), "fragment": f,
-                  "dirty": self.dirty[f], "vstep": vstep}
+                  "vstep": vstep}
         averager = self._averager(f)
         if self.shared:  # zero-padded to the largest fragment
             own = torch.cat([own, own.new_zeros(self.width - own.numel())])
         with self._busy[0 if self.shared else f]:
-            sent = averager.bytes_sent()
+            sent, received = averager.bytes_sent(), averager.bytes_received()
             result = averager.average(own, gather, peers + 1, self.stop)
             self.stats[f].bytes_sent += averager.bytes_sent() - sent
+            self.stats[f].bytes_received += averager.bytes_received() - received
         if result.averaged is not None and self.shared:
             result = AveragingResult(result.averaged[:self.fragments[f].numel], result.gathered)
         return result
@@ -241,20 +217,12 @@ class StreamingRounds:
         if len(members) != len(result.gathered):
             log.warning("a groupmate sent malformed sync metadata; not checking sync this time")
             return None
-        if self.exact:  # DiLoCo's rule: epoch, then digest support, then peer id
-            ref = choose_reference(members)
-        else:  # digests do not agree under lossy payloads: prefer members not off history
-            ref = max(members, key=lambda p: (int(members[p]["epoch"]),
-                                              not members[p].get("dirty", False), p))
+        ref = choose_reference(members)  # DiLoCo's rule: epoch, then digest support, peer id
         return ref, members[ref]
 
-    def _in_step(self, f: int, sync: _Sync, ref: str, meta: Mapping[str, Any]) -> bool:
-        """Whether this member's fragment ``f`` follows the reference's history (see module)."""
-        if ref == self._averager(f).peer_id:
-            return True
-        if self.exact:
-            return digests_match(sync.digest, meta["digest"])
-        return int(meta["epoch"]) == sync.epoch and not self.dirty[f]
+    def _in_step(self, sync: _Sync, ref: str, meta: Mapping[str, Any]) -> bool:
+        """Whether this member's fragment follows the reference's history (see module)."""
+        return ref == self.averagers[0].peer_id or digests_match(sync.digest, meta["digest"])
 
     def _record(self, f: int, result: AveragingResult | None, waited: float,
                 seconds: float) -> None:
@@ -269,7 +237,6 @@ class StreamingRounds:
             s.last_group_size = result.group_size
         else:
             s.failed += 1
-            self.dirty[f] = True
             kind = result.error.split(":")[0] or "unknown"
             s.failures[kind] = s.failures.get(kind, 0) + 1
             log.debug("fragment %d: sync failed after %.2f s (%s): applied the own outer "
@@ -301,7 +268,6 @@ class StreamingRounds:
             merge_fragment(frag, st.theta, frag.gather(anchor), self.cfg.merge_alpha)
             self.epochs[f] = int(ref["epoch"]) + 1
             st.rounds = self.train_stats.rounds = sum(self.epochs)
-        self.dirty[f] = False
         s.resyncs += 1
         log.info("fragment %d: adopted the state of %s at epoch %d", f, ref["endpoint"],
                  self.epochs[f])
@@ -335,6 +301,8 @@ class StreamingRounds:
             "last_group_size": ss[last].last_group_size,
             "total_averaging_s": sum(s.wait_s for s in ss),
             "outer_epoch": sum(self.epochs), "resyncs": sum(s.resyncs for s in ss),
+            "bytes_sent": sum(s.bytes_sent for s in ss),
+            "bytes_received": sum(s.bytes_received for s in ss),
             "fragment_syncs": [
                 {"index": f, "offset": s.offset, "numel": s.numel, "syncs_ok": s.ok,
                  "syncs_failed": s.failed, "syncs_solo": s.solo,

@@ -24,6 +24,7 @@ from gasloc_p2p.node.modes.averaging import Averager, HivemindAverager, averagin
 from gasloc_p2p.node.modes.base import Mode, ModeContext
 from gasloc_p2p.node.modes.diloco import state_fetcher
 from gasloc_p2p.node.modes.streaming import StreamingRounds
+from gasloc_p2p.node.runtime.stats import FragmentStats
 from gasloc_p2p.node.transport.service import StateSnapshot, download_state
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 
@@ -103,6 +104,9 @@ class StreamingMode(Mode):
         fields = self._started().info_fields()
         fields["fragment_syncs"] = [pb.FragmentSync(**f) for f in fields["fragment_syncs"]]
         return fields
+
+    def fragment_stats(self) -> Sequence[FragmentStats]:
+        return self.rounds.stats if self.rounds is not None else ()
 
     def progress(self) -> str:
         return self._started().progress_text()

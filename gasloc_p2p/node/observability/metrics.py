@@ -33,6 +33,20 @@ gasloc_event_loop_lag_seconds          gauge      last overshoot of a 0.5 s slee
 gasloc_threads                         gauge      OS threads of the process
 gasloc_info{version,run_id,codec,      gauge      always 1; the labels describe the node
 algorithm}
+gasloc_fragment_syncs_total            counter    streaming-diloco syncs of each fragment by
+{fragment,outcome}                                outcome ok | failed | solo (no group possible)
+gasloc_fragment_sent_bytes_total       counter    encoded all-reduce payload bytes this node sent
+{fragment}                                        for the fragment (inputs and averaged parts)
+gasloc_fragment_received_bytes_total   counter    ... and received
+{fragment}
+gasloc_fragment_last_sync_step         gauge      schedule step at which the fragment's last sync
+{fragment}                                        started (its offset modulo H)
+gasloc_fragment_stall_seconds_total    counter    training waited on the fragment's result at
+{fragment}                                        merge (what the tau-step overlap did not hide)
+gasloc_fragment_averaging_seconds_     counter    wall time of the fragment's syncs, start to
+total{fragment}                                   result (overlapped with training)
+gasloc_fragment_resyncs_total          counter    fragment state adopted from a groupmate after
+{fragment}                                        it fell off the group's history
 process_*                              various    prometheus_client's ProcessCollector (RSS,
                                                   CPU seconds, open fds, start time)
 =====================================  =========  ================================================
@@ -53,7 +67,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
@@ -66,7 +80,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gasloc_p2p import __version__
-from gasloc_p2p.node.runtime.stats import Buckets, ExchangeStats, TrainStats
+from gasloc_p2p.node.runtime.stats import Buckets, ExchangeStats, FragmentStats, TrainStats
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -88,6 +102,9 @@ STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 LOOP_LAG_PERIOD_S = 0.5
 #: (compatible peers known, those dialable now), None before the node knows any
 PeerCounts = Callable[[], "tuple[int, int] | None"]
+#: the mode's per-fragment sync counters (empty but in streaming-diloco mode)
+FragmentSource = Callable[[], Sequence[FragmentStats]]
+FRAGMENT_OUTCOMES = ("ok", "failed", "solo")
 
 
 def os_threads() -> int:
@@ -116,17 +133,50 @@ class NodeCollector(Collector):
     """
 
     def __init__(self, train: TrainStats, exchange: ExchangeStats, peers: PeerCounts,
-                 info: Mapping[str, str], loop_lag_s: Callable[[], float]) -> None:
+                 info: Mapping[str, str], loop_lag_s: Callable[[], float],
+                 fragments: FragmentSource = tuple) -> None:
         self.train = train
         self.exchange = exchange
         self.peers = peers
         self.info = dict(info)
         self.loop_lag_s = loop_lag_s
+        self.fragments = fragments
 
     def collect(self) -> Iterator[Metric]:
         yield from self._training()
         yield from self._gossip()
+        yield from self._fragments(list(self.fragments()))
         yield from self._system()
+
+    @staticmethod
+    def _fragments(stats: list[FragmentStats]) -> Iterator[Metric]:
+        """The ``gasloc_fragment_*`` families (none outside streaming-diloco mode)."""
+        if not stats:
+            return
+        syncs = CounterMetricFamily("gasloc_fragment_syncs", "Streaming-diloco syncs of each "
+                                    "fragment by outcome.", labels=["fragment", "outcome"])
+        for f, s in enumerate(stats):
+            for outcome, n in zip(FRAGMENT_OUTCOMES, (s.ok, s.failed, s.solo), strict=True):
+                syncs.add_metric([str(f), outcome], n)
+        yield syncs
+        per_fragment: tuple[tuple[str, str, type, Callable[[FragmentStats], float]], ...] = (
+            ("gasloc_fragment_sent_bytes", "Encoded all-reduce bytes sent for the fragment.",
+             CounterMetricFamily, lambda s: s.bytes_sent),
+            ("gasloc_fragment_received_bytes", "Encoded all-reduce bytes received for the "
+             "fragment.", CounterMetricFamily, lambda s: s.bytes_received),
+            ("gasloc_fragment_last_sync_step", "Schedule step of the fragment's last sync "
+             "start.", GaugeMetricFamily, lambda s: s.last_start_step),
+            ("gasloc_fragment_stall_seconds", "Training waited on the fragment's result at "
+             "merge.", CounterMetricFamily, lambda s: s.wait_s),
+            ("gasloc_fragment_averaging_seconds", "Wall time of the fragment's syncs.",
+             CounterMetricFamily, lambda s: s.averaging_s),
+            ("gasloc_fragment_resyncs", "Fragment state adopted from a groupmate.",
+             CounterMetricFamily, lambda s: s.resyncs))
+        for name, doc, kind, read in per_fragment:
+            family = kind(name, doc, labels=["fragment"])
+            for f, s in enumerate(stats):
+                family.add_metric([str(f)], read(s))
+            yield family
 
     def _training(self) -> Iterator[Metric]:
         t = self.train
@@ -216,7 +266,8 @@ class NodeMetrics:
     """
 
     def __init__(self, cfg: NodeConfig, train: TrainStats, exchange: ExchangeStats,
-                 peers: PeerCounts) -> None:
+                 peers: PeerCounts, fragments: FragmentSource = tuple) -> None:
+        """``fragments``: the mode's per-fragment sync counters, read at scrape time."""
         m = cfg.metrics
         self.port_wanted = m.metrics_port
         self.host = m.metrics_host or cfg.network.host
@@ -225,7 +276,7 @@ class NodeMetrics:
         info = {"version": __version__, "run_id": cfg.discovery.run_id,
                 "codec": cfg.gossip.codec, "algorithm": cfg.outer.algorithm}
         self.registry.register(NodeCollector(train, exchange, peers, info,
-                                             lambda: self.loop_lag_s))
+                                             lambda: self.loop_lag_s, fragments))
         ProcessCollector(registry=self.registry)
         self.port = 0
         self._server: WSGIServer | None = None

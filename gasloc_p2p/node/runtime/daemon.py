@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -88,7 +89,8 @@ class Node:
         self.trainer: Trainer | None = None
         self.peers: list[PeerInfo] = []  # compatible peers from discovery, this node excluded
         self.channels = PeerChannels(cfg.network)
-        self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, self._peer_counts)
+        self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, self._peer_counts,
+                                   self.mode.fragment_stats)
         self._stop = asyncio.Event()
         self._train_stop = threading.Event()
         self._stack: contextlib.AsyncExitStack | None = None
@@ -384,7 +386,7 @@ class Node:
 
     def info(self) -> pb.InfoReply:
         t, x = self.train_stats, self.stats
-        return pb.InfoReply(
+        fields: dict[str, Any] = dict(
             protocol_version=PROTOCOL_VERSION, software_version=__version__,
             run_id=self.me.run_id, peer_id=self.me.peer_id, model_fingerprint=self.me.fingerprint,
             step=t.step, rounds=t.rounds, tokens_per_s=t.tokens_per_s,
@@ -394,8 +396,9 @@ class Node:
             exchanges_failed=x.failed, bytes_sent=x.bytes_sent, bytes_received=x.bytes_received,
             endpoint=self.endpoint, algorithm=self.cfg.outer.algorithm,
             validation_set=self.trainer.validation_set if self.trainer else "",
-            model=self.trainer.model_description if self.trainer else "",
-            **self.mode.info_fields())
+            model=self.trainer.model_description if self.trainer else "")
+        fields.update(self.mode.info_fields())  # DiLoCo modes: the all-reduce's bytes
+        return pb.InfoReply(**fields)
 
     def join_hint(self, addrs: list[str]) -> str:
         """A ready-to-paste command: the run id and model flags (if not defaults) and peers."""

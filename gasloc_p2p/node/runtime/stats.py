@@ -113,3 +113,28 @@ class TrainStats:
     def round_duration_s(self, inner_steps: int) -> float:
         """Estimated wall time of one round (H inner steps); 0 before the first step."""
         return self.step_time_s * inner_steps
+
+
+@dataclass
+class FragmentStats:
+    """One streaming-diloco fragment's syncs (``gasloc_fragment_*`` metrics, Info, logs).
+
+    Written by the trainer thread (counts, times) and the fragment's averaging thread (bytes);
+    read at scrape time. ``last_start_step`` is the schedule step (inner step plus the phase
+    shift the group agreed on) at which the last sync started: ``(step - offset) % H == 0``.
+    """
+
+    offset: int
+    numel: int
+    ok: int = 0
+    failed: int = 0
+    solo: int = 0
+    last_start_step: int = 0
+    wait_s: float = 0.0  # training stalled waiting for results (the overlap did not hide)
+    averaging_s: float = 0.0  # wall time of the syncs (start to result)
+    last_group_size: int = 0
+    resyncs: int = 0
+    resync_failures: int = 0
+    bytes_sent: int = 0  # encoded payload bytes of this fragment's all-reduces
+    bytes_received: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
