@@ -5,7 +5,7 @@ Four layers and ``--fragments 4`` make five fragments (layers 0-3 and the non-la
 syncing at offsets 0, 2, 4, 6 and 8 of every 10 steps, each all-reduce overlapped with
 ``--tau 5`` steps (syncs queue on the one shared averager: a new one starts every 2 steps) and
 sent as 4-bit FP4 through hivemind averaging on the nodes' own DHT. Each node's /metrics is
-scraped for the per-fragment series. About 90 s; every wait is scaled by
+scraped for the per-fragment series. About 30 s; every wait is scaled by
 GASLOC_TEST_TIMEOUT_SCALE.
 """
 
