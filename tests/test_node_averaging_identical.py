@@ -14,6 +14,7 @@ counted as sent and received agree across the group. About 40 s.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 
@@ -170,6 +171,18 @@ def test_one_average_equals_the_mean_up_to_the_codec_error(dhts, codec):
 
 
 def test_a_reducer_accepts_only_parts_of_its_codec_size_and_weight():
+    # hivemind's runner asks for the current event loop: give it one of its own (earlier tests
+    # in the same process may have closed and unset the main thread's loop).
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        _check_reducer()
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def _check_reducer() -> None:
     from hivemind.averaging.partition import AllreduceException
     from hivemind.compression import serialize_torch_tensor
     from hivemind.proto import averaging_pb2, runtime_pb2
