@@ -28,6 +28,7 @@ EXPECTED = {
     "bench-fuzz": ["benchmarks/bench_fuzz.py"],
     "bench-byzantine": ["benchmarks/bench_byzantine.py"],
     "bench-chaos": ["benchmarks/bench_chaos.py"],
+    "bench-external": ["pip install", ".[bench-external]", "benchmarks/bench_external.py"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
 
