@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="60 steps (a check, not a result)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per system and case")
     p.add_argument("--out", default="docs/results")
+    p.add_argument("--logs", default="", help="keep the nodes' logs here (default: deleted)")
     args = p.parse_args(argv)
     args.systems = list(SYSTEMS) if args.systems == "all" else args.systems.split(",")
     unknown = set(args.systems) - set(SYSTEMS)
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"command": command.strip(), "spec": json.loads(spec.to_json()),
                                "cases": {}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench_external_") as tmp_dir:
-        tmp = Path(tmp_dir)
+        tmp = Path(args.logs or tmp_dir)
         data = make_corpus(tmp / "corpus.txt", spec.corpus_mb, spec.seed)
         summaries = {}
         for case in args.cases:
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_exchange_check:
             print(f"[{time.monotonic() - started:6.0f} s] one exchange over "
                   f"{args.slow_mbit:g} Mbit/s", flush=True)
-            ex_spec = Spec(nodes=2, steps=100, inner_steps=20, eval_every=100)
+            ex_spec = Spec(nodes=2, steps=4000, inner_steps=20, eval_every=1000)
             results["exchange"] = measure_exchange(args.slow_mbit, ex_spec, data,
                                                    tmp / "exchange")
             print(json.dumps(results["exchange"]), flush=True)

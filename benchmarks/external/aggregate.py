@@ -3,7 +3,9 @@ loss, loss at equal tokens, per-node traffic and memory, and the ratios the issu
 
 The swarm's curve at eval step k is the mean over nodes of each node's own validation loss
 (its current parameters, the same batches, the same ``evaluate``), at the time the *last* node
-got there, counted from each node's own step-0 evaluation (so start-up skew is not counted).
+got there, counted from the *last* node's step-0 evaluation: from the moment the whole swarm
+trains (a node's start-up, slow on a loaded machine, is not counted, nor is the head start of
+a node that started first).
 Every node trains the same steps, so eval step k is the same tokens for every system.
 """
 
@@ -26,11 +28,12 @@ def curve(run: dict[str, Any]) -> list[dict[str, float]]:
     if not per_node:
         return []
     steps = sorted(set.intersection(*(set(ev) for _, ev in per_node)))
+    start = max(t0 for t0, _ in per_node)
     out = []
     for s in steps:
         losses = [ev[s]["val_loss"] for _, ev in per_node]
         out.append({"step": s, "tokens": per_node[0][1][s]["tokens"],
-                    "t": max(ev[s]["t"] - t0 for t0, ev in per_node),
+                    "t": max(0.0, max(ev[s]["t"] for _, ev in per_node) - start),
                     "loss": sum(losses) / len(losses)})
     return out
 

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.external.common import Spec, flag_list
+from benchmarks.external.runners import start_bootstrap
 from gasloc_p2p.tools.nodes import NodeChild, node_env
+from gasloc_p2p.tools.procs import Child
 
 METRICS_PORT = 9464  # every host is its own namespace: the same port on each
 
@@ -46,27 +48,31 @@ def exchange_figures(sample: dict[str, float], rate_mbit: float) -> dict[str, An
 
 
 def measure_exchange(rate_mbit: float, spec: Spec, data: Path, log_dir: Path,
-                     timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run the two nodes on a fresh shaped network; the figures of host 0 (the slow one)."""
+                     exchanges: int = 8, timeout_s: float = 420.0) -> dict[str, Any]:
+    """Run the two nodes on a fresh shaped network until host 0 (the slow one) has committed
+    ``exchanges`` exchanges (or ``timeout_s``); its figures."""
     from gasloc_p2p.tools.netns import ShapedNetwork
 
     log_dir.mkdir(parents=True, exist_ok=True)
     last: dict[str, float] = {}
     with ShapedNetwork([rate_mbit, None]) as net:
-        nodes = []
+        nodes: list[Child] = []
         try:
+            boot, peers = start_bootstrap("exchange-bootstrap", log_dir, net.gateway, 120)
+            nodes.append(boot)
             for i, host in enumerate(net.hosts):
                 keys = {**spec.train_keys(str(data), i), "host": host.addr,
                         "metrics_port": METRICS_PORT, "init_from_swarm": False}
-                peers = nodes[0].join_peers(120) if nodes else []
-                flags = flag_list(keys) + (["--peers", *peers] if peers else [])
-                nodes.append(NodeChild(f"exchange-n{i}", log_dir, flags,
+                nodes.append(NodeChild(f"exchange-n{i}", log_dir,
+                                       flag_list(keys) + ["--peers", *peers],
                                        env=node_env({"OMP_NUM_THREADS": "1"}),
                                        prefix=host.cmd([])))
             deadline = time.monotonic() + timeout_s
-            while nodes[0].alive and time.monotonic() < deadline:
+            while nodes[1].alive and time.monotonic() < deadline:
                 with contextlib.suppress(OSError):
                     last = scrape(net.hosts[0].addr)
+                if last.get("gasloc_exchange_duration_seconds_count", 0) >= exchanges:
+                    break
                 time.sleep(1.0)
         finally:
             for node in nodes:

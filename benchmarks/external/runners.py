@@ -76,6 +76,23 @@ def _free_port(addr: str) -> int:
         return int(s.getsockname()[1])
 
 
+def start_bootstrap(name: str, log_dir: Path, addr: str, timeout_s: float
+                    ) -> tuple[Child, list[str]]:
+    """A plain hivemind DHT on ``addr`` (the root namespace's gateway): every node joins it at
+    once, so all start together (a first node would otherwise train alone for a while)."""
+    dht = shutil.which("hivemind-dht", path=str(Path(sys.executable).parent))
+    if dht is None:
+        raise RuntimeError("hivemind-dht not found next to the interpreter")
+    child = Child(name, [dht, "--host_maddrs", f"/ip4/{addr}/tcp/0"], log_dir,
+                  node_env({"HIVEMIND_LOGLEVEL": "INFO"}))
+    try:
+        found = child.wait_for(r"--initial_peers (/ip4/\S+/p2p/\S+)", timeout_s, stdout=False)
+    except BaseException:
+        child.stop(10)
+        raise
+    return child, [found.group(1)]
+
+
 class _Run:
     """The children of one system's run, their hosts and logs."""
 
@@ -106,17 +123,10 @@ class _Run:
         return flags
 
     def bootstrap(self, timeout_s: float) -> list[str]:
-        """A plain hivemind DHT in the root namespace (on the gateway): every node joins it at
-        once, so all start together (a first node would otherwise train alone for a while)."""
-        dht = shutil.which("hivemind-dht", path=str(Path(sys.executable).parent))
-        if dht is None:
-            raise RuntimeError("hivemind-dht not found next to the interpreter")
-        child = Child(f"{self.system}-bootstrap", [dht, "--host_maddrs",
-                                                   f"/ip4/{self.gateway}/tcp/0"],
-                      self.log_dir, node_env({"HIVEMIND_LOGLEVEL": "INFO"}))
+        child, peers = start_bootstrap(f"{self.system}-bootstrap", self.log_dir, self.gateway,
+                                       timeout_s)
         self.helpers.append(child)
-        found = child.wait_for(r"--initial_peers (/ip4/\S+/p2p/\S+)", timeout_s, stdout=False)
-        return [found.group(1)]
+        return peers
 
     def _start_gasloc(self, timeout_s: float) -> None:
         peers = self.bootstrap(timeout_s)
