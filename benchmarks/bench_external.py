@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600.0, help="per system and case")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--logs", default="", help="keep the nodes' logs here (default: deleted)")
+    p.add_argument("--rebuild", action="store_true",
+                   help="rewrite the table and plots from --out's external.json (no runs)")
     args = p.parse_args(argv)
     args.systems = list(SYSTEMS) if args.systems == "all" else args.systems.split(",")
     unknown = set(args.systems) - set(SYSTEMS)
@@ -85,6 +87,9 @@ def plot(cases: dict[str, dict[str, Any]], path: Path) -> None:
             ax = axes[row][col]
             if summary["target_loss"]:
                 ax.axhline(summary["target_loss"], color="grey", lw=0.8, ls="--")
+            first = [p["loss"] for c in summary["curves"].values() for p in c[:1]]
+            if first:  # DiLoCo's first outer steps overshoot: keep the rest readable
+                ax.set_ylim(top=max(first) * 1.05)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("val loss (mean over nodes)")
             ax.set_title(f"{case}")
@@ -96,6 +101,9 @@ def plot(cases: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.rebuild:
+        rebuild(Path(args.out), args)
+        return
     reason = netns_unavailable()
     if reason:
         sys.exit(f"bench_external: shaped links unavailable: {reason}")
@@ -139,6 +147,13 @@ def main(argv: list[str] | None = None) -> None:
                                                    tmp / "exchange")
             print(json.dumps(results["exchange"]), flush=True)
     results["wall_s"] = time.monotonic() - started
+    write(out, results, summaries, args)
+
+
+def rebuild(out: Path, args: argparse.Namespace) -> None:
+    """Tables and plots again from a finished run's JSON (its runs hold every eval record)."""
+    results = json.loads((out / "external.json").read_text())
+    summaries = {case: summarize(runs) for case, runs in results["runs"].items()}
     write(out, results, summaries, args)
 
 
