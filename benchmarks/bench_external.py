@@ -82,8 +82,8 @@ def plot(cases: dict[str, dict[str, Any]], path: Path) -> None:
             if not pts:
                 continue
             axes[row][0].plot([p["t"] for p in pts], [p["loss"] for p in pts], label=system)
-            axes[row][1].plot([p["tokens"] for p in pts], [p["loss"] for p in pts], label=system)
-        for col, xlabel in enumerate(("wall time, s (slowest node)", "tokens per node")):
+            axes[row][1].plot([p["tokens"] / 1e3 for p in pts], [p["loss"] for p in pts], label=system)
+        for col, xlabel in enumerate(("wall time, s (slowest node)", "thousand tokens per node")):
             ax = axes[row][col]
             if summary["target_loss"]:
                 ax.axhline(summary["target_loss"], color="grey", lw=0.8, ls="--")
@@ -169,7 +169,7 @@ def write(out: Path, results: dict[str, Any], summaries: dict[str, Any],
             f"{spec['batch_size']}, {spec['steps']} steps per node, H = {spec['inner_steps']}, "
             f"generated corpus; val loss = mean over nodes of each node's own parameters on "
             f"the same {spec['eval_batches']} batches; time = when the slowest node got "
-            f"there, from each node's first evaluation. veth bytes are the kernel's counters "
+            f"there, from when the last node started training. veth bytes are the kernel's counters "
             f"(Ethernet frames, every protocol of the run); program bytes are counted "
             f"(gasloc gossip) or estimated from the syncs (torchft, hivemind).\n"]
     for case, summary in summaries.items():
