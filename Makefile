@@ -9,8 +9,8 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-downloads bench-data bench-streaming \
-	bench-streaming-link bench-fuzz bench-byzantine bench-chaos bench-poison bench-soak reproduce \
-	proto clean
+	bench-streaming-link bench-fuzz bench-byzantine bench-chaos bench-poison bench-soak bench-external \
+	reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -91,9 +91,16 @@ bench-poison: setup
 bench-soak: setup
 	$(PY) benchmarks/bench_soak.py
 
+# External baselines (torchft DiLoCo, hivemind) on shaped links: installs the pinned
+# bench-external extra (torchft) into the venv first; needs root (network namespaces, tc).
+bench-external: setup
+	@$(STEP) "bench-external: install the bench-external extra" --log $(VENV)/setup-external.log -- \
+		$(PIP) -e '.[bench-external]'
+	nice -n 10 $(PY) benchmarks/bench_external.py
+
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-chaos \
-	bench-poison bench-soak
+	bench-poison bench-soak bench-external
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50

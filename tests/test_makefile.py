@@ -32,6 +32,7 @@ EXPECTED = {
     "bench-chaos": ["benchmarks/bench_chaos.py"],
     "bench-poison": ["benchmarks/bench_poison.py"],
     "bench-soak": ["benchmarks/bench_soak.py"],
+    "bench-external": ["pip install", ".[bench-external]", "benchmarks/bench_external.py"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
 

@@ -46,8 +46,9 @@ class NodeChild(Child):
     """``gasloc-node join FLAGS`` with logs in ``<log_dir>/<name>.out|.err``."""
 
     def __init__(self, name: str, log_dir: Path, flags: Sequence[str], log_level: str = "INFO",
-                 env: Mapping[str, str] | None = None) -> None:
-        super().__init__(name, join_argv(flags, log_level), log_dir, node_env(env))
+                 env: Mapping[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a command that runs the node, e.g. ``ip netns exec NS`` (a shaped host)."""
+        super().__init__(name, [*prefix, *join_argv(flags, log_level)], log_dir, node_env(env))
         self.endpoint = ""
         self.signer = Signer()  # signs Info/DownloadState (set swarm_key for a keyed swarm)
 

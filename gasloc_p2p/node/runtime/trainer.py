@@ -214,7 +214,9 @@ class Trainer:
         self.stats.val_loss = loss
         if math.isnan(self.stats.first_val_loss):
             self.stats.first_val_loss = loss
-        log.debug("step %d val_loss %.4f", self.stats.step, loss)
+        # One INFO line per evaluation: what benchmarks read as the loss curve (wall time from
+        # the log's timestamp, tokens this node trained on).
+        log.info("eval step %d tokens %d val_loss %.4f", self.stats.step, self.stats.tokens, loss)
 
     # ------------------------------------------------------------------ state
     def state_for_checkpoint(self) -> dict[str, Any]:

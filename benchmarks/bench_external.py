@@ -1,0 +1,191 @@
+"""gasloc_p2p against what users would pick instead, on real shaped links (`make bench-external`).
+
+Usage: python benchmarks/bench_external.py [--cases uneven,uniform] [--systems all]
+           [--steps 300] [--nodes 4] [--out docs/results] [--quick]
+
+For each link case, each system runs ``--nodes`` real processes, one per network namespace
+(``gasloc_p2p.tools.netns``: veth pairs on a bridge, each host's egress shaped with tc tbf):
+``uneven`` = three hosts at ``--fast-mbit`` (100) and one at ``--slow-mbit`` (5), ``uniform`` =
+all at ``--fast-mbit``. Systems: gasloc_p2p's GASLoC (the defaults), gasloc_p2p's DiLoCo mode,
+torchft's DiLoCo (lighthouse + gloo; skipped if torchft is not installed) and hivemind's
+Optimizer with local updates. Same model, generated corpus, AdamW schedule, steps per node,
+eval batches and routine for all (``benchmarks/external/common.py``). Then one GASLoC exchange
+over a ``--slow-mbit`` link against payload / rate. Writes ``external.json``, ``external.md``
+and ``external.png`` into ``--out``; prints the tables. Needs root, ``ip`` and ``tc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.external.aggregate import markdown, summarize  # noqa: E402
+from benchmarks.external.common import Spec, make_corpus  # noqa: E402
+from benchmarks.external.exchange import measure_exchange  # noqa: E402
+from benchmarks.external.runners import SYSTEMS, run_system  # noqa: E402
+from gasloc_p2p.tools.netns import ShapedNetwork, netns_unavailable  # noqa: E402
+
+
+def case_rates(case: str, nodes: int, fast: float, slow: float) -> list[float]:
+    if case == "uneven":
+        return [fast] * (nodes - 1) + [slow]
+    if case == "uniform":
+        return [fast] * nodes
+    raise ValueError(f"unknown case {case!r}: uneven | uniform")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="uneven,uniform")
+    p.add_argument("--systems", default="all", help=f"comma list of {SYSTEMS} or all")
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300, help="inner steps per node")
+    p.add_argument("--inner-steps", type=int, default=20, help="H (DiLoCo's sync period)")
+    p.add_argument("--fast-mbit", type=float, default=100.0)
+    p.add_argument("--slow-mbit", type=float, default=5.0)
+    p.add_argument("--no-exchange-check", action="store_true")
+    p.add_argument("--quick", action="store_true", help="60 steps (a check, not a result)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per system and case")
+    p.add_argument("--out", default="docs/results")
+    p.add_argument("--logs", default="", help="keep the nodes' logs here (default: deleted)")
+    p.add_argument("--rebuild", action="store_true",
+                   help="rewrite the table and plots from --out's external.json (no runs)")
+    args = p.parse_args(argv)
+    args.systems = list(SYSTEMS) if args.systems == "all" else args.systems.split(",")
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"--systems: unknown {sorted(unknown)}; choose from {SYSTEMS}")
+    args.cases = args.cases.split(",")
+    for case in args.cases:
+        case_rates(case, 2, 1.0, 1.0)
+    if args.quick:
+        args.steps = 60
+    return args
+
+
+def plot(cases: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(cases), 2, figsize=(11, 4 * len(cases)), squeeze=False)
+    for row, (case, summary) in enumerate(cases.items()):
+        for system, pts in summary["curves"].items():
+            if not pts:
+                continue
+            axes[row][0].plot([p["t"] for p in pts], [p["loss"] for p in pts], label=system)
+            axes[row][1].plot([p["tokens"] / 1e3 for p in pts], [p["loss"] for p in pts], label=system)
+        for col, xlabel in enumerate(("wall time, s (slowest node)", "thousand tokens per node")):
+            ax = axes[row][col]
+            if summary["target_loss"]:
+                ax.axhline(summary["target_loss"], color="grey", lw=0.8, ls="--")
+            first = [p["loss"] for c in summary["curves"].values() for p in c[:1]]
+            if first:  # DiLoCo's first outer steps overshoot: keep the rest readable
+                ax.set_ylim(top=max(first) * 1.05)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("val loss (mean over nodes)")
+            ax.set_title(f"{case}")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.rebuild:
+        rebuild(Path(args.out), args)
+        return
+    reason = netns_unavailable()
+    if reason:
+        sys.exit(f"bench_external: shaped links unavailable: {reason}")
+    spec = Spec(nodes=args.nodes, steps=args.steps, inner_steps=args.inner_steps,
+                eval_every=args.inner_steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/bench_external.py " + " ".join(argv or sys.argv[1:])
+    started = time.monotonic()
+    results: dict[str, Any] = {"command": command.strip(), "spec": json.loads(spec.to_json()),
+                               "cases": {}, "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="bench_external_") as tmp_dir:
+        tmp = Path(args.logs or tmp_dir)
+        data = make_corpus(tmp / "corpus.txt", spec.corpus_mb, spec.seed)
+        summaries = {}
+        for case in args.cases:
+            rates = case_rates(case, args.nodes, args.fast_mbit, args.slow_mbit)
+            runs = []
+            for system in args.systems:
+                print(f"[{time.monotonic() - started:6.0f} s] {case}: {system} on "
+                      f"{rates} Mbit/s", flush=True)
+                with ShapedNetwork(rates) as net:
+                    run = run_system(system, net.hosts, spec, data, tmp / case / system,
+                                     gateway=net.gateway, timeout_s=args.timeout_s)
+                runs.append(run)
+                if run.get("skipped"):
+                    print(f"    skipped: {run['skipped']}", flush=True)
+                elif not run["finished"]:
+                    print(f"    timed out; logs: {run['log_dir']}", flush=True)
+            summaries[case] = summarize(runs)
+            results["runs"][case] = runs
+            results["cases"][case] = {k: v for k, v in summaries[case].items() if k != "curves"}
+            results["cases"][case]["curves"] = summaries[case]["curves"]
+            print(markdown(f"{case} ({', '.join(f'{r:g}' for r in rates)} Mbit/s)",
+                           summaries[case]), flush=True)
+        if not args.no_exchange_check:
+            print(f"[{time.monotonic() - started:6.0f} s] one exchange over "
+                  f"{args.slow_mbit:g} Mbit/s", flush=True)
+            ex_spec = Spec(nodes=2, steps=4000, inner_steps=20, eval_every=1000)
+            results["exchange"] = measure_exchange(args.slow_mbit, ex_spec, data,
+                                                   tmp / "exchange")
+            print(json.dumps(results["exchange"]), flush=True)
+    results["wall_s"] = time.monotonic() - started
+    write(out, results, summaries, args)
+
+
+def rebuild(out: Path, args: argparse.Namespace) -> None:
+    """Tables and plots again from a finished run's JSON (its runs hold every eval record)."""
+    results = json.loads((out / "external.json").read_text())
+    summaries = {case: summarize(runs) for case, runs in results["runs"].items()}
+    write(out, results, summaries, args)
+
+
+def write(out: Path, results: dict[str, Any], summaries: dict[str, Any],
+          args: argparse.Namespace) -> None:
+    (out / "external.json").write_text(json.dumps(results, indent=1))
+    plot(summaries, out / "external.png")
+    spec = results["spec"]
+    text = [f"# External baselines on shaped links\n\n`{results['command']}` "
+            f"({results['wall_s'] / 60:.1f} min). {spec['nodes']} nodes, one process and one "
+            f"torch thread each, each in its own network namespace with tc tbf on its egress; "
+            f"GPT {spec['n_layer']} layers x {spec['n_embd']}, seq {spec['seq_len']}, batch "
+            f"{spec['batch_size']}, {spec['steps']} steps per node, H = {spec['inner_steps']}, "
+            f"generated corpus; val loss = mean over nodes of each node's own parameters on "
+            f"the same {spec['eval_batches']} batches; time = when the slowest node got "
+            f"there, from when the last node started training. veth bytes are the kernel's counters "
+            f"(Ethernet frames, every protocol of the run); program bytes are counted "
+            f"(gasloc gossip) or estimated from the syncs (torchft, hivemind).\n"]
+    for case, summary in summaries.items():
+        text.append(markdown(case, summary))
+    ex = results.get("exchange")
+    if ex and ex.get("exchanges"):
+        text.append(f"One GASLoC exchange over {ex['rate_mbit']:g} Mbit/s: "
+                    f"{ex['mean_exchange_s']:.3f} s mean over {ex['exchanges']} exchanges, "
+                    f"payload {ex['payload_bytes'] / 1e6:.3f} MB / rate = "
+                    f"{ex['payload_over_rate_s']:.3f} s: ratio {ex['ratio']:.2f} (goal <= 1.2)\n")
+    elif ex is not None:
+        text.append("One exchange over the slow link: no exchange completed.\n")
+    text.append("![curves](external.png)\n")
+    (out / "external.md").write_text("\n".join(text))
+    print(f"wrote {out / 'external.json'}, {out / 'external.md'}, {out / 'external.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""External baselines on shaped links (`benchmarks/bench_external.py`)."""
