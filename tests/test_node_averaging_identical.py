@@ -52,8 +52,8 @@ def dhts() -> Iterator[list]:
 
 
 def cfg_for(codec: str) -> DilocoConfig:
-    return DilocoConfig(diloco_codec=codec, tau=0, matchmaking_time_s=scaled(2.0),
-                        request_timeout_s=scaled(1.0), averaging_timeout_s=scaled(30),
+    return DilocoConfig(diloco_codec=codec, tau=0, matchmaking_time_s=scaled(5.0),
+                        request_timeout_s=scaled(3.0), averaging_timeout_s=scaled(60),
                         part_timeout_s=scaled(10))
 
 
