@@ -29,7 +29,7 @@ def run(cfg: SimConfig, data: TokenData | None = None,
     """One simulated run; returns a JSON-ready dict with its config, history and summary."""
     cfg.validate()
     torch.set_num_threads(cfg.threads)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if cfg.task == "consensus":
         sim: SimWorkers = ConsensusWorkers(cfg)
     else:
@@ -65,7 +65,8 @@ def run(cfg: SimConfig, data: TokenData | None = None,
     final = history[-1]
     return {"config": dataclasses.asdict(cfg), "label": label(cfg), "history": history,
             "trace": trace, "final": final, "stats": stats, "params": int(sim.theta0.numel()),
-            "wall_seconds": time.perf_counter() - started}
+            "wall_seconds": time.perf_counter() - started,
+            "cpu_seconds": time.process_time() - cpu_started}
 
 
 def trace_steps(sim: SimWorkers) -> float:
