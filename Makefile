@@ -83,7 +83,7 @@ bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale ben
 	bench-data bench-streaming bench-fuzz bench-byzantine bench-chaos
 
 reproduce: setup
-	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50
+	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

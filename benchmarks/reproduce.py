@@ -100,7 +100,7 @@ def _gamma_sweep(H: int, warmup: int) -> list[Row]:
     b = dataclasses.replace(BASE, H=H, graph="ring", algorithm="gasloc")
     r = dataclasses.replace
     rows = []
-    for g, ramp in ((0.0, 0), (0.9, 0), (0.5, 0), (0.9, warmup), (0.7, 0), (0.3, 0),
+    for g, ramp in ((0.0, 0), (0.9, 0), (0.9, warmup), (0.5, 0), (0.7, 0), (0.3, 0),
                     (0.5, warmup)):
         name = f"gasloc sync g{g:g} eta{1 - g:.1g}" + (" (plain pair averaging)" if g == 0
                                                        else "")
