@@ -92,16 +92,17 @@ def _slow() -> list[Row]:
     ]
 
 
-def _gamma_sweep(H: int, warmup: int) -> list[Row]:
+def _gamma_sweep(H: int, warmup: int, extra: bool = True) -> list[Row]:
     """Sync GASLoC on a ring, gamma in {0, .3, .5, .7, .9} at equal effective step
     eta / (1 - gamma) = 1, and gamma 0.9 / 0.5 with the momentum ramped up over ``warmup``
     rounds. Rows in priority order (parts run row by row, so an interrupted part has the
-    first rows complete)."""
+    first rows complete). Without ``extra``: only the rows momentum-h10 lacks (it has gamma
+    0.5 and 0.9 without warm-up, the same configurations and seeds)."""
     b = dataclasses.replace(BASE, H=H, graph="ring", algorithm="gasloc")
     r = dataclasses.replace
     rows = []
-    for g, ramp in ((0.0, 0), (0.9, 0), (0.9, warmup), (0.5, 0), (0.7, 0), (0.3, 0),
-                    (0.5, warmup)):
+    grid = ((0.0, 0), (0.9, 0), (0.9, warmup), (0.5, 0), (0.7, 0), (0.3, 0), (0.5, warmup))
+    for g, ramp in grid if extra else ((0.0, 0), (0.9, warmup), (0.7, 0), (0.3, 0)):
         name = f"gasloc sync g{g:g} eta{1 - g:.1g}" + (" (plain pair averaging)" if g == 0
                                                        else "")
         rows.append((name + (f", warm-up {ramp} rounds" if ramp else ""),
@@ -132,8 +133,9 @@ PARTS: dict[str, tuple[str, list[Row]]] = {
                   "agreement", repro_consensus.rows()),
     "gamma-sweep-h100": ("H = 100: outer momentum at equal effective step, with and without "
                          "warm-up", _gamma_sweep(100, 3)),
-    "gamma-sweep-h10": ("H = 10: outer momentum at equal effective step, with and without "
-                        "warm-up", _gamma_sweep(10, 10)),
+    "gamma-sweep-h10": ("H = 10: outer momentum 0.3, 0.7 and 0.9 with warm-up at equal "
+                        "effective step (0.5 and 0.9 without warm-up: momentum-h10)",
+                        _gamma_sweep(10, 10, extra=False)),
     "graphs": ("n = 8: ring against exponential graph, and DiLoCo", _graphs()),
 }
 # fields added after the first tables: left out of the cache key at their defaults, so the
@@ -187,6 +189,9 @@ def table(part: str, group: dict[str, list[dict[str, Any]]]) -> list[str]:
         head.append(f"speed-up to {targets[-2]} vs first row")
     if part == "async":
         head.append("participations/round (measured)")
+    warmups = part.startswith("gamma-sweep")
+    if warmups:
+        head.append("Δ vs same gamma without warm-up @100% (paired)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ref_t = {}
     for name in names:
@@ -218,8 +223,22 @@ def table(part: str, group: dict[str, list[dict[str, Any]]]) -> list[str]:
             parts = [r["stats"].get("participations_per_round") for r in runs]
             cells.append("1 (sync matching)" if None in parts
                          else f"{mean_ci([float(p) for p in parts])[0]:.2f}")
+        if warmups:
+            cells.append(_versus(runs, group.get(name.split(", warm-up")[0], []))
+                         if ", warm-up" in name else "")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _versus(runs: list[dict[str, Any]], others: list[dict[str, Any]]) -> str:
+    """Paired difference of the final losses of ``runs`` against ``others`` (same seeds)."""
+    ref = {r["config"]["seed"]: r for r in others}
+    paired = [r for r in runs if r["config"]["seed"] in ref]
+    if len(paired) < 2:
+        return "n/a (not run here)"
+    return _fmt(paired_ci([_budget_losses(r, 1.0) for r in paired],
+                          [_budget_losses(ref[r["config"]["seed"]], 1.0) for r in paired]),
+                "+.3f")
 
 
 def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
