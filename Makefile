@@ -103,7 +103,7 @@ bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale ben
 	bench-poison bench-soak bench-external
 
 reproduce: setup
-	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50
+	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,9 +1,10 @@
 """Measure ALGORITHM.md section 5 in the simulator, one part at a time (each <= 30 min here).
 
 Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
-Parts: momentum-h10, momentum-h50, async, slow (see PARTS). Every run: n = 4 workers, 1000 inner
-steps per worker, the default tiny GPT (2 layers, width 64; 121k parameters) on byte-level
-Shakespeare, i.i.d. shards, int8 payloads. Each run is cached as JSON under --cache, so an
+Parts: momentum-h10, momentum-h50, async, slow, consensus, gamma-sweep-h100, gamma-sweep-h10,
+graphs (see PARTS). Training runs: n = 4 workers (graphs: 8), 1000 inner steps per worker, the
+default tiny GPT (2 layers, width 64; 121k parameters) on byte-level Shakespeare, i.i.d.
+shards, int8 payloads. consensus: the pure-consensus toy (repro_consensus.py), no training. Each run is cached as JSON under --cache, so an
 interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the cache.
 Writes ``docs/results/{part}.json|md|png`` and ``docs/results/reproduction.md``.
 """
@@ -21,8 +22,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import repro_consensus
+
 from gasloc_p2p.sim.analysis import mean_ci, paired_ci, time_to_target, value_at
 from gasloc_p2p.sim.config import SimConfig
+from gasloc_p2p.sim.consensus import DIM
 from gasloc_p2p.sim.run import run, write_results
 
 N, STEPS = 4, 1000
@@ -88,18 +92,62 @@ def _slow() -> list[Row]:
     ]
 
 
+def _gamma_sweep(H: int, warmup: int, extra: bool = True) -> list[Row]:
+    """Sync GASLoC on a ring, gamma in {0, .3, .5, .7, .9} at equal effective step
+    eta / (1 - gamma) = 1, and gamma 0.9 / 0.5 with the momentum ramped up over ``warmup``
+    rounds. Rows in priority order (parts run row by row, so an interrupted part has the
+    first rows complete). Without ``extra``: only the rows momentum-h10 lacks (it has gamma
+    0.5 and 0.9 without warm-up, the same configurations and seeds)."""
+    b = dataclasses.replace(BASE, H=H, graph="ring", algorithm="gasloc")
+    r = dataclasses.replace
+    rows = []
+    grid = ((0.0, 0), (0.9, 0), (0.9, warmup), (0.5, 0), (0.7, 0), (0.3, 0), (0.5, warmup))
+    for g, ramp in grid if extra else ((0.0, 0), (0.9, warmup), (0.7, 0), (0.3, 0)):
+        name = f"gasloc sync g{g:g} eta{1 - g:.1g}" + (" (plain pair averaging)" if g == 0
+                                                       else "")
+        rows.append((name + (f", warm-up {ramp} rounds" if ramp else ""),
+                     r(b, gamma=g, eta=round(1 - g, 6), outer_warmup=ramp)))
+    return rows
+
+
+def _graphs() -> list[Row]:
+    """n = 8: the default GASLoC (plain pair averaging, 1-peer matchings) on a ring and on the
+    exponential graph, against DiLoCo (all-reduce averaging, eta 1 gamma 0: the same outer
+    step) and DiLoCo with its paper's Nesterov 0.7 / 0.9; bytes in the table."""
+    b = dataclasses.replace(BASE, workers=8, H=10)
+    r = dataclasses.replace
+    return [
+        ("gasloc sync g0 eta1 ring (default)", r(b, algorithm="gasloc", graph="ring")),
+        ("gasloc sync g0 eta1 exponential", r(b, algorithm="gasloc", graph="exponential")),
+        ("diloco g0 eta1 (all-reduce averaging)", r(b, algorithm="diloco", gamma=0.0, eta=1.0)),
+    ]
+
+
 PARTS: dict[str, tuple[str, list[Row]]] = {
     "momentum-h10": ("H = 10: outer momentum at equal effective step, NoLoCo, DiLoCo",
                      _momentum(10)),
     "momentum-h50": ("H = 50: outer momentum at equal effective step", _momentum(50, False)),
     "async": ("Async against sync GASLoC at equal participation (bytes)", _async()),
     "slow": ("One worker 3x slower compute on a 20x slower link: time to target", _slow()),
+    "consensus": ("The pure-consensus toy on the sync driver: where momentum accelerates "
+                  "agreement", repro_consensus.rows()),
+    "gamma-sweep-h100": ("H = 100: outer momentum at equal effective step, with and without "
+                         "warm-up", _gamma_sweep(100, 3)),
+    "gamma-sweep-h10": ("H = 10: outer momentum 0.3, 0.7 and 0.9 with warm-up at equal "
+                        "effective step (0.5 and 0.9 without warm-up: momentum-h10)",
+                        _gamma_sweep(10, 10, extra=False)),
+    "graphs": ("n = 8: ring against exponential graph, and DiLoCo", _graphs()),
 }
+# fields added after the first tables: left out of the cache key at their defaults, so the
+# runs cached before them keep their keys
+_LATE_FIELDS = {"task": "lm", "outer_warmup": 0}
 
 
 def cache_path(cache: Path, cfg: SimConfig) -> Path:
     """One file per configuration (seed included): parts that share a row share its runs."""
-    key = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in _LATE_FIELDS or v != _LATE_FIELDS[k]}
+    key = json.dumps(fields, sort_keys=True)
     return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -141,6 +189,9 @@ def table(part: str, group: dict[str, list[dict[str, Any]]]) -> list[str]:
         head.append(f"speed-up to {targets[-2]} vs first row")
     if part == "async":
         head.append("participations/round (measured)")
+    warmups = part.startswith("gamma-sweep")
+    if warmups:
+        head.append("Δ vs same gamma without warm-up @100% (paired)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ref_t = {}
     for name in names:
@@ -172,16 +223,34 @@ def table(part: str, group: dict[str, list[dict[str, Any]]]) -> list[str]:
             parts = [r["stats"].get("participations_per_round") for r in runs]
             cells.append("1 (sync matching)" if None in parts
                          else f"{mean_ci([float(p) for p in parts])[0]:.2f}")
+        if warmups:
+            cells.append(_versus(runs, group.get(name.split(", warm-up")[0], []))
+                         if ", warm-up" in name else "")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _versus(runs: list[dict[str, Any]], others: list[dict[str, Any]]) -> str:
+    """Paired difference of the final losses of ``runs`` against ``others`` (same seeds)."""
+    ref = {r["config"]["seed"]: r for r in others}
+    paired = [r for r in runs if r["config"]["seed"] in ref]
+    if len(paired) < 2:
+        return "n/a (not run here)"
+    return _fmt(paired_ci([_budget_losses(r, 1.0) for r in paired],
+                          [_budget_losses(ref[r["config"]["seed"]], 1.0) for r in paired]),
+                "+.3f")
 
 
 def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
                seeds: Sequence[int]) -> None:
     title = PARTS[part][0]
     runs = [r for rs in group.values() for r in rs]
-    wall = sum(r["wall_seconds"] for r in runs) / 60
+    # CPU time where recorded (runs on a loaded machine take longer in wall time)
+    wall = sum(r.get("cpu_seconds", r["wall_seconds"]) for r in runs) / 60
     cfg = runs[0]["config"]
+    if part == "consensus":
+        write_consensus(group, out, seeds, wall, len(runs))
+        return
     lines = [f"## {part}: {title}", "",
              f"`python benchmarks/reproduce.py --only {part} --seeds "
              f"{','.join(map(str, seeds))}`: {len(runs)} runs of n = {cfg['workers']} workers x "
@@ -202,13 +271,42 @@ def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
     print("\n".join(lines), flush=True)
 
 
+def write_consensus(group: dict[str, list[dict[str, Any]]], out: Path, seeds: Sequence[int],
+                    wall: float, count: int) -> None:
+    lines = ["## consensus: " + PARTS["consensus"][0], "",
+             f"`python benchmarks/reproduce.py --only consensus --seeds "
+             f"{','.join(map(str, seeds))}`: {count} runs of {repro_consensus.ROUNDS} rounds "
+             f"({wall:.1f} CPU-minutes). The real sync GASLoC driver (sim/sync.py, core/gasloc.py "
+             "mixed momentum, sim/exchange.py) with no training: each worker starts at its own "
+             f"standard-normal point in R^{DIM}, takes no gradient step, and "
+             "gossips over fresh random 1-peer matchings of the graph (w = 1/2 unless the row "
+             "says w), exact float64 exchanges. The drift is zero, so every gamma is at the "
+             "same effective step (eta scales nothing).", "",
+             "Rounds: until the consensus distance mean_i ||x_i - mean(x)||^2 falls to 1e-6 of "
+             "its start (the RMS disagreement / 1000), log-interpolated, mean ± 95% t "
+             "half-width over seeds; Δ: paired by seed against gamma 0 of the same n, graph and "
+             "w (negative = faster). Rel. distance @100 rounds: geometric mean over seeds. "
+             "Max |mean drift|: how far the network mean moved (mixing and momentum keep it; "
+             "large only where a run diverges).", "",
+             *repro_consensus.table(group), "", "![consensus](consensus.png)", ""]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "consensus.md").write_text("\n".join(lines))
+    path = out / "consensus.json"
+    keep = ("steps", "val_loss", "bytes_per_worker")  # every 25th round: the table reads all
+    slim = [{**r, "history": [{k: p[k] for k in keep} for p in r["history"][::25]],
+             "rounds_to_1e-6": repro_consensus.rounds_to(r)} for rs in group.values() for r in rs]
+    path.write_text(json.dumps(slim))
+    repro_consensus.plot(group, out / "consensus.png")
+    print("\n".join(lines), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", required=True, help=f"comma-separated parts: {', '.join(PARTS)}")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=STEPS,
-                        help="inner steps per worker (shorter only for smoke tests)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="inner steps per worker, overriding each part's (for smoke tests)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--cache", type=Path, default=Path("runs/reproduce"))
     parser.add_argument("--rebuild", action="store_true",
@@ -222,10 +320,10 @@ def main() -> None:
     for part in todo:
         started = time.perf_counter()
         group: dict[str, list[dict[str, Any]]] = {}
-        items = [(part, name, dataclasses.replace(cfg, seed=s, steps=args.steps,
-                                                  eval_every=max(1, args.steps // 4)),
-                  args.cache)
-                 for s in seeds for name, cfg in PARTS[part][1]]
+        short = {} if args.steps is None else {
+            "steps": args.steps, "eval_every": max(1, args.steps // 4)}
+        items = [(part, name, dataclasses.replace(cfg, seed=s, **short), args.cache)
+                 for name, cfg in PARTS[part][1] for s in seeds]
         if args.rebuild:  # every cached run of the part's rows (also of an interrupted part)
             for _, name, cfg, cache in items:
                 if cache_path(cache, cfg).exists():
@@ -244,8 +342,8 @@ def main() -> None:
     parts = [(args.out / f"{p}.md").read_text() for p in PARTS if (args.out / f"{p}.md").exists()]
     intro = ["# Measurements in the simulator (issue 14)", "",
              "Each part: `python benchmarks/reproduce.py --only PART` (`--jobs 2`, one torch "
-             "thread per run, under about 30 minutes on 2 cores). Regime of every table: n = 4 "
-             "workers, 1000 inner steps per worker (512 tokens per step), 121k-parameter GPT, "
+             "thread per run, under about 30 minutes on 2 cores). Regime of every training "
+             "table unless it says otherwise: n = 4 workers, 1000 inner steps per worker (512 tokens per step), 121k-parameter GPT, "
              "byte-level Shakespeare, i.i.d. shards, int8 payloads, 3 seeds unless a row says "
              "otherwise. Simulated time: 0.05 s per inner step, 100 Mbit/s links, 20 ms latency "
              "(slow part: 20 Mbit/s, the slow worker 1 Mbit/s and 3x slower compute).", ""]

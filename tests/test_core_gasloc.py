@@ -142,3 +142,38 @@ def test_variants_by_hand(variant, after_round1, after_round2):
     thetas += torch.tensor([[1.0], [-1.0]])
     state.outer_step(anchors, thetas, W)
     assert thetas.flatten().tolist() == after_round2
+
+
+def test_momentum_warmup_ramps_gamma_linearly_then_holds():
+    cfg = OuterConfig(eta=0.5, gamma=0.9, warmup_rounds=3)
+    assert [cfg.gamma_at(t) for t in range(5)] == pytest.approx([0.0, 0.3, 0.6, 0.9, 0.9])
+    assert OuterConfig(gamma=0.9).gamma_at(0) == 0.9  # off by default
+    with pytest.raises(ValueError, match="warmup_rounds"):
+        OuterConfig(warmup_rounds=-1).validate()
+
+
+def test_warmup_round_steps_use_the_ramped_momentum():
+    n, numel = 3, 5
+    gen = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(numel, dtype=torch.float64, generator=gen)
+    plain = SyncGasloc(theta0, n, OuterConfig(eta=1.0, gamma=0.6))
+    ramped = SyncGasloc(theta0, n, OuterConfig(eta=1.0, gamma=0.6, warmup_rounds=2))
+    W = mixing_matrix(n, ring_edges(n), 0.3)
+    for t, gamma in enumerate((0.0, 0.3, 0.6)):
+        y = theta0 + torch.randn(n, numel, dtype=torch.float64, generator=gen)
+        z = mix(y, W)
+        expected = z + gamma * (z - ramped.memory)
+        got = ramped.accelerate(y, z, torch.empty_like(y))
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+        full = plain.accelerate(y, z, torch.empty_like(y))
+        assert (t == 2) == bool(torch.allclose(full - z, got - z)), t
+
+
+def test_memory_can_start_at_each_workers_own_point():
+    start = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    state = SyncGasloc(start, 2, OuterConfig(eta=1.0, gamma=0.5))
+    z = start.clone()
+    out = state.accelerate(start, z, torch.empty_like(z))
+    torch.testing.assert_close(out, start)  # no jump on round 0: z equals the memory
+    with pytest.raises(ValueError, match="rows"):
+        SyncGasloc(start, 3, OuterConfig())

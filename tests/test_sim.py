@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gasloc_p2p.core.flat import FlatParams
+from gasloc_p2p.core.options import ConfigError
 from gasloc_p2p.model import GPTConfig, build_model
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.run import run
@@ -223,3 +224,38 @@ def test_total_budget_lets_fast_workers_go_on(data):
 
     sync.run_diloco(sim, sync.Clock(3), lambda now: None)
     assert [w.steps for w in sim.workers] == [3, 6, 9]
+
+
+def _consensus(n: int, graph: str, gamma: float, rounds: int = 200, seed: int = 0,
+               **kw: object) -> list[float]:
+    cfg = SimConfig(task="consensus", workers=n, graph=graph, H=1, steps=rounds, eval_every=1,
+                    trace_batches=0, eval_workers=False, codec="none", dtype="float64",
+                    eta=1.0, gamma=gamma, seed=seed, **kw)  # type: ignore[arg-type]
+    res = run(cfg)
+    assert max(p["mean_drift"] for p in res["history"]) < 1e-9  # the network mean is kept
+    return [p["val_loss"] for p in res["history"]]
+
+
+def test_consensus_toy_momentum_accelerates_agreement_on_a_ring_only():
+    ring0, ring5 = _consensus(16, "ring", 0.0), _consensus(16, "ring", 0.5)
+    assert ring0[0] == 1.0 and ring0[-1] < 1e-4  # plain gossip converges, slowly
+    assert ring5[150] < ring0[150] / 100  # momentum: the sparse graph agrees much sooner
+    comp0, comp7 = _consensus(16, "complete", 0.0, 60), _consensus(16, "complete", 0.7, 60)
+    assert comp7[-1] > comp0[-1] * 1e3  # on matchings of the complete graph it only hurts
+
+
+def test_consensus_toy_runs_the_real_driver_with_its_options():
+    # a gossip weight of 0 leaves every worker where it started, whatever the momentum
+    assert _consensus(4, "ring", 0.5, 10, w=0.0)[-1] == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="consensus"):
+        SimConfig(task="consensus", algorithm="diloco").validate()
+    with pytest.raises(ConfigError, match="outer-warmup"):
+        SimConfig(outer_warmup=5, algorithm="gasloc", mode="async").validate()
+
+
+def test_outer_warmup_changes_a_sync_run_and_zero_is_off(data):
+    base = dataclasses.replace(TINY, algorithm="gasloc", gamma=0.9, eta=0.1, steps=15)
+    plain, off = run(base, data), run(dataclasses.replace(base, outer_warmup=0), data)
+    ramped = run(dataclasses.replace(base, outer_warmup=2), data)
+    assert plain["final"]["val_loss"] == off["final"]["val_loss"]
+    assert ramped["final"]["val_loss"] != plain["final"]["val_loss"]

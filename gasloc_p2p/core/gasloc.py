@@ -7,7 +7,13 @@ acceleration. Two readings of the acceleration are kept (the paper's text is amb
 - ``mixed`` (default): ``theta <- z + gamma (z - zprev)``, ``zprev <- z``;
 - ``unmixed``: ``theta <- z + gamma (y - yprev)``, ``yprev <- y``.
 
-Both memories start at ``theta_0``, the common initial parameters.
+Both memories start at the workers' initial parameters (``theta_0`` for every worker when
+training; the pure-consensus toy starts each worker elsewhere).
+
+Optional outer-momentum warm-up: the momentum of round ``t`` (counted from 0) is
+``gamma * min(1, t / warmup_rounds)``, so the first round takes no momentum and ``gamma`` is
+reached after ``warmup_rounds`` rounds; ``eta`` stays fixed (the effective step
+``eta / (1 - gamma_t)`` ramps up with it).
 """
 
 from __future__ import annotations
@@ -28,16 +34,26 @@ class OuterConfig:
     eta: outer learning rate (scales the local drift in the proposal).
     gamma: outer momentum (0 disables acceleration).
     variant: "mixed" or "unmixed" (see module docstring).
+    warmup_rounds: rounds over which the momentum ramps linearly from 0 to gamma (0: off).
     """
 
     eta: float = 0.7
     gamma: float = 0.5
     variant: str = "mixed"
+    warmup_rounds: int = 0
 
     def validate(self) -> None:
         check_outer_step(self.eta, self.gamma)
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}; choose one of {VARIANTS}")
+        if self.warmup_rounds < 0:
+            raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
+
+    def gamma_at(self, round_index: int) -> float:
+        """Momentum of round ``round_index`` (0-based), with the warm-up applied."""
+        if self.warmup_rounds <= 0 or round_index >= self.warmup_rounds:
+            return self.gamma
+        return self.gamma * round_index / self.warmup_rounds
 
 
 def propose(anchor: torch.Tensor, theta: torch.Tensor, eta: float) -> torch.Tensor:
@@ -65,10 +81,16 @@ class SyncGasloc:
     """The outer state of ``n`` workers in synchronous rounds (the momentum memory)."""
 
     def __init__(self, theta0: torch.Tensor, n: int, cfg: OuterConfig) -> None:
-        """theta0: ``[numel]`` initial parameters shared by every worker."""
+        """theta0: ``[numel]`` initial parameters shared by every worker, or ``[n, numel]``
+        each worker's own (the momentum memory starts there)."""
         cfg.validate()
         self.cfg = cfg
-        self.memory = theta0.detach().reshape(1, -1).repeat(n, 1)  # zprev or yprev, [n, numel]
+        start = theta0.detach()
+        # zprev or yprev, [n, numel]
+        self.memory = start.clone() if start.dim() == 2 else start.reshape(1, -1).repeat(n, 1)
+        if self.memory.shape[0] != n:
+            raise ValueError(f"theta0 has {self.memory.shape[0]} rows for {n} workers")
+        self.rounds = 0
 
     def outer_step(
         self, anchors: torch.Tensor, thetas: torch.Tensor, mixing: torch.Tensor
@@ -87,7 +109,8 @@ class SyncGasloc:
 
         Drivers that mix by other means (quantized pairwise exchanges) call this directly.
         """
-        gamma = self.cfg.gamma
+        gamma = self.cfg.gamma_at(self.rounds)
+        self.rounds += 1
         if self.cfg.variant == "mixed":
             torch.lerp(self.memory, z, 1.0 + gamma, out=thetas)  # z + gamma (z - zprev)
             self.memory.copy_(z)

@@ -9,6 +9,7 @@ from gasloc_p2p.core.feedback import REFERENCE_CHOICES, resolve_references
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
 from gasloc_p2p.core.topology import GRAPHS, MATCHINGS
 
+TASKS = ("lm", "consensus")
 ALGORITHMS = ("gasloc", "diloco", "streaming-diloco", "noloco", "gossip-sgd", "local")
 MODES = ("sync", "async")
 # Outer step defaults per algorithm. GASLoC: plain averaging (gamma 0, eta 1), the best measured
@@ -45,6 +46,8 @@ class SimConfig:
     w: float | None = opt(None, "gossip weight (default 1/2 for matchings, exact average for "
                                 "complete/all)")
     variant: str = opt("mixed", "sync gasloc momentum reading: mixed or unmixed")
+    outer_warmup: int = opt(0, "sync gasloc: rounds over which the outer momentum ramps "
+                               "linearly from 0 to --gamma (eta fixed); 0: off")
     momentum: str = opt("mixed", "async gasloc momentum form: mixed (paper) or local (own drift "
                                  "only)")
     staleness_policy: str = opt("downweight", "async exchanges spanning > max-staleness round "
@@ -71,6 +74,9 @@ class SimConfig:
                                 "momentum alpha, --eta its beta)")
     budget: str = opt("each", "sync drivers: each (every worker takes --steps steps; the fastest "
                               "wait) or total (stop at workers * --steps steps in all, as async)")
+    task: str = opt("lm", "lm: train the tiny GPT on text; consensus: the pure-consensus toy "
+                          "(sync gasloc, no gradients: workers start at random points and only "
+                          "gossip and momentum act; the loss is the consensus distance)")
     # model and data
     n_layer: int = opt(2, "transformer layers")
     n_embd: int = opt(64, "model width")
@@ -175,6 +181,12 @@ class SimConfig:
             (self.participations_per_round > 0, "--participations-per-round must be > 0"),
             (self.starts_per_round is None or self.starts_per_round > 0,
              "--starts-per-round must be > 0"),
+            (self.task in TASKS, f"--task must be one of {', '.join(TASKS)}"),
+            (self.task == "lm" or (self.algorithm == "gasloc" and self.mode == "sync"),
+             "--task consensus runs sync gasloc only (--algorithm gasloc --mode sync)"),
+            (self.outer_warmup >= 0, "--outer-warmup must be >= 0"),
+            (self.outer_warmup == 0 or (self.algorithm == "gasloc" and self.mode == "sync"),
+             "--outer-warmup is implemented for sync gasloc only"),
             (0.0 <= self.consensus <= 1.0, "--consensus must be in [0, 1]"),
             (self.budget in BUDGETS, f"--budget must be one of {BUDGETS}"),
             (self.trace_batches >= 0, "--trace-batches must be >= 0"),

@@ -16,6 +16,7 @@ import torch
 from gasloc_p2p.data import TokenData
 from gasloc_p2p.sim.async_ import run_async
 from gasloc_p2p.sim.config import SimConfig
+from gasloc_p2p.sim.consensus import ConsensusWorkers
 from gasloc_p2p.sim.sync import SYNC_DRIVERS, Clock
 from gasloc_p2p.sim.workers import SimWorkers, load_token_data
 
@@ -28,15 +29,19 @@ def run(cfg: SimConfig, data: TokenData | None = None,
     """One simulated run; returns a JSON-ready dict with its config, history and summary."""
     cfg.validate()
     torch.set_num_threads(cfg.threads)
-    started = time.perf_counter()
-    sim = SimWorkers(cfg, data if data is not None else load_token_data(cfg.data, cfg.tokenizer))
+    started, cpu_started = time.perf_counter(), time.process_time()
+    if cfg.task == "consensus":
+        sim: SimWorkers = ConsensusWorkers(cfg)
+    else:
+        sim = SimWorkers(cfg, data if data is not None
+                         else load_token_data(cfg.data, cfg.tokenizer))
     clock = Clock(cfg.workers)
     history: list[dict[str, float]] = []  # full evaluations, every eval_every steps
     trace: list[dict[str, float]] = []  # the quick loss at every round end
 
     def record(now: float, force: bool = False) -> None:
         """Called by the drivers at every round end (async: every H mean steps)."""
-        steps = sum(w.steps for w in sim.workers) / cfg.workers
+        steps = sim.mean_steps()
         point = {"steps": steps, "tokens": steps * cfg.workers * sim.tokens_per_step,
                  "sim_seconds": now,
                  "bytes_per_worker": sum(clock.bytes_sent) / cfg.workers}
@@ -60,11 +65,12 @@ def run(cfg: SimConfig, data: TokenData | None = None,
     final = history[-1]
     return {"config": dataclasses.asdict(cfg), "label": label(cfg), "history": history,
             "trace": trace, "final": final, "stats": stats, "params": int(sim.theta0.numel()),
-            "wall_seconds": time.perf_counter() - started}
+            "wall_seconds": time.perf_counter() - started,
+            "cpu_seconds": time.process_time() - cpu_started}
 
 
 def trace_steps(sim: SimWorkers) -> float:
-    return sum(w.steps for w in sim.workers) / sim.cfg.workers
+    return sim.mean_steps()
 
 
 def label(cfg: SimConfig) -> str:

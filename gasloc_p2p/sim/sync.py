@@ -51,8 +51,8 @@ def run_gasloc_sync(sim: SimWorkers, clock: Clock, record: Record) -> None:
     cfg, n = sim.cfg, sim.cfg.workers
     gossip = cfg.algorithm == "gossip-sgd"
     outer = OuterConfig(eta=1.0 if gossip else cfg.outer_eta, gamma=cfg.outer_gamma,
-                        variant=cfg.variant)
-    state = SyncGasloc(sim.theta0, n, outer)
+                        variant=cfg.variant, warmup_rounds=cfg.outer_warmup)
+    state = SyncGasloc(sim.thetas, n, outer)  # every row is theta_0 when training
     edges = graph_edges(cfg.graph, n)
     w = cfg.w if cfg.w is not None else default_weight(cfg.graph, n, cfg.matching)
     exchanger = SimExchanger(sim.theta0, n, cfg.codec_spec)

@@ -96,6 +96,10 @@ class SimWorkers:
         self.flat0.buffer.copy_(self.thetas.mean(dim=0))
         return evaluate(self.eval_model, self.trace_val)
 
+    def mean_steps(self) -> float:
+        """Inner steps taken, averaged over the workers."""
+        return sum(w.steps for w in self.workers) / self.cfg.workers
+
     def finished(self) -> bool:
         """The equal-token budget is spent: every worker took ``steps`` steps (budget "each"),
         or all of them ``workers * steps`` together (budget "total")."""
