@@ -31,6 +31,7 @@ import zlib
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
@@ -64,6 +65,53 @@ def best(fn: Callable[..., object], repeats: int, *args: object) -> float:
         fn(*args)
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+_FREE_OPS = ("view", "slice", "as_strided", "detach", "alias", "_local_scalar_dense", "select",
+             "unsqueeze", "expand", "empty", "lift_fresh", "t.default")
+
+
+class PassCounter(TorchDispatchMode):
+    """Counts full-size passes: every kernel that reads or writes tensors adds its largest
+    tensor's element count (views and allocations are free); divided by the fragment size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elems = 0
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__)
+        if not any(name.startswith(f) or name == f for f in _FREE_OPS):
+            flat = [*args, *(kwargs or {}).values(), out]
+            sizes = [t.numel() for t in flat if isinstance(t, torch.Tensor)]
+            sizes += [t.numel() for a in flat if isinstance(a, (list, tuple)) for t in a
+                      if isinstance(t, torch.Tensor)]
+            top = max(sizes, default=0)
+            self.elems += top
+            self.by_op[name] = self.by_op.get(name, 0) + top
+        return out
+
+
+def count_passes(engine: ExchangeEngine, spec: CodecSpec, numel: int, raw: bytearray,
+                 crc: int) -> dict[str, float]:
+    """Full-size passes of one exchange per phase (and, for the report, per kernel)."""
+    result: dict[str, float] = {}
+    with PassCounter() as c:
+        prep = engine.prepare("peer0", 0, spec, False)
+    result["prepare_passes"], ops = c.elems / numel, dict(c.by_op)
+    with PassCounter() as c:
+        received = engine.check(spec, numel, raw, crc)
+    result["check_passes"] = c.elems / numel
+    with PassCounter() as c:
+        engine.commit(prep, received, 0.5)
+    result["commit_passes"] = c.elems / numel
+    for phase, table in (("prepare", ops), ("commit", c.by_op)):
+        print(f"# {phase} kernels (passes): " + ", ".join(
+            f"{k} {v / numel:.2f}" for k, v in sorted(table.items(), key=lambda kv: -kv[1])
+            if v / numel >= 0.01), file=sys.stderr)
+    return result
 
 
 def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[str, float]:
@@ -115,6 +163,7 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
            "copy_s": copy_s, "clone_s": clone_s}
     for name, ts in times.items():
         out[f"{name}_s"] = min(ts)
+    out.update(count_passes(engine, spec, numel, raw, crc))
     return out
 
 
@@ -140,7 +189,8 @@ def main() -> int:
     print(f"one node, whole-vector exchanges with {args.peers} peers, codec {args.codec}, "
           "1 thread; extra = (peak RSS - model) / model bytes; times / memcpy")
     print(f"{'device':<6} {'params':>7} {'scheme':<9} {'extra':>6} {'prepare':>15} "
-          f"{'check':>15} {'commit':>15} {'total/clone':>11} {'total/copy_':>11}")
+          f"{'check':>15} {'commit':>15} {'total/clone':>11} {'total/copy_':>11} "
+          f"{'passes p+c+c':>16}")
     for device in devices:
         for size in (int(float(s)) for s in args.sizes.split(",")):
             for scheme in args.schemes.split(","):
@@ -156,10 +206,13 @@ def main() -> int:
                 cells = " ".join(f"{r[k + '_s']:7.3f}s {r[k + '_s'] / r['clone_s']:4.1f}x"
                                  for k in ("prepare", "check", "commit"))
                 print(f"{device:<6} {size / 1e6:6.0f}M {scheme:<9} {r['extra_model_copies']:6.2f}"
-                      f" {cells} {total / r['clone_s']:10.1f}x {total / r['copy_s']:10.1f}x",
+                      f" {cells} {total / r['clone_s']:10.1f}x {total / r['copy_s']:10.1f}x "
+                      f"{r['prepare_passes']:4.1f}+{r['check_passes']:.1f}+"
+                      f"{r['commit_passes']:4.1f}",
                       flush=True)
     print("(per phase: seconds and multiple of one clone of the fragment; memcpy copy_ "
-          "into an existing buffer is the last column's unit)")
+          "into an existing buffer is the unit of total/copy_; passes: kernels over the "
+          "fragment, each counted by its largest tensor, / fragment size)")
     return 0
 
 
