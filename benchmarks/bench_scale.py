@@ -8,11 +8,16 @@ node: live parameters (the "model"), the outer state (anchor, momentum memory) a
 - extra memory: (peak RSS during the exchanges - RSS with only the model allocated) / model
   bytes, i.e. everything the outer algorithm adds (theta_0 where the scheme needs it, anchor,
   memory, references or error feedback, both payloads, scratch), in model-size float32
-  equivalents (goal: <= 3). The peer's payload is held as received bytes (what the session's
-  buffer holds) and counted; setup temporaries are not (the kernel's peak is reset after setup);
+  equivalents (goal: <= 3). Of it, theta_0 (column θ0): float32 for ``links`` (its references
+  start from it), a bfloat16 copy for the other schemes (the node's ``compact_theta0``: it only
+  anchors the update guard), so half a model copy is saved. The peer's payload is held as
+  received bytes (what the session's buffer holds) and counted; setup temporaries are not (the
+  kernel's peak is reset after setup);
 - time per phase, as a multiple of one memcpy of the fragment: ``copy_`` into an existing
   buffer and ``clone`` (a fresh copy, page faults included; the issue's "one copy of the
-  model"). Goal: one side's prepare + check + commit <= 4 clones.
+  model"). Goal: one side's prepare + check + commit <= 4 clones. Next to it, the count of
+  full-size passes (kernels over the fragment, each counted by its largest tensor) per phase,
+  which is what the time is made of; the kernels of one exchange go to stderr.
 
 No gradients or optimizer state are allocated: they are the model's, not the outer algorithm's.
 Run: ``python benchmarks/bench_scale.py [--sizes 1e6,1e7,1e8] [--schemes links,feedback]``.
@@ -122,9 +127,8 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
     base = rss_bytes()
     theta0 = theta.clone()
     state = AsyncGaslocState(theta, theta0, AsyncConfig())
-    if scheme != "links":
-        del theta0  # only "links" keeps theta_0 (initial references); the others never read it
-        theta0 = theta  # the engine reads size and device
+    if scheme != "links":  # as Trainer.compact_theta0: only "links" needs theta_0 in float32
+        theta0 = theta0.to(torch.bfloat16)  # the float32 copy is freed
     engine = ExchangeEngine(state, theta0, [whole(numel)], NoLock(), max(peers, 1), scheme)
     spec = CodecSpec.parse(codec)
     theta.add_(torch.randn(numel, device=dev, generator=gen), alpha=1e-3)  # a local drift
@@ -160,6 +164,7 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
         del prep, received
     copy_s, clone_s = min(times.pop("copy")), min(times.pop("clone"))
     out = {"numel": numel, "extra_model_copies": (peak - base) / model_bytes,
+           "theta0_copies": theta0.numel() * theta0.element_size() / model_bytes,
            "copy_s": copy_s, "clone_s": clone_s}
     for name, ts in times.items():
         out[f"{name}_s"] = min(ts)
@@ -188,7 +193,7 @@ def main() -> int:
                                else [])
     print(f"one node, whole-vector exchanges with {args.peers} peers, codec {args.codec}, "
           "1 thread; extra = (peak RSS - model) / model bytes; times / memcpy")
-    print(f"{'device':<6} {'params':>7} {'scheme':<9} {'extra':>6} {'prepare':>15} "
+    print(f"{'device':<6} {'params':>7} {'scheme':<9} {'extra':>6} {'θ0':>5} {'prepare':>15} "
           f"{'check':>15} {'commit':>15} {'total/clone':>11} {'total/copy_':>11} "
           f"{'passes p+c+c':>16}")
     for device in devices:
@@ -206,6 +211,7 @@ def main() -> int:
                 cells = " ".join(f"{r[k + '_s']:7.3f}s {r[k + '_s'] / r['clone_s']:4.1f}x"
                                  for k in ("prepare", "check", "commit"))
                 print(f"{device:<6} {size / 1e6:6.0f}M {scheme:<9} {r['extra_model_copies']:6.2f}"
+                      f" {r['theta0_copies']:5.2f}"
                       f" {cells} {total / r['clone_s']:10.1f}x {total / r['copy_s']:10.1f}x "
                       f"{r['prepare_passes']:4.1f}+{r['check_passes']:.1f}+"
                       f"{r['commit_passes']:4.1f}",

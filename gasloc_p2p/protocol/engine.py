@@ -29,7 +29,7 @@ from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
 from gasloc_p2p.core.feedback import FEEDBACK_SPEC, make_scheme
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.references import LinkScheme
+from gasloc_p2p.core.references import LinkScheme, ReferenceScheme
 from gasloc_p2p.protocol.guard import UpdateGuard
 
 DEFAULT_SCHEME = "feedback"  # see gasloc_p2p.core.feedback.resolve_references
@@ -83,14 +83,16 @@ class ExchangeEngine:
     def __init__(self, state: AsyncGaslocState, theta0: torch.Tensor,
                  fragments: Sequence[Fragment], lock: UrgentLock,
                  reference_capacity: int, references: str = DEFAULT_SCHEME) -> None:
-        """theta0: ``[numel]`` float32 initial parameters, the same on every node of the run
-        (kept by reference, never modified). references: one of ``REFERENCE_SCHEMES``."""
+        """theta0: ``[numel]`` initial parameters, the same on every node of the run (kept by
+        reference, never modified): float32 for ``links`` (references start from it exactly);
+        the other schemes accept a bfloat16 copy (it only anchors the guard's screens).
+        references: one of ``REFERENCE_SCHEMES``."""
         self.state = state
         self.theta0 = theta0
         self.fragments = list(fragments)
         self.lock = lock
         self.capacity = reference_capacity
-        self.refs = make_scheme(references, theta0, reference_capacity)
+        self.refs = self._scheme(references)
         self._refs_lock = threading.Lock()  # the scheme is touched from several worker threads
         self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
 
@@ -102,7 +104,14 @@ class ExchangeEngine:
     def use_references(self, name: str) -> None:
         """Switch the reference scheme (before any exchange: all references restart)."""
         if name != self.refs.name:
-            self.refs = make_scheme(name, self.theta0, self.capacity)
+            self.refs = self._scheme(name)
+
+    def _scheme(self, name: str) -> ReferenceScheme:
+        if name == "links" and self.theta0.dtype != torch.float32:
+            raise ValueError(f"references 'links' start from the exact float32 theta_0; this "
+                             f"node kept a {self.theta0.dtype} copy (start it with --references "
+                             "links)")
+        return make_scheme(name, self.theta0, self.capacity)
 
     def link_version(self, peer_id: str) -> int:
         with self._refs_lock:
@@ -177,7 +186,7 @@ class ExchangeEngine:
         if top > MAX_ABS_VALUE:
             raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
                              f"{MAX_ABS_VALUE:g})")
-        base = fragment.gather(self.theta0)
+        base = fragment.gather(self.theta0).float()  # (a bfloat16 theta_0 is compacted)
         if isinstance(self.refs, LinkScheme):  # deltas against per-peer references
             with self._refs_lock:
                 link = (self.refs.get(prep.peer_id)

@@ -98,6 +98,7 @@ class Trainer:
         self.model_description = built.description
         self.validation_set = self.data.validation_set
         self.flat = FlatParams(self.model)  # on the device: outer state and codecs follow it
+        # theta_0: exact float32 until a mode says it needs less (see compact_theta0)
         self.theta0 = self.flat.buffer.detach().clone()
         self.state = AsyncGaslocState(self.flat.buffer, self.theta0, outer)
         how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
@@ -258,6 +259,15 @@ class Trainer:
             self.stats.val_loss = float(ckpt["val_loss"])
             self.stats.first_val_loss = float(ckpt["first_val_loss"])
             self._good = None
+
+    def compact_theta0(self) -> None:
+        """Keep ``theta_0`` in bfloat16 (half of a float32 model copy is freed): for modes whose
+        reference scheme never starts from it (``feedback``, ``plain``), where it only anchors
+        the plausibility screens (update guard, bootstrap agreement: displacements from it,
+        whose bfloat16 rounding is common to both sides compared). ``links`` needs the exact
+        float32 ``theta_0``: both sides of a link start their references from it."""
+        if self.theta0.dtype != torch.bfloat16:
+            self.theta0 = self.theta0.to(torch.bfloat16)
 
     def adopt(self, params: torch.Tensor, memory: torch.Tensor) -> None:
         """Start from a peer's public iterate and outer memory (late join).
