@@ -91,6 +91,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--codec", default="int8")
     p.add_argument("--max-minutes", type=float, default=14.0)
+    p.add_argument("--guard-min-cosine", type=float, default=-1.0,
+                   help="the node flag (default here: off, see the comment at its use)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="swarm100m-") as tmp:
         root = Path(tmp)
@@ -108,7 +110,10 @@ def main() -> int:
                  "--codec", args.codec, "--announce-interval-s", "2", "--announce-ttl-s", "8",
                  "--refresh-interval-s", "2", "--log-interval-s", "30",
                  "--no-init-from-swarm", "--exchange-timeout-s", "300",
-                 "--commit-timeout-s", "120", "--chunk-timeout-s", "60"]
+                 "--commit-timeout-s", "120", "--chunk-timeout-s", "60",
+                 # the guard's direction test: in the first rounds of a 100M model the two
+                 # nodes' displacements from theta_0 had cosine 0.015 (< 0.05): off here
+                 "--guard-min-cosine", str(args.guard_min_cosine)]
         nodes: list[NodeChild] = []
         t0 = time.monotonic()
         try:

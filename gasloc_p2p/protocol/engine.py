@@ -130,7 +130,11 @@ class ExchangeEngine:
         fragment = self.fragments[fragment_index]
         codec, step = spec.codec(), chunk_elems(spec)
         payload, encoded = Encoded.empty(spec.name, fragment.numel, spec.block_size)
-        work = torch.empty(min(step, fragment.numel), device=self.theta0.device)
+        device = self.state.theta.device
+        work = torch.empty(min(step, fragment.numel), device=device)
+        # Off the host, a chunk is encoded on the device, then its bytes cross once.
+        staged = (spec.codec().encode(torch.zeros(min(step, fragment.numel), device=device))
+                  if stages_on_device(device) else None)
         anchor, theta, eta = self.state.anchor, self.state.theta, self.state.cfg.eta
         with self.lock.urgent(), self._refs_lock:
             version = self.refs.version(peer_id)
@@ -141,7 +145,14 @@ class ExchangeEngine:
                 for start, length, o in pieces:
                     torch.lerp(anchor[start : start + length], theta[start : start + length],
                                eta, out=x[o : o + length])
-                sender.encode(pos, pieces, x, codec, encoded.view(pos, n))
+                if staged is None:  # straight into the payload's memory
+                    sender.encode(pos, pieces, x, codec, encoded.view(pos, n))
+                else:
+                    out = staged.view(0, n)
+                    sender.encode(pos, pieces, x, codec, out)
+                    host = encoded.view(pos, n)
+                    host.data.copy_(out.data)
+                    host.scales.copy_(out.scales)
         return Prepared(peer_id, fragment, version, reset, rounds0, encoded, payload,
                         zlib.crc32(payload))
 
@@ -156,7 +167,7 @@ class ExchangeEngine:
         if zlib.crc32(payload) != crc32:
             raise ValueError("payload CRC32 mismatch")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
-        received = received.to(self.theta0.device)  # decoded where the model lives
+        received = received.to(self.state.theta.device)  # bytes cross once, decoded there
         spec.codec().check_decodable(received)
         if prep is not None and self.guard is not None and self.guard.rule.enabled:
             self.screen(prep, received)
@@ -215,27 +226,34 @@ class ExchangeEngine:
             raise ValueError(f"received {received.spec}/{received.numel}, sent "
                              f"{sent.spec}/{fragment.numel}")
         codec, step = sent.spec.codec(), chunk_elems(sent.spec)
-        mine = torch.empty(min(step, fragment.numel), device=self.theta0.device)
+        mine = torch.empty(min(step, fragment.numel), device=self.state.theta.device)
         theirs = torch.empty_like(mine)
         anchor, theta = self.state.anchor, self.state.theta
-        square = 0.0
+        squares = []  # per chunk, read once at the end (no device sync per chunk)
         with self.lock.urgent(), self._refs_lock:
             folder = self.refs.folder(prep.peer_id, prep.reset, pinned)
             for pos, n, pieces in fragment.chunks(step):
                 c = codec.decode(sent.view(pos, n), mine[:n])
                 folder.fold(pieces, c, codec.decode(received.view(pos, n), theirs[:n]))
                 c.mul_(weight)
-                square += float(torch.dot(c, c))
+                squares.append(torch.dot(c, c))
                 if weight > 0:
                     for start, length, o in pieces:
                         anchor[start : start + length].add_(c[o : o + length])
                         theta[start : start + length].add_(c[o : o + length])
             folder.done()
-        norm = math.sqrt(square)
+        # summed in float64 in chunk order, as one float per chunk always was
+        norm = math.sqrt(sum(torch.stack(squares).tolist()) if squares else 0.0)
         if self.guard is not None and weight > 0:  # the pair distance, without w
             self.guard.accept(fragment.index,
                               norm / (weight * math.sqrt(max(fragment.numel, 1))))
         return norm
+
+
+def stages_on_device(device: torch.device) -> bool:
+    """Whether ``prepare`` encodes each chunk into device memory and then copies its bytes to
+    the host payload (every device but the host itself, whose payload it writes directly)."""
+    return device.type != "cpu"
 
 
 def chunk_elems(spec: CodecSpec) -> int:
