@@ -8,7 +8,7 @@ STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
-	bench-node bench-diloco bench-scale bench-downloads bench-data bench-streaming \
+	bench-node bench-diloco bench-scale bench-swarm100m bench-downloads bench-data bench-streaming \
 	bench-fuzz bench-byzantine bench-chaos reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
@@ -60,11 +60,14 @@ bench-diloco: setup
 bench-scale: setup
 	$(PY) benchmarks/bench_scale.py
 
+bench-swarm100m: setup
+	nice -n 10 $(PY) benchmarks/bench_swarm100m.py
+
 bench-downloads: setup
 	$(PY) benchmarks/bench_downloads.py
 
 bench-data: setup
-	$(PY) benchmarks/bench_data.py --mb 300
+	$(PY) benchmarks/bench_data.py --mb 100,300
 
 bench-streaming: setup
 	$(PY) benchmarks/bench_streaming.py
@@ -79,7 +82,8 @@ bench-byzantine: setup
 bench-chaos: setup
 	$(PY) benchmarks/bench_chaos.py
 
-bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-downloads \
+bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
+	bench-downloads \
 	bench-data bench-streaming bench-fuzz bench-byzantine bench-chaos
 
 reproduce: setup

@@ -52,11 +52,11 @@ def write_inputs(root: Path, layers: int, width: int) -> tuple[Path, Path, int]:
     return root / "llama" / "config.json", corpus, numel
 
 
-def vm_hwm(pid: int) -> int:
-    """Peak resident bytes of one process (0 if it is gone)."""
+def vm_hwm(pid: int, field: str = "VmHWM") -> int:
+    """Peak (or with ``field="VmRSS"`` current) resident bytes of one process (0 if gone)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -125,14 +125,16 @@ def main() -> int:
                 node.wait_up(600)
             print(f"both nodes up after {time.monotonic() - t0:.0f} s", flush=True)
             deadline = t0 + args.max_minutes * 60
-            peaks = {n.name: [0, 0] for n in nodes}
+            peaks = {n.name: [0, 0, 0] for n in nodes}
             infos = []
             while time.monotonic() < deadline:
                 for n in nodes:
                     pid = n.proc.pid
                     own = vm_hwm(pid)
                     group = own + sum(vm_hwm(k) for k in descendants(pid))
-                    peaks[n.name] = [max(peaks[n.name][0], own), max(peaks[n.name][1], group)]
+                    now = vm_hwm(pid, "VmRSS")  # sampled while training: start-up excluded
+                    peaks[n.name] = [max(peaks[n.name][0], own), max(peaks[n.name][1], group),
+                                     max(peaks[n.name][2], now)]
                 infos = [n.info(30) for n in nodes]
                 if all(i.rounds >= args.rounds and i.exchanges_ok_initiator >= 1
                        and i.exchanges_ok_responder >= 1 and i.val_loss == i.val_loss
@@ -142,17 +144,18 @@ def main() -> int:
             elapsed = time.monotonic() - t0
             print(f"{'node':<5}{'steps':>6}{'rounds':>7}{'exch ok (init/resp)':>20}"
                   f"{'failed':>7}{'sent MB':>9}{'recv MB':>9}{'peak RSS':>10}"
-                  f"{'+DHT':>7}{'val loss start -> end':>24}")
+                  f"{'+DHT':>7}{'training':>9}{'val loss start -> end':>24}")
             for n, i in zip(nodes, infos, strict=True):
-                own, group = peaks[n.name]
+                own, group, now = peaks[n.name]
                 print(f"{n.name:<5}{i.step:>6}{i.rounds:>7}"
                       f"{f'{i.exchanges_ok_initiator}/{i.exchanges_ok_responder}':>20}"
                       f"{i.exchanges_failed:>7}{i.bytes_sent / 1e6:>9.0f}"
                       f"{i.bytes_received / 1e6:>9.0f}{own / model_bytes:>9.1f}x"
-                      f"{group / model_bytes:>6.1f}x"
+                      f"{group / model_bytes:>6.1f}x{now / model_bytes:>8.1f}x"
                       f"{f'{i.first_val_loss:.3f} -> {i.val_loss:.3f}':>24}")
-            print(f"(peak RSS: VmHWM / fp32 model size {model_bytes / 2**20:.0f} MiB; +DHT adds "
-                  f"the node's child processes; {elapsed / 60:.1f} min wall)")
+            print(f"(peak RSS: VmHWM / fp32 model size {model_bytes / 2**20:.0f} MiB, start-up "
+                  "included; +DHT adds the node's child processes; training: the largest VmRSS "
+                  f"sampled every 5 s once both nodes were up; {elapsed / 60:.1f} min wall)")
             done = all(i.rounds >= args.rounds and i.exchanges_ok_initiator >= 1
                        and i.exchanges_ok_responder >= 1 for i in infos)
             for n in nodes:
