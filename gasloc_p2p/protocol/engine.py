@@ -74,7 +74,8 @@ class ExchangeEngine:
     :class:`AsyncGaslocState`.
 
     Tensor work is fused and chunked (``CHUNK_ELEMS`` at a time, through cache-sized scratch):
-    ``prepare`` reads anchor and live parameters once and writes the payload in place; ``check``
+    ``prepare`` reads anchor and live parameters once and writes the payload in place (off
+    the host: each chunk is encoded on the device, then its bytes are copied once); ``check``
     validates without decoding; ``commit`` decodes each message once, straight into the
     scheme's fold and the correction's add. No fragment-size temporary is allocated besides the
     two payloads.
