@@ -42,6 +42,7 @@ from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import whole
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
+from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
 
 
 def rss_bytes() -> int:
@@ -107,12 +108,12 @@ def count_passes(engine: ExchangeEngine, spec: CodecSpec, numel: int, raw: bytea
         prep = engine.prepare("peer0", 0, spec, False)
     result["prepare_passes"], ops = c.elems / numel, dict(c.by_op)
     with PassCounter() as c:
-        received = engine.check(spec, numel, raw, crc)
-    result["check_passes"] = c.elems / numel
+        received = engine.check(spec, numel, raw, crc, prep)
+    result["check_passes"], checks = c.elems / numel, dict(c.by_op)
     with PassCounter() as c:
         engine.commit(prep, received, 0.5)
     result["commit_passes"] = c.elems / numel
-    for phase, table in (("prepare", ops), ("commit", c.by_op)):
+    for phase, table in (("prepare", ops), ("check", checks), ("commit", c.by_op)):
         print(f"# {phase} kernels (passes): " + ", ".join(
             f"{k} {v / numel:.2f}" for k, v in sorted(table.items(), key=lambda kv: -kv[1])
             if v / numel >= 0.01), file=sys.stderr)
@@ -125,23 +126,27 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
     gen = torch.Generator(device=dev).manual_seed(0)
     theta = torch.randn(numel, device=dev, generator=gen).mul_(0.02)  # the model
     base = rss_bytes()
+    scheme, guarded = scheme.removesuffix("+guard"), scheme.endswith("+guard")
     theta0 = theta.clone()
     state = AsyncGaslocState(theta, theta0, AsyncConfig())
     if scheme != "links":  # as Trainer.compact_theta0: only "links" needs theta_0 in float32
         theta0 = theta0.to(torch.bfloat16)  # the float32 copy is freed
     engine = ExchangeEngine(state, theta0, [whole(numel)], NoLock(), max(peers, 1), scheme)
+    if guarded:  # the daemon's default: check screens the pair (thresholds never hit here)
+        engine.guard = UpdateGuard(GuardRule(factor=1e30, warmup_factor=1e30, min_cosine=-1))
     spec = CodecSpec.parse(codec)
     theta.add_(torch.randn(numel, device=dev, generator=gen), alpha=1e-3)  # a local drift
     peer_payload = spec.codec().encode(torch.randn(numel, device=dev, generator=gen) * 1e-3)
     raw = bytearray(peer_payload.to_bytes())  # the peer's payload, as the session's buffer
     crc = zlib.crc32(raw)
     del peer_payload
-    engine.commit(engine.prepare("warm-up", 0, spec, False), engine.check(spec, numel, raw, crc),
+    prep = engine.prepare("warm-up", 0, spec, False)
+    engine.commit(prep, engine.check(spec, numel, raw, crc, prep),
                   0.5)  # page in torch's kernels: a fixed ~20 MB of code, not the algorithm's
     reset_peak()  # from here: the node's state plus what exchanges allocate
     for k in range(peers):  # memory: one exchange with each peer
-        engine.commit(engine.prepare(f"peer{k}", 0, spec, False),
-                      engine.check(spec, numel, raw, crc), 0.5)
+        prep = engine.prepare(f"peer{k}", 0, spec, False)
+        engine.commit(prep, engine.check(spec, numel, raw, crc, prep), 0.5)
     peak = peak_bytes()
     model_bytes = numel * 4
     # time: each phase next to the two copies it is compared with (the machine is shared)
@@ -154,7 +159,7 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
         t0 = time.perf_counter()
         prep = engine.prepare(f"peer{k % peers}", 0, spec, False)
         t1 = time.perf_counter()
-        received = engine.check(spec, numel, raw, crc)
+        received = engine.check(spec, numel, raw, crc, prep)
         t2 = time.perf_counter()
         engine.commit(prep, received, 0.5)
         t3 = time.perf_counter()
@@ -175,7 +180,9 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1e6,1e7,1e8", help="parameter counts")
-    p.add_argument("--schemes", default="feedback,plain,links", help="reference schemes")
+    p.add_argument("--schemes", default="feedback,plain,links,feedback+guard",
+                   help="reference schemes; NAME+guard: with the update guard's screen in "
+                        "check (the daemon's default)")
     p.add_argument("--peers", type=int, default=8, help="distinct peers exchanged with")
     p.add_argument("--links-max", type=float, default=1e7,
                    help="largest size run with 'links' (its 2 copies per peer: 100M x 8 peers "
@@ -199,7 +206,7 @@ def main() -> int:
     for device in devices:
         for size in (int(float(s)) for s in args.sizes.split(",")):
             for scheme in args.schemes.split(","):
-                if scheme == "links" and size > args.links_max:
+                if scheme.startswith("links") and size > args.links_max:
                     continue
                 try:
                     r = run_child(size, scheme, device, args)

@@ -192,28 +192,44 @@ class ExchangeEngine:
         hold of the other, computed identically by the peer) are implausibly far apart, or
         their displacements from ``theta_0`` point different ways; changes nothing."""
         assert self.guard is not None
-        fragment, codec = prep.fragment, prep.encoded.spec.codec()
-        mine, theirs = codec.decode(prep.encoded), codec.decode(received)
-        top = float(theirs.abs().amax()) if theirs.numel() else 0.0
-        if top > MAX_ABS_VALUE:
-            raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
-                             f"{MAX_ABS_VALUE:g})")
-        base = fragment.gather(self.theta0).float()  # (a bfloat16 theta_0 is compacted)
-        if isinstance(self.refs, LinkScheme):  # deltas against per-peer references
-            with self._refs_lock:
-                link = (self.refs.get(prep.peer_id)
-                        if prep.peer_id in self.refs and not prep.reset else None)
-            mine.add_(fragment.gather(link.ref_out) if link is not None else base)
-            theirs.add_(fragment.gather(link.ref_in) if link is not None else base)
+        fragment, codec, step = prep.fragment, prep.encoded.spec.codec(), chunk_elems(
+            prep.encoded.spec)
+        # Chunk by chunk through three cache-sized buffers (no fragment-size temporary): the
+        # decoded messages (made references for links), then displacements from theta_0.
+        a = torch.empty(min(step, fragment.numel), device=self.state.theta.device)
+        b, base = torch.empty_like(a), torch.empty_like(a)
+        self._bounded(prep.encoded.spec, received)  # block codecs: from the scales alone
+        dist2 = mine2 = theirs2 = base2 = dot = 0.0
+        refs = self.refs
+        links = isinstance(refs, LinkScheme)
+        with self._refs_lock if links else nullcontext():
+            link = (refs.get(prep.peer_id) if isinstance(refs, LinkScheme)
+                    and prep.peer_id in refs and not prep.reset else None)
+            for pos, n, pieces in fragment.chunks(step):
+                mine = codec.decode(prep.encoded.view(pos, n), a[:n])
+                theirs = codec.decode(received.view(pos, n), b[:n])
+                t0 = base[:n]
+                for start, length, o in pieces:
+                    t0[o : o + length].copy_(self.theta0[start : start + length])  # bf16 ok
+                if links:  # deltas against per-peer references (theta_0 for a new link)
+                    for start, length, o in pieces:
+                        mine[o : o + length].add_(link.ref_out[start : start + length]
+                                                  if link is not None else t0[o : o + length])
+                        theirs[o : o + length].add_(link.ref_in[start : start + length]
+                                                    if link is not None else t0[o : o + length])
+                dist2 += float(torch.dist(theirs, mine)) ** 2
+                mine.sub_(t0)
+                theirs.sub_(t0)
+                mine2 += float(mine.dot(mine))
+                theirs2 += float(theirs.dot(theirs))
+                base2 += float(t0.dot(t0))
+                dot += float(mine.dot(theirs))
         root_n = math.sqrt(max(fragment.numel, 1))
-        distance = float((theirs - mine).norm()) / root_n
-        mine.sub_(base)
-        theirs.sub_(base)
-        own = max(float(mine.norm()), float(base.norm())) / root_n
-        self.guard.screen(fragment.index, distance, own)
-        norms = float(mine.norm()) * float(theirs.norm())
+        self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
+                          math.sqrt(max(mine2, base2)) / root_n)
+        norms = math.sqrt(mine2) * math.sqrt(theirs2)
         if norms > 1e-30:  # both moved: compare directions
-            self.guard.screen_direction(fragment.index, float(mine.dot(theirs)) / norms)
+            self.guard.screen_direction(fragment.index, dot / norms)
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,
                pinned: Iterable[str] = ()) -> float:
