@@ -143,10 +143,12 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
     prep = engine.prepare("warm-up", 0, spec, False)
     engine.commit(prep, engine.check(spec, numel, raw, crc, prep),
                   0.5)  # page in torch's kernels: a fixed ~20 MB of code, not the algorithm's
+    del prep
     reset_peak()  # from here: the node's state plus what exchanges allocate
     for k in range(peers):  # memory: one exchange with each peer
         prep = engine.prepare(f"peer{k}", 0, spec, False)
         engine.commit(prep, engine.check(spec, numel, raw, crc, prep), 0.5)
+        del prep  # as the session drops it: never two of our payloads at once
     peak = peak_bytes()
     model_bytes = numel * 4
     # time: each phase next to the two copies it is compared with (the machine is shared)
