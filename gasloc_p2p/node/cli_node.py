@@ -71,6 +71,12 @@ def run_join(args: argparse.Namespace) -> int:
         return _fail_config("join", exc)
     import uvloop
 
+    from gasloc_p2p.node.runtime import allocator
+
+    tuned = allocator.tune()  # before the executor, gRPC and torch start their threads
+    log.info("allocator: arena_max %s, mmap threshold %s%s", tuned.arena_max or "default",
+             tuned.mmap_threshold or "default", f" ({tuned.reason})" if tuned.reason else "")
+
     executor = BoundedExecutor(_EXECUTOR_THREADS, "gasloc-io")
     code = int(uvloop.run(_join(cfg, executor)))
     if executor.stuck():  # the interpreter would join them at exit, for as long as they block
