@@ -8,7 +8,7 @@ STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
-	bench-node bench-diloco bench-scale bench-downloads bench-data bench-streaming \
+	bench-node bench-diloco bench-scale bench-swarm100m bench-downloads bench-data bench-streaming \
 	bench-streaming-link bench-fuzz bench-byzantine bench-chaos bench-poison bench-soak bench-external \
 	reproduce proto clean
 
@@ -61,11 +61,14 @@ bench-diloco: setup
 bench-scale: setup
 	$(PY) benchmarks/bench_scale.py
 
+bench-swarm100m: setup
+	nice -n 10 $(PY) benchmarks/bench_swarm100m.py
+
 bench-downloads: setup
 	$(PY) benchmarks/bench_downloads.py
 
 bench-data: setup
-	$(PY) benchmarks/bench_data.py --mb 300
+	$(PY) benchmarks/bench_data.py --mb 100,300
 
 bench-streaming: setup
 	$(PY) benchmarks/bench_streaming.py
@@ -98,7 +101,8 @@ bench-external: setup
 		$(PIP) -e '.[bench-external]'
 	nice -n 10 $(PY) benchmarks/bench_external.py
 
-bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-downloads \
+bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
+	bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-chaos \
 	bench-poison bench-soak bench-external
 

@@ -4,9 +4,9 @@ larger than what it keeps.
 Generates a file of ``--mb`` megabytes of text (random words, so it barely compresses), then in
 a fresh child process builds the node's data exactly as ``gasloc-node join --data FILE`` does
 (validation set, then the training window stream with its shuffle buffer) and reads one whole
-epoch. Prints the file size, the child's resident memory after imports, its peak, and the
-growth as a fraction of the file size. Run: ``.venv/bin/python benchmarks/bench_data.py
---mb 300`` (about 1-3 minutes on 2 cores).
+epoch. Prints, for each file size side by side, the child's resident memory after imports, its
+peak, and the growth (absolute and as a fraction of the file size). Run:
+``.venv/bin/python benchmarks/bench_data.py --mb 100,300`` (about 3-6 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -94,32 +94,43 @@ def write_jsonl(path: Path, megabytes: int) -> int:
     return chars
 
 
+def measure(path: Path, chars: int) -> dict[str, float]:
+    windows = chars // 257  # one epoch of 256-token byte windows
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(windows)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"the reader failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=300, help="file size to generate, MB")
+    parser.add_argument("--mb", default="300",
+                        help="file sizes to generate, MB, comma-separated (side by side)")
     parser.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
     args = parser.parse_args()
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"big.{args.format}"
-        t0 = time.perf_counter()
-        chars = (write_parquet if args.format == "parquet" else write_jsonl)(path, args.mb)
-        size_mb = path.stat().st_size / 1e6
-        print(f"generated {path.name}: {size_mb:.0f} MB on disk, {chars / 1e6:.0f} M chars of "
-              f"text, in {time.perf_counter() - t0:.0f} s")
-        windows = chars // 257  # one epoch of 256-token byte windows
-        out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(windows)],
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"the reader failed ({out.returncode}):\n{out.stderr[-4000:]}")
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        for mb in (int(m) for m in args.mb.split(",")):
+            path = Path(tmp) / f"big{mb}.{args.format}"
+            t0 = time.perf_counter()
+            chars = (write_parquet if args.format == "parquet" else write_jsonl)(path, mb)
+            size_mb = path.stat().st_size / 1e6
+            print(f"generated {path.name}: {size_mb:.0f} MB on disk, {chars / 1e6:.0f} M chars "
+                  f"of text, in {time.perf_counter() - t0:.0f} s", flush=True)
+            rows.append((size_mb, chars, measure(path, chars)))
+            path.unlink()
+    print(f"{'file MB':>8} {'M tokens':>9} {'s':>5} {'RSS base':>9} {'peak':>6} {'growth':>7} "
+          f"{'/file':>6}  RSS every 50k windows (MB)")
+    for size_mb, _chars, r in rows:
         growth = r["peak_mb"] - r["base_mb"]
-        print(f"streamed {r['windows']} windows of 257 tokens ({r['windows'] * 257 / 1e6:.0f} M "
-              f"tokens) in {r['seconds']:.0f} s: RSS after imports {r['base_mb']:.0f} MB, peak "
-              f"{r['peak_mb']:.0f} MB, growth {growth:.0f} MB = {growth / size_mb:.2f}x the "
-              f"file on disk, {growth / (chars / 1e6):.2f}x its text")
-        print(f"RSS every 50k windows, MB: {r['trace']}")
-        print(f"(this process: peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}"
-              " MB while generating)")
+        print(f"{size_mb:8.0f} {r['windows'] * 257 / 1e6:9.0f} {r['seconds']:5.0f} "
+              f"{r['base_mb']:9.0f} {r['peak_mb']:6.0f} {growth:7.0f} {growth / size_mb:6.2f}  "
+              f"{r['trace']}")
+    print("(growth = peak - RSS after imports, MB; bounded when it does not grow with the file; "
+          f"this process peaked at {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}"
+          " MB while generating)")
 
 
 if __name__ == "__main__":

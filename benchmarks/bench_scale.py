@@ -8,11 +8,16 @@ node: live parameters (the "model"), the outer state (anchor, momentum memory) a
 - extra memory: (peak RSS during the exchanges - RSS with only the model allocated) / model
   bytes, i.e. everything the outer algorithm adds (theta_0 where the scheme needs it, anchor,
   memory, references or error feedback, both payloads, scratch), in model-size float32
-  equivalents (goal: <= 3). The peer's payload is held as received bytes (what the session's
-  buffer holds) and counted; setup temporaries are not (the kernel's peak is reset after setup);
+  equivalents (goal: <= 3). Of it, theta_0 (column θ0): float32 for ``links`` (its references
+  start from it), a bfloat16 copy for the other schemes (the node's ``compact_theta0``: it only
+  anchors the update guard), so half a model copy is saved. The peer's payload is held as
+  received bytes (what the session's buffer holds) and counted; setup temporaries are not (the
+  kernel's peak is reset after setup);
 - time per phase, as a multiple of one memcpy of the fragment: ``copy_`` into an existing
   buffer and ``clone`` (a fresh copy, page faults included; the issue's "one copy of the
-  model"). Goal: one side's prepare + check + commit <= 4 clones.
+  model"). Goal: one side's prepare + check + commit <= 4 clones. Next to it, the count of
+  full-size passes (kernels over the fragment, each counted by its largest tensor) per phase,
+  which is what the time is made of; the kernels of one exchange go to stderr.
 
 No gradients or optimizer state are allocated: they are the model's, not the outer algorithm's.
 Run: ``python benchmarks/bench_scale.py [--sizes 1e6,1e7,1e8] [--schemes links,feedback]``.
@@ -31,11 +36,13 @@ import zlib
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import whole
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
+from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
 
 
 def rss_bytes() -> int:
@@ -66,30 +73,82 @@ def best(fn: Callable[..., object], repeats: int, *args: object) -> float:
     return min(times)
 
 
+_FREE_OPS = ("view", "slice", "as_strided", "detach", "alias", "_local_scalar_dense", "select",
+             "unsqueeze", "expand", "empty", "lift_fresh", "t.default")
+
+
+class PassCounter(TorchDispatchMode):
+    """Counts full-size passes: every kernel that reads or writes tensors adds its largest
+    tensor's element count (views and allocations are free); divided by the fragment size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elems = 0
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__)
+        if not any(name.startswith(f) or name == f for f in _FREE_OPS):
+            flat = [*args, *(kwargs or {}).values(), out]
+            sizes = [t.numel() for t in flat if isinstance(t, torch.Tensor)]
+            sizes += [t.numel() for a in flat if isinstance(a, (list, tuple)) for t in a
+                      if isinstance(t, torch.Tensor)]
+            top = max(sizes, default=0)
+            self.elems += top
+            self.by_op[name] = self.by_op.get(name, 0) + top
+        return out
+
+
+def count_passes(engine: ExchangeEngine, spec: CodecSpec, numel: int, raw: bytearray,
+                 crc: int) -> dict[str, float]:
+    """Full-size passes of one exchange per phase (and, for the report, per kernel)."""
+    result: dict[str, float] = {}
+    with PassCounter() as c:
+        prep = engine.prepare("peer0", 0, spec, False)
+    result["prepare_passes"], ops = c.elems / numel, dict(c.by_op)
+    with PassCounter() as c:
+        received = engine.check(spec, numel, raw, crc, prep)
+    result["check_passes"], checks = c.elems / numel, dict(c.by_op)
+    with PassCounter() as c:
+        engine.commit(prep, received, 0.5)
+    result["commit_passes"] = c.elems / numel
+    for phase, table in (("prepare", ops), ("check", checks), ("commit", c.by_op)):
+        print(f"# {phase} kernels (passes): " + ", ".join(
+            f"{k} {v / numel:.2f}" for k, v in sorted(table.items(), key=lambda kv: -kv[1])
+            if v / numel >= 0.01), file=sys.stderr)
+    return result
+
+
 def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[str, float]:
     torch.set_num_threads(1)
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
     theta = torch.randn(numel, device=dev, generator=gen).mul_(0.02)  # the model
     base = rss_bytes()
+    scheme, guarded = scheme.removesuffix("+guard"), scheme.endswith("+guard")
     theta0 = theta.clone()
     state = AsyncGaslocState(theta, theta0, AsyncConfig())
-    if scheme != "links":
-        del theta0  # only "links" keeps theta_0 (initial references); the others never read it
-        theta0 = theta  # the engine reads size and device
+    if scheme != "links":  # as Trainer.compact_theta0: only "links" needs theta_0 in float32
+        theta0 = theta0.to(torch.bfloat16)  # the float32 copy is freed
     engine = ExchangeEngine(state, theta0, [whole(numel)], NoLock(), max(peers, 1), scheme)
+    if guarded:  # the daemon's default: check screens the pair (thresholds never hit here)
+        engine.guard = UpdateGuard(GuardRule(factor=1e30, warmup_factor=1e30, min_cosine=-1))
     spec = CodecSpec.parse(codec)
     theta.add_(torch.randn(numel, device=dev, generator=gen), alpha=1e-3)  # a local drift
     peer_payload = spec.codec().encode(torch.randn(numel, device=dev, generator=gen) * 1e-3)
     raw = bytearray(peer_payload.to_bytes())  # the peer's payload, as the session's buffer
     crc = zlib.crc32(raw)
     del peer_payload
-    engine.commit(engine.prepare("warm-up", 0, spec, False), engine.check(spec, numel, raw, crc),
+    prep = engine.prepare("warm-up", 0, spec, False)
+    engine.commit(prep, engine.check(spec, numel, raw, crc, prep),
                   0.5)  # page in torch's kernels: a fixed ~20 MB of code, not the algorithm's
+    del prep
     reset_peak()  # from here: the node's state plus what exchanges allocate
     for k in range(peers):  # memory: one exchange with each peer
-        engine.commit(engine.prepare(f"peer{k}", 0, spec, False),
-                      engine.check(spec, numel, raw, crc), 0.5)
+        prep = engine.prepare(f"peer{k}", 0, spec, False)
+        engine.commit(prep, engine.check(spec, numel, raw, crc, prep), 0.5)
+        del prep  # as the session drops it: never two of our payloads at once
     peak = peak_bytes()
     model_bytes = numel * 4
     # time: each phase next to the two copies it is compared with (the machine is shared)
@@ -102,7 +161,7 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
         t0 = time.perf_counter()
         prep = engine.prepare(f"peer{k % peers}", 0, spec, False)
         t1 = time.perf_counter()
-        received = engine.check(spec, numel, raw, crc)
+        received = engine.check(spec, numel, raw, crc, prep)
         t2 = time.perf_counter()
         engine.commit(prep, received, 0.5)
         t3 = time.perf_counter()
@@ -112,16 +171,20 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
         del prep, received
     copy_s, clone_s = min(times.pop("copy")), min(times.pop("clone"))
     out = {"numel": numel, "extra_model_copies": (peak - base) / model_bytes,
+           "theta0_copies": theta0.numel() * theta0.element_size() / model_bytes,
            "copy_s": copy_s, "clone_s": clone_s}
     for name, ts in times.items():
         out[f"{name}_s"] = min(ts)
+    out.update(count_passes(engine, spec, numel, raw, crc))
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1e6,1e7,1e8", help="parameter counts")
-    p.add_argument("--schemes", default="feedback,plain,links", help="reference schemes")
+    p.add_argument("--schemes", default="feedback,plain,links,feedback+guard",
+                   help="reference schemes; NAME+guard: with the update guard's screen in "
+                        "check (the daemon's default)")
     p.add_argument("--peers", type=int, default=8, help="distinct peers exchanged with")
     p.add_argument("--links-max", type=float, default=1e7,
                    help="largest size run with 'links' (its 2 copies per peer: 100M x 8 peers "
@@ -139,12 +202,13 @@ def main() -> int:
                                else [])
     print(f"one node, whole-vector exchanges with {args.peers} peers, codec {args.codec}, "
           "1 thread; extra = (peak RSS - model) / model bytes; times / memcpy")
-    print(f"{'device':<6} {'params':>7} {'scheme':<9} {'extra':>6} {'prepare':>15} "
-          f"{'check':>15} {'commit':>15} {'total/clone':>11} {'total/copy_':>11}")
+    print(f"{'device':<6} {'params':>7} {'scheme':<9} {'extra':>6} {'θ0':>5} {'prepare':>15} "
+          f"{'check':>15} {'commit':>15} {'total/clone':>11} {'total/copy_':>11} "
+          f"{'passes p+c+c':>16}")
     for device in devices:
         for size in (int(float(s)) for s in args.sizes.split(",")):
             for scheme in args.schemes.split(","):
-                if scheme == "links" and size > args.links_max:
+                if scheme.startswith("links") and size > args.links_max:
                     continue
                 try:
                     r = run_child(size, scheme, device, args)
@@ -156,10 +220,14 @@ def main() -> int:
                 cells = " ".join(f"{r[k + '_s']:7.3f}s {r[k + '_s'] / r['clone_s']:4.1f}x"
                                  for k in ("prepare", "check", "commit"))
                 print(f"{device:<6} {size / 1e6:6.0f}M {scheme:<9} {r['extra_model_copies']:6.2f}"
-                      f" {cells} {total / r['clone_s']:10.1f}x {total / r['copy_s']:10.1f}x",
+                      f" {r['theta0_copies']:5.2f}"
+                      f" {cells} {total / r['clone_s']:10.1f}x {total / r['copy_s']:10.1f}x "
+                      f"{r['prepare_passes']:4.1f}+{r['check_passes']:.1f}+"
+                      f"{r['commit_passes']:4.1f}",
                       flush=True)
     print("(per phase: seconds and multiple of one clone of the fragment; memcpy copy_ "
-          "into an existing buffer is the last column's unit)")
+          "into an existing buffer is the unit of total/copy_; passes: kernels over the "
+          "fragment, each counted by its largest tensor, / fragment size)")
     return 0
 
 

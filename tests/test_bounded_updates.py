@@ -89,6 +89,40 @@ def test_after_warmup_the_median_rule_catches_scaled_deltas():
     MemoryExchange(b, a, 0).run()  # an honest peer still gets through
 
 
+def test_a_bfloat16_theta0_serves_feedback_and_the_guard_but_not_links():
+    """Nodes without per-peer references keep theta_0 in bfloat16 (Trainer.compact_theta0):
+    the guard still screens against it (and still stops a scaled delta), exchanges commit
+    with antisymmetric corrections, and asking for ``links`` on such a node is refused."""
+    from gasloc_p2p.core.async_state import AsyncGaslocState
+    from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
+    from tests.session_helpers import OUTER
+
+    pair = []
+    for name, seed in (("A", 1), ("B", 2)):
+        rules, linked = node(name, seed)
+        t0 = linked.theta0.to(torch.bfloat16)
+        state = AsyncGaslocState(linked.state.theta.clone(), linked.theta0, OUTER)
+        engine = ExchangeEngine(state, t0, linked.fragments, NoLock(), 4, "feedback")
+        engine.guard = UpdateGuard(GuardRule(warmup=2))
+        pair.append((rules, engine))
+        with pytest.raises(ValueError, match="float32 theta_0"):
+            engine.use_references("links")
+    a, b = pair
+    for i in range(6):
+        drift(a[1], 100 + i)
+        drift(b[1], 200 + i)
+        before = [e.state.theta.clone() for _, e in pair]
+        MemoryExchange(a, b, 0).run()
+        moved = [e.state.theta - x for (_, e), x in zip(pair, before, strict=True)]
+        assert moved[0].abs().sum() > 0  # c_i = -c_j (up to the rounding of theta + c)
+        assert torch.allclose(moved[0], -moved[1], rtol=0, atol=1e-6)
+    assert a[1].guard.accepted(0) == 6
+    evil = (b[0], b[1])
+    b[1].state.theta.copy_(b[1].theta0.float() + 40 * (b[1].state.theta - b[1].theta0.float()))
+    with pytest.raises(ExchangeError, match="implausible"):
+        MemoryExchange(evil, a, 0).run()
+
+
 def _engine_check(engine, spec: CodecSpec, numel: int, payload: bytes):
     return engine.check(spec, numel, payload, zlib.crc32(payload))
 

@@ -110,3 +110,32 @@ def test_the_reader_is_lazy(tmp_path):
     with pytest.raises(Exception):  # noqa: B017 - whatever datasets raises, it comes late
         for _ in stream:
             pass
+
+
+def test_a_resumed_stream_continues_where_it_was(tmp_path, corpus):
+    """The position (stream, leftover tokens, cut windows, shuffle buffer) and the generator,
+    saved and loaded as a checkpoint does, give the very batches the node would have drawn:
+    across an epoch boundary too (the small buffer makes the stream wrap within the test)."""
+    from gasloc_p2p.data.stream import StreamShard
+
+    def shard() -> StreamShard:
+        data = load_training_data(str(corpus), "byte", shard=(1, 2), **SIZES)
+        assert isinstance(data.train, StreamShard)
+        data.train.capacity = 8
+        return data.train
+
+    running, gen = shard(), torch.Generator().manual_seed(3)
+    for _ in range(5):
+        running.batch(4, 32, gen)
+    torch.save({"data": running.position(), "generator": gen.get_state()}, tmp_path / "p.pt")
+    ahead = [running.batch(4, 32, gen)[0] for _ in range(400)]  # > an epoch of shard 1/2
+    assert running.windows.epoch >= 1
+    saved = torch.load(tmp_path / "p.pt", weights_only=True)
+    resumed, gen2 = shard(), torch.Generator()
+    resumed.restore(saved["data"])
+    gen2.set_state(saved["generator"])
+    assert all(torch.equal(a, resumed.batch(4, 32, gen2)[0]) for a in ahead)
+    fresh = shard()  # without the position: the stream restarts, other batches
+    assert not all(torch.equal(a, fresh.batch(4, 32, gen2)[0]) for a in ahead[:5])
+    with pytest.raises(DataError, match="seq-len"):
+        StreamShard(fresh.windows, 16).restore(saved["data"])

@@ -160,3 +160,23 @@ def test_the_config_names_the_missing_extra_before_start(monkeypatch, hf_files):
                            match=rf"--{flag}=.*pip install 'gasloc_p2p\[hf\]'"):
             config_mod.TrainConfig(**kw).validate()
     config_mod.TrainConfig(model="gpt-mini").validate()  # built-in models need no extra
+
+
+def test_a_resumed_trainer_continues_its_stream(hf_files, tmp_path):
+    """A node restarted from its checkpoint draws the batches the running node draws next (its
+    streamed corpus does not restart from the first document)."""
+    trainer = _trainer(hf_files, tmp_path)
+    for _ in range(3):
+        trainer.step()
+    checkpoint.save_atomic(trainer.state_for_checkpoint(), tmp_path / "ckpt")
+    cfg = trainer.cfg
+    ahead = [trainer.shard.batch(cfg.batch_size, cfg.seq_len, trainer.generator)[0]
+             for _ in range(4)]
+    resumed = _trainer(hf_files, tmp_path)
+    saved = checkpoint.load(tmp_path / "ckpt")
+    assert saved is not None and saved["data"]["stream"]["row"] > 0
+    resumed.restore(saved)
+    assert resumed.shard.windows.row == saved["data"]["stream"]["row"]  # not from the start
+    assert len(resumed.shard.buffer) == len(saved["data"]["buffer"]) > 0
+    assert all(torch.equal(a, resumed.shard.batch(cfg.batch_size, cfg.seq_len,
+                                                  resumed.generator)[0]) for a in ahead)

@@ -23,6 +23,7 @@ EXPECTED = {
     "bench-node": ["benchmarks/bench_node.py"],
     "bench-diloco": ["benchmarks/bench_diloco.py"],
     "bench-scale": ["benchmarks/bench_scale.py"],
+    "bench-swarm100m": ["benchmarks/bench_swarm100m.py"],
     "bench-downloads": ["benchmarks/bench_downloads.py"],
     "bench-data": ["benchmarks/bench_data.py"],
     "bench-streaming": ["benchmarks/bench_streaming.py"],

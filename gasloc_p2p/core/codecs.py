@@ -98,6 +98,15 @@ class Codec(abc.ABC):
                              f"{out.block_size}/{out.numel}")
         self._encode_into(_check_input(x), out)
 
+    def encode_residual_into(self, x: torch.Tensor, out: Encoded) -> None:
+        """:meth:`encode_into`, then leave ``x - decode(out)`` in ``x`` (float32, contiguous),
+        bit-identical to decoding ``out`` and subtracting; block codecs do it block by block
+        while the chunk is in cache (int8 from its rounded codes, without unpacking)."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError("encode_residual_into needs a contiguous float32 x")
+        self.encode_into(x, out)
+        x.sub_(self.decode(out))
+
     def check_decodable(self, enc: Encoded) -> None:
         """ValueError unless ``enc`` decodes to finite values, checked without decoding: for
         block codecs the (already non-negative, finite) scales times the largest code must
@@ -190,7 +199,18 @@ class _BlockCodec(Codec):
         self._block_bytes = block_size * self._bits // 8
         self._chunk_blocks = max(1, _CHUNK_ELEMS // block_size)
 
-    def _encode_into(self, x: torch.Tensor, out: Encoded) -> None:
+    def encode_residual_into(self, x: torch.Tensor, out: Encoded) -> None:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError("encode_residual_into needs a contiguous float32 x")
+        self.encode_into(x, out, residual=True)
+
+    def encode_into(self, x: torch.Tensor, out: Encoded, residual: bool = False) -> None:
+        if (out.codec, out.block_size, out.numel) != (self.name, self.block_size, x.numel()):
+            raise ValueError(f"cannot encode {x.numel()} elements with {self} into {out.codec}/"
+                             f"{out.block_size}/{out.numel}")
+        self._encode_into(_check_input(x), out, residual)
+
+    def _encode_into(self, x: torch.Tensor, out: Encoded, residual: bool = False) -> None:
         n, bs, bb = x.numel(), self.block_size, self._block_bytes
         n_scales, n_data = layout(self.name, n, bs)
         scales, data = out.scales, out.data
@@ -201,12 +221,24 @@ class _BlockCodec(Codec):
             b1 = min(b0 + self._chunk_blocks, full)
             xb = x[b0 * bs : b1 * bs].view(-1, bs)
             self._encode_blocks(x, xb, scales[b0:b1], data[b0 * bb : b1 * bb], work)
+            if residual:  # the chunk is still in cache
+                self._subtract_decoded(xb, scales[b0:b1], data[b0 * bb : b1 * bb], work)
         if full < n_scales:  # zero padding leaves the block's absmax unchanged
             tail = torch.zeros(1, bs, dtype=x.dtype, device=dev)
             tail[0, : n - full * bs] = x[full * bs :]
             packed = torch.empty(bb, dtype=torch.uint8, device=dev)
             self._encode_blocks(x, tail, scales[full:], packed, work)
             data[full * bb :] = packed[: n_data - full * bb]
+            if residual:
+                x[full * bs :].sub_(self.decode(out.view(full * bs, n - full * bs)))
+
+    def _subtract_decoded(self, xb: torch.Tensor, scales: torch.Tensor, data: torch.Tensor,
+                          work: torch.Tensor) -> None:
+        """``xb -= decode(data, scales)`` for blocks just encoded from ``xb`` (``work``: the
+        scratch that ``_pack`` used)."""
+        y = work[: xb.shape[0]]
+        self._unpack_scaled(data, scales[:, None].to(y.device), y)
+        xb.sub_(y)
 
     def _encode_blocks(
         self,
@@ -266,6 +298,13 @@ class Int8Codec(_BlockCodec):
 
     def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(data.view(torch.int8).view_as(out))
+
+    def _subtract_decoded(self, xb: torch.Tensor, scales: torch.Tensor, data: torch.Tensor,
+                          work: torch.Tensor) -> None:
+        # _pack rounded work in place: it holds the codes as float32 (exactly), so code times
+        # scale is the decoded value bit for bit, without unpacking the int8 data
+        y = work[: xb.shape[0]]
+        xb.sub_(y.mul_(scales[:, None].to(y.device)))
 
     def _unpack_scaled(self, data: torch.Tensor, scales: torch.Tensor,
                        out: torch.Tensor) -> None:

@@ -20,14 +20,18 @@ class NesterovOuter:
     """
 
     def __init__(self, numel: int, eta: float = 0.7, gamma: float = 0.9,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, buf: torch.Tensor | None = None) -> None:
+        """``buf``: an existing ``[numel]`` momentum buffer to update in place (on its device);
+        by default a zeroed one on the host."""
         check_outer_step(eta, gamma)
         self.eta = eta
         self.gamma = gamma
-        self.buf = torch.zeros(numel, dtype=dtype)
+        self.buf = torch.zeros(numel, dtype=dtype) if buf is None else buf
 
     def step_(self, anchor: torch.Tensor, outer_grad: torch.Tensor) -> torch.Tensor:
-        """Update ``anchor`` in place with the outer gradient ``[numel]``; returns ``anchor``."""
+        """Update ``anchor`` in place with the outer gradient ``[numel]`` (moved to the
+        anchor's device: an averaged gradient arrives on the host); returns ``anchor``."""
+        outer_grad = outer_grad.to(anchor.device, anchor.dtype)
         self.buf.mul_(self.gamma).add_(outer_grad)
         anchor.sub_(outer_grad + self.gamma * self.buf, alpha=self.eta)
         return anchor

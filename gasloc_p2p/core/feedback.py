@@ -79,9 +79,8 @@ class _FeedbackSender(Sender):
         n = x.numel()
         error = self.error.view(pos, n)
         x.add_(self.codec.decode(error, self.scratch[:n]))
-        codec.encode_into(x, out)
-        residual = x.sub_(codec.decode(out, self.scratch[:n]))
-        self.codec.encode_into(residual, error)
+        codec.encode_residual_into(x, out)  # x is now the residual x - D(m)
+        self.codec.encode_into(x, error)
 
 
 class _DiffFolder(Folder):

@@ -99,9 +99,8 @@ def fragment_outer_step(frag: Fragment, anchor: torch.Tensor, memory: torch.Tens
     """Nesterov step of fragment ``frag`` with the (averaged) outer gradient ``mean_grad``
     ``[frag.numel]``: updates the flat ``anchor`` and Nesterov ``memory`` buffers in place on
     the fragment's slices and returns the new global fragment (compact copy)."""
-    outer = NesterovOuter(0, eta, gamma, anchor.dtype)
-    outer.buf = frag.gather(memory)
-    new_global = outer.step_(frag.gather(anchor), mean_grad.to(anchor.dtype))
+    outer = NesterovOuter(frag.numel, eta, gamma, anchor.dtype, buf=frag.gather(memory))
+    new_global = outer.step_(frag.gather(anchor), mean_grad)  # moved to the anchor's device
     frag.copy_(memory, outer.buf)
     frag.copy_(anchor, new_global)
     return new_global
@@ -139,7 +138,8 @@ class StreamingDiloco:
     def begin(self, f: int, step: int, thetas: torch.Tensor) -> int:
         """Start fragment ``f``'s sync from ``thetas: [n, numel]``; returns bytes per worker sent."""
         frag = self.fragments[f]
-        grads = torch.zeros(frag.numel, dtype=self.global_params.dtype)
+        grads = torch.zeros(frag.numel, dtype=self.global_params.dtype,
+                            device=self.global_params.device)
         nbytes = 0
         for row in thetas:  # each worker quantizes its own outer gradient, the sum is in fp32
             delta = fragment_outer_grad(frag, self.global_params, row)

@@ -1,7 +1,8 @@
 """JSON Lines and Parquet corpora, streamed: never loaded whole into memory.
 
-Rows are read lazily by Hugging Face ``datasets`` (``streaming=True`` on local files: no
-download, no Arrow cache on disk), one text field per row is tokenized and documents are packed
+Rows are read lazily: JSON Lines by Hugging Face ``datasets`` (``streaming=True`` on local
+files: no download, no Arrow cache on disk), Parquet by pyarrow in small batches of the text
+column (``DocumentStream._parquet_rows``); one text field per row is tokenized and documents are packed
 end to end (an end-of-text id between them when the tokenizer has one) into windows of
 ``seq_len + 1`` tokens. Memory is bounded by the reader's block, one document and the shuffle
 buffer of :data:`SHUFFLE_WINDOWS` windows, whatever the file size.
@@ -30,7 +31,9 @@ from gasloc_p2p.data.tokenizers import Tokenizer
 STREAM_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 VAL_EVERY = 20  # every 20th document (5%) is held out until the validation set is full
 SHUFFLE_WINDOWS = 1024  # windows held for random sampling (per-node order)
-_SAMPLE_CHARS = 4_000_000  # text that trains a --tokenizer bpe on a stream
+_SAMPLE_CHARS = 4_000_000
+PARQUET_ROWS = 64  # rows decoded at a time
+PARQUET_BUFFER_BYTES = 1 << 20  # read buffer per column chunk  # text that trains a --tokenizer bpe on a stream
 
 
 def stream_files(data: str) -> tuple[str, list[str]] | None:
@@ -68,6 +71,9 @@ class DocumentStream:
         self.kind, self.files, self.field = kind, files, field
 
     def __iter__(self) -> Iterator[str]:
+        if self.kind == "parquet":
+            yield from self._parquet_rows()
+            return
         ds = _load_dataset()(self.kind, data_files=self.files, split="train", streaming=True)
         if ds.column_names is not None and self.field not in ds.column_names:
             raise DataError(f"--data-field {self.field!r} is not a column of {self.files[0]}; "
@@ -76,6 +82,25 @@ class DocumentStream:
             text = row[self.field]
             if isinstance(text, str) and text:
                 yield text
+
+    def _parquet_rows(self) -> Iterator[str]:
+        """Parquet read with pyarrow directly: the text column only, :data:`PARQUET_ROWS` rows
+        at a time, no pre-buffering of whole row groups, one thread. Through ``datasets``'
+        streaming reader the resident memory grew with the file (by 440 MB for a 100 MB file,
+        609 MB for 300 MB); this way it stayed flat (59 MB for both, benchmarks/bench_data.py)."""
+        _load_dataset()  # the same extra as JSON Lines (it brings pyarrow)
+        import pyarrow.parquet as pq
+
+        for name in self.files:
+            f = pq.ParquetFile(name, pre_buffer=False, buffer_size=PARQUET_BUFFER_BYTES)
+            if self.field not in f.schema_arrow.names:
+                raise DataError(f"--data-field {self.field!r} is not a column of {name}; "
+                                f"columns: {', '.join(f.schema_arrow.names)}")
+            for batch in f.iter_batches(batch_size=PARQUET_ROWS, columns=[self.field],
+                                        use_threads=False):
+                for text in batch.column(0).to_pylist():
+                    if isinstance(text, str) and text:
+                        yield text
 
     def sample(self, max_chars: int = _SAMPLE_CHARS) -> Corpus:
         """The first documents, up to about ``max_chars`` characters (to train a BPE)."""
@@ -95,22 +120,6 @@ def _encode(tokenizer: Tokenizer, text: str) -> Tensor:
     if tokenizer.eos_id is not None:
         ids = torch.cat([ids, torch.tensor([tokenizer.eos_id], dtype=torch.int32)])
     return ids
-
-
-def _pack(docs: Iterator[Tensor], width: int) -> Iterator[Tensor]:
-    """Consecutive windows of ``width`` tokens (int32) over the concatenated documents."""
-    pending: list[Tensor] = []
-    have = 0
-    for ids in docs:
-        pending.append(ids)
-        have += ids.numel()
-        if have < width:
-            continue
-        flat = torch.cat(pending)
-        n = flat.numel() // width
-        yield from flat[: n * width].view(n, width).clone().unbind(0)
-        rest = flat[n * width:]
-        pending, have = [rest.clone()], rest.numel()
 
 
 class StreamData:
@@ -156,26 +165,80 @@ class StreamData:
                 f"tokenizer={self.tokenizer.name} windows={self.val.shape[0]}x{self.seq_len} "
                 f"sha256={digest.hexdigest()[:16]}")
 
-    def train_windows(self, shard: tuple[int, int] | None = None) -> Iterator[Tensor]:
+    def train_windows(self, shard: tuple[int, int] | None = None,
+                      position: dict[str, Any] | None = None) -> WindowStream:
         """Training windows (int32 [seq_len + 1]) forever: epoch after epoch over the stream,
-        skipping the validation documents; ``shard`` (K, N) keeps every N-th document."""
-        k, n = shard or (0, 1)
-        while True:
-            seen = [0]
-            yield from _pack(self._train_docs(k, n, seen), self.seq_len + 1)
-            if seen[0] == 0:
-                raise DataError(f"{self.docs.files[0]}: no training documents left for shard "
-                                f"{k}/{n} after the validation set; use more data")
+        skipping the validation documents; ``shard`` (K, N) keeps every N-th document.
+        ``position``: a :meth:`WindowStream.position` to continue from (a resumed node)."""
+        return WindowStream(self, shard or (0, 1), position)
 
-    def _train_docs(self, k: int, n: int, seen: list[int]) -> Iterator[Tensor]:
-        j = 0
-        for i, text in enumerate(self.docs):
-            if self._is_val(i):
+
+class WindowStream:
+    """Documents packed end to end into windows, with a position a checkpoint can hold.
+
+    The position is where the next window comes from: the epoch, the documents of the stream
+    read in it, the training documents met (for the shard's every-N-th rule), the tokens
+    left over from the last document and the windows cut but not handed out yet. Resuming reads
+    the first documents again without tokenizing them, then continues exactly.
+    """
+
+    def __init__(self, data: StreamData, shard: tuple[int, int],
+                 position: dict[str, Any] | None = None) -> None:
+        self.data, (self.k, self.n) = data, shard
+        self.width = data.seq_len + 1
+        p = position or {}
+        self.epoch, self.row = int(p.get("epoch", 0)), int(p.get("row", 0))
+        self.met, self.seen = int(p.get("met", 0)), int(p.get("seen", 0))
+        self.pending: Tensor = p.get("pending", torch.empty(0, dtype=torch.int32))
+        self.ready: list[Tensor] = list(p.get("ready", []))
+        if self.pending.dtype != torch.int32 or self.pending.dim() != 1 or any(
+                w.shape != (self.width,) for w in self.ready):
+            raise DataError("the saved stream position does not fit --seq-len; start the "
+                            "data afresh (another --checkpoint-dir)")
+        self._rows: Iterator[str] | None = None
+
+    def position(self) -> dict[str, Any]:
+        """Integers and int32 tensors (a checkpoint's ``weights_only`` load accepts them);
+        cheap: the tensors are never modified, so they are shared, not copied."""
+        return {"epoch": self.epoch, "row": self.row, "met": self.met, "seen": self.seen,
+                "pending": self.pending, "ready": list(self.ready)}
+
+    def __iter__(self) -> WindowStream:
+        return self
+
+    def __next__(self) -> Tensor:
+        while not self.ready:
+            self._read_document()
+        return self.ready.pop(0)
+
+    def _open(self) -> Iterator[str]:
+        rows = iter(self.data.docs)
+        for _ in range(self.row):  # read again, not tokenized
+            if next(rows, None) is None:
+                break
+        return rows
+
+    def _read_document(self) -> None:
+        if self._rows is None:
+            self._rows = self._open()
+        for text in self._rows:
+            i = self.row
+            self.row += 1
+            if self.data._is_val(i):
                 continue
-            if j % n == k:
-                seen[0] += 1
-                yield _encode(self.tokenizer, text)
-            j += 1
+            self.met += 1
+            if (self.met - 1) % self.n != self.k:
+                continue
+            self.seen += 1
+            flat = torch.cat([self.pending, _encode(self.data.tokenizer, text)])
+            cut = flat.numel() // self.width * self.width
+            self.ready = list(flat[:cut].view(-1, self.width).clone().unbind(0))
+            self.pending = flat[cut:].clone()
+            return
+        if self.seen == 0:
+            raise DataError(f"{self.data.docs.files[0]}: no training documents left for shard "
+                            f"{self.k}/{self.n} after the validation set; use more data")
+        self.epoch, self.row, self.met, self.seen, self._rows = self.epoch + 1, 0, 0, 0, None
 
 
 class StreamShard:
@@ -184,10 +247,25 @@ class StreamShard:
     Same interface as :class:`gasloc_p2p.data.tokens.Shard`; the order depends only on the
     stream and the generator's seed (deterministic per node)."""
 
-    def __init__(self, windows: Iterator[Tensor], seq_len: int,
+    def __init__(self, windows: WindowStream, seq_len: int,
                  capacity: int = SHUFFLE_WINDOWS) -> None:
         self.windows, self.seq_len, self.capacity = windows, seq_len, capacity
         self.buffer: list[Tensor] = []
+
+    def position(self) -> dict[str, Any]:
+        """Where the batches are: the stream's position and the shuffle buffer (with the
+        sampling generator's state, the batches a resumed node draws are the ones it would
+        have drawn)."""
+        return {"stream": self.windows.position(), "buffer": list(self.buffer)}
+
+    def restore(self, position: dict[str, Any]) -> None:
+        """Continue from a :meth:`position` of a shard of the same data and flags."""
+        buffer = list(position["buffer"])
+        if len(buffer) > self.capacity or any(w.shape != (self.seq_len + 1,) for w in buffer):
+            raise DataError("the saved shuffle buffer does not fit --seq-len")
+        self.windows = WindowStream(self.windows.data, (self.windows.k, self.windows.n),
+                                    position["stream"])
+        self.buffer = buffer
 
     def batch(self, batch_size: int, seq_len: int,
               generator: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -74,6 +74,13 @@ def run_join(args: argparse.Namespace) -> int:
 
     # `kill -USR1 PID` writes every thread's stack to stderr (a node that seems stuck)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    from gasloc_p2p.node.runtime import allocator
+
+    tuned = allocator.tune()  # before the executor, gRPC and torch start their threads
+    log.info("allocator: arena_max %s, mmap threshold %s%s", tuned.arena_max or "default",
+             tuned.mmap_threshold or "default", f" ({tuned.reason})" if tuned.reason else "")
+
     executor = BoundedExecutor(_EXECUTOR_THREADS, "gasloc-io")
     code = int(uvloop.run(_join(cfg, executor)))
     # Everything the node opened is closed by now: skip the interpreter's own teardown. Its

@@ -29,7 +29,7 @@ from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
 from gasloc_p2p.core.feedback import FEEDBACK_SPEC, make_scheme
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.references import LinkScheme
+from gasloc_p2p.core.references import LinkScheme, ReferenceScheme
 from gasloc_p2p.protocol.guard import UpdateGuard
 
 DEFAULT_SCHEME = "feedback"  # see gasloc_p2p.core.feedback.resolve_references
@@ -74,7 +74,8 @@ class ExchangeEngine:
     :class:`AsyncGaslocState`.
 
     Tensor work is fused and chunked (``CHUNK_ELEMS`` at a time, through cache-sized scratch):
-    ``prepare`` reads anchor and live parameters once and writes the payload in place; ``check``
+    ``prepare`` reads anchor and live parameters once and writes the payload in place (off
+    the host: each chunk is encoded on the device, then its bytes are copied once); ``check``
     validates without decoding; ``commit`` decodes each message once, straight into the
     scheme's fold and the correction's add. No fragment-size temporary is allocated besides the
     two payloads.
@@ -83,14 +84,16 @@ class ExchangeEngine:
     def __init__(self, state: AsyncGaslocState, theta0: torch.Tensor,
                  fragments: Sequence[Fragment], lock: UrgentLock,
                  reference_capacity: int, references: str = DEFAULT_SCHEME) -> None:
-        """theta0: ``[numel]`` float32 initial parameters, the same on every node of the run
-        (kept by reference, never modified). references: one of ``REFERENCE_SCHEMES``."""
+        """theta0: ``[numel]`` initial parameters, the same on every node of the run (kept by
+        reference, never modified): float32 for ``links`` (references start from it exactly);
+        the other schemes accept a bfloat16 copy (it only anchors the guard's screens).
+        references: one of ``REFERENCE_SCHEMES``."""
         self.state = state
         self.theta0 = theta0
         self.fragments = list(fragments)
         self.lock = lock
         self.capacity = reference_capacity
-        self.refs = make_scheme(references, theta0, reference_capacity)
+        self.refs = self._scheme(references)
         self._refs_lock = threading.Lock()  # the scheme is touched from several worker threads
         self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
 
@@ -102,7 +105,14 @@ class ExchangeEngine:
     def use_references(self, name: str) -> None:
         """Switch the reference scheme (before any exchange: all references restart)."""
         if name != self.refs.name:
-            self.refs = make_scheme(name, self.theta0, self.capacity)
+            self.refs = self._scheme(name)
+
+    def _scheme(self, name: str) -> ReferenceScheme:
+        if name == "links" and self.theta0.dtype != torch.float32:
+            raise ValueError(f"references 'links' start from the exact float32 theta_0; this "
+                             f"node kept a {self.theta0.dtype} copy (start it with --references "
+                             "links)")
+        return make_scheme(name, self.theta0, self.capacity)
 
     def link_version(self, peer_id: str) -> int:
         with self._refs_lock:
@@ -121,7 +131,11 @@ class ExchangeEngine:
         fragment = self.fragments[fragment_index]
         codec, step = spec.codec(), chunk_elems(spec)
         payload, encoded = Encoded.empty(spec.name, fragment.numel, spec.block_size)
-        work = torch.empty(min(step, fragment.numel), device=self.theta0.device)
+        device = self.state.theta.device
+        work = torch.empty(min(step, fragment.numel), device=device)
+        # Off the host, a chunk is encoded on the device, then its bytes cross once.
+        staged = (spec.codec().encode(torch.zeros(min(step, fragment.numel), device=device))
+                  if stages_on_device(device) else None)
         anchor, theta, eta = self.state.anchor, self.state.theta, self.state.cfg.eta
         with self.lock.urgent(), self._refs_lock:
             version = self.refs.version(peer_id)
@@ -132,7 +146,14 @@ class ExchangeEngine:
                 for start, length, o in pieces:
                     torch.lerp(anchor[start : start + length], theta[start : start + length],
                                eta, out=x[o : o + length])
-                sender.encode(pos, pieces, x, codec, encoded.view(pos, n))
+                if staged is None:  # straight into the payload's memory
+                    sender.encode(pos, pieces, x, codec, encoded.view(pos, n))
+                else:
+                    out = staged.view(0, n)
+                    sender.encode(pos, pieces, x, codec, out)
+                    host = encoded.view(pos, n)
+                    host.data.copy_(out.data)
+                    host.scales.copy_(out.scales)
         return Prepared(peer_id, fragment, version, reset, rounds0, encoded, payload,
                         zlib.crc32(payload))
 
@@ -147,7 +168,7 @@ class ExchangeEngine:
         if zlib.crc32(payload) != crc32:
             raise ValueError("payload CRC32 mismatch")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
-        received = received.to(self.theta0.device)  # decoded where the model lives
+        received = received.to(self.state.theta.device)  # bytes cross once, decoded there
         spec.codec().check_decodable(received)
         if prep is not None and self.guard is not None and self.guard.rule.enabled:
             self.screen(prep, received)
@@ -171,28 +192,44 @@ class ExchangeEngine:
         hold of the other, computed identically by the peer) are implausibly far apart, or
         their displacements from ``theta_0`` point different ways; changes nothing."""
         assert self.guard is not None
-        fragment, codec = prep.fragment, prep.encoded.spec.codec()
-        mine, theirs = codec.decode(prep.encoded), codec.decode(received)
-        top = float(theirs.abs().amax()) if theirs.numel() else 0.0
-        if top > MAX_ABS_VALUE:
-            raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
-                             f"{MAX_ABS_VALUE:g})")
-        base = fragment.gather(self.theta0)
-        if isinstance(self.refs, LinkScheme):  # deltas against per-peer references
-            with self._refs_lock:
-                link = (self.refs.get(prep.peer_id)
-                        if prep.peer_id in self.refs and not prep.reset else None)
-            mine.add_(fragment.gather(link.ref_out) if link is not None else base)
-            theirs.add_(fragment.gather(link.ref_in) if link is not None else base)
+        fragment, codec, step = prep.fragment, prep.encoded.spec.codec(), chunk_elems(
+            prep.encoded.spec)
+        # Chunk by chunk through three cache-sized buffers (no fragment-size temporary): the
+        # decoded messages (made references for links), then displacements from theta_0.
+        a = torch.empty(min(step, fragment.numel), device=self.state.theta.device)
+        b, base = torch.empty_like(a), torch.empty_like(a)
+        self._bounded(prep.encoded.spec, received)  # block codecs: from the scales alone
+        dist2 = mine2 = theirs2 = base2 = dot = 0.0
+        refs = self.refs
+        links = isinstance(refs, LinkScheme)
+        with self._refs_lock if links else nullcontext():
+            link = (refs.get(prep.peer_id) if isinstance(refs, LinkScheme)
+                    and prep.peer_id in refs and not prep.reset else None)
+            for pos, n, pieces in fragment.chunks(step):
+                mine = codec.decode(prep.encoded.view(pos, n), a[:n])
+                theirs = codec.decode(received.view(pos, n), b[:n])
+                t0 = base[:n]
+                for start, length, o in pieces:
+                    t0[o : o + length].copy_(self.theta0[start : start + length])  # bf16 ok
+                if links:  # deltas against per-peer references (theta_0 for a new link)
+                    for start, length, o in pieces:
+                        mine[o : o + length].add_(link.ref_out[start : start + length]
+                                                  if link is not None else t0[o : o + length])
+                        theirs[o : o + length].add_(link.ref_in[start : start + length]
+                                                    if link is not None else t0[o : o + length])
+                dist2 += float(torch.dist(theirs, mine)) ** 2
+                mine.sub_(t0)
+                theirs.sub_(t0)
+                mine2 += float(mine.dot(mine))
+                theirs2 += float(theirs.dot(theirs))
+                base2 += float(t0.dot(t0))
+                dot += float(mine.dot(theirs))
         root_n = math.sqrt(max(fragment.numel, 1))
-        distance = float((theirs - mine).norm()) / root_n
-        mine.sub_(base)
-        theirs.sub_(base)
-        own = max(float(mine.norm()), float(base.norm())) / root_n
-        self.guard.screen(fragment.index, distance, own)
-        norms = float(mine.norm()) * float(theirs.norm())
+        self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
+                          math.sqrt(max(mine2, base2)) / root_n)
+        norms = math.sqrt(mine2) * math.sqrt(theirs2)
         if norms > 1e-30:  # both moved: compare directions
-            self.guard.screen_direction(fragment.index, float(mine.dot(theirs)) / norms)
+            self.guard.screen_direction(fragment.index, dot / norms)
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,
                pinned: Iterable[str] = ()) -> float:
@@ -206,27 +243,34 @@ class ExchangeEngine:
             raise ValueError(f"received {received.spec}/{received.numel}, sent "
                              f"{sent.spec}/{fragment.numel}")
         codec, step = sent.spec.codec(), chunk_elems(sent.spec)
-        mine = torch.empty(min(step, fragment.numel), device=self.theta0.device)
+        mine = torch.empty(min(step, fragment.numel), device=self.state.theta.device)
         theirs = torch.empty_like(mine)
         anchor, theta = self.state.anchor, self.state.theta
-        square = 0.0
+        squares = []  # per chunk, read once at the end (no device sync per chunk)
         with self.lock.urgent(), self._refs_lock:
             folder = self.refs.folder(prep.peer_id, prep.reset, pinned)
             for pos, n, pieces in fragment.chunks(step):
                 c = codec.decode(sent.view(pos, n), mine[:n])
                 folder.fold(pieces, c, codec.decode(received.view(pos, n), theirs[:n]))
                 c.mul_(weight)
-                square += float(torch.dot(c, c))
+                squares.append(torch.dot(c, c))
                 if weight > 0:
                     for start, length, o in pieces:
                         anchor[start : start + length].add_(c[o : o + length])
                         theta[start : start + length].add_(c[o : o + length])
             folder.done()
-        norm = math.sqrt(square)
+        # summed in float64 in chunk order, as one float per chunk always was
+        norm = math.sqrt(sum(torch.stack(squares).tolist()) if squares else 0.0)
         if self.guard is not None and weight > 0:  # the pair distance, without w
             self.guard.accept(fragment.index,
                               norm / (weight * math.sqrt(max(fragment.numel, 1))))
         return norm
+
+
+def stages_on_device(device: torch.device) -> bool:
+    """Whether ``prepare`` encodes each chunk into device memory and then copies its bytes to
+    the host payload (every device but the host itself, whose payload it writes directly)."""
+    return device.type != "cpu"
 
 
 def chunk_elems(spec: CodecSpec) -> int:

@@ -175,8 +175,9 @@ class DilocoRounds:
         self.endpoint = endpoint
         self.fetch_state = fetch_state
         self.stats = DilocoStats()
-        self.outer = NesterovOuter(state.theta.numel(), cfg.diloco_eta, cfg.diloco_gamma)
-        self.outer.buf = state.memory  # alias: every update of either is in place
+        # the buffer is state.memory (on the device): every update of either is in place
+        self.outer = NesterovOuter(state.theta.numel(), cfg.diloco_eta, cfg.diloco_gamma,
+                                   buf=state.memory)
 
     def round_end(self) -> None:
         """Average the outer gradient with the swarm and take the outer step (blocking)."""

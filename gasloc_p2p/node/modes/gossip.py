@@ -261,8 +261,11 @@ class GossipMode(Mode):
     async def start(self, ctx: ModeContext) -> None:
         cfg, trainer = ctx.cfg, ctx.trainer
         self.ctx = ctx
+        scheme = cfg.gossip.reference_scheme
+        if scheme != "links":  # only per-peer references start from the exact theta_0
+            trainer.compact_theta0()
         engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, ctx.lock,
-                                cfg.gossip.reference_capacity)
+                                cfg.gossip.reference_capacity, scheme)
         self._exchanger = GossipTransport(ctx.me, engine, cfg.gossip, cfg.outer.async_config(),
                                     stats=ctx.exchange_stats)
         self.book = PeerBook(ctx.me.peer_id, ctx.clock)

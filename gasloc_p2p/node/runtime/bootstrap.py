@@ -53,6 +53,7 @@ def rms(t: torch.Tensor) -> float:
 
 def agree(a: Candidate, b: Candidate, theta0: torch.Tensor, tol: float = AGREEMENT_TOL) -> bool:
     """Whether two donors' public iterates are close relative to their progress."""
+    theta0 = theta0.to(a.params.device, torch.float32)  # downloads are on the host
     scale = max(rms(a.params - theta0), rms(b.params - theta0))
     return rms(a.params - b.params) <= tol * scale
 

@@ -98,6 +98,7 @@ class Trainer:
         self.model_description = built.description
         self.validation_set = self.data.validation_set
         self.flat = FlatParams(self.model)  # on the device: outer state and codecs follow it
+        # theta_0: exact float32 until a mode says it needs less (see compact_theta0)
         self.theta0 = self.flat.buffer.detach().clone()
         self.state = AsyncGaslocState(self.flat.buffer, self.theta0, outer)
         how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
@@ -112,6 +113,9 @@ class Trainer:
         self.shard: Any = None
         self.val: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.generator = torch.Generator()
+        # (generator state, data position) after the last step's batch: what a checkpoint
+        # stores, so a resumed node draws the batches it would have drawn
+        self._mark: tuple[torch.Tensor, dict[str, Any] | None] | None = None
         self.finished = threading.Event()
         self.round_end = round_end
         self.round_end_every_step = False  # a mode's callback after every step (streaming)
@@ -153,12 +157,14 @@ class Trainer:
         assert self.shard is not None, "call load_data first"
         cfg, st = self.cfg, self.stats
         x, y = self.shard.batch(cfg.batch_size * cfg.grad_accum, cfg.seq_len, self.generator)
+        mark = self._data_mark()  # where the next step's batch comes from
         # Host-to-device copies before the lock: gossip commits wait only for the step itself.
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t0 = time.perf_counter()
         with self.lock.step():
             loss = self.inner.step(x, y, st.step)
             st.step += 1
+            self._mark = mark
             round_end = st.step % cfg.inner_steps == 0
             if round_end and self.round_end is None:
                 self.state.round_end()
@@ -230,8 +236,15 @@ class Trainer:
                     "memory": st.memory.to("cpu", copy=True), "momentum": st.cfg.momentum,
                     "train_config": dataclasses.asdict(self.cfg), "tokenizer": self._tok_doc(),
                     "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                    "generator": self.generator.get_state(),
+                    "generator": self._mark[0] if self._mark else self.generator.get_state(),
+                    "data": self._mark[1] if self._mark else self._data_mark()[1],
                     "val_loss": self.stats.val_loss, "first_val_loss": self.stats.first_val_loss}
+
+    def _data_mark(self) -> tuple[torch.Tensor, dict[str, Any] | None]:
+        """The sampler's state between two batches: the generator and, for a streamed corpus,
+        its position (an in-memory corpus needs only the generator)."""
+        position = getattr(self.shard, "position", None)
+        return self.generator.get_state(), position() if position is not None else None
 
     def _tok_doc(self) -> dict[str, Any]:
         """The tokenizer as checkpoint data (export writes it next to the model)."""
@@ -255,11 +268,23 @@ class Trainer:
             st.rounds = int(ckpt["rounds"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
             self.generator.set_state(ckpt["generator"])
+            if ckpt.get("data") is not None and hasattr(self.shard, "restore"):
+                self.shard.restore(ckpt["data"])  # a stream goes on where it was
+            self._mark = None
             self.stats.step, self.stats.rounds = int(ckpt["step"]), st.rounds
             self.stats.tokens = int(ckpt["tokens"])
             self.stats.val_loss = float(ckpt["val_loss"])
             self.stats.first_val_loss = float(ckpt["first_val_loss"])
             self._good = None
+
+    def compact_theta0(self) -> None:
+        """Keep ``theta_0`` in bfloat16 (half of a float32 model copy is freed): for modes whose
+        reference scheme never starts from it (``feedback``, ``plain``), where it only anchors
+        the plausibility screens (update guard, bootstrap agreement: displacements from it,
+        whose bfloat16 rounding is common to both sides compared). ``links`` needs the exact
+        float32 ``theta_0``: both sides of a link start their references from it."""
+        if self.theta0.dtype != torch.bfloat16:
+            self.theta0 = self.theta0.to(torch.bfloat16)
 
     def adopt(self, params: torch.Tensor, memory: torch.Tensor) -> None:
         """Start from a peer's public iterate and outer memory (late join).

@@ -14,7 +14,7 @@ import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -129,6 +129,8 @@ class SharedSnapshot:
 
     def _take(self) -> tuple[StateSnapshot, tuple[memoryview, memoryview], int]:
         snap = self.take()
+        if snap.params.device.type != "cpu":  # hold host copies only, not device ones too
+            snap = replace(snap, params=snap.params.cpu(), memory=snap.memory.cpu())
         views = snap.views()
         return snap, views, zlib.crc32(views[1], zlib.crc32(views[0]))
 
