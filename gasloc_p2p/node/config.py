@@ -212,8 +212,9 @@ class GossipConfig:
     guard_warmup: int = opt(8, "accepted exchanges per fragment before the median rule applies")
     guard_warmup_factor: float = opt(4.0, "warm-up limit: this many times the node's own scale "
                                      "(RMS of p - theta_0, at least RMS of theta_0)")
-    guard_min_cosine: float = opt(0.05, "reject a peer whose displacement from theta_0 has a "
-                                  "lower cosine with this node's (-1: off)")
+    guard_min_z: float = opt(4.0, "reject a peer whose displacement from theta_0 has a cosine "
+                             "below this / sqrt(fragment size) with this node's (<0: off)")
+    guard_min_cosine: float = opt(-1.0, "also reject a cosine below this fixed value (-1: off)")
     guard_backoff_s: float = opt(300.0, "leave a peer whose update was implausible alone this "
                                  "long (both directions)")
 
@@ -230,7 +231,8 @@ class GossipConfig:
     def guard_rule(self) -> GuardRule:
         """The bounded-update guard's thresholds (factor 0: off)."""
         return GuardRule(self.guard_factor, self.guard_window, self.guard_warmup,
-                         self.guard_warmup_factor, min_cosine=self.guard_min_cosine)
+                         self.guard_warmup_factor, min_z=self.guard_min_z,
+                         min_cosine=self.guard_min_cosine)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")

@@ -192,7 +192,8 @@ class ExchangeEngine:
         self.guard.screen(fragment.index, distance, own)
         norms = float(mine.norm()) * float(theirs.norm())
         if norms > 1e-30:  # both moved: compare directions
-            self.guard.screen_direction(fragment.index, float(mine.dot(theirs)) / norms)
+            self.guard.screen_direction(fragment.index, float(mine.dot(theirs)) / norms,
+                                        fragment.numel)
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,
                pinned: Iterable[str] = ()) -> float:
