@@ -9,7 +9,8 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-downloads bench-data bench-streaming \
-	bench-fuzz bench-byzantine bench-chaos bench-poison bench-soak reproduce proto clean
+	bench-fuzz bench-byzantine bench-direction bench-chaos bench-poison bench-soak reproduce proto \
+	clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -76,6 +77,10 @@ bench-fuzz: setup
 bench-byzantine: setup
 	$(PY) benchmarks/bench_byzantine.py
 
+# The guard's direction test on two honest 99.5M-parameter Llamas (minutes; transformers)
+bench-direction: setup
+	$(PY) benchmarks/bench_direction.py
+
 bench-chaos: setup
 	$(PY) benchmarks/bench_chaos.py
 
@@ -87,7 +92,8 @@ bench-soak: setup
 	$(PY) benchmarks/bench_soak.py
 
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-downloads \
-	bench-data bench-streaming bench-fuzz bench-byzantine bench-chaos bench-poison bench-soak
+	bench-data bench-streaming bench-fuzz bench-byzantine bench-direction bench-chaos bench-poison \
+	bench-soak
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50

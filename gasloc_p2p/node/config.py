@@ -10,6 +10,7 @@ says otherwise (``_mbps`` = megabits per second).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
 from importlib.util import find_spec
@@ -268,6 +269,9 @@ class GossipConfig:
              "must be > 0")
         need(-1 <= self.guard_min_cosine < 1, "guard_min_cosine", self.guard_min_cosine,
              "must be in [-1, 1) (-1: off)")
+        need(math.isfinite(self.guard_min_z), "guard_min_z", self.guard_min_z,
+             "must be a finite number (4: noise is accepted with probability about 3e-5; < 0: "
+             "off)")
         need(self.guard_backoff_s >= 0, "guard_backoff_s", self.guard_backoff_s, "must be >= 0")
         # An inbound exchange pins its peer's references: eviction must find an unpinned one.
         need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",
