@@ -20,9 +20,9 @@ sqrt(n)`` over a fragment of ``n`` elements (and at least ``min_cosine``, off by
 Honest nodes start from one ``theta_0`` and see data of one distribution, so their
 displacements share a component; but in high dimensions that component can be small against
 each node's own noise (two honest nodes of a 99.5M-parameter Llama measured cosine 0.015 after
-a few steps), so no fixed cosine separates them from noise at every model size. A scale-free
-test does: for a direction independent of ours (random noise, whatever its RMS) the cosine is
-about ``N(0, 1/n)``, so ``cos * sqrt(n)`` is a z-score and ``min_z = 4`` accepts such noise
+a few steps; `make bench-direction`: 0.021 to 0.041 over its first 8 steps), so no fixed
+cosine separates them from noise at every model size. A scale-free test does: for a
+direction independent of ours (random noise, whatever its RMS) the cosine is about ``N(0, 1/n)``, so ``cos * sqrt(n)`` is a z-score and ``min_z = 4`` accepts such noise
 with probability about 3e-5; a sign-flipped delta has the negated cosine of an honest one, so
 it is refused whenever the honest one would be accepted. An honest cosine of 0.015 at
 ``n = 1e8`` is a z-score of 150. Both sides compute the same cosine and ``n``.
