@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-downloads bench-data bench-streaming \
-	bench-streaming-link bench-fuzz bench-byzantine bench-chaos bench-poison bench-soak bench-external \
+	bench-streaming-link bench-fuzz bench-byzantine bench-direction bench-chaos bench-poison bench-soak bench-external \
 	reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
@@ -84,6 +84,10 @@ bench-fuzz: setup
 bench-byzantine: setup
 	$(PY) benchmarks/bench_byzantine.py
 
+# The guard's direction test on two honest 99.5M-parameter Llamas (minutes; transformers)
+bench-direction: setup
+	$(PY) benchmarks/bench_direction.py
+
 bench-chaos: setup
 	$(PY) benchmarks/bench_chaos.py
 
@@ -103,7 +107,7 @@ bench-external: setup
 
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-downloads \
-	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-chaos \
+	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction bench-chaos \
 	bench-poison bench-soak bench-external
 
 reproduce: setup

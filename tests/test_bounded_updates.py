@@ -16,16 +16,20 @@ import zlib
 import pytest
 import torch
 
+from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import GuardRule, ImplausibleUpdate, UpdateGuard
 from gasloc_p2p.protocol.memory import MemoryExchange
-from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, ExchangeError
+from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, ExchangeError, Identity
+from gasloc_p2p.protocol.session import Rules
 from tests.daemon_helpers import tiny_config
 from tests.node_helpers import run, scaled, wait_until
-from tests.session_helpers import node
+from tests.session_helpers import OUTER, TIMEOUTS, node
 
 
 def test_guard_rule_warmup_median_and_floor():
@@ -249,3 +253,49 @@ def test_a_delta_pointing_away_is_refused_whatever_its_size(flip):
     with pytest.raises(ExchangeError, match="cosine"):
         MemoryExchange(b, a, 0).run()
     assert a[1].refs.version("E") == 0
+
+
+def test_the_direction_threshold_scales_with_the_fragment_size():
+    rule = GuardRule()  # min_z 4, no fixed cosine
+    assert rule.min_direction(10_000) == pytest.approx(0.04)
+    assert rule.min_direction(100_000_000) == pytest.approx(4e-4)
+    assert GuardRule(min_z=-1).min_direction(10**8) == -1  # off
+    assert GuardRule(min_cosine=0.05).min_direction(10**8) == 0.05
+    guard = UpdateGuard(rule)
+    guard.screen_direction(0, 0.015, 10**8)  # two honest nodes of a 99.5M Llama
+    for bad in (-0.015, 3e-4, math.nan):
+        with pytest.raises(ImplausibleUpdate, match="cosine"):
+            guard.screen_direction(0, bad, 10**8)
+
+
+BIG = 10_000_000
+
+
+def big_node(name: str, t0: torch.Tensor, move: torch.Tensor):
+    """A guarded node of BIG parameters at ``t0 + move`` (live == anchor), one fragment."""
+    state = AsyncGaslocState(t0 + move, t0, OUTER)
+    engine = ExchangeEngine(state, t0, [Fragment(0, [(0, BIG)])], NoLock(), 4, "links")
+    engine.guard = UpdateGuard(GuardRule())
+    return Rules.build(Identity("run", "f" * 64, name), CodecSpec.of("int8"), OUTER,
+                       TIMEOUTS), engine
+
+
+def test_weakly_correlated_honest_moves_in_high_dimension_pass_and_a_flipped_one_does_not():
+    """Honest displacements share a small common component (what the data's distribution
+    pushes every node toward) plus much larger independent noise: at 10M elements their
+    cosine is about 0.015, like two honest nodes of a 99.5M-parameter Llama after a few steps.
+    Both sides accept the exchange; a sign-flipped copy and random noise are refused."""
+    g = torch.Generator().manual_seed(11)
+    t0 = torch.randn(BIG, generator=g)
+    common = 0.123 * torch.randn(BIG, generator=g)  # cosine ~ 0.123^2 / (1 + 0.123^2)
+    moves = [1e-2 * (common + torch.randn(BIG, generator=g)) for _ in range(2)]
+    cosine = float(torch.nn.functional.cosine_similarity(moves[0], moves[1], dim=0))
+    assert 0.01 < cosine < 0.02
+    a, b = big_node("A", t0, moves[0]), big_node("B", t0, moves[1])
+    MemoryExchange(a, b, 0).run()
+    assert a[1].refs.version("B") == b[1].refs.version("A") == 1
+    for name, move in (("F", -moves[1]), ("R", 3 * moves[1].std() * torch.randn(BIG, generator=g))):
+        evil = big_node(name, t0, move)
+        with pytest.raises(ExchangeError, match="cosine"):
+            MemoryExchange(evil, big_node("C", t0, moves[0]), 0).run()
+        del evil

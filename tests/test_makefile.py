@@ -30,6 +30,7 @@ EXPECTED = {
     "bench-streaming-link": ["benchmarks/bench_streaming_link.py"],
     "bench-fuzz": ["benchmarks/bench_fuzz.py"],
     "bench-byzantine": ["benchmarks/bench_byzantine.py"],
+    "bench-direction": ["benchmarks/bench_direction.py"],
     "bench-chaos": ["benchmarks/bench_chaos.py"],
     "bench-poison": ["benchmarks/bench_poison.py"],
     "bench-soak": ["benchmarks/bench_soak.py"],

@@ -10,6 +10,7 @@ says otherwise (``_mbps`` = megabits per second).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
 from importlib.util import find_spec
@@ -212,8 +213,9 @@ class GossipConfig:
     guard_warmup: int = opt(8, "accepted exchanges per fragment before the median rule applies")
     guard_warmup_factor: float = opt(4.0, "warm-up limit: this many times the node's own scale "
                                      "(RMS of p - theta_0, at least RMS of theta_0)")
-    guard_min_cosine: float = opt(0.05, "reject a peer whose displacement from theta_0 has a "
-                                  "lower cosine with this node's (-1: off)")
+    guard_min_z: float = opt(4.0, "reject a peer whose displacement from theta_0 has a cosine "
+                             "below this / sqrt(fragment size) with this node's (<0: off)")
+    guard_min_cosine: float = opt(-1.0, "also reject a cosine below this fixed value (-1: off)")
     guard_backoff_s: float = opt(300.0, "leave a peer whose update was implausible alone this "
                                  "long (both directions)")
 
@@ -230,7 +232,8 @@ class GossipConfig:
     def guard_rule(self) -> GuardRule:
         """The bounded-update guard's thresholds (factor 0: off)."""
         return GuardRule(self.guard_factor, self.guard_window, self.guard_warmup,
-                         self.guard_warmup_factor, min_cosine=self.guard_min_cosine)
+                         self.guard_warmup_factor, min_z=self.guard_min_z,
+                         min_cosine=self.guard_min_cosine)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -266,6 +269,9 @@ class GossipConfig:
              "must be > 0")
         need(-1 <= self.guard_min_cosine < 1, "guard_min_cosine", self.guard_min_cosine,
              "must be in [-1, 1) (-1: off)")
+        need(math.isfinite(self.guard_min_z), "guard_min_z", self.guard_min_z,
+             "must be a finite number (4: noise is accepted with probability about 3e-5; < 0: "
+             "off)")
         need(self.guard_backoff_s >= 0, "guard_backoff_s", self.guard_backoff_s, "must be >= 0")
         # An inbound exchange pins its peer's references: eviction must find an unpinned one.
         need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",

@@ -229,7 +229,7 @@ class ExchangeEngine:
                           math.sqrt(max(mine2, base2)) / root_n)
         norms = math.sqrt(mine2) * math.sqrt(theirs2)
         if norms > 1e-30:  # both moved: compare directions
-            self.guard.screen_direction(fragment.index, dot / norms)
+            self.guard.screen_direction(fragment.index, dot / norms, fragment.numel)
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,
                pinned: Iterable[str] = ()) -> float:
