@@ -53,6 +53,8 @@ COMMITS = ("commit_garbage", "commit_empty", "commit_wrong_fields", "commit_othe
 # valid payload and then one chunk too many (Ready may precede it; the node must then Abort)
 GOOD_READY = ("mirror", "oversize", "zero", "negscale", "offset1e4", "ready_first",
               "signed_header_unchanged")
+HEADER_CHECKS = ("protocol ", "run ", "model ", "reference scheme", "bad sender", "fragment ",
+                 "codec ", "payload ")
 # the checks a stream can be stopped by, in the order a stream meets them
 STAGES = ("grpc-decode", "busy", "header-check", "header-auth", "proof", "framing",
           "payload-decode", "guard", "commit", "timeout", "ended", "other")
@@ -121,6 +123,8 @@ def stage_of(kind: str, code: int, message: str) -> str:
         return "proof"
     if m.startswith(("chunk of", "payload exceeds", "unexpected", "expected Commit")):
         return "framing"
+    if kind == "abort" and (m.startswith(HEADER_CHECKS) or "has no blocks" in m):
+        return "proof"  # check_header's words on the re-sent Header
     if m.startswith("bad payload"):
         return "payload-decode"
     if "implausible" in m:
