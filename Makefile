@@ -8,7 +8,7 @@ STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
-	bench-node bench-diloco bench-scale bench-swarm100m bench-downloads bench-data bench-streaming \
+	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads bench-data bench-streaming \
 	bench-fuzz bench-byzantine bench-chaos reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
@@ -63,6 +63,9 @@ bench-scale: setup
 bench-swarm100m: setup
 	nice -n 10 $(PY) benchmarks/bench_swarm100m.py
 
+bench-trainer-memory: setup
+	nice -n 10 $(PY) benchmarks/bench_trainer_memory.py
+
 bench-downloads: setup
 	$(PY) benchmarks/bench_downloads.py
 
@@ -83,6 +86,7 @@ bench-chaos: setup
 	$(PY) benchmarks/bench_chaos.py
 
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
+	bench-trainer-memory \
 	bench-downloads \
 	bench-data bench-streaming bench-fuzz bench-byzantine bench-chaos
 
