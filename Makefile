@@ -8,9 +8,9 @@ STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
-	bench-node bench-diloco bench-scale bench-swarm100m bench-downloads bench-data bench-streaming \
-	bench-streaming-link bench-fuzz bench-byzantine bench-direction bench-chaos bench-poison bench-soak bench-external \
-	reproduce proto clean
+	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
+	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
+	bench-chaos bench-poison bench-soak bench-external reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -64,6 +64,9 @@ bench-scale: setup
 bench-swarm100m: setup
 	nice -n 10 $(PY) benchmarks/bench_swarm100m.py
 
+bench-trainer-memory: setup
+	nice -n 10 $(PY) benchmarks/bench_trainer_memory.py
+
 bench-downloads: setup
 	$(PY) benchmarks/bench_downloads.py
 
@@ -106,9 +109,8 @@ bench-external: setup
 	nice -n 10 $(PY) benchmarks/bench_external.py
 
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
-	bench-downloads \
-	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction bench-chaos \
-	bench-poison bench-soak bench-external
+	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
+	bench-byzantine bench-direction bench-chaos bench-poison bench-soak bench-external
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs

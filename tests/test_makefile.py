@@ -24,6 +24,7 @@ EXPECTED = {
     "bench-diloco": ["benchmarks/bench_diloco.py"],
     "bench-scale": ["benchmarks/bench_scale.py"],
     "bench-swarm100m": ["benchmarks/bench_swarm100m.py"],
+    "bench-trainer-memory": ["benchmarks/bench_trainer_memory.py"],
     "bench-downloads": ["benchmarks/bench_downloads.py"],
     "bench-data": ["benchmarks/bench_data.py"],
     "bench-streaming": ["benchmarks/bench_streaming.py"],
