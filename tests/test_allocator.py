@@ -19,7 +19,7 @@ _PROBE = """
 import ctypes, sys, threading
 from gasloc_p2p.node.runtime import allocator
 if sys.argv[1] == "tune":
-    allocator.tune()
+    allocator.tune(mmap_threshold=allocator.MMAP_THRESHOLD_BYTES)
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 def rss():
