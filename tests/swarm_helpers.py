@@ -43,6 +43,25 @@ class NodeProc(NodeChild):
         return super().wait_up(scaled(timeout_s))
 
 
+P = TypeVar("P", bound=NodeProc)
+
+
+def start_three(nodes: list[P], cls: type[P], tmp: Path, flags: list[str], prefix: str,
+                algorithm: str) -> list[P]:
+    """A seed and two nodes joining it (``prefix`` 0..2), appended to ``nodes`` as they start
+    (so the caller's ``finally`` stops whatever started), then waited up. The seed's join hint
+    must name ``--algorithm <algorithm>``."""
+    seed = cls(f"{prefix}0", tmp, flags)
+    nodes.append(seed)
+    hint = seed.join_hint()
+    assert f"--algorithm {algorithm}" in hint, hint
+    maddrs = hint.split("--peers ")[1].split()
+    nodes += [cls(f"{prefix}{i}", tmp, [*flags, "--peers", *maddrs]) for i in (1, 2)]
+    for node in nodes:
+        node.wait_up()
+    return nodes
+
+
 def stopped_within(node: NodeChild, timeout_s: float) -> int:
     """The exit code of ``node`` (already sent SIGTERM) once it exits within ``timeout_s``.
     If it does not, its threads' stacks (SIGUSR1: faulthandler) end the assertion message."""

@@ -47,7 +47,7 @@ from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.messages import BUSY, PROTOCOL_VERSION
 from tests.daemon_helpers import spy_on_gossip_machinery, tiny_config, write_corpus
 from tests.node_helpers import run, scaled, wait_until
-from tests.swarm_helpers import NodeProc, wait_for
+from tests.swarm_helpers import NodeProc, start_three, wait_for
 
 NUMEL = 1000
 ETA, GAMMA = 0.7, 0.9
@@ -317,15 +317,7 @@ def test_three_diloco_processes_average_through_hivemind(tmp_path: Path):
     data = ["--data", str(corpus)]
     nodes: list[DilocoProc] = []
     try:
-        seed = DilocoProc("d0", tmp_path, [*data, *DILOCO])
-        nodes.append(seed)
-        hint = seed.join_hint()
-        assert "--algorithm diloco" in hint
-        maddrs = hint.split("--peers ")[1].split()
-        nodes += [DilocoProc(f"d{i}", tmp_path, [*data, *DILOCO, "--peers", *maddrs])
-                  for i in (1, 2)]
-        for node in nodes:
-            node.wait_up()
+        start_three(nodes, DilocoProc, tmp_path, [*data, *DILOCO], "d", "diloco")
 
         def averaged() -> bool:
             return all(i.averaging_rounds_ok >= 10 and i.last_group_size >= 2

@@ -21,7 +21,7 @@ from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.tools.nodes import METRICS_LINE
 from tests.daemon_helpers import write_corpus
 from tests.node_helpers import scaled
-from tests.swarm_helpers import NodeProc, wait_for
+from tests.swarm_helpers import NodeProc, start_three, wait_for
 
 H, FRAGMENTS = 10, 5
 OFFSETS = [0, 2, 4, 6, 8]
@@ -70,15 +70,7 @@ def test_three_streaming_processes_average_every_fragment_at_its_offset(tmp_path
     data = ["--data", str(corpus)]
     nodes: list[NodeProc] = []
     try:
-        seed = NodeProc("s0", tmp_path, [*data, *STREAMING])
-        nodes.append(seed)
-        hint = seed.join_hint()
-        assert "--algorithm streaming-diloco" in hint
-        maddrs = hint.split("--peers ")[1].split()
-        nodes += [NodeProc(f"s{i}", tmp_path, [*data, *STREAMING, "--peers", *maddrs])
-                  for i in (1, 2)]
-        for node in nodes:
-            node.wait_up()
+        start_three(nodes, NodeProc, tmp_path, [*data, *STREAMING], "s", "streaming-diloco")
         wait_for(lambda: fragments_averaged([n.info() for n in nodes], 6), 150,
                  "6 averaged syncs of every fragment on every node", 1.0)
         infos = [n.info() for n in nodes]
