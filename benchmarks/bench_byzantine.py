@@ -20,7 +20,8 @@ averages the honest nodes' final parameters and evaluates that network-average m
 fixed validation batches. Equal steps, not equal wall time. Prints the losses, the ratio
 attacked / honest (goal: <= 1.05), per attack how many payloads the attacker prepared and how
 many an honest peer accepted, the guard's rejections of the attacker and of honest peers (false
-positives), and the exchanges between honest nodes in each swarm.
+positives), the exchanges the guard clipped (with the attacker, with honest peers), and the
+exchanges between honest nodes in each swarm.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from gasloc_p2p.tools.procs import Child  # noqa: E402
 HERE = Path(__file__).resolve().parent
 EXCHANGES = re.compile(r"exchanges ok (\d+) \(init \d+ resp \d+\) failed (\d+) busy (\d+)")
 REJECTED = re.compile(r"peer (\S+) sent an implausible update \((.*)$", re.MULTILINE)
+CLIPPED = re.compile(r"exchange (?:to|from) (\S+) clipped")
 
 
 def child(name: str, log_dir: Path, node_flags: list[str], attack: str = "") -> NodeChild:
@@ -119,7 +121,7 @@ def _swarm_result(evaluator: Evaluator, tmp: Path, nodes: list[NodeChild], ids: 
     finals = [torch.load(tmp / f"{n.name}.ckpt" / "node.pt", weights_only=True)
               for n in honest if (tmp / f"{n.name}.ckpt" / "node.pt").exists()]
     mean = torch.stack([f["theta"] for f in finals]).mean(0)
-    ok = rej_attacker = rej_honest = failed = busy = 0
+    ok = rej_attacker = rej_honest = failed = busy = clip_attacker = clip_honest = 0
     by_rule = {"size": 0, "direction": 0}  # which test rejected the attacker
     for node in honest:
         log = node.err.read_text(errors="replace")
@@ -134,10 +136,16 @@ def _swarm_result(evaluator: Evaluator, tmp: Path, nodes: list[NodeChild], ids: 
                 by_rule["direction" if "cosine" in why else "size"] += 1
             else:
                 rej_honest += 1
+        for peer in CLIPPED.findall(log):  # the log names a peer by its first 12 characters
+            if attacker is not None and attacker.startswith(peer):
+                clip_attacker += 1
+            else:
+                clip_honest += 1
     return {"loss": evaluator.loss(mean), "steps": [f["step"] for f in finals],
             "nan": sum(not bool(torch.isfinite(f["theta"]).all()) for f in finals),
             "ok": ok, "failed": failed, "busy": busy, "rej_attacker": rej_attacker,
-            "rej_honest": rej_honest, "by_rule": by_rule}
+            "rej_honest": rej_honest, "by_rule": by_rule, "clip_attacker": clip_attacker,
+            "clip_honest": clip_honest}
 
 
 def _report(args: argparse.Namespace, evaluator: Evaluator, took: float,
@@ -154,7 +162,9 @@ def _report(args: argparse.Namespace, evaluator: Evaluator, took: float,
         print(f"{name:>9}: network-average val loss of its honest nodes {r['loss']:.4f} "
               f"(steps {r['steps']}, non-finite {r['nan']}); honest-honest exchanges "
               f"{pairs:.0f}, failed {r['failed']}, busy {r['busy']}; guard rejections of the "
-              f"attacker {r['rej_attacker']} {r['by_rule']}, of honest peers {r['rej_honest']}")
+              f"attacker {r['rej_attacker']} {r['by_rule']}, of honest peers {r['rej_honest']}; "
+              f"exchanges clipped with the attacker {r['clip_attacker']}, with honest peers "
+              f"{r['clip_honest']}")
     for kind, a in attacks.items():
         print(f"  attack {kind:>8}: payloads prepared {a['prepared']} (exchanges the attacker "
               f"started or was admitted to), accepted by an honest peer {a['committed']}")

@@ -32,23 +32,27 @@ from tests.node_helpers import run, scaled, wait_until
 from tests.session_helpers import OUTER, TIMEOUTS, node
 
 
-def test_guard_rule_warmup_median_and_floor():
-    guard = UpdateGuard(GuardRule(factor=8, window=4, warmup=3, warmup_factor=4, floor=0.05))
-    guard.screen(0, 3.9, own_scale=1.0)  # warm-up: 4x own scale
-    with pytest.raises(ImplausibleUpdate):
-        guard.screen(0, 4.1, own_scale=1.0)
+def test_guard_rule_clips_between_the_soft_and_hard_limits_and_refuses_beyond():
+    guard = UpdateGuard(GuardRule(factor=8, window=4, warmup=3, warmup_factor=4, floor=0.05,
+                                  hard_factor=64))
+    assert guard.limits(0, own_scale=2.0) == (8.0, 128.0)  # warm-up: soft 4x own scale
+    assert guard.screen(0, 3.9, own_scale=1.0) == 1.0
+    assert guard.screen(0, 8.0, own_scale=1.0) == pytest.approx(0.5)  # clipped to 4
+    assert guard.screen(0, 64.0, own_scale=1.0) == pytest.approx(4 / 64)
+    with pytest.raises(ImplausibleUpdate, match="exceeds the limit 64"):
+        guard.screen(0, 64.1, own_scale=1.0)  # hard: 64x own scale
     for d in (0.1, 0.2, 0.1):
         guard.accept(0, d)
-    guard.screen(0, 0.8, own_scale=1.0)  # 8 x median 0.1
-    with pytest.raises(ImplausibleUpdate):
-        guard.screen(0, 0.81, own_scale=1.0)
+    assert guard.screen(0, 0.8, own_scale=1.0) == 1.0  # 8 x median 0.1
+    assert guard.screen(0, 1.6, own_scale=1.0) == pytest.approx(0.5)
     with pytest.raises(ImplausibleUpdate):
         guard.screen(0, math.nan, own_scale=1.0)
-    guard.screen(1, 3.0, own_scale=1.0)  # per fragment: fragment 1 is still warming up
+    assert guard.screen(1, 3.0, own_scale=1.0) == 1.0  # per fragment: 1 is still warming up
     for _ in range(4):
         guard.accept(0, 0.0)  # a swarm in perfect consensus: the floor still admits a little
-    guard.screen(0, 0.05, own_scale=1.0)
-    UpdateGuard(GuardRule(factor=0)).screen(0, 1e30, own_scale=1.0)  # off
+    assert guard.screen(0, 0.05, own_scale=1.0) == 1.0
+    assert guard.screen(0, 0.1, own_scale=1.0) == pytest.approx(0.5)
+    assert UpdateGuard(GuardRule(factor=0)).screen(0, 1e30, own_scale=1.0) == 1.0  # off
 
 
 def guarded(name: str, seed: int, rule: GuardRule | None = None):
@@ -63,7 +67,7 @@ def drift(engine, seed: int, scale: float = 0.02) -> None:
 
 
 @pytest.mark.parametrize("attacker_initiates", [True, False])
-@pytest.mark.parametrize("offset", [1e4, 10.0])  # theta_0 here has RMS 1: limit 4
+@pytest.mark.parametrize("offset", [1e4, 100.0])  # theta_0 here has RMS 1: hard limit 64
 def test_a_large_offset_is_refused_before_commit_on_both_sides(attacker_initiates, offset):
     honest, evil = guarded("H", 1), node("E", 2, codec="fp32")
     evil[1].state.theta.add_(offset)
@@ -77,16 +81,64 @@ def test_a_large_offset_is_refused_before_commit_on_both_sides(attacker_initiate
     assert honest[1].refs.version("E") == evil[1].refs.version("H") == 0
 
 
-def test_after_warmup_the_median_rule_catches_scaled_deltas():
+def rms_move(before: torch.Tensor, after: torch.Tensor, fragment: Fragment) -> float:
+    return float(fragment.gather(after - before).pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("attacker_initiates", [True, False])
+def test_an_offset_between_the_limits_is_clipped_to_the_soft_limit(attacker_initiates):
+    """An offset of 10 (soft limit 4x the own scale, about theta_0's RMS of 1; hard 64x): it
+    commits, but the guarded side moves by about w x 4 in RMS instead of w x 10, the unguarded
+    side by its full w x 10, and the guard's history does not take the clipped distance in."""
+    honest, evil = guarded("H", 1), node("E", 2, codec="fp32")
+    evil[1].state.theta.add_(10.0)
+    evil[1].state.anchor.add_(10.0)
+    before = honest[1].state.theta.clone(), evil[1].state.theta.clone()
+    pair = (evil, honest) if attacker_initiates else (honest, evil)
+    outcomes = MemoryExchange(*pair, 0).run()
+    mine = outcomes[1] if attacker_initiates else outcomes[0]
+    frag = honest[1].fragments[0]
+    assert mine.clip < 0.5 and mine.weight == pytest.approx(OUTER.w * mine.clip)
+    moved = rms_move(before[0], honest[1].state.theta, frag)
+    assert 0.8 * OUTER.w * 4 < moved <= 1.25 * OUTER.w * 4
+    assert rms_move(before[1], evil[1].state.theta, frag) > 2 * moved  # not clipped there
+    assert honest[1].guard.accepted(0) == 0
+
+
+def test_a_late_joiner_far_beyond_the_median_is_pulled_in_not_refused():
+    """The false positive a 3-process swarm showed: two nodes near consensus (a small median)
+    and a third that trained alone, many medians away; its exchanges commit, clipped on the
+    guarded side, and after a few the joiner is within the median rule."""
+    a, b = guarded("A", 1, GuardRule(warmup=4)), guarded("B", 2, GuardRule(warmup=4))
+    for i in range(12):
+        drift(a[1], 100 + i, 0.002)
+        drift(b[1], 200 + i, 0.002)
+        MemoryExchange(a, b, i % 2).run()
+    late = guarded("L", 3, GuardRule(warmup=4))
+    clips = [MemoryExchange(late, a, 0).run()[1].clip for _ in range(8)]
+    assert clips[0] < 0.5, clips  # far beyond A's soft limit at first, and not refused
+    assert clips[-1] == 1.0, clips  # then within it
+    assert late[1].guard.accepted(0) >= 4
+
+
+def test_after_warmup_the_median_rule_clips_scaled_deltas_and_refuses_absurd_ones():
     a, b = guarded("A", 1, GuardRule(warmup=4)), guarded("B", 2, GuardRule(warmup=4))
     for i in range(12):  # honest history: both drift, then average
         drift(a[1], 100 + i)
         drift(b[1], 200 + i)
         MemoryExchange(a, b, i % 2).run()
     assert a[1].guard.accepted(0) == b[1].guard.accepted(0) == 6
+    soft, _ = a[1].guard.limits(0, own_scale=1.0)
     evil = node("E", 3)
     for t in (evil[1].state.theta, evil[1].state.anchor):  # a copy of A with 30x its drift
         t.copy_(a[1].theta0 + 30 * (a[1].state.theta - a[1].theta0))
+    before = a[1].state.theta.clone()
+    outcome = MemoryExchange(evil, a, 0).run()[1]
+    assert outcome.clip < 1
+    assert rms_move(before, a[1].state.theta, a[1].fragments[0]) <= OUTER.w * soft * 1.01
+    assert a[1].guard.accepted(0) == 6  # a clipped distance is not history
+    for t in (evil[1].state.theta, evil[1].state.anchor):  # 10^4x: beyond 64x the own scale
+        t.copy_(a[1].theta0 + 1e4 * (a[1].state.theta - a[1].theta0))
     with pytest.raises(ExchangeError, match="implausible"):
         MemoryExchange(evil, a, 0).run()
     drift(b[1], 999)
@@ -95,8 +147,9 @@ def test_after_warmup_the_median_rule_catches_scaled_deltas():
 
 def test_a_bfloat16_theta0_serves_feedback_and_the_guard_but_not_links():
     """Nodes without per-peer references keep theta_0 in bfloat16 (Trainer.compact_theta0):
-    the guard still screens against it (and still stops a scaled delta), exchanges commit
-    with antisymmetric corrections, and asking for ``links`` on such a node is refused."""
+    the guard still screens against it (clips a scaled delta, refuses an absurd one),
+    exchanges commit with antisymmetric corrections, and asking for ``links`` on such a node is
+    refused."""
     from gasloc_p2p.core.async_state import AsyncGaslocState
     from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
     from tests.session_helpers import OUTER
@@ -122,7 +175,10 @@ def test_a_bfloat16_theta0_serves_feedback_and_the_guard_but_not_links():
         assert torch.allclose(moved[0], -moved[1], rtol=0, atol=1e-6)
     assert a[1].guard.accepted(0) == 6
     evil = (b[0], b[1])
-    b[1].state.theta.copy_(b[1].theta0.float() + 40 * (b[1].state.theta - b[1].theta0.float()))
+    moved = b[1].state.theta - b[1].theta0.float()
+    b[1].state.theta.copy_(b[1].theta0.float() + 40 * moved)  # clipped by A's median rule
+    assert MemoryExchange(evil, a, 0).run()[1].clip < 1
+    b[1].state.theta.copy_(b[1].theta0.float() + 1e5 * moved)  # beyond A's hard limit
     with pytest.raises(ExchangeError, match="implausible"):
         MemoryExchange(evil, a, 0).run()
 
@@ -217,7 +273,7 @@ def test_outsider_offsets_are_rejected_and_the_node_keeps_training(corpus):
     run(main(), timeout_s=120)
 
 
-def test_an_in_swarm_peer_with_scaled_deltas_is_rejected(corpus):
+def test_an_in_swarm_peer_with_scaled_deltas_is_clipped_then_refused(corpus):
     async def main():
         reg = InMemoryRegistry()
         fast = {"exchanges_per_round": 4.0, "inner_steps": 5}
@@ -229,11 +285,19 @@ def test_an_in_swarm_peer_with_scaled_deltas_is_rejected(corpus):
             guard = honest.mode.exchanger.engine.guard
             await wait_until(lambda: guard.accepted(0) >= 8, timeout_s=90, what="warm-up")
             st, t0 = evil.trainer.state, evil.trainer.theta0
-            with evil.lock.urgent():  # from now on: 50x its real delta, every exchange
-                for t in (st.theta, st.anchor):
-                    t.copy_(t0 + 50 * (t - t0))
+
+            def scale(factor: float) -> None:  # from now on: its real delta x factor
+                with evil.lock.urgent():
+                    for t in (st.theta, st.anchor):
+                        t.copy_(t0 + factor * (t - t0))
+
+            scale(50)  # beyond 8x the median, within 64x the own scale: clipped
+            await wait_until(lambda: honest.stats.clipped >= 2, timeout_s=60,
+                             what="clipped exchanges")
+            assert honest.stats.implausible == 0
+            scale(1e4)  # beyond the hard limit: refused
             await wait_until(lambda: honest.stats.implausible >= 1, timeout_s=60,
-                             what="a rejected exchange")
+                             what="a refused exchange")
             theta = honest.trainer.state.theta
             assert torch.isfinite(theta).all()
             assert honest.train_stats.train_loss < honest.train_stats.first_val_loss + 1

@@ -24,10 +24,9 @@ def test_sigterm_under_gossip_load_exits_promptly(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
 
     def start(name: str, key: str, peers: list[str]) -> NodeProc:
-        # No guard: a restarted node rejoins far from its trained peers, and their guard can
-        # refuse it as implausible for 300 s (a known false positive; this test is about stops).
+        # The guard is on: a restarted node rejoins far from its trained peers, and their
+        # guard clips its first exchanges (it once refused them for 300 s: a false positive).
         flags = ["--data", str(corpus), "--inner-steps", "5", "--exchanges-per-round", "4",
-                 "--guard-factor", "0",
                  "--checkpoint-dir", str(tmp_path / key), "--checkpoint-interval-s", "2",
                  "--identity-file", str(tmp_path / f"{key}.key")]
         return NodeProc(name, tmp_path, [*flags, "--peers", *peers] if peers else flags)

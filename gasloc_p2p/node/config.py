@@ -207,12 +207,14 @@ class GossipConfig:
     exchange_timeout_s: float = opt(120.0, "deadline of a whole exchange")
     init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any")
     download_timeout_s: float = opt(60.0, "deadline of a state download")
-    guard_factor: float = opt(8.0, "reject a peer's update whose RMS distance exceeds this many "
+    guard_factor: float = opt(8.0, "clip a peer's update whose RMS distance exceeds this many "
                               "times the median of recent accepted ones (0: no guard)")
     guard_window: int = opt(32, "accepted exchanges per fragment the guard's median covers")
     guard_warmup: int = opt(8, "accepted exchanges per fragment before the median rule applies")
     guard_warmup_factor: float = opt(4.0, "warm-up limit: this many times the node's own scale "
                                      "(RMS of p - theta_0, at least RMS of theta_0)")
+    guard_hard_factor: float = opt(64.0, "refuse (and back off) a peer whose RMS distance "
+                                   "exceeds this many times the node's own scale")
     guard_min_z: float = opt(4.0, "reject a peer whose displacement from theta_0 has a cosine "
                              "below this / sqrt(fragment size) with this node's (<0: off)")
     guard_min_cosine: float = opt(-1.0, "also reject a cosine below this fixed value (-1: off)")
@@ -233,7 +235,7 @@ class GossipConfig:
         """The bounded-update guard's thresholds (factor 0: off)."""
         return GuardRule(self.guard_factor, self.guard_window, self.guard_warmup,
                          self.guard_warmup_factor, min_z=self.guard_min_z,
-                         min_cosine=self.guard_min_cosine)
+                         min_cosine=self.guard_min_cosine, hard_factor=self.guard_hard_factor)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -265,6 +267,8 @@ class GossipConfig:
         need(self.guard_window >= 1 and 0 <= self.guard_warmup <= self.guard_window,
              "guard_warmup", self.guard_warmup, f"must be in [0, --guard-window="
              f"{self.guard_window}]")
+        need(self.guard_hard_factor > 0, "guard_hard_factor", self.guard_hard_factor,
+             "must be > 0")
         need(self.guard_warmup_factor > 0, "guard_warmup_factor", self.guard_warmup_factor,
              "must be > 0")
         need(-1 <= self.guard_min_cosine < 1, "guard_min_cosine", self.guard_min_cosine,

@@ -25,6 +25,7 @@ class Outcome:
     bytes_sent: int
     bytes_received: int
     numel: int  # elements of the fragment
+    clip: float = 1.0  # the guard's factor already in ``weight`` (below 1: clipped)
 
 
 @dataclass(frozen=True)

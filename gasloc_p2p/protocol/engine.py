@@ -42,7 +42,7 @@ CHUNK_ELEMS = 1 << 18
 MAX_ABS_VALUE = 1e6
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Prepared:
     """One side's half of an exchange between snapshot and commit."""
 
@@ -54,6 +54,7 @@ class Prepared:
     encoded: Encoded  # views of payload
     payload: bytearray
     crc32: int
+    clip: float = 1.0  # the guard's factor on the weight, set by ``check`` (1: not clipped)
 
 
 class UrgentLock(Protocol):
@@ -161,7 +162,8 @@ class ExchangeEngine:
               crc32: int, prep: Prepared | None = None) -> Encoded:
         """Parse the peer's payload; ValueError if it is corrupt or would decode to NaN/Inf or
         to values beyond ``MAX_ABS_VALUE``; with ``prep`` (our half) and a guard,
-        :class:`ImplausibleUpdate` if the correction it implies is implausibly large.
+        :class:`ImplausibleUpdate` if the correction it implies is implausibly large (and
+        ``prep.clip`` below 1 if it is to be clipped).
 
         A bytearray payload is used in place (the session hands over its receive buffer).
         """
@@ -171,7 +173,7 @@ class ExchangeEngine:
         received = received.to(self.state.theta.device)  # bytes cross once, decoded there
         spec.codec().check_decodable(received)
         if prep is not None and self.guard is not None and self.guard.rule.enabled:
-            self.screen(prep, received)
+            prep.clip = self.screen(prep, received)
         elif numel:  # the absolute bound, without a decode where the scales tell it
             self._bounded(spec, received)
         return received
@@ -187,10 +189,11 @@ class ExchangeEngine:
             raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
                              f"{MAX_ABS_VALUE:g})")
 
-    def screen(self, prep: Prepared, received: Encoded) -> None:
+    def screen(self, prep: Prepared, received: Encoded) -> float:
         """ImplausibleUpdate if the pair's references after this commit (what each side will
         hold of the other, computed identically by the peer) are implausibly far apart, or
-        their displacements from ``theta_0`` point different ways; changes nothing."""
+        their displacements from ``theta_0`` point different ways; else the guard's factor on
+        the weight (1, or below 1 to clip). Changes nothing."""
         assert self.guard is not None
         fragment, codec, step = prep.fragment, prep.encoded.spec.codec(), chunk_elems(
             prep.encoded.spec)
@@ -225,15 +228,17 @@ class ExchangeEngine:
                 base2 += float(t0.dot(t0))
                 dot += float(mine.dot(theirs))
         root_n = math.sqrt(max(fragment.numel, 1))
-        self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
-                          math.sqrt(max(mine2, base2)) / root_n)
+        clip = self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
+                                 math.sqrt(max(mine2, base2)) / root_n)
         norms = math.sqrt(mine2) * math.sqrt(theirs2)
         if norms > 1e-30:  # both moved: compare directions
             self.guard.screen_direction(fragment.index, dot / norms, fragment.numel)
+        return clip
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,
                pinned: Iterable[str] = ()) -> float:
-        """Fold both messages into the references and apply the correction; returns ``||c||_2``.
+        """Fold both messages into the references and apply the correction with ``weight``
+        times the guard's ``prep.clip``; returns ``||c||_2``.
 
         ``pinned``: peers with exchanges in flight, moved to the LRU's recent end first so that
         creating this link never evicts (and resets) a link another exchange is using.
@@ -243,6 +248,7 @@ class ExchangeEngine:
             raise ValueError(f"received {received.spec}/{received.numel}, sent "
                              f"{sent.spec}/{fragment.numel}")
         codec, step = sent.spec.codec(), chunk_elems(sent.spec)
+        weight *= prep.clip
         mine = torch.empty(min(step, fragment.numel), device=self.state.theta.device)
         theirs = torch.empty_like(mine)
         anchor, theta = self.state.anchor, self.state.theta
@@ -261,7 +267,7 @@ class ExchangeEngine:
             folder.done()
         # summed in float64 in chunk order, as one float per chunk always was
         norm = math.sqrt(sum(torch.stack(squares).tolist()) if squares else 0.0)
-        if self.guard is not None and weight > 0:  # the pair distance, without w
+        if self.guard is not None and weight > 0 and prep.clip == 1.0:  # distance without w
             self.guard.accept(fragment.index,
                               norm / (weight * math.sqrt(max(fragment.numel, 1))))
         return norm

@@ -294,8 +294,9 @@ class ExchangeSession:
         self.stage = Stage.DONE
         prep = self._prep
         return [Done(Outcome(prep.peer_id, prep.fragment.index, self._staleness,
-                             self.rules.weight(self._staleness), correction_norm,
-                             len(prep.payload), self._received.nbytes, prep.fragment.numel))]
+                             self.rules.weight(self._staleness) * prep.clip, correction_norm,
+                             len(prep.payload), self._received.nbytes, prep.fragment.numel,
+                             prep.clip))]
 
     def fail(self, exc: BaseException, transport_lost: bool = False) -> list[Action]:
         """The exchange failed with ``exc`` (nothing applied): what to tell the peer.

@@ -22,6 +22,7 @@ gasloc_checkpoint_failures_total       counter    checkpoints that could not be 
 gasloc_exchanges_total{outcome}        counter    gossip exchanges by outcome, see OUTCOMES
 gasloc_exchanges_by_role_total{role}   counter    committed exchanges, role initiator|responder
 gasloc_updates_rejected_total          counter    exchanges aborted: implausibly large update
+gasloc_updates_clipped_total           counter    exchanges committed with a clipped weight
 gasloc_sent_bytes_total{codec}         counter    payload bytes sent (Chunk data), by codec
 gasloc_received_bytes_total{codec}     counter    payload bytes received, by codec
 gasloc_exchange_duration_seconds       histogram  wall time of committed exchanges, both roles
@@ -215,6 +216,9 @@ class NodeCollector(Collector):
         yield CounterMetricFamily("gasloc_updates_rejected", "Exchanges aborted because the "
                                   "peer's update was implausibly large (bounded updates).",
                                   value=x.implausible)
+        yield CounterMetricFamily("gasloc_updates_clipped", "Exchanges committed with a clipped "
+                                  "weight: the peer was farther than the guard's soft limit "
+                                  "but within its hard limit.", value=x.clipped)
         for name, doc, by_codec in (
                 ("gasloc_sent_bytes", "Payload bytes sent, by codec.", x.sent_by_codec),
                 ("gasloc_received_bytes", "Payload bytes received, by codec.",

@@ -48,6 +48,7 @@ class ExchangeStats:
     busy: int = 0  # our attempts answered BUSY (not failures)
     rejected_inbound: int = 0  # inbound exchanges we refused (BUSY or incompatible)
     implausible: int = 0  # exchanges aborted by the bounded-update guard (either side)
+    clipped: int = 0  # exchanges this node committed with a clipped weight (its guard)
     bytes_sent: int = 0
     bytes_received: int = 0
     staleness: Counter[int] = field(default_factory=Counter)  # round ends spanned -> count

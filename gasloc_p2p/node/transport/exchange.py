@@ -328,6 +328,11 @@ class GossipTransport:
             st.ok_responder += 1
         st.staleness[outcome.staleness] += 1
         st.last_correction_norm = outcome.correction_norm
+        if outcome.clip < 1.0:
+            st.clipped += 1
+            log.info("exchange %s %s clipped: its distance exceeds this node's soft limit, "
+                     "weight x%.3g", "to" if initiator else "from", safe(outcome.peer_id[:12]),
+                     outcome.clip)
         log.debug("exchange %s %s frag %d staleness %d w %.3g |c| %.3g",
                   "to" if initiator else "from", safe(outcome.peer_id[:12]), outcome.fragment,
                   outcome.staleness, outcome.weight, outcome.correction_norm)
