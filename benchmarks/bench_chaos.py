@@ -93,11 +93,12 @@ def main() -> None:
                 node.stop(30)
         logs = "".join(n.err.read_text(errors="replace") for n in everyone)
     rejected = logs.count("sent an implausible update")
+    clipped = len(re.findall(r"exchange (?:to|from) \S+ clipped", logs))
     nan_logs = sum(logs.count(word) for word in ("loss nan", "val nan", "non-finite",
                                                  "diverged", "rolled back"))
     print(f"chaos: {args.nodes} nodes, {args.duration_s:.0f} s, a random node SIGKILLed and "
           f"restarted every {args.kill_every_s:g} s: {kills} kills, {restarts} restarts; "
-          f"{rejected} updates rejected as implausible")
+          f"{rejected} updates rejected as implausible, {clipped} exchanges clipped")
     print(f"network-average val loss: at theta_0 {at_theta0:.4f}, once all nodes were up "
           f"{first:.4f}, at the end {last:.4f}; steps now {steps}")
     print(f"non-finite states {nan_first + nan_states}; NaN/divergence/rollback lines in logs "
