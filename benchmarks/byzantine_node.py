@@ -61,7 +61,7 @@ def install(name: str, report: Path) -> None:
     rng = random.Random(0)
     kinds: dict[int, str] = {}  # id(Prepared) -> attack
     counts = {a: {"prepared": 0, "committed": 0} for a in ATTACKS}
-    lock = threading.Lock()
+    lock, serial = threading.Lock(), threading.Lock()
 
     def save() -> None:
         report.write_text(json.dumps(counts))
@@ -73,11 +73,12 @@ def install(name: str, report: Path) -> None:
         def sender(*a: Any, **k: Any) -> EvilSender:
             return EvilSender(real(refs, *a, **k), self.theta0, kind, rng.randrange(1 << 30))
 
-        refs.sender = sender  # type: ignore[method-assign]
-        try:
-            prep = prepare(self, *args, **kwargs)
-        finally:
-            del refs.sender
+        with serial:  # one patched prepare at a time: concurrent ones would swap attacks
+            refs.sender = sender  # type: ignore[method-assign]
+            try:
+                prep = prepare(self, *args, **kwargs)
+            finally:
+                del refs.sender
         with lock:
             kinds[id(prep)] = kind
             counts[kind]["prepared"] += 1

@@ -55,6 +55,20 @@ def test_guard_rule_clips_between_the_soft_and_hard_limits_and_refuses_beyond():
     assert UpdateGuard(GuardRule(factor=0)).screen(0, 1e30, own_scale=1.0) == 1.0  # off
 
 
+def test_a_peer_clipped_too_often_in_a_row_is_refused_and_starts_over():
+    guard = UpdateGuard(GuardRule(warmup=0, factor=8, max_clips=3))
+    guard.accept(0, 0.1)  # soft limit 0.8
+    for _ in range(3):
+        assert guard.screen(0, 1.6, own_scale=1.0, peer="far") < 1
+    assert guard.screen(0, 1.6, own_scale=1.0, peer="other") < 1  # streaks are per peer
+    with pytest.raises(ImplausibleUpdate, match="4 exchanges in a row"):
+        guard.screen(0, 1.6, own_scale=1.0, peer="far")
+    assert guard.screen(0, 1.6, own_scale=1.0, peer="far") < 1  # after the backoff: anew
+    assert guard.screen(0, 0.5, own_scale=1.0, peer="far") == 1.0  # within: the streak ends
+    for _ in range(3):
+        assert guard.screen(0, 1.6, own_scale=1.0, peer="far") < 1
+
+
 def guarded(name: str, seed: int, rule: GuardRule | None = None):
     rules, engine = node(name, seed)
     engine.guard = UpdateGuard(rule or GuardRule())
@@ -119,6 +133,43 @@ def test_a_late_joiner_far_beyond_the_median_is_pulled_in_not_refused():
     assert clips[0] < 0.5, clips  # far beyond A's soft limit at first, and not refused
     assert clips[-1] == 1.0, clips  # then within it
     assert late[1].guard.accepted(0) >= 4
+
+
+def test_a_peer_that_keeps_pulling_towards_theta0_is_refused_after_a_few_clips():
+    """An attacker that always sends ``theta_0 + 0.01 (p - theta_0)`` (aligned with us, so the
+    direction test passes; far beyond the median, within the hard limit) is clipped
+    ``max_clips`` times, then refused (and backed off by the node)."""
+    a, b = guarded("A", 1, GuardRule(warmup=4)), guarded("B", 2, GuardRule(warmup=4))
+    drift(a[1], 42, 0.5)  # far from theta_0 together (the same move), then near consensus
+    drift(b[1], 42, 0.5)
+    for i in range(12):
+        drift(a[1], 100 + i, 0.002)
+        drift(b[1], 200 + i, 0.002)
+        MemoryExchange(a, b, i % 2).run()
+    evil = node("E", 3)
+    rule = a[1].guard.rule
+    for i in range(rule.max_clips + 1):
+        for t in (evil[1].state.theta, evil[1].state.anchor):
+            t.copy_(a[1].theta0 + 0.01 * (a[1].state.theta - a[1].theta0))
+        if i < rule.max_clips:
+            assert MemoryExchange(evil, a, 0).run()[1].clip < 1
+        else:
+            with pytest.raises(ExchangeError, match="in a row"):
+                MemoryExchange(evil, a, 0).run()
+
+
+def test_a_node_still_at_theta0_neither_judges_nor_is_judged_by_direction():
+    """The direction test needs both sides to have moved: a node still at ``theta_0`` (or a
+    peer claiming to be) refuses, as a bad payload (no backoff), until it has trained."""
+    fresh, moved = guarded("F", 1), guarded("M", 2)
+    for t in (fresh[1].state.theta, fresh[1].state.anchor):
+        t.copy_(fresh[1].theta0)
+    for pair in ((fresh, moved), (moved, fresh)):
+        with pytest.raises(ExchangeError, match="not moved from theta_0") as err:
+            MemoryExchange(*pair, 0).run()
+        assert "implausible" not in str(err.value)
+    fresh[1].state.theta.add_(0.05)  # trained: moved the way the other node did
+    MemoryExchange(fresh, moved, 0).run()
 
 
 def test_after_warmup_the_median_rule_clips_scaled_deltas_and_refuses_absurd_ones():

@@ -228,11 +228,15 @@ class ExchangeEngine:
                 base2 += float(t0.dot(t0))
                 dot += float(mine.dot(theirs))
         root_n = math.sqrt(max(fragment.numel, 1))
+        if (mine2 > 0) != (theirs2 > 0):  # no refusal on record: the peer may retry
+            raise ValueError("one side has not moved from theta_0 yet: the direction of the "
+                             "update cannot be judged")
         clip = self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
-                                 math.sqrt(max(mine2, base2)) / root_n)
-        norms = math.sqrt(mine2) * math.sqrt(theirs2)
-        if norms > 1e-30:  # both moved: compare directions
-            self.guard.screen_direction(fragment.index, dot / norms, fragment.numel)
+                                 math.sqrt(max(mine2, base2)) / root_n, prep.peer_id)
+        if mine2 > 0:  # both moved: compare directions
+            self.guard.screen_direction(fragment.index,
+                                        dot / (math.sqrt(mine2) * math.sqrt(theirs2)),
+                                        fragment.numel)
         return clip
 
     def commit(self, prep: Prepared, received: Encoded, weight: float,

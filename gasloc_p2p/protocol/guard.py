@@ -18,7 +18,10 @@ its own limits); beyond the hard limit it is refused and the peer backed off.
   this node's own scale (so a swarm in perfect consensus still accepts small differences);
 - soft, during the warm-up: ``warmup_factor`` times this node's own scale, the larger of the
   RMS of its public iterate's displacement from ``theta_0`` and the RMS of ``theta_0`` itself;
-- hard: ``hard_factor`` times that own scale (at least the soft limit).
+- hard: ``hard_factor`` times that own scale (at least the soft limit);
+- and a peer clipped more than ``max_clips`` times in a row is refused as well: an honest node
+  that is far away comes closer with every clipped exchange, one that stays far (an attacker
+  pulling every node towards ``theta_0``, say) is backed off after a bounded influence.
 
 Why clip rather than refuse between the two: the median measures how far apart nodes that are
 already near consensus are, and an honest node can be much farther away than that: one that
@@ -50,8 +53,11 @@ from __future__ import annotations
 import math
 import statistics
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+
+MAX_STREAKS = 4096  # peers whose clip streak is remembered (least recently clipped forgotten)
 
 
 class ImplausibleUpdate(ValueError):
@@ -70,6 +76,7 @@ class GuardRule:
     min_z: float = 4.0  # the cosine must be >= min_z / sqrt(n) (negative: no such test)
     min_cosine: float = -1.0  # and >= this fixed value (-1: off)
     hard_factor: float = 64.0  # refuse beyond this many times the own scale (clip below)
+    max_clips: int = 8  # a peer clipped more often than this in a row is refused
 
     def min_direction(self, numel: int) -> float:
         """The smallest acceptable cosine over a fragment of ``numel`` elements (-1: none)."""
@@ -90,6 +97,7 @@ class UpdateGuard:
     def __init__(self, rule: GuardRule) -> None:
         self.rule = rule
         self._history: dict[int, deque[float]] = {}
+        self._streaks: OrderedDict[str, int] = OrderedDict()  # peer -> clips in a row
         self._lock = threading.Lock()
 
     def limits(self, fragment: int, own_scale: float) -> tuple[float, float]:
@@ -103,15 +111,28 @@ class UpdateGuard:
             soft = max(r.factor * statistics.median(hist), r.floor * own_scale)
         return soft, max(soft, r.hard_factor * own_scale)
 
-    def screen(self, fragment: int, distance: float, own_scale: float) -> float:
+    def screen(self, fragment: int, distance: float, own_scale: float, peer: str = "") -> float:
         """The factor on the exchange's weight: 1 within the soft limit, ``soft / distance``
-        up to the hard limit; ImplausibleUpdate beyond it (or if ``distance`` is not finite)."""
+        up to the hard limit; ImplausibleUpdate beyond it (or if ``distance`` is not finite),
+        or if ``peer`` would be clipped more than ``max_clips`` times in a row (an honest node
+        far away comes closer with every clipped exchange; one that stays far does not)."""
         if not self.rule.enabled:
             return 1.0
         soft, hard = self.limits(fragment, own_scale)
         if not distance <= hard:  # also catches NaN
             raise ImplausibleUpdate(f"implausible update: RMS distance {distance:.3g} on "
                                     f"fragment {fragment} exceeds the limit {hard:.3g}")
+        with self._lock:
+            streak = self._streaks.pop(peer, 0) + 1  # popped: a within-limit one ends it
+            streak = streak if distance > soft else 0
+            if 0 < streak <= self.rule.max_clips:
+                self._streaks[peer] = streak
+                while len(self._streaks) > MAX_STREAKS:
+                    self._streaks.popitem(last=False)
+        if streak > self.rule.max_clips:  # the streak starts over after the backoff
+            raise ImplausibleUpdate(f"implausible update: RMS distance {distance:.3g} on "
+                                    f"fragment {fragment} above the soft limit {soft:.3g} for "
+                                    f"{streak} exchanges in a row")
         return 1.0 if distance <= soft else soft / distance
 
     def screen_direction(self, fragment: int, cosine: float, numel: int) -> None:
