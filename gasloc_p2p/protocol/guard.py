@@ -56,7 +56,6 @@ import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-
 MAX_STREAKS = 4096  # peers whose clip streak is remembered (least recently clipped forgotten)
 
 
