@@ -215,6 +215,8 @@ class GossipConfig:
                                      "(RMS of p - theta_0, at least RMS of theta_0)")
     guard_hard_factor: float = opt(64.0, "refuse (and back off) a peer whose RMS distance "
                                    "exceeds this many times the node's own scale")
+    guard_max_clips: int = opt(8, "refuse (and back off) a peer clipped more than this many "
+                               "times in a row")
     guard_min_z: float = opt(4.0, "reject a peer whose displacement from theta_0 has a cosine "
                              "below this / sqrt(fragment size) with this node's (<0: off)")
     guard_min_cosine: float = opt(-1.0, "also reject a cosine below this fixed value (-1: off)")
@@ -235,7 +237,7 @@ class GossipConfig:
         """The bounded-update guard's thresholds (factor 0: off)."""
         return GuardRule(self.guard_factor, self.guard_window, self.guard_warmup,
                          self.guard_warmup_factor, min_z=self.guard_min_z,
-                         min_cosine=self.guard_min_cosine, hard_factor=self.guard_hard_factor)
+                         min_cosine=self.guard_min_cosine, hard_factor=self.guard_hard_factor, max_clips=self.guard_max_clips)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -267,6 +269,7 @@ class GossipConfig:
         need(self.guard_window >= 1 and 0 <= self.guard_warmup <= self.guard_window,
              "guard_warmup", self.guard_warmup, f"must be in [0, --guard-window="
              f"{self.guard_window}]")
+        need(self.guard_max_clips >= 0, "guard_max_clips", self.guard_max_clips, "must be >= 0")
         need(self.guard_hard_factor > 0, "guard_hard_factor", self.guard_hard_factor,
              "must be > 0")
         need(self.guard_warmup_factor > 0, "guard_warmup_factor", self.guard_warmup_factor,
