@@ -85,6 +85,7 @@ def main() -> None:
     p.add_argument("--attack", default="cycle", choices=("cycle", "scaled", "signflip", "random"))
     p.add_argument("--guard-factor", type=float, default=8.0)
     p.add_argument("--guard-warmup", type=int, default=8)
+    p.add_argument("--logs", default="", help="keep the nodes' logs and files in this directory")
     args = p.parse_args()
     extra = {"guard_factor": args.guard_factor, "guard_warmup": args.guard_warmup,
              "eval_interval_steps": 100000, "max_steps": args.steps,
@@ -92,8 +93,9 @@ def main() -> None:
              "dht_timeout_s": 30.0}
     evaluator = Evaluator(extra)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp_dir:
-        tmp = Path(tmp_dir)
+    with tempfile.TemporaryDirectory(prefix="bench_byzantine_") as tmp_dir:
+        tmp = Path(args.logs or tmp_dir)
+        tmp.mkdir(parents=True, exist_ok=True)
         keys = [tmp / f"key{i}" for i in range(args.honest + 1)]
         ids = [load_or_create_identity(str(k)).peer_id for k in keys]
         swarms: dict[str, list[NodeChild]] = {}

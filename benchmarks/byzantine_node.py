@@ -47,12 +47,14 @@ class EvilSender:
     def __init__(self, real: Any, theta0: torch.Tensor, name: str, seed: int) -> None:
         self.real, self.theta0, self.name = real, theta0, name
         self.gen = torch.Generator().manual_seed(seed)
+        self.used = False
 
     def encode(self, pos: int, pieces: list[Any], x: torch.Tensor, codec: Any, out: Any) -> None:
         base = torch.empty_like(x)
         for start, length, o in pieces:
             base[o : o + length] = self.theta0[start : start + length]
         x.copy_(base + attack(self.name, x - base, self.gen))
+        self.used = True
         self.real.encode(pos, pieces, x, codec, out)
 
 
@@ -70,8 +72,12 @@ def install(name: str, report: Path) -> None:
         kind = rng.choice(ATTACKS) if name == "cycle" else name
         refs, real = self.refs, type(self.refs).sender
 
+        made: list[EvilSender] = []
+
         def sender(*a: Any, **k: Any) -> EvilSender:
-            return EvilSender(real(refs, *a, **k), self.theta0, kind, rng.randrange(1 << 30))
+            made.append(EvilSender(real(refs, *a, **k), self.theta0, kind,
+                                   rng.randrange(1 << 30)))
+            return made[-1]
 
         with serial:  # one patched prepare at a time: concurrent ones would swap attacks
             refs.sender = sender  # type: ignore[method-assign]
@@ -79,6 +85,8 @@ def install(name: str, report: Path) -> None:
                 prep = prepare(self, *args, **kwargs)
             finally:
                 del refs.sender
+        applied = {m.name for m in made if m.used}  # what reached the payload
+        assert applied == {kind}, (applied, kind)
         with lock:
             kinds[id(prep)] = kind
             counts[kind]["prepared"] += 1
