@@ -11,138 +11,24 @@ says otherwise (``_mbps`` = megabits per second).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, fields
-from importlib.util import find_spec
-from pathlib import Path
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
 from gasloc_p2p.core.feedback import REFERENCE_CHOICES, resolve_references
-from gasloc_p2p.core.options import ConfigError, check_outer_step, need, opt
-from gasloc_p2p.data.corpus import DataError
-from gasloc_p2p.data.stream import stream_files
-from gasloc_p2p.model import GPTConfig
-from gasloc_p2p.model_spec import BUILTIN, PRESETS, ModelSource, gpt_config
-from gasloc_p2p.node.config_network import (  # the sections live in two modules, one API
+from gasloc_p2p.core.options import ConfigError as ConfigError  # part of this module's API
+from gasloc_p2p.core.options import check_outer_step, need, opt
+from gasloc_p2p.node.config_network import (  # the sections live in three modules, one API
     DiscoveryConfig,
     NetworkConfig,
 )
+from gasloc_p2p.node.config_train import TrainConfig
 from gasloc_p2p.protocol.guard import GuardRule
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 FRAGMENT_ORDERS = ("round-robin", "random")
 ALGORITHMS = ("gasloc", "diloco", "streaming-diloco")
 DILOCO_CODECS = ("fp32", "fp16", "int8", "int4", "fp4")
-PRECISIONS = ("fp32", "bf16")
-DEVICE_RE = re.compile(r"cpu|mps|cuda(:\d+)?")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The model, the data and the inner optimizer (AdamW, warmup then cosine decay)."""
-
-    model: str = opt("gpt", "gpt (sized by --n-layer/--n-embd/--n-head) | a preset "
-                            f"({' | '.join(PRESETS)}) | a Hugging Face config.json (random init "
-                            "from --seed) | a local model directory (pretrained safetensors) | "
-                            "a hub name (needs network); HF models need 'gasloc_p2p[hf]'")
-    data: str = opt("", "text file, directory of *.txt, glob, or JSON Lines / Parquet files "
-                        "(streamed); empty: Shakespeare (downloaded)")
-    data_field: str = opt("text", "the text column of JSON Lines / Parquet rows")
-    tokenizer: str = opt("byte", "byte | bpe (trained on the data) | a local tokenizer.json or "
-                                 "Hugging Face tokenizer directory")
-    device: str = opt("auto", "auto (cuda when present) | cpu | cuda | cuda:N | mps")
-    precision: str = opt("fp32", "fp32 | bf16 (autocast forward; fp32 master weights and outer "
-                                 "state)", choices=PRECISIONS)
-    grad_accum: int = opt(1, "micro-batches of --batch-size per inner step")
-    compile: bool = opt(False, "torch.compile the model's forward")
-    shard: str = opt("", "train on shard K of N of the corpus, as 'K/N' (empty: all of it)")
-    seed: int = opt(0, "model init seed, the same on every node of a run (gives theta_0)")
-    data_seed: int = opt(-1, "seed of this node's batch sampling; -1: derived from its peer id")
-    n_layer: int = opt(4, "transformer layers")
-    n_embd: int = opt(128, "model width")
-    n_head: int = opt(4, "attention heads")
-    seq_len: int = opt(128, "context length, tokens")
-    batch_size: int = opt(16, "sequences per micro-batch (an inner step: --grad-accum of them)")
-    lr: float = opt(3e-3, "peak inner AdamW learning rate")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --lr")
-    warmup_steps: int = opt(100, "linear warmup, inner steps")
-    lr_horizon_steps: int = opt(20000, "cosine decay length, inner steps (then constant)")
-    weight_decay: float = opt(0.1, "AdamW weight decay")
-    decay_vectors: bool = opt(False, "weight decay also on biases and LayerNorm gains "
-                                     "(default: weight matrices and embeddings only)")
-    inner_steps: int = opt(20, "H: inner steps per round of this node")
-    torch_threads: int = opt(1, "torch intra-op threads for training")
-    max_steps: int = opt(0, "stop after this many inner steps (0: run until stopped)")
-    max_time_s: float = opt(0.0, "stop after this many seconds (0: run until stopped)")
-    eval_interval_steps: int = opt(100, "validation loss every this many inner steps")
-    eval_batches: int = opt(8, "held-out batches per validation (fixed, same on every node)")
-    max_rollbacks: int = opt(3, "non-finite losses rolled back to the last good anchor before "
-                             "the node gives up and stops")
-
-    def gpt(self, vocab_size: int = 256) -> GPTConfig:
-        """The built-in GPT's config (a preset's depth, width and heads if --model names one)."""
-        base = GPTConfig(vocab_size=vocab_size, seq_len=self.seq_len, n_layer=self.n_layer,
-                         n_embd=self.n_embd, n_head=self.n_head)
-        return gpt_config(self.model, base) if self.model in BUILTIN else base
-
-    @property
-    def builtin_model(self) -> bool:
-        return self.model in BUILTIN
-
-    def shard_spec(self) -> tuple[int, int] | None:
-        """(K, N) from ``--shard K/N``, or None."""
-        if not self.shard:
-            return None
-        try:
-            k, n = (int(x) for x in self.shard.split("/"))
-        except ValueError:
-            raise ConfigError(f"--shard={self.shard!r}: expected K/N such as 0/4") from None
-        need(n >= 1 and 0 <= k < n, "shard", self.shard, "needs 0 <= K < N")
-        return k, n
-
-    def validate(self) -> None:
-        need(bool(self.model), "model", self.model, f"a preset ({' | '.join(BUILTIN)}) or a path")
-        need(self.device == "auto" or DEVICE_RE.fullmatch(self.device) is not None, "device",
-             self.device, "choose auto, cpu, cuda, cuda:N or mps")
-        need(self.precision in PRECISIONS, "precision", self.precision,
-             f"choose one of {PRECISIONS}")
-        need(bool(self.tokenizer), "tokenizer", self.tokenizer, "byte, bpe or a path")
-        self._check_sources()
-        need(bool(self.data_field), "data_field", self.data_field, "name a column, e.g. text")
-        for name in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "inner_steps",
-                     "grad_accum",
-                     "torch_threads", "eval_interval_steps", "eval_batches", "lr_horizon_steps"):
-            need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        need(self.n_embd % self.n_head == 0, "n_embd", self.n_embd,
-              f"must be divisible by --n-head={self.n_head}")
-        need(0 < self.lr < 1, "lr", self.lr, "needs 0 < lr < 1 (try 3e-3)")
-        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "needs [0, 1]")
-        need(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
-        need(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
-        need(self.max_steps >= 0, "max_steps", self.max_steps, "must be >= 0 (0: no limit)")
-        need(self.max_time_s >= 0, "max_time_s", self.max_time_s, "must be >= 0 (0: no limit)")
-        self.shard_spec()
-
-
-    def _check_sources(self) -> None:
-        """Paths exist and the optional extras they need are installed (before any start-up)."""
-        hint = "needs the 'hf' extra: pip install 'gasloc_p2p[hf]'"
-        if not self.builtin_model:
-            try:
-                ModelSource.parse(self.model)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            need(find_spec("transformers") is not None, "model", self.model, hint)
-        if self.tokenizer not in ("byte", "bpe"):
-            need(Path(self.tokenizer).expanduser().exists(), "tokenizer", self.tokenizer,
-                 "no such file or directory (byte, bpe or a tokenizer.json / directory)")
-            need(find_spec("tokenizers") is not None, "tokenizer", self.tokenizer, hint)
-        try:
-            streamed = bool(self.data) and stream_files(self.data) is not None
-        except DataError as exc:
-            raise ConfigError(str(exc)) from None
-        need(not streamed or find_spec("datasets") is not None, "data", self.data, hint)
 
 
 @dataclass(frozen=True)
