@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
 Parts: momentum-h10, momentum-h50, async, slow, consensus, gamma-sweep-h100, gamma-sweep-h10,
-graphs (see PARTS). Training runs: n = 4 workers (graphs: 8), 1000 inner steps per worker, the
+graphs, staleness, capacity, mixing (see PARTS). Training runs: n = 4 workers (graphs: 8, capacity: 12), 1000 inner steps per worker, the
 default tiny GPT (2 layers, width 64; 121k parameters) on byte-level Shakespeare, i.i.d.
 shards, int8 payloads. consensus: the pure-consensus toy (repro_consensus.py), no training. Each run is cached as JSON under --cache, so an
 interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the cache.
@@ -123,6 +123,52 @@ def _graphs() -> list[Row]:
     ]
 
 
+def _staleness() -> list[Row]:
+    """Async GASLoC at the slow-link profile of the ``slow`` part (an exchange with the slow
+    worker spans about two of its round ends): the staleness policies side by side."""
+    b = dataclasses.replace(BASE, slow_workers=1, slow_compute_factor=3.0, slow_link_factor=20.0,
+                            bandwidth_mbps=20.0, algorithm="gasloc", mode="async",
+                            graph="complete", gamma=0.0, eta=1.0, participations_per_round=1.0,
+                            H_per_worker=(3, 10, 10, 10), budget="total")
+    r = dataclasses.replace
+    return [
+        ("downweight, max 1 (default)", b),
+        ("drop, max 1", r(b, staleness_policy="drop")),
+        ("keep (no policy)", r(b, staleness_policy="keep")),
+        ("downweight, max 3", r(b, max_staleness=3)),
+    ]
+
+
+def _capacity() -> list[Row]:
+    """n = 12 on the complete graph (degree 11), async: per-peer references ("links") with an
+    LRU of 4, 8 (the daemon's default) and 16 peers, against one per-node error-feedback buffer
+    ("feedback", the default for int8: no per-peer state to evict)."""
+    b = dataclasses.replace(BASE, workers=12, algorithm="gasloc", mode="async",
+                            graph="complete", gamma=0.0, eta=1.0, participations_per_round=1.0)
+    r = dataclasses.replace
+    return [
+        ("feedback (default for int8)", r(b, references="feedback")),
+        ("links, capacity 4", r(b, reference_capacity=4)),
+        ("links, capacity 8", r(b, reference_capacity=8)),
+        ("links, capacity 16", r(b, reference_capacity=16)),
+    ]
+
+
+def _mixing() -> list[Row]:
+    """The gossip weight w below 1/2 (sync, ring, plain averaging), and the two async momentum
+    forms at gamma 0.5, eta 0.5 (equal effective step 1)."""
+    r = dataclasses.replace
+    sync = r(BASE, algorithm="gasloc", graph="ring", gamma=0.0, eta=1.0)
+    asyn = r(BASE, algorithm="gasloc", mode="async", graph="complete", gamma=0.5, eta=0.5,
+             participations_per_round=1.0)
+    return [
+        ("sync ring g0 eta1 w 1/2 (default)", sync),
+        ("sync ring g0 eta1 w 0.3", r(sync, w=0.3)),
+        ("async g0.5 eta0.5 mixed momentum", r(asyn, momentum="mixed")),
+        ("async g0.5 eta0.5 local momentum", r(asyn, momentum="local")),
+    ]
+
+
 PARTS: dict[str, tuple[str, list[Row]]] = {
     "momentum-h10": ("H = 10: outer momentum at equal effective step, NoLoCo, DiLoCo",
                      _momentum(10)),
@@ -137,6 +183,10 @@ PARTS: dict[str, tuple[str, list[Row]]] = {
                         "effective step (0.5 and 0.9 without warm-up: momentum-h10)",
                         _gamma_sweep(10, 10, extra=False)),
     "graphs": ("n = 8: ring against exponential graph, and DiLoCo", _graphs()),
+    "staleness": ("Async at the slow-link profile: staleness policies", _staleness()),
+    "capacity": ("n = 12, complete graph: per-peer reference capacity against per-node "
+                 "error feedback", _capacity()),
+    "mixing": ("Gossip weight below 1/2, and mixed against local momentum", _mixing()),
 }
 # fields added after the first tables: left out of the cache key at their defaults, so the
 # runs cached before them keep their keys

@@ -49,6 +49,7 @@ class AsyncSim:
         self.exchanger: ProtocolExchanger | SimExchanger = (
             SimExchanger(sim.theta0, n, None) if spec is None
             else ProtocolExchanger(self.states, sim.theta0, known, spec, self.acfg,
+                                   capacity=cfg.reference_capacity,
                                    references=cfg.reference_scheme))
         self.neighbours: list[list[int]] = [[] for _ in range(n)]
         for i, j in graph_edges(cfg.graph, n):

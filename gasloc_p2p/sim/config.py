@@ -65,6 +65,8 @@ class SimConfig:
     references: str = opt("auto", "async quantized exchanges: links (per-peer references), "
                                   "feedback (one per-node error-feedback buffer), plain; auto: "
                                   "feedback, plain for 4-bit codecs")
+    reference_capacity: int = opt(8, "async, --references links: peers whose references each "
+                                     "worker keeps (LRU; an evicted link restarts from theta_0)")
     fragments: int = opt(1, "parameter fragments (strided layers); one fragment per exchange or "
                             "sync")
     tau: int = opt(1, "streaming-diloco: inner steps a sync overlaps")
@@ -166,6 +168,7 @@ class SimConfig:
             (_parses(self.codec),
              f"unknown codec {self.codec!r}; choose none or one of {CODEC_NAMES}"),
             (self.dtype in ("float32", "float64"), "--dtype must be float32 or float64"),
+            (self.reference_capacity >= 1, "--reference-capacity must be >= 1"),
             (self.references in REFERENCE_CHOICES,
              f"--references must be one of {', '.join(REFERENCE_CHOICES)}"),
             (self.tokenizer in ("byte", "bpe"), "--tokenizer must be byte or bpe"),
