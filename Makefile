@@ -113,7 +113,7 @@ bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale ben
 	bench-byzantine bench-direction bench-chaos bench-poison bench-soak bench-external
 
 reproduce: setup
-	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,staleness,capacity,mixing
+	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,staleness,capacity,mixing
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

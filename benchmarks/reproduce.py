@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
 Parts: momentum-h10, momentum-h50, async, slow, consensus, gamma-sweep-h100, gamma-sweep-h10,
-graphs, staleness, capacity, mixing (see PARTS). Training runs: n = 4 workers (graphs: 8, capacity: 12), 1000 inner steps per worker, the
+graphs, graphs-16, staleness, capacity, mixing (see PARTS). Training runs: n = 4 workers (graphs: 8, graphs-16: 16, capacity: 12), 1000 inner steps per worker, the
 default tiny GPT (2 layers, width 64; 121k parameters) on byte-level Shakespeare, i.i.d.
 shards, int8 payloads. consensus: the pure-consensus toy (repro_consensus.py), no training. Each run is cached as JSON under --cache, so an
 interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the cache.
@@ -169,6 +169,16 @@ def _mixing() -> list[Row]:
     ]
 
 
+def _graphs16() -> list[Row]:
+    """n = 16: the default GASLoC on a ring (diameter 8) and on the exponential graph."""
+    b = dataclasses.replace(BASE, workers=16, H=10, algorithm="gasloc")
+    r = dataclasses.replace
+    return [
+        ("gasloc sync g0 eta1 ring (default)", r(b, graph="ring")),
+        ("gasloc sync g0 eta1 exponential", r(b, graph="exponential")),
+    ]
+
+
 PARTS: dict[str, tuple[str, list[Row]]] = {
     "momentum-h10": ("H = 10: outer momentum at equal effective step, NoLoCo, DiLoCo",
                      _momentum(10)),
@@ -183,6 +193,7 @@ PARTS: dict[str, tuple[str, list[Row]]] = {
                         "effective step (0.5 and 0.9 without warm-up: momentum-h10)",
                         _gamma_sweep(10, 10, extra=False)),
     "graphs": ("n = 8: ring against exponential graph, and DiLoCo", _graphs()),
+    "graphs-16": ("n = 16: ring against exponential graph", _graphs16()),
     "staleness": ("Async at the slow-link profile: staleness policies", _staleness()),
     "capacity": ("n = 12, complete graph: per-peer reference capacity against per-node "
                  "error feedback", _capacity()),
