@@ -23,6 +23,7 @@ from gasloc_p2p.node.config_network import (  # the sections live in three modul
     NetworkConfig,
 )
 from gasloc_p2p.node.config_train import TrainConfig
+from gasloc_p2p.node.modes.peer_choice import CHOICES as PEER_CHOICES
 from gasloc_p2p.protocol.guard import GuardRule
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
@@ -78,6 +79,10 @@ class GossipConfig:
     reference_capacity: int = opt(8, "peers whose quantization references are kept (LRU, "
                                      "--references links)")
     chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)")
+    peer_choice: str = opt("uniform", "gossip partners: uniform, or bandwidth (prefer peers "
+                           "whose exchanges were measured faster, still exploring)",
+                           choices=PEER_CHOICES)
+    peer_explore: float = opt(0.25, "--peer-choice bandwidth: share of uniform draws")
     busy_retries: int = opt(3, "other peers tried after a BUSY answer")
     connect_fanout: int = opt(3, "connect to this many random peers at once and exchange with "
                                  "the first that answers (dead records then cost no waiting)")
@@ -141,6 +146,9 @@ class GossipConfig:
               "must be >= 0 (0: no cap)")
         need(1024 <= self.chunk_bytes <= MAX_CHUNK_BYTES, "chunk_bytes", self.chunk_bytes,
               f"must be in [1024, {MAX_CHUNK_BYTES}]")
+        need(self.peer_choice in PEER_CHOICES, "peer_choice", self.peer_choice,
+             f"choose one of {PEER_CHOICES}")
+        need(0 <= self.peer_explore <= 1, "peer_explore", self.peer_explore, "must be in [0, 1]")
         need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
         need(self.connect_fanout >= 1, "connect_fanout", self.connect_fanout, "must be >= 1")
         need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")

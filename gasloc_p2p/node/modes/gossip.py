@@ -8,8 +8,9 @@ The loop decides when to exchange, with whom, and which fragment.
 
 Waiting times are exponential with rate ``exchanges_per_round / round duration`` (the round
 duration is estimated from the trainer's recent step time), so each node starts on average
-``exchanges_per_round`` exchanges per round of its own. The partner is a random compatible
-peer: not this node, not one it is already exchanging with, not one in backoff after a failure,
+``exchanges_per_round`` exchanges per round of its own. The partner is a compatible peer drawn
+by ``--peer-choice`` (uniform, or preferring peers measured faster: :mod:`.peer_choice`): not
+this node, not one it is already exchanging with, not one in backoff after a failure,
 and never an unreachable (``--client-mode``) peer: nobody can dial it, it gossips by dialing
 out, so two unreachable nodes are never paired. A BUSY
 answer is not a failure: the loop tries another peer, up to ``busy_retries`` times.
@@ -28,6 +29,7 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig, NodeConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.node.modes.base import Mode, ModeContext, ModeTask
+from gasloc_p2p.node.modes.peer_choice import PeerChooser
 from gasloc_p2p.node.runtime.clock import Clock, WallClock
 from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.transport.exchange import GossipTransport
@@ -125,6 +127,8 @@ class GossipLoop:
                                                gossip.fragment_order, self.rng)
         self.active = active
         self.clock = clock or WallClock()
+        self.chooser = PeerChooser(gossip.peer_choice, gossip.peer_explore, self.rng)
+        exchanger.on_commit = self._committed
 
     def rate_per_s(self) -> float:
         """Exchanges per second this node starts now (0 before the first timed step)."""
@@ -155,7 +159,8 @@ class GossipLoop:
             options = self.book.candidates(exclude)
             if not options:
                 return None
-            picks = self.rng.sample(options, min(len(options), self.cfg.connect_fanout))
+            picks = self.chooser.pick(options, self.cfg.connect_fanout, _peer_id)
+            self._export()
             tried += [p.peer_id for p in picks]
             peer = await self._first_connected(picks)
             if peer is None:
@@ -185,16 +190,16 @@ class GossipLoop:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                winner = None
+                connected = []
                 for task in done:
                     peer, exc = attempts[task], task.exception()
                     if exc is None:
-                        winner = winner or peer
+                        connected.append(peer)
                     else:
                         self.channels.discard(peer.endpoint)
                         self._failed(peer, exc)
-                if winner is not None:
-                    return winner
+                if connected:  # of those connected at once, the most preferred
+                    return min(connected, key=picks.index)
             return None
         finally:
             for task in pending:
@@ -208,11 +213,27 @@ class GossipLoop:
         return await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
                                              peer.peer_id, fragment)
 
+    def _committed(self, outcome: Outcome, seconds: float) -> None:
+        self.chooser.observe(outcome.peer_id, outcome.bytes_sent + outcome.bytes_received,
+                             seconds)
+        self._export()
+
+    def _export(self) -> None:
+        st, ch = self.exchanger.stats, self.chooser
+        if ch.mode != "uniform":
+            st.peer_rates = ch.rates()
+            st.draws_explore, st.draws_exploit = ch.explored, ch.exploited
+
     def _failed(self, peer: PeerInfo, exc: BaseException) -> None:
+        self.chooser.failed(peer.peer_id)
         self.exchanger.stats.failed += 1
         self.exchanger.stats.failures[f"outbound:{type(exc).__name__}"] += 1
         seconds = self.book.failed(peer, self.cfg.backoff_s, self.cfg.max_backoff_s)
         log.debug("exchange with %s failed (backoff %.0f s): %s", safe(peer.peer_id), seconds, exc)
+
+
+def _peer_id(peer: PeerInfo) -> str:
+    return peer.peer_id
 
 
 class ConnectFailed(ExchangeError):

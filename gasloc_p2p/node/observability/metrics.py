@@ -23,6 +23,9 @@ gasloc_exchanges_total{outcome}        counter    gossip exchanges by outcome, s
 gasloc_exchanges_by_role_total{role}   counter    committed exchanges, role initiator|responder
 gasloc_updates_rejected_total          counter    exchanges aborted: implausibly large update
 gasloc_updates_clipped_total           counter    exchanges committed with a clipped weight
+gasloc_peer_throughput_bytes_per       gauge      --peer-choice bandwidth: the throughput this
+_second{peer}                                     node measured with a peer (first 16 chars)
+gasloc_peer_choice_draws_total{kind}   counter    partner draws, kind explore | exploit
 gasloc_sent_bytes_total{codec}         counter    payload bytes sent (Chunk data), by codec
 gasloc_received_bytes_total{codec}     counter    payload bytes received, by codec
 gasloc_exchange_duration_seconds       histogram  wall time of committed exchanges, both roles
@@ -101,6 +104,7 @@ OUTCOMES = (
 ROLES = ("initiator", "responder")
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 LOOP_LAG_PERIOD_S = 0.5
+MAX_PEER_SERIES = 64  # peers exported by gasloc_peer_throughput_bytes_per_second (latest)
 #: (compatible peers known, those dialable now), None before the node knows any
 PeerCounts = Callable[[], "tuple[int, int] | None"]
 #: the mode's per-fragment sync counters (empty but in streaming-diloco mode)
@@ -216,6 +220,17 @@ class NodeCollector(Collector):
         yield CounterMetricFamily("gasloc_updates_rejected", "Exchanges aborted because the "
                                   "peer's update was implausibly large (bounded updates).",
                                   value=x.implausible)
+        rates = GaugeMetricFamily("gasloc_peer_throughput_bytes_per_second",
+                                  "Throughput this node measured on its exchanges with a peer "
+                                  "(--peer-choice bandwidth).", labels=["peer"])
+        for peer, rate in list(x.peer_rates.items())[-MAX_PEER_SERIES:]:
+            rates.add_metric([peer[:16]], rate)
+        yield rates
+        draws = CounterMetricFamily("gasloc_peer_choice_draws", "Partner draws by kind "
+                                    "(--peer-choice bandwidth).", labels=["kind"])
+        for kind, n in (("explore", x.draws_explore), ("exploit", x.draws_exploit)):
+            draws.add_metric([kind], n)
+        yield draws
         yield CounterMetricFamily("gasloc_updates_clipped", "Exchanges committed with a clipped "
                                   "weight: the peer was farther than the guard's soft limit "
                                   "but within its hard limit.", value=x.clipped)

@@ -49,6 +49,9 @@ class ExchangeStats:
     rejected_inbound: int = 0  # inbound exchanges we refused (BUSY or incompatible)
     implausible: int = 0  # exchanges aborted by the bounded-update guard (either side)
     clipped: int = 0  # exchanges this node committed with a clipped weight (its guard)
+    peer_rates: dict[str, float] = field(default_factory=dict)  # measured bytes/s per peer
+    draws_explore: int = 0  # partner draws of --peer-choice bandwidth, by kind
+    draws_exploit: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     staleness: Counter[int] = field(default_factory=Counter)  # round ends spanned -> count

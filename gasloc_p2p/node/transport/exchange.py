@@ -84,6 +84,8 @@ class GossipTransport:
         self._guards: dict[int, RateGuard] = {}  # minimum-rate state of the running sessions
         engine.guard = UpdateGuard(gossip.guard_rule()) if gossip.guard_factor > 0 else None
         self._penalized: dict[str, float] = {}  # peer -> monotonic time its penalty ends
+        # called with every committed exchange and its wall time, either role
+        self.on_commit: Callable[[Outcome, float], None] | None = None
 
     def penalized(self) -> list[str]:
         """Peers left alone (both directions) after an implausible update."""
@@ -319,9 +321,10 @@ class GossipTransport:
             await asyncio.wait_for(stream.write(msg), 1.0)
 
     def _record(self, initiator: bool, outcome: Outcome, started: float) -> Outcome:
-        st = self.stats
-        st.record_commit(time.monotonic() - started, outcome.weight, outcome.correction_norm,
-                         outcome.numel)
+        st, took = self.stats, time.monotonic() - started
+        st.record_commit(took, outcome.weight, outcome.correction_norm, outcome.numel)
+        if self.on_commit is not None:
+            self.on_commit(outcome, took)
         if initiator:
             st.ok_initiator += 1
         else:
