@@ -10,8 +10,8 @@ all at ``--fast-mbit``. Systems: gasloc_p2p's GASLoC (the defaults), gasloc_p2p'
 torchft's DiLoCo (lighthouse + gloo; skipped if torchft is not installed) and hivemind's
 Optimizer with local updates. Same model, generated corpus, AdamW schedule, steps per node,
 eval batches and routine for all (``benchmarks/external/common.py``). Then one GASLoC exchange
-over a ``--slow-mbit`` link against payload / rate. Writes ``external.json``, ``external.md``
-and ``external.png`` into ``--out``; prints the tables. Needs root, ``ip`` and ``tc``.
+over a ``--slow-mbit`` link against payload / rate. Writes ``NAME.json``, ``NAME.md``
+and ``NAME.png`` into ``--out`` (``--name``, default external); prints the tables. Needs root, ``ip`` and ``tc``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="60 steps (a check, not a result)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per system and case")
     p.add_argument("--out", default="docs/results")
+    p.add_argument("--name", default="external", help="output files NAME.json|md|png")
     p.add_argument("--logs", default="", help="keep the nodes' logs here (default: deleted)")
     p.add_argument("--rebuild", action="store_true",
                    help="rewrite the table and plots from --out's external.json (no runs)")
@@ -152,15 +153,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def rebuild(out: Path, args: argparse.Namespace) -> None:
     """Tables and plots again from a finished run's JSON (its runs hold every eval record)."""
-    results = json.loads((out / "external.json").read_text())
+    results = json.loads((out / f"{args.name}.json").read_text())
     summaries = {case: summarize(runs) for case, runs in results["runs"].items()}
     write(out, results, summaries, args)
 
 
 def write(out: Path, results: dict[str, Any], summaries: dict[str, Any],
           args: argparse.Namespace) -> None:
-    (out / "external.json").write_text(json.dumps(results, indent=1))
-    plot(summaries, out / "external.png")
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+    plot(summaries, out / f"{args.name}.png")
     spec = results["spec"]
     text = [f"# External baselines on shaped links\n\n`{results['command']}` "
             f"({results['wall_s'] / 60:.1f} min). {spec['nodes']} nodes, one process and one "
@@ -182,9 +183,9 @@ def write(out: Path, results: dict[str, Any], summaries: dict[str, Any],
                     f"{ex['payload_over_rate_s']:.3f} s: ratio {ex['ratio']:.2f} (goal <= 1.2)\n")
     elif ex is not None:
         text.append("One exchange over the slow link: no exchange completed.\n")
-    text.append("![curves](external.png)\n")
-    (out / "external.md").write_text("\n".join(text))
-    print(f"wrote {out / 'external.json'}, {out / 'external.md'}, {out / 'external.png'}")
+    text.append(f"![curves]({args.name}.png)\n")
+    (out / f"{args.name}.md").write_text("\n".join(text))
+    print(f"wrote {out / args.name}.json|md|png")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ from benchmarks.external.runners import (  # noqa: E402
 
 def test_arguments_and_cases():
     args = parse_args([])
-    assert args.systems == ["gasloc", "gasloc-diloco", "torchft-diloco", "hivemind"]
+    assert args.systems == ["gasloc", "gasloc-diloco", "torchft-diloco", "hivemind",
+                            "gasloc-bw"]
     assert args.cases == ["uneven", "uniform"] and args.steps == 300
     assert parse_args(["--quick", "--systems", "gasloc,hivemind"]).systems == ["gasloc",
                                                                               "hivemind"]

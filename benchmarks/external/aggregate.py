@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 DILOCOS = ("gasloc-diloco", "torchft-diloco", "hivemind")
+COMPARED = (*DILOCOS, "gasloc-bw")  # the default GASLoC against each of these
 
 
 def curve(run: dict[str, Any]) -> list[dict[str, float]]:
@@ -98,7 +99,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     out: dict[str, dict[str, float | None]] = {}
     if g is None:
         return out
-    for name in DILOCOS:
+    for name in COMPARED:
         o = by.get(name)
         if o is None:
             continue

@@ -2,7 +2,7 @@
 on loopback), wait for them to train ``spec.steps`` steps, and collect what they measured.
 
 Systems (:data:`SYSTEMS`): ``gasloc`` (``gasloc-node join`` with its defaults), ``gasloc-diloco``
-(the same daemon, ``--algorithm diloco``), ``torchft-diloco`` (a lighthouse and one replica group
+(the same daemon, ``--algorithm diloco``), ``gasloc-bw`` (``--peer-choice bandwidth``), ``torchft-diloco`` (a lighthouse and one replica group
 per node, gloo on CPU), ``hivemind`` (``hivemind.Optimizer`` with local updates). Every node's
 result has its eval curve, bytes counted at its veth (kernel counters; None on loopback), bytes
 its program counted or estimated, and the peak resident memory of its process group.
@@ -31,7 +31,7 @@ from benchmarks.external.common import (
 from gasloc_p2p.tools.nodes import NodeChild, node_env
 from gasloc_p2p.tools.procs import Child
 
-SYSTEMS = ("gasloc", "gasloc-diloco", "torchft-diloco", "hivemind")
+SYSTEMS = ("gasloc", "gasloc-diloco", "torchft-diloco", "hivemind", "gasloc-bw")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -117,6 +117,8 @@ class _Run:
         flags = flag_list({**self.spec.train_keys(str(self.data), i), "host": host.addr,
                            "log_interval_s": 5, "metrics_port": -1,
                            "init_from_swarm": False})
+        if self.system == "gasloc-bw":
+            flags += ["--peer-choice", "bandwidth"]
         if self.system == "gasloc-diloco":
             flags += ["--algorithm", "diloco", "--diloco-eta", str(self.spec.diloco_eta),
                       "--diloco-gamma", str(self.spec.diloco_gamma)]
@@ -132,7 +134,7 @@ class _Run:
         peers = self.bootstrap(timeout_s)
         self.children += [self._node_in_ns(i, peers) for i in range(len(self.hosts))]
 
-    _start_gasloc_diloco = _start_gasloc
+    _start_gasloc_diloco = _start_gasloc_bw = _start_gasloc
 
     def _node_in_ns(self, i: int, peers: list[str]) -> NodeChild:
         """A NodeChild whose command runs inside host i's namespace."""
