@@ -30,10 +30,12 @@ from benchmarks.external.aggregate import markdown, summarize  # noqa: E402
 from benchmarks.external.common import Spec, make_corpus  # noqa: E402
 from benchmarks.external.exchange import measure_exchange  # noqa: E402
 from benchmarks.external.runners import SYSTEMS, run_system  # noqa: E402
+from gasloc_p2p.sim.analysis import mean_ci  # noqa: E402
 from gasloc_p2p.tools.netns import ShapedNetwork, netns_unavailable  # noqa: E402
 
 
 def case_rates(case: str, nodes: int, fast: float, slow: float) -> list[float]:
+    case = case.split("#")[0]  # "uneven#2": the second repetition of "uneven"
     if case == "uneven":
         return [fast] * (nodes - 1) + [slow]
     if case == "uniform":
@@ -55,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600.0, help="per system and case")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--name", default="external", help="output files NAME.json|md|png")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every case this many times (case#1, case#2, ...; the systems' "
+                        "order reversed every other time) and print paired differences")
     p.add_argument("--logs", default="", help="keep the nodes' logs here (default: deleted)")
     p.add_argument("--rebuild", action="store_true",
                    help="rewrite the table and plots from --out's external.json (no runs)")
@@ -66,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cases = args.cases.split(",")
     for case in args.cases:
         case_rates(case, 2, 1.0, 1.0)
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    if args.repeat > 1:
+        args.cases = [f"{c}#{r}" for r in range(1, args.repeat + 1) for c in args.cases]
     if args.quick:
         args.steps = 60
     return args
@@ -123,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         for case in args.cases:
             rates = case_rates(case, args.nodes, args.fast_mbit, args.slow_mbit)
             runs = []
-            for system in args.systems:
+            rep = int(case.split("#")[1]) if "#" in case else 1
+            order = args.systems[::-1] if rep % 2 == 0 else args.systems
+            for system in order:
                 print(f"[{time.monotonic() - started:6.0f} s] {case}: {system} on "
                       f"{rates} Mbit/s", flush=True)
                 with ShapedNetwork(rates) as net:
@@ -151,6 +162,30 @@ def main(argv: list[str] | None = None) -> None:
     write(out, results, summaries, args)
 
 
+def paired(summaries: dict[str, Any]) -> list[str]:
+    """Over the repetitions of each case: the final loss of every other system minus the
+    default GASLoC's (mean, 95% t half-width, each repetition's difference)."""
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for case, summary in summaries.items():
+        if "#" in case:
+            by_case.setdefault(case.split("#")[0], []).append(summary)
+    lines = []
+    for case, reps in by_case.items():
+        finals = [{r["system"]: r.get("final_loss") for r in s["rows"]} for s in reps]
+        systems = [r["system"] for r in reps[0]["rows"]]
+        base = "gasloc" if "gasloc" in systems else systems[0]
+        for other in (s for s in systems if s != base):
+            diffs = [f[other] - f[base] for f in finals
+                     if f.get(other) is not None and f.get(base) is not None]
+            if len(diffs) < 2:
+                continue
+            mean, half = mean_ci(diffs)
+            lines.append(f"- {case}, {len(diffs)} repetitions: final val loss {other} minus "
+                         f"{base} {mean:+.4f} ± {half:.4f} (95% t; per repetition "
+                         f"{', '.join(f'{d:+.3f}' for d in diffs)})")
+    return ["**Paired over repetitions**\n", *lines, ""] if lines else []
+
+
 def rebuild(out: Path, args: argparse.Namespace) -> None:
     """Tables and plots again from a finished run's JSON (its runs hold every eval record)."""
     results = json.loads((out / f"{args.name}.json").read_text())
@@ -175,6 +210,7 @@ def write(out: Path, results: dict[str, Any], summaries: dict[str, Any],
             f"(gasloc gossip) or estimated from the syncs (torchft, hivemind).\n"]
     for case, summary in summaries.items():
         text.append(markdown(case, summary))
+    text += paired(summaries)
     ex = results.get("exchange")
     if ex and ex.get("exchanges"):
         text.append(f"One GASLoC exchange over {ex['rate_mbit']:g} Mbit/s: "

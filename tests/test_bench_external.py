@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_external import case_rates, parse_args  # noqa: E402
+from benchmarks.bench_external import case_rates, paired, parse_args  # noqa: E402
 from benchmarks.external.aggregate import (  # noqa: E402
     curve,
     markdown,
@@ -154,3 +154,22 @@ def test_torchft_runner_on_loopback(tmp_path):
     for node in run["nodes"]:
         assert node["exit_code"] == 0
         assert node["program_bytes_sent"] > 0  # two syncs of the model
+
+
+def test_repetitions_alternate_and_are_paired():
+    args = parse_args(["--systems", "gasloc,gasloc-bw", "--cases", "uneven", "--repeat", "3"])
+    assert args.cases == ["uneven#1", "uneven#2", "uneven#3"]
+    assert case_rates("uneven#2", 4, 100.0, 5.0) == [100.0, 100.0, 100.0, 5.0]
+    with pytest.raises(SystemExit):
+        parse_args(["--repeat", "0"])
+
+    def rep(a: float, b: float) -> dict:
+        return {"rows": [{"system": "gasloc-bw", "final_loss": b},
+                         {"system": "gasloc", "final_loss": a}]}
+
+    lines = paired({"uneven#1": rep(2.0, 1.9), "uneven#2": rep(2.1, 2.1),
+                    "uneven#3": rep(1.8, 1.6)})
+    assert lines[0].startswith("**Paired")
+    assert "uneven, 3 repetitions: final val loss gasloc-bw minus gasloc -0.1000 ±" in lines[1]
+    assert "-0.100, +0.000, -0.200" in lines[1]
+    assert paired({"uneven": rep(2.0, 1.9)}) == []  # no repetitions, nothing to pair

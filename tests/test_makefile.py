@@ -36,6 +36,8 @@ EXPECTED = {
     "bench-poison": ["benchmarks/bench_poison.py"],
     "bench-soak": ["benchmarks/bench_soak.py"],
     "bench-external": ["pip install", ".[bench-external]", "benchmarks/bench_external.py"],
+    "bench-peer-choice": ["benchmarks/bench_external.py", "--systems gasloc,gasloc-bw",
+                          "--repeat 4"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
 
