@@ -150,8 +150,9 @@ def test_builtin_gpt_exports_as_gpt2_with_equal_logits(tmp_path):
 
 def test_the_config_names_the_missing_extra_before_start(monkeypatch, hf_files):
     from gasloc_p2p.node import config as config_mod
+    from gasloc_p2p.node import config_train
 
-    monkeypatch.setattr(config_mod, "find_spec", lambda name: None)
+    monkeypatch.setattr(config_train, "find_spec", lambda name: None)
     cases = [{"model": str(hf_files["config"])}, {"data": str(hf_files["jsonl"])},
              {"tokenizer": str(hf_files["tok"])}]
     for kw in cases:
