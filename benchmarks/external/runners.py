@@ -2,7 +2,7 @@
 on loopback), wait for them to train ``spec.steps`` steps, and collect what they measured.
 
 Systems (:data:`SYSTEMS`): ``gasloc`` (``gasloc-node join`` with its defaults), ``gasloc-diloco``
-(the same daemon, ``--algorithm diloco``), ``gasloc-bw`` (``--peer-choice bandwidth``), ``torchft-diloco`` (a lighthouse and one replica group
+(the same daemon, ``--algorithm diloco``), ``gasloc-bw`` (``--peer-choice bandwidth``), ``gasloc-solo`` (no gossip; not in "all"), ``torchft-diloco`` (a lighthouse and one replica group
 per node, gloo on CPU), ``hivemind`` (``hivemind.Optimizer`` with local updates). Every node's
 result has its eval curve, bytes counted at its veth (kernel counters; None on loopback), bytes
 its program counted or estimated, and the peak resident memory of its process group.
@@ -32,6 +32,8 @@ from gasloc_p2p.tools.nodes import NodeChild, node_env
 from gasloc_p2p.tools.procs import Child
 
 SYSTEMS = ("gasloc", "gasloc-diloco", "torchft-diloco", "hivemind", "gasloc-bw")
+# not in "all": the same nodes without gossip (--exchanges-per-round 0), a compute-only control
+OPTIONAL_SYSTEMS = ("gasloc-solo",)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -119,6 +121,8 @@ class _Run:
                            "init_from_swarm": False})
         if self.system == "gasloc-bw":
             flags += ["--peer-choice", "bandwidth"]
+        if self.system == "gasloc-solo":
+            flags += ["--exchanges-per-round", "0"]
         if self.system == "gasloc-diloco":
             flags += ["--algorithm", "diloco", "--diloco-eta", str(self.spec.diloco_eta),
                       "--diloco-gamma", str(self.spec.diloco_gamma)]
@@ -134,7 +138,7 @@ class _Run:
         peers = self.bootstrap(timeout_s)
         self.children += [self._node_in_ns(i, peers) for i in range(len(self.hosts))]
 
-    _start_gasloc_diloco = _start_gasloc_bw = _start_gasloc
+    _start_gasloc_diloco = _start_gasloc_bw = _start_gasloc_solo = _start_gasloc
 
     def _node_in_ns(self, i: int, peers: list[str]) -> NodeChild:
         """A NodeChild whose command runs inside host i's namespace."""
@@ -215,8 +219,8 @@ class _Run:
 def run_system(system: str, hosts: Sequence[HostLike], spec: Spec, data: Path, log_dir: Path,
                gateway: str = "127.0.0.1", timeout_s: float = 900.0) -> dict[str, Any]:
     """Run ``system`` on ``hosts`` (one node each) to ``spec.steps`` steps; its results."""
-    if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+    if system not in SYSTEMS + OPTIONAL_SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS + OPTIONAL_SYSTEMS}")
     if system == "torchft-diloco" and (reason := torchft_unavailable()):
         return {"system": system, "skipped": reason, "nodes": []}
     run = _Run(system, hosts, spec, data, log_dir, gateway)
