@@ -184,7 +184,27 @@ def paired(summaries: dict[str, Any]) -> list[str]:
             lines.append(f"- {case}, {len(diffs)} repetitions: final val loss {other} minus "
                          f"{base} {mean:+.4f} ± {half:.4f} (95% t; per repetition "
                          f"{', '.join(f'{d:+.3f}' for d in diffs)})")
+        lines += _throughput_ratios(case, reps, systems)
     return ["**Paired over repetitions**\n", *lines, ""] if lines else []
+
+
+def _throughput_ratios(case: str, reps: list[dict[str, Any]], systems: list[str]) -> list[str]:
+    """With the no-gossip control in the run: each system's tokens/s per node as a share of
+    the control's, paired by repetition (the compute utilization seen from outside)."""
+    if "gasloc-solo" not in systems:
+        return []
+    lines = []
+    rates = [{r["system"]: r.get("tokens_per_s_per_node") for r in s["rows"]} for s in reps]
+    for other in (s for s in systems if s != "gasloc-solo"):
+        shares = [f[other] / f["gasloc-solo"] for f in rates
+                  if f.get(other) and f.get("gasloc-solo")]
+        if len(shares) < 2:
+            continue
+        mean, half = mean_ci(shares)
+        lines.append(f"- {case}, {len(shares)} repetitions: tokens/s per node {other} / "
+                     f"gasloc-solo {mean:.3f} ± {half:.3f} (95% t; per repetition "
+                     f"{', '.join(f'{x:.3f}' for x in shares)})")
+    return lines
 
 
 def rebuild(out: Path, args: argparse.Namespace) -> None:

@@ -97,7 +97,9 @@ def test_daemon_and_simulator_exchanges_are_bit_identical(codec):
                 link = sim.engines[i].refs.get(ids[j])
                 want = torch.tensor(weight) * (fragments()[frag].gather(link.ref_in)
                                                - fragments()[frag].gather(link.ref_out))
-                assert daemon_out.correction_norm == pytest.approx(float(want.norm()), rel=1e-6)
+                # the states are bit-identical (above); the norm is a float32 reduction whose
+                # summation order depends on torch's threads: 1e-6 failed once (1.1e-6)
+                assert daemon_out.correction_norm == pytest.approx(float(want.norm()), rel=1e-5)
             assert peers[0].engine.refs.get(ids[1]).version == 2  # reset once, then one more
             assert not torch.equal(peers[0].state.theta, start)  # the exchanges did something
         finally:

@@ -38,6 +38,8 @@ EXPECTED = {
     "bench-external": ["pip install", ".[bench-external]", "benchmarks/bench_external.py"],
     "bench-peer-choice": ["benchmarks/bench_external.py", "--systems gasloc,gasloc-bw",
                           "--repeat 4"],
+    "bench-pacing": ["benchmarks/bench_external.py", "--systems gasloc,gasloc-paced,gasloc-solo",
+                     "--repeat 3"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
 

@@ -2,7 +2,8 @@
 on loopback), wait for them to train ``spec.steps`` steps, and collect what they measured.
 
 Systems (:data:`SYSTEMS`): ``gasloc`` (``gasloc-node join`` with its defaults), ``gasloc-diloco``
-(the same daemon, ``--algorithm diloco``), ``gasloc-bw`` (``--peer-choice bandwidth``), ``gasloc-solo`` (no gossip; not in "all"), ``torchft-diloco`` (a lighthouse and one replica group
+(the same daemon, ``--algorithm diloco``), ``gasloc-bw`` (``--peer-choice bandwidth``), ``gasloc-solo`` (no gossip) and ``gasloc-paced``
+(``--pacing compute``; these two not in "all"), ``torchft-diloco`` (a lighthouse and one replica group
 per node, gloo on CPU), ``hivemind`` (``hivemind.Optimizer`` with local updates). Every node's
 result has its eval curve, bytes counted at its veth (kernel counters; None on loopback), bytes
 its program counted or estimated, and the peak resident memory of its process group.
@@ -25,6 +26,7 @@ from benchmarks.external.common import (
     Spec,
     flag_list,
     gasloc_evals,
+    gasloc_pacing,
     gasloc_sent_bytes,
     read_records,
 )
@@ -33,7 +35,8 @@ from gasloc_p2p.tools.procs import Child
 
 SYSTEMS = ("gasloc", "gasloc-diloco", "torchft-diloco", "hivemind", "gasloc-bw")
 # not in "all": the same nodes without gossip (--exchanges-per-round 0), a compute-only control
-OPTIONAL_SYSTEMS = ("gasloc-solo",)
+# and the defaults with adaptive pacing (--pacing compute)
+OPTIONAL_SYSTEMS = ("gasloc-solo", "gasloc-paced")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -123,6 +126,8 @@ class _Run:
             flags += ["--peer-choice", "bandwidth"]
         if self.system == "gasloc-solo":
             flags += ["--exchanges-per-round", "0"]
+        if self.system == "gasloc-paced":
+            flags += ["--pacing", "compute"]
         if self.system == "gasloc-diloco":
             flags += ["--algorithm", "diloco", "--diloco-eta", str(self.spec.diloco_eta),
                       "--diloco-gamma", str(self.spec.diloco_gamma)]
@@ -138,7 +143,7 @@ class _Run:
         peers = self.bootstrap(timeout_s)
         self.children += [self._node_in_ns(i, peers) for i in range(len(self.hosts))]
 
-    _start_gasloc_diloco = _start_gasloc_bw = _start_gasloc_solo = _start_gasloc
+    _start_gasloc_diloco = _start_gasloc_bw = _start_gasloc_solo = _start_gasloc_paced = _start_gasloc
 
     def _node_in_ns(self, i: int, peers: list[str]) -> NodeChild:
         """A NodeChild whose command runs inside host i's namespace."""
@@ -205,7 +210,7 @@ class _Run:
             sent = gasloc_sent_bytes(err)
             done = {"program_bytes_sent": sent,
                     "program_bytes_kind": "counted: gossip payload" if sent is not None
-                    else "not counted by the program (DiLoCo mode)"}
+                    else "not counted by the program (DiLoCo mode)", **gasloc_pacing(err)}
         else:
             records = read_records(out)
             evals = [r for r in records if r.get("event") == "eval"]
@@ -213,7 +218,9 @@ class _Run:
         return {"name": child.name, "exit_code": child.proc.returncode, "evals": evals,
                 "program_bytes_sent": done.get("program_bytes_sent"),
                 "program_bytes_kind": done.get("program_bytes_kind", ""),
-                "rate_mbit": self.hosts[i].rate_mbit}
+                "rate_mbit": self.hosts[i].rate_mbit,
+                "utilization_est": done.get("utilization_est"),
+                "starts_per_round": done.get("starts_per_round")}
 
 
 def run_system(system: str, hosts: Sequence[HostLike], spec: Spec, data: Path, log_dir: Path,

@@ -23,6 +23,7 @@ from gasloc_p2p.node.config_network import (  # the sections live in three modul
     NetworkConfig,
 )
 from gasloc_p2p.node.config_train import TrainConfig
+from gasloc_p2p.node.modes.pacing import MODES as PACING_MODES
 from gasloc_p2p.node.modes.peer_choice import CHOICES as PEER_CHOICES
 from gasloc_p2p.protocol.guard import GuardRule
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
@@ -83,6 +84,13 @@ class GossipConfig:
                            "whose exchanges were measured faster, still exploring)",
                            choices=PEER_CHOICES)
     peer_explore: float = opt(0.25, "--peer-choice bandwidth: share of uniform draws")
+    pacing: str = opt("off", "off: start --exchanges-per-round | compute: start fewer (down to "
+                      "--pacing-min-rate) while exchange work takes more than 1 - "
+                      "--pacing-target of the node's time", choices=PACING_MODES)
+    pacing_target: float = opt(0.95, "--pacing compute: keep compute at least this share of "
+                               "compute + exchange work")
+    pacing_min_rate: float = opt(0.5, "--pacing compute: always start at least this many "
+                                 "exchanges per round (at most --exchanges-per-round)")
     busy_retries: int = opt(3, "other peers tried after a BUSY answer")
     connect_fanout: int = opt(3, "connect to this many random peers at once and exchange with "
                                  "the first that answers (dead records then cost no waiting)")
@@ -149,6 +157,10 @@ class GossipConfig:
         need(self.peer_choice in PEER_CHOICES, "peer_choice", self.peer_choice,
              f"choose one of {PEER_CHOICES}")
         need(0 <= self.peer_explore <= 1, "peer_explore", self.peer_explore, "must be in [0, 1]")
+        need(self.pacing in PACING_MODES, "pacing", self.pacing, f"choose one of {PACING_MODES}")
+        need(0 < self.pacing_target < 1, "pacing_target", self.pacing_target,
+             "must be in (0, 1), e.g. 0.95")
+        need(self.pacing_min_rate >= 0, "pacing_min_rate", self.pacing_min_rate, "must be >= 0")
         need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
         need(self.connect_fanout >= 1, "connect_fanout", self.connect_fanout, "must be >= 1")
         need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")

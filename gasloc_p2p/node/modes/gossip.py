@@ -8,7 +8,9 @@ The loop decides when to exchange, with whom, and which fragment.
 
 Waiting times are exponential with rate ``exchanges_per_round / round duration`` (the round
 duration is estimated from the trainer's recent step time), so each node starts on average
-``exchanges_per_round`` exchanges per round of its own. The partner is a compatible peer drawn
+``exchanges_per_round`` exchanges per round of its own; with ``--pacing compute`` the
+:class:`~.pacing.Pacer` lowers that rate while exchange work takes too much of the node's time
+(re-estimated about once a round; the waits are memoryless, so a rate change applies at once). The partner is a compatible peer drawn
 by ``--peer-choice`` (uniform, or preferring peers measured faster: :mod:`.peer_choice`): not
 this node, not one it is already exchanging with, not one in backoff after a failure,
 and never an unreachable (``--client-mode``) peer: nobody can dial it, it gossips by dialing
@@ -29,6 +31,7 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig, NodeConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.node.modes.base import Mode, ModeContext, ModeTask
+from gasloc_p2p.node.modes.pacing import Counters, Pacer
 from gasloc_p2p.node.modes.peer_choice import PeerChooser
 from gasloc_p2p.node.runtime.clock import Clock, WallClock
 from gasloc_p2p.node.runtime.stats import TrainStats
@@ -41,6 +44,7 @@ from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
+_PACE_MIN_S = 2.0  # shortest pacing window (a round, at least this)
 
 
 class PeerBook:
@@ -128,22 +132,43 @@ class GossipLoop:
         self.active = active
         self.clock = clock or WallClock()
         self.chooser = PeerChooser(gossip.peer_choice, gossip.peer_explore, self.rng)
+        self.pacer = Pacer(gossip.pacing_target, gossip.exchanges_per_round,
+                           gossip.pacing_min_rate, enabled=gossip.pacing == "compute")
+        self._paced_at = -float("inf")
         exchanger.on_commit = self._committed
 
     def rate_per_s(self) -> float:
         """Exchanges per second this node starts now (0 before the first timed step)."""
         round_s = self.train_stats.round_duration_s(self.inner_steps)
-        if self.cfg.exchanges_per_round <= 0 or round_s <= 0:
+        if self.pacer.per_round <= 0 or round_s <= 0:
             return 0.0
-        return self.cfg.exchanges_per_round / round_s
+        return self.pacer.per_round / round_s
+
+    def pace(self) -> None:
+        """Feed the pacer the trainer's counters when a window (a round, >= 2 s) has passed."""
+        now = self.clock.monotonic()
+        if now - self._paced_at < max(self.train_stats.round_duration_s(self.inner_steps),
+                                      _PACE_MIN_S):
+            return
+        self._paced_at = now
+        t = self.train_stats
+        self.pacer.update(Counters(t.timed_steps, t.train_s, t.quiet_steps, t.quiet_s))
+        x = self.exchanger.stats
+        x.utilization, x.starts_per_round = self.pacer.utilization, self.pacer.per_round
 
     async def run(self) -> None:
         while True:
+            self.pace()
             rate = self.rate_per_s()
             if rate <= 0 or not self.active():
                 await self.clock.sleep(_IDLE_S)
                 continue
-            await self.clock.sleep(self.rng.expovariate(rate))
+            wait = self.rng.expovariate(rate)
+            window = max(self.train_stats.round_duration_s(self.inner_steps), _PACE_MIN_S)
+            if wait > window:  # memoryless: sleep one window, re-pace, draw again
+                await self.clock.sleep(window)
+                continue
+            await self.clock.sleep(wait)
             try:
                 await self.gossip_once()
             except Exception:  # a bug must not end gossip: log it, keep training and serving
@@ -289,6 +314,7 @@ class GossipMode(Mode):
                                 cfg.gossip.reference_capacity, scheme)
         self._exchanger = GossipTransport(ctx.me, engine, cfg.gossip, cfg.outer.async_config(),
                                     stats=ctx.exchange_stats)
+        trainer.exchange_work = ctx.exchange_stats  # quiet steps, for --pacing
         self.book = PeerBook(ctx.me.peer_id, ctx.clock)
         self.book.update(ctx.peers())
         self.loop = GossipLoop(self._exchanger, self.book, ctx.channels, cfg.gossip, cfg.network,
@@ -338,7 +364,8 @@ class GossipMode(Mode):
         stale = sum(n for k, n in x.staleness.items() if k > limit)
         return (f"exchanges ok {x.ok} (init {x.ok_initiator} resp {x.ok_responder}) failed "
                 f"{x.failed} busy {x.busy} stale {stale} | sent {x.bytes_sent / 1e6:.2f} MB "
-                f"recv {x.bytes_received / 1e6:.2f} MB")
+                f"recv {x.bytes_received / 1e6:.2f} MB | util {x.utilization:.3f} "
+                f"starts/round {x.starts_per_round:.2f}")
 
     async def stop(self) -> None:
         if self._exchanger is not None:

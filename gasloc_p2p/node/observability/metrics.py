@@ -26,6 +26,10 @@ gasloc_updates_clipped_total           counter    exchanges committed with a cli
 gasloc_peer_throughput_bytes_per       gauge      --peer-choice bandwidth: the throughput this
 _second{peer}                                     node measured with a peer (first 16 chars)
 gasloc_peer_choice_draws_total{kind}   counter    partner draws, kind explore | exploit
+gasloc_compute_utilization             gauge      estimated compute / (compute + exchange work),
+                                                  EMA over windows of a round (:mod:`pacing`)
+gasloc_gossip_starts_per_round         gauge      exchanges per round this node starts now
+                                                  (--exchanges-per-round, or less: --pacing)
 gasloc_sent_bytes_total{codec}         counter    payload bytes sent (Chunk data), by codec
 gasloc_received_bytes_total{codec}     counter    payload bytes received, by codec
 gasloc_exchange_duration_seconds       histogram  wall time of committed exchanges, both roles
@@ -231,6 +235,13 @@ class NodeCollector(Collector):
         for kind, n in (("explore", x.draws_explore), ("exploit", x.draws_exploit)):
             draws.add_metric([kind], n)
         yield draws
+        for name, doc, value in (
+                ("gasloc_compute_utilization", "Estimated compute / (compute + exchange work) "
+                 "of this node (EMA over windows of a round).", x.utilization),
+                ("gasloc_gossip_starts_per_round", "Exchanges per round this node starts now "
+                 "(--exchanges-per-round, or fewer with --pacing compute).", x.starts_per_round)):
+            if math.isfinite(value):
+                yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("gasloc_updates_clipped", "Exchanges committed with a clipped "
                                   "weight: the peer was farther than the guard's soft limit "
                                   "but within its hard limit.", value=x.clipped)

@@ -64,6 +64,10 @@ class ExchangeStats:
     duration_s: Buckets = field(default_factory=lambda: Buckets(DURATION_BUCKETS_S))
     # EMA over commits of ||p_i - p_j||^2 / fragment numel (see record_commit); NaN before one
     consensus: float = math.nan
+    work_active: int = 0  # exchange work sections (check/prepare/commit) running now
+    work_started: int = 0  # ... started so far (the trainer reads both: quiet steps)
+    utilization: float = math.nan  # the pacer's estimate: quiet step time / mean step time
+    starts_per_round: float = math.nan  # exchanges per round the gossip loop starts now
 
     @property
     def ok(self) -> int:
@@ -105,6 +109,10 @@ class TrainStats:
     tokens: int = 0
     tokens_per_s: float = 0.0
     step_time_s: float = 0.0  # EMA of one inner step's wall time
+    timed_steps: int = 0  # inner steps timed since start, and their wall time (--pacing)
+    train_s: float = 0.0
+    quiet_steps: int = 0  # steps that overlapped no exchange work, and their wall time
+    quiet_s: float = 0.0
     train_loss: float = math.nan
     val_loss: float = math.nan
     first_val_loss: float = math.nan

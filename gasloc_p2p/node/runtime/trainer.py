@@ -29,7 +29,7 @@ from gasloc_p2p.model import layer_index
 from gasloc_p2p.model_spec import BuiltModel, build
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
 from gasloc_p2p.train import (
     AdamWConfig,
     InnerLoop,
@@ -88,6 +88,9 @@ class Trainer:
         self.cfg = cfg
         self.lock = lock
         self.stats = stats
+        # the gossip transport's counters of exchange work in flight (set by the gossip mode):
+        # steps that overlap none are "quiet" (TrainStats.quiet_steps, --pacing)
+        self.exchange_work: ExchangeStats | None = None
         self.device = resolve_device(cfg.device)
         self.data = load_data(cfg, cfg.seed)  # first: the tokenizer sets the vocabulary
         built = build_node_model(cfg, self.data.tokenizer.vocab_size)
@@ -160,6 +163,8 @@ class Trainer:
         mark = self._data_mark()  # where the next step's batch comes from
         # Host-to-device copies before the lock: gossip commits wait only for the step itself.
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        work = self.exchange_work
+        before = (work.work_started, work.work_active) if work is not None else None
         t0 = time.perf_counter()
         with self.lock.step():
             loss = self.inner.step(x, y, st.step)
@@ -174,6 +179,11 @@ class Trainer:
             return float(loss.detach())
         dt = time.perf_counter() - t0
         st.step_time_s = dt if st.step_time_s == 0 else _EMA * st.step_time_s + (1 - _EMA) * dt
+        st.timed_steps += 1
+        st.train_s += dt
+        if work is None or (work.work_active == 0 and before == (work.work_started, 0)):
+            st.quiet_steps += 1  # no exchange work ran during this step
+            st.quiet_s += dt
         st.tokens += y.numel()
         st.tokens_per_s = y.numel() / st.step_time_s
         st.train_loss = float(loss.detach())

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 # Opens an Exchange call on the peer: a MessageStream that also has done_writing/cancel/code.
 CallFactory = Callable[[], Any]
 Write = Callable[[pb.ExchangeMsg], Awaitable[None]]
+T = TypeVar("T")
 _MAX_PENALIZED = 1024  # peers remembered as penalized (bounded memory)
 
 
@@ -264,16 +265,27 @@ class GossipTransport:
             return session.prepared(await self._prepare(act))
         if isinstance(act, Check):
             try:
-                received = await asyncio.to_thread(self.engine.check, act.codec, act.numel,
-                                                   act.payload, act.crc32, act.prep)
+                received = await self._work(self.engine.check, act.codec, act.numel,
+                                            act.payload, act.crc32, act.prep)
             except ValueError as exc:
                 return session.check_failed(exc)
             return session.checked(received)
         raise AssertionError(f"unexpected action {act!r}")
 
     async def _prepare(self, act: Prepare) -> Any:
-        return await asyncio.to_thread(self.engine.prepare, act.peer_id, act.fragment,
-                                       act.codec, act.reset)
+        return await self._work(self.engine.prepare, act.peer_id, act.fragment, act.codec,
+                                act.reset)
+
+    async def _work(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread, marked as exchange work for the trainer's timing
+        (steps that overlap no exchange work are its "quiet" steps, see ``--pacing``)."""
+        st = self.stats
+        st.work_active += 1
+        st.work_started += 1
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            st.work_active -= 1
 
     async def _send_payload(self, write: Write, act: SendPayload) -> None:
         for piece in chunks(act.payload, self.cfg.chunk_bytes):
@@ -284,8 +296,8 @@ class GossipTransport:
     async def _apply(self, session: ExchangeSession, act: Apply) -> Outcome:
         """Apply in a thread; shielded so a cancellation cannot split a commit."""
         pinned = tuple(self.inflight)
-        job = asyncio.ensure_future(asyncio.to_thread(self.engine.commit, act.prep, act.received,
-                                                      act.weight, pinned))
+        job = asyncio.ensure_future(self._work(self.engine.commit, act.prep, act.received,
+                                               act.weight, pinned))
         norm = await asyncio.shield(job)
         (done,) = session.applied(norm)
         assert isinstance(done, Done)
