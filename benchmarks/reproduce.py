@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
 Parts: momentum-h10, momentum-h50, async, slow, consensus, gamma-sweep-h100, gamma-sweep-h10,
-graphs, graphs-16, staleness, capacity, mixing (see PARTS). Training runs: n = 4 workers (graphs: 8, graphs-16: 16, capacity: 12), 1000 inner steps per worker, the
+graphs, graphs-16, staleness, capacity, mixing, references, references-int4 (see PARTS). Training runs: n = 4
+workers (graphs and references: 8, graphs-16: 16, capacity: 12), 1000 inner steps per worker, the
 default tiny GPT (2 layers, width 64; 121k parameters) on byte-level Shakespeare, i.i.d.
 shards, int8 payloads. consensus: the pure-consensus toy (repro_consensus.py), no training. Each run is cached as JSON under --cache, so an
 interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the cache.
@@ -169,6 +170,19 @@ def _mixing() -> list[Row]:
     ]
 
 
+def _references(codec: str) -> list[Row]:
+    """n = 8, complete graph, async (one participation per round): the three reference
+    schemes at equal bytes (same codec, same schedule), the codec's default first; every
+    worker evaluated (worst worker, consensus distance)."""
+    b = dataclasses.replace(BASE, workers=8, algorithm="gasloc", mode="async", graph="complete",
+                            gamma=0.0, eta=1.0, participations_per_round=1.0, codec=codec,
+                            eval_workers=True)
+    default = "feedback" if codec == "int8" else "plain"
+    schemes = [default] + [s for s in ("links", "feedback", "plain") if s != default]
+    return [(f"{codec} {s}" + (" (default)" if s == default else ""),
+             dataclasses.replace(b, references=s)) for s in schemes]
+
+
 def _graphs16() -> list[Row]:
     """n = 16: the default GASLoC on a ring (diameter 8) and on the exponential graph."""
     b = dataclasses.replace(BASE, workers=16, H=10, algorithm="gasloc")
@@ -198,6 +212,10 @@ PARTS: dict[str, tuple[str, list[Row]]] = {
     "capacity": ("n = 12, complete graph: per-peer reference capacity against per-node "
                  "error feedback", _capacity()),
     "mixing": ("Gossip weight below 1/2, and mixed against local momentum", _mixing()),
+    "references": ("n = 8: quantization reference schemes at equal bytes, int8",
+                   _references("int8")),
+    "references-int4": ("n = 8: quantization reference schemes at equal bytes, int4",
+                        _references("int4")),
 }
 # fields added after the first tables: left out of the cache key at their defaults, so the
 # runs cached before them keep their keys
@@ -250,6 +268,9 @@ def table(part: str, group: dict[str, list[dict[str, Any]]]) -> list[str]:
         head.append(f"speed-up to {targets[-2]} vs first row")
     if part == "async":
         head.append("participations/round (measured)")
+    workers = part.startswith("references")
+    if workers:
+        head += ["worst worker @100%", "consensus @100%"]
     warmups = part.startswith("gamma-sweep")
     if warmups:
         head.append("Δ vs same gamma without warm-up @100% (paired)")
@@ -284,6 +305,9 @@ def table(part: str, group: dict[str, list[dict[str, Any]]]) -> list[str]:
             parts = [r["stats"].get("participations_per_round") for r in runs]
             cells.append("1 (sync matching)" if None in parts
                          else f"{mean_ci([float(p) for p in parts])[0]:.2f}")
+        if workers:
+            cells.append(_fmt(mean_ci([r["final"]["worst_val_loss"] for r in runs])))
+            cells.append(f"{mean_ci([r['final']['consensus'] for r in runs])[0]:.3g}")
         if warmups:
             cells.append(_versus(runs, group.get(name.split(", warm-up")[0], []))
                          if ", warm-up" in name else "")

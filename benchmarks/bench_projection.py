@@ -1,0 +1,224 @@
+"""Project compute utilization past one machine: GASLoC, DiLoCo and Streaming DiLoCo at
+n = 64 and 256 against link speed, from the profile measured on real nodes, and for a
+1B-parameter model (``gasloc_p2p.sim.projection``; timing only, no training).
+
+The measured profile comes from a ``bench_external.py`` run with the no-gossip control
+(``make bench-pacing`` writes ``docs/results/pacing.json``): the step time is the control's
+(``gasloc-solo``) tokens/s per node; the work one exchange takes from training is what the
+default GASLoC lost against the control, divided by its exchanges per node per round (payload
+bytes it sent / bytes of one payload). The 1B profile's numbers are assumptions, printed with
+the table. Writes ``docs/results/projection.{json,md,png}``; about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gasloc_p2p.core.codecs import get_codec  # noqa: E402
+from gasloc_p2p.sim.projection import Profile, min_link_for, project  # noqa: E402
+
+METHODS = ("gasloc", "gasloc-paced", "diloco", "streaming-diloco")
+LINKS_MBIT = (1.0, 5.0, 10.0, 100.0, 1000.0)
+UTILIZATIONS = (0.5, 0.8, 0.9, 0.95, 0.99)
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
+
+
+def suite_numel() -> int:
+    """Parameters of the external suite's GPT (2 layers x 128, vocabulary 256, context 64)."""
+    from benchmarks.external.common import Spec
+    from gasloc_p2p.model import GPTConfig, build_model
+    s = Spec()
+    cfg = GPTConfig(vocab_size=256, seq_len=s.seq_len, n_layer=s.n_layer, n_embd=s.n_embd,
+                    n_head=s.n_head)
+    return sum(p.numel() for p in build_model(cfg, 0).parameters())
+
+
+def measured_profile(path: Path) -> tuple[dict[str, Any], str]:
+    """Step time, payload and exchange work from a bench_external run with gasloc-solo."""
+    from benchmarks.external.aggregate import summarize
+    results = json.loads(path.read_text())
+    spec = results["spec"]
+    numel = suite_numel()
+    payload = get_codec("int8").wire_bytes(numel)
+    steps_s, works, rates = [], [], []
+    for runs in results["runs"].values():
+        rows = {r["system"]: r for r in summarize(runs)["rows"]}
+        solo, gossip = rows.get("gasloc-solo"), rows.get("gasloc")
+        if not solo or not gossip:
+            continue
+        tokens_per_step = spec["batch_size"] * spec["seq_len"]
+        step_s = tokens_per_step / solo["tokens_per_s_per_node"]
+        u = gossip["tokens_per_s_per_node"] / solo["tokens_per_s_per_node"]
+        rounds = spec["steps"] / spec["inner_steps"]
+        per_round = gossip["program_mb_per_node"] * 1e6 / payload / rounds
+        steps_s.append(step_s)
+        rates.append(per_round)
+        works.append(max(0.0, 1 / u - 1) * step_s * spec["inner_steps"] / per_round)
+    if not steps_s:
+        raise SystemExit(f"{path}: no repetition with both gasloc and gasloc-solo")
+    mean = sum(steps_s) / len(steps_s), sum(works) / len(works), sum(rates) / len(rates)
+    prof = {"name": "measured", "numel": numel, "step_s": mean[0], "inner_steps":
+            spec["inner_steps"], "payload_bytes": payload, "work_s": mean[1],
+            "measured_participations_per_round": mean[2]}
+    how = (f"from {path.name} ({len(steps_s)} repetitions, {spec['nodes']} real nodes, uneven "
+           f"links): GPT {numel:,} parameters, int8 payload {payload / 1e6:.3f} MB, step "
+           f"{mean[0] * 1e3:.1f} ms (no-gossip control), H = {spec['inner_steps']}, exchange "
+           f"work {mean[1] * 1e3:.1f} ms of training time per participation (default GASLoC: "
+           f"{mean[2]:.2f} participations per node per round)")
+    return prof, how
+
+
+def billion_profile(step_s: float, inner_steps: int, work_s: float) -> tuple[dict[str, Any], str]:
+    numel = 10**9
+    payload = get_codec("int8").wire_bytes(numel)
+    prof = {"name": "1B", "numel": numel, "step_s": step_s, "inner_steps": inner_steps,
+            "payload_bytes": payload, "work_s": work_s}
+    how = (f"assumed: 1B parameters, int8 payload {payload / 1e9:.3f} GB for every method (torchft's "
+           f"DiLoCo sends fp32: 4x), step {step_s:g} s (128k tokens per step at 6 N FLOPs per "
+           f"token on one H100 at 40% MFU is about 2 s), H = {inner_steps}, exchange work "
+           f"{work_s:g} s per participation (device codecs)")
+    return prof, how
+
+
+def profile_at(prof: dict[str, Any], nodes: int, links: tuple[float, ...]) -> Profile:
+    return Profile(nodes=nodes, step_s=prof["step_s"], inner_steps=prof["inner_steps"],
+                   payload_bytes=prof["payload_bytes"], allreduce_bytes=prof["payload_bytes"],
+                   link_bps=links, work_s=prof["work_s"])
+
+
+def link_cases(nodes: int) -> list[tuple[str, tuple[float, ...]]]:
+    cases = [(f"{m:g}", (m * MBIT,) * nodes) for m in LINKS_MBIT]
+    slow = nodes // 4  # the suite's uneven case: a quarter of the nodes at 5, the rest at 100
+    cases.append(("uneven 100/5", (100 * MBIT,) * (nodes - slow) + (5 * MBIT,) * slow))
+    return cases
+
+
+def run(prof: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
+    rows, needed = [], []
+    for n in sizes:
+        for label, links in link_cases(n):
+            p = profile_at(prof, n, links)
+            row: dict[str, Any] = {"nodes": n, "links_mbit": label}
+            for m in METHODS:
+                q = project(m, p)
+                row[m] = {"utilization": q.utilization, "exchange_s": q.exchange_s,
+                          "participations_per_round": q.participations_per_round}
+            rows.append(row)
+        base = profile_at(prof, n, (MBIT,) * n)
+        for u in UTILIZATIONS:
+            # paced GASLoC holds utilization by gossiping less: "the link it needs" is not
+            # a question it answers, its rows above show what it gives up instead
+            need = {m: min_link_for(m, base, u) for m in METHODS if m != "gasloc-paced"}
+            needed.append({"nodes": n, "utilization": u,
+                           **{m: (b / MBIT if b else None) for m, b in need.items()}})
+    return {"profile": prof, "rows": rows, "needed_mbit": needed}
+
+
+def _f(v: float | None, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def markdown(name: str, how: str, res: dict[str, Any]) -> str:
+    lines = [f"### {name}", "", how, "",
+             "| n | link Mbit/s | DiLoCo util | Streaming DiLoCo util | GASLoC util | GASLoC "
+             "participations / node / round | GASLoC paced util | paced participations | "
+             "GASLoC exchange s | DiLoCo sync s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        g, gp, d, s = r["gasloc"], r["gasloc-paced"], r["diloco"], r["streaming-diloco"]
+        lines.append(f"| {r['nodes']} | {r['links_mbit']} | {_f(d['utilization'], '.1%')} | "
+                     f"{_f(s['utilization'], '.1%')} | {_f(g['utilization'], '.1%')} | "
+                     f"{_f(g['participations_per_round'], '.2f')} | "
+                     f"{_f(gp['utilization'], '.1%')} | "
+                     f"{_f(gp['participations_per_round'], '.2f')} | {_f(g['exchange_s'], '.3g')} | "
+                     f"{_f(d['exchange_s'], '.3g')} |")
+    lines += ["", "Uniform link rate (Mbit/s) needed for a compute utilization (GASLoC: and at "
+              "least one participation per node per round; '-': not reached at any rate, the "
+              "exchange work alone costs more):", "",
+              "| n | utilization | DiLoCo | Streaming DiLoCo | GASLoC |", "|---|---|---|---|---|"]
+    for r in res["needed_mbit"]:
+        lines.append(f"| {r['nodes']} | {r['utilization']:.0%} | {_f(r['diloco'], '.3g')} | "
+                     f"{_f(r['streaming-diloco'], '.3g')} | {_f(r['gasloc'], '.3g')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
+    for ax, (name, res) in zip(axes[0], results.items(), strict=True):
+        for n, style in ((64, "-"), (256, "--")):
+            rows = [r for r in res["rows"] if r["nodes"] == n and r["links_mbit"] != "uneven 100/5"]
+            x = [float(r["links_mbit"]) for r in rows]
+            for m, color in zip(METHODS, ("C0", "C3", "C1", "C2"), strict=True):
+                ax.plot(x, [r[m]["utilization"] for r in rows], style, color=color,
+                        label=f"{m} n={n}")
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate, Mbit/s (every node)")
+        ax.set_ylabel("compute utilization")
+        ax.set_title(name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--measured", default="docs/results/pacing.json",
+                   help="a bench_external run with gasloc and gasloc-solo")
+    p.add_argument("--nodes", default="64,256")
+    p.add_argument("--billion-step-s", type=float, default=2.0)
+    p.add_argument("--billion-inner-steps", type=int, default=100)
+    p.add_argument("--billion-work-s", type=float, default=0.2)
+    p.add_argument("--out", default="docs/results")
+    args = p.parse_args(argv)
+    started = time.monotonic()
+    sizes = [int(x) for x in args.nodes.split(",")]
+    profiles = [measured_profile(ROOT / args.measured),
+                billion_profile(args.billion_step_s, args.billion_inner_steps,
+                                args.billion_work_s)]
+    results, text = {}, []
+    for prof, how in profiles:
+        res = run(prof, sizes)
+        res["how"] = how
+        results[prof["name"]] = res
+        text.append(markdown(f"{prof['name']} profile", how, res))
+    # the model against the run it was fitted on: 4 nodes, the suite's uneven links
+    check = project("gasloc", profile_at(profiles[0][0], 4, (100 * MBIT,) * 3 + (5 * MBIT,)))
+    measured = profiles[0][0]["measured_participations_per_round"]
+    note = (f"Check at n = 4 on the measured uneven links: the model gives "
+            f"{check.participations_per_round:.2f} participations per node per round at 2 "
+            f"starts per round, the run measured {measured:.2f}.")
+    command = "python benchmarks/bench_projection.py " + " ".join(argv or sys.argv[1:])
+    header = ["# Projection past one machine", "", f"`{command.strip()}` "
+              f"({time.monotonic() - started:.0f} s). Timing model: "
+              "`gasloc_p2p/sim/projection.py` (GASLoC event-driven, 40 rounds after 5 of "
+              "warm-up, seed 0, 2 starts per round; paced: the most starts per round, down to "
+              "0.5, that keep 95% utilization; DiLoCo and Streaming DiLoCo (4 fragments, tau = 5) in closed "
+              "form; latency 20 ms one way; every method sends the int8 payload). Utilization = "
+              "compute time / wall time; loss is not projected.", "", note, ""]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "projection.json").write_text(json.dumps(results, indent=1))
+    (out / "projection.md").write_text("\n".join(header + text) + "\n![projection]"
+                                       "(projection.png)\n")
+    plot(results, out / "projection.png")
+    print("\n".join(header + text))
+    print(f"wrote {out}/projection.json|md|png")
+
+
+if __name__ == "__main__":
+    main()
