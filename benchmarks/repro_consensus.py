@@ -28,6 +28,32 @@ BASE = SimConfig(task="consensus", algorithm="gasloc", mode="sync", H=1, steps=R
                  dtype="float64", eta=1.0, threads=1)
 
 
+# The same toy on the asynchronous driver (the daemon's node state): exchanges at exponential
+# waiting times, one participation per worker per round on average, instantaneous (no latency),
+# so momentum acid (A2CiD2, with its parameters from the graph) can be set against plain gossip
+# and against the mixed outer momentum.
+ASYNC = replace(BASE, mode="async", participations_per_round=1.0, latency_s=0.0,
+                bandwidth_mbps=1e6)
+ASYNC_SETUPS = ((16, "ring"), (16, "exponential"), (16, "complete"), (32, "ring"),
+                (32, "exponential"), (64, "ring"))
+
+
+def async_rows() -> list[tuple[str, SimConfig]]:
+    out = []
+    for n, graph in ASYNC_SETUPS:
+        b = replace(ASYNC, workers=n, graph=graph)
+        out += [(f"n{n} {graph} g0", b), (f"n{n} {graph} g0 acid", replace(b, momentum="acid"))]
+        if graph == "ring" and n <= 32:  # the mixed momentum's best gamma in the sync toy
+            out.append((f"n{n} {graph} g{0.5 if n == 16 else 0.7}",
+                        replace(b, gamma=0.5 if n == 16 else 0.7)))
+        if graph == "ring" and n == 32:  # A2CiD2's rate off its theory value
+            rate, beta = replace(b, momentum="acid").acid()
+            out += [(f"n{n} {graph} g0 acid rate x{k:g}",
+                     replace(b, momentum="acid", acid_rate=rate * k, acid_beta=beta))
+                    for k in (0.5, 2.0)]
+    return out
+
+
 def rows() -> list[tuple[str, SimConfig]]:
     out = []
     for n, graph in SETUPS:
@@ -91,7 +117,8 @@ def _fmt(mean_half: tuple[float, float], fmt: str) -> str:
     return f"{mean:{fmt}}" + ("" if math.isnan(half) else f" ± {half:{fmt.lstrip('+')}}")
 
 
-def plot(group: dict[str, list[dict[str, Any]]], path: Path) -> None:
+def plot(group: dict[str, list[dict[str, Any]]], path: Path,
+         setups: tuple[tuple[int, str], ...] = SETUPS) -> None:
     """Relative consensus distance vs rounds (geometric mean over seeds), one panel per
     (n, graph), one line per gamma (and w)."""
     import matplotlib
@@ -99,7 +126,7 @@ def plot(group: dict[str, list[dict[str, Any]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [f"n{n} {graph}" for n, graph in SETUPS]
+    panels = [f"n{n} {graph}" for n, graph in setups]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), sharey=True)
     for ax, panel in zip(axes, panels, strict=True):
         for name, runs in group.items():

@@ -2,11 +2,12 @@
 
 Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
 Parts: momentum-h10, momentum-h50, async, slow, consensus, gamma-sweep-h100, gamma-sweep-h10,
-graphs, graphs-16, staleness, capacity, mixing, references, references-int4 (see PARTS). Training runs: n = 4
-workers (graphs and references: 8, graphs-16: 16, capacity: 12), 1000 inner steps per worker, the
-default tiny GPT (2 layers, width 64; 121k parameters) on byte-level Shakespeare, i.i.d.
-shards, int8 payloads. consensus: the pure-consensus toy (repro_consensus.py), no training. Each run is cached as JSON under --cache, so an
-interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the cache.
+graphs, graphs-16, staleness, capacity, mixing, acid-consensus, acid, references,
+references-int4 (see PARTS). Training runs: n = 4 workers (graphs and references: 8, graphs-16
+and acid: 16, capacity: 12), 1000 inner steps per worker, the default tiny GPT (2 layers,
+width 64; 121k parameters) on byte-level Shakespeare, i.i.d. shards, int8 payloads. consensus
+and acid-consensus: the pure-consensus toy (repro_consensus.py), no training. Each run is
+cached as JSON under --cache, so an interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the cache.
 Writes ``docs/results/{part}.json|md|png`` and ``docs/results/reproduction.md``.
 """
 
@@ -193,6 +194,20 @@ def _graphs16() -> list[Row]:
     ]
 
 
+def _acid() -> list[Row]:
+    """n = 16 on a ring, async, one participation per round: plain gossip against A2CiD2's
+    continuous momentum (its parameters from the graph) and the mixed outer momentum."""
+    b = dataclasses.replace(BASE, workers=16, H=10, algorithm="gasloc", mode="async",
+                            graph="ring", gamma=0.0, eta=1.0, participations_per_round=1.0)
+    r = dataclasses.replace
+    rate, beta = r(b, momentum="acid").acid()
+    return [
+        ("async g0 eta1 ring (plain gossip)", b),
+        (f"async acid ring (A2CiD2: rate {rate:.3f}, beta {beta:.2f})", r(b, momentum="acid")),
+        ("async mixed g0.5 eta0.5 ring", r(b, gamma=0.5, eta=0.5)),
+    ]
+
+
 PARTS: dict[str, tuple[str, list[Row]]] = {
     "momentum-h10": ("H = 10: outer momentum at equal effective step, NoLoCo, DiLoCo",
                      _momentum(10)),
@@ -212,6 +227,11 @@ PARTS: dict[str, tuple[str, list[Row]]] = {
     "capacity": ("n = 12, complete graph: per-peer reference capacity against per-node "
                  "error feedback", _capacity()),
     "mixing": ("Gossip weight below 1/2, and mixed against local momentum", _mixing()),
+    "acid-consensus": ("The pure-consensus toy on the async driver: A2CiD2's continuous "
+                       "momentum against plain gossip and the mixed outer momentum",
+                       repro_consensus.async_rows()),
+    "acid": ("n = 16 ring, async: A2CiD2's continuous momentum against plain gossip and the "
+             "mixed outer momentum", _acid()),
     "references": ("n = 8: quantization reference schemes at equal bytes, int8",
                    _references("int8")),
     "references-int4": ("n = 8: quantization reference schemes at equal bytes, int4",
@@ -219,7 +239,7 @@ PARTS: dict[str, tuple[str, list[Row]]] = {
 }
 # fields added after the first tables: left out of the cache key at their defaults, so the
 # runs cached before them keep their keys
-_LATE_FIELDS = {"task": "lm", "outer_warmup": 0}
+_LATE_FIELDS = {"task": "lm", "outer_warmup": 0, "acid_rate": None, "acid_beta": None}
 
 
 def cache_path(cache: Path, cfg: SimConfig) -> Path:
@@ -333,8 +353,8 @@ def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
     # CPU time where recorded (runs on a loaded machine take longer in wall time)
     wall = sum(r.get("cpu_seconds", r["wall_seconds"]) for r in runs) / 60
     cfg = runs[0]["config"]
-    if part == "consensus":
-        write_consensus(group, out, seeds, wall, len(runs))
+    if part in ("consensus", "acid-consensus"):
+        write_consensus(part, group, out, seeds, wall, len(runs))
         return
     lines = [f"## {part}: {title}", "",
              f"`python benchmarks/reproduce.py --only {part} --seeds "
@@ -356,16 +376,26 @@ def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
     print("\n".join(lines), flush=True)
 
 
-def write_consensus(group: dict[str, list[dict[str, Any]]], out: Path, seeds: Sequence[int],
-                    wall: float, count: int) -> None:
-    lines = ["## consensus: " + PARTS["consensus"][0], "",
-             f"`python benchmarks/reproduce.py --only consensus --seeds "
+def write_consensus(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
+                    seeds: Sequence[int], wall: float, count: int) -> None:
+    driver = (
+        "The real sync GASLoC driver (sim/sync.py, core/gasloc.py mixed momentum, "
+        "sim/exchange.py) with no training: each worker starts at its own standard-normal "
+        f"point in R^{DIM}, takes no gradient step, and gossips over fresh random 1-peer "
+        "matchings of the graph (w = 1/2 unless the row says w), exact float64 exchanges."
+        if part == "consensus" else
+        "The real async GASLoC driver (sim/async_.py with the daemon's node state, "
+        "core/async_state.py) with no training: each worker starts at its own standard-normal "
+        f"point in R^{DIM}, takes no gradient step (one step is one round), and starts "
+        "exchanges with a uniformly drawn free graph neighbour at exponential waiting times, "
+        "one participation per worker per round on average, w = 1/2, exact float64 exchanges "
+        "with no latency. 'acid': A2CiD2's continuous momentum, its rate and gossip step from "
+        "the graph and the participation rate (core/topology.py acid_parameters); 'rate xk': "
+        "the rate scaled by k.")
+    lines = [f"## {part}: " + PARTS[part][0], "",
+             f"`python benchmarks/reproduce.py --only {part} --seeds "
              f"{','.join(map(str, seeds))}`: {count} runs of {repro_consensus.ROUNDS} rounds "
-             f"({wall:.1f} CPU-minutes). The real sync GASLoC driver (sim/sync.py, core/gasloc.py "
-             "mixed momentum, sim/exchange.py) with no training: each worker starts at its own "
-             f"standard-normal point in R^{DIM}, takes no gradient step, and "
-             "gossips over fresh random 1-peer matchings of the graph (w = 1/2 unless the row "
-             "says w), exact float64 exchanges. The drift is zero, so every gamma is at the "
+             f"({wall:.1f} CPU-minutes). {driver} The drift is zero, so every gamma is at the "
              "same effective step (eta scales nothing).", "",
              "Rounds: until the consensus distance mean_i ||x_i - mean(x)||^2 falls to 1e-6 of "
              "its start (the RMS disagreement / 1000), log-interpolated, mean ± 95% t "
@@ -373,15 +403,16 @@ def write_consensus(group: dict[str, list[dict[str, Any]]], out: Path, seeds: Se
              "w (negative = faster). Rel. distance @100 rounds: geometric mean over seeds. "
              "Max |mean drift|: how far the network mean moved (mixing and momentum keep it; "
              "large only where a run diverges).", "",
-             *repro_consensus.table(group), "", "![consensus](consensus.png)", ""]
+             *repro_consensus.table(group), "", f"![{part}]({part}.png)", ""]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "consensus.md").write_text("\n".join(lines))
-    path = out / "consensus.json"
+    (out / f"{part}.md").write_text("\n".join(lines))
+    path = out / f"{part}.json"
     keep = ("steps", "val_loss", "bytes_per_worker")  # every 25th round: the table reads all
     slim = [{**r, "history": [{k: p[k] for k in keep} for p in r["history"][::25]],
              "rounds_to_1e-6": repro_consensus.rounds_to(r)} for rs in group.values() for r in rs]
     path.write_text(json.dumps(slim))
-    repro_consensus.plot(group, out / "consensus.png")
+    repro_consensus.plot(group, out / f"{part}.png", repro_consensus.SETUPS
+                         if part == "consensus" else repro_consensus.ASYNC_SETUPS)
     print("\n".join(lines), flush=True)
 
 

@@ -66,6 +66,8 @@ def test_bad_toml_is_reported(tmp_path, text, match):
     ({"GASLOC_PORT": "http"}, "environment GASLOC_PORT: --port: expected int"),
     ({"GASLOC_PEERS": "1.2.3.4:5"}, "each peer is a multiaddr"),
     ({"GASLOC_GAMMA": "1.5"}, "--gamma=1.5: the outer momentum needs"),
+    ({"GASLOC_MOMENTUM": "acid", "GASLOC_GAMMA": "0.5"}, "--gamma=0.5: momentum acid has no"),
+    ({"GASLOC_MOMENTUM": "acid", "GASLOC_ACID_RATE": "-1"}, "--acid-rate=-1.0: need a mixing"),
 ])
 def test_invalid_values_and_relations_name_the_flag(env, match):
     with pytest.raises(ConfigError, match=match):

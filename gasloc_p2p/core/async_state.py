@@ -10,7 +10,16 @@ Round-end momentum forms:
 - ``mixed`` (the paper's): ``z = p``; ``theta <- z + gamma (z - zprev)``; ``zprev <- z``.
 - ``local`` (our proposal; never extrapolates received corrections): ``d = a - theta``;
   ``m <- gamma m + d``; ``theta <- a - eta (d + gamma m)``.
-In both, ``a <- theta`` afterwards.
+- ``acid`` (A2CiD2, Nabli, Belilovsky and Oyallon, NeurIPS 2023, read for rounds as its time
+  unit; gamma must be 0): a second copy ``x~`` (the memory) takes every gossip correction
+  scaled by ``acid_beta / w`` (A2CiD2's ``x~_i += beta~ (x_j - x_i)`` when ``w`` is the pair
+  average's 1/2) and every round's outer step; at each round end, after the step, ``x`` and
+  ``x~`` mix for one round of ``d/dt x = r (x~ - x)``, ``d/dt x~ = r (x - x~)`` (``r`` =
+  ``acid_rate``): both move toward their mean by ``(1 - exp(-2 r)) / 2`` of their difference.
+  On a well-connected graph (``acid_beta`` = 1/2, see
+  :func:`gasloc_p2p.core.topology.acid_parameters`) ``x~`` equals ``x`` and this is plain
+  gossip; on a sparse one ``x~`` runs ahead of the consensus and pulls ``x`` along.
+In all, ``a <- theta`` afterwards.
 
 Threading: the caller serialises ``apply_correction``, ``round_end`` and the inner optimizer step
 (the daemon holds one lock around them); reading ``public_iterate`` takes a snapshot.
@@ -18,6 +27,7 @@ Threading: the caller serialises ``apply_correction``, ``round_end`` and the inn
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +35,15 @@ import torch
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.options import check_outer_step, need, opt
 
-MOMENTUM_FORMS = ("mixed", "local")
+MOMENTUM_FORMS = ("mixed", "local", "acid")
 STALENESS_POLICIES = ("drop", "downweight", "keep")
 
 
 @dataclass(frozen=True)
 class AsyncConfig:
     """eta: outer lr; gamma: outer momentum; w: gossip weight (1/2 = exact pair average);
-    momentum: "mixed" | "local"; staleness_policy and max_staleness: what to do with an exchange
+    momentum: "mixed" | "local" | "acid" (acid_rate, acid_beta: its mixing rate per round and
+    its gossip step); staleness_policy and max_staleness: what to do with an exchange
     during which more than ``max_staleness`` round ends happened (on either side)."""
 
     eta: float = opt(0.7, "outer learning rate")
@@ -41,9 +52,20 @@ class AsyncConfig:
     momentum: str = opt("mixed", "momentum form", choices=MOMENTUM_FORMS)
     staleness_policy: str = opt("downweight", "stale exchanges", choices=STALENESS_POLICIES)
     max_staleness: int = opt(1, "round ends (both sides) an exchange may span at full weight")
+    acid_rate: float = opt(0.0, "momentum acid: mixing rate of x and x~ per round (A2CiD2's "
+                                "eta, in rounds; see core.topology.acid_parameters)")
+    acid_beta: float = opt(0.5, "momentum acid: x~'s step toward a gossip partner (A2CiD2's "
+                                "alpha~; 1/2 with any acid_rate is plain gossip)")
 
     def validate(self) -> None:
         check_outer_step(self.eta, self.gamma)
+        if self.momentum == "acid":
+            need(self.gamma == 0.0, "gamma", self.gamma,
+                 "momentum acid has no outer momentum: set gamma 0")
+            need(0.0 <= self.acid_rate <= 100.0, "acid_rate", self.acid_rate,
+                 "need a mixing rate in [0, 100] per round")
+            need(0.0 < self.acid_beta <= 100.0, "acid_beta", self.acid_beta,
+                 "need a step in (0, 100]")
         need(0.0 < self.w <= 0.5, "w", self.w, "a pairwise gossip weight needs (0, 0.5]")
         need(self.momentum in MOMENTUM_FORMS, "momentum", self.momentum,
              f"choose one of {MOMENTUM_FORMS}")
@@ -76,8 +98,8 @@ class AsyncGaslocState:
         self.cfg = cfg
         self.theta = theta
         self.anchor = theta.detach().clone()
-        if cfg.momentum == "mixed":
-            self.memory = theta0.detach().clone()  # zprev
+        if cfg.momentum in ("mixed", "acid"):
+            self.memory = theta0.detach().clone()  # zprev; acid: x~
         else:
             self.memory = torch.zeros_like(theta)  # m
         self.rounds = 0  # round ends so far; an exchange records how many happen during it
@@ -95,14 +117,21 @@ class AsyncGaslocState:
             return torch.lerp(self.anchor, self.theta, self.cfg.eta)
         return torch.lerp(fragment.gather(self.anchor), fragment.gather(self.theta), self.cfg.eta)
 
+    def correction_targets(self) -> list[tuple[torch.Tensor, float]]:
+        """Buffers a gossip correction is added to, with its scale: anchor and live parameters
+        (so ``p`` moves by it and the drift is untouched) and, for acid, ``x~``."""
+        targets = [(self.anchor, 1.0), (self.theta, 1.0)]
+        if self.cfg.momentum == "acid":
+            targets.append((self.memory, self.cfg.acid_beta / self.cfg.w))
+        return targets
+
     def apply_correction(self, correction: torch.Tensor, fragment: Fragment | None = None) -> None:
-        """Add a gossip correction to both anchor and live parameters (``p`` moves by it)."""
-        if fragment is None:
-            self.anchor.add_(correction)
-            self.theta.add_(correction)
-        else:
-            fragment.add_(self.anchor, correction)
-            fragment.add_(self.theta, correction)
+        """Add a gossip correction to :meth:`correction_targets`."""
+        for buf, scale in self.correction_targets():
+            if fragment is None:
+                buf.add_(correction, alpha=scale)
+            else:
+                fragment.add_(buf, correction, alpha=scale)
 
     def round_end(self) -> None:
         """Outer update at the end of this node's round of inner steps.
@@ -117,6 +146,13 @@ class AsyncGaslocState:
                 # theta = z + gamma (z - zprev) = lerp(zprev, z, 1 + gamma)
                 torch.lerp(self.memory, z, 1.0 + cfg.gamma, out=self.theta)
                 self.memory, self.anchor = z, self.memory  # zprev <- z; reuse the old buffer
+            elif cfg.momentum == "acid":
+                # x~ takes the outer step too: x~ += eta (theta - a); x = p
+                self.memory.add_(self.theta, alpha=cfg.eta).sub_(self.anchor, alpha=cfg.eta)
+                x = self.anchor.lerp_(self.theta, cfg.eta)
+                k = -0.5 * math.expm1(-2.0 * cfg.acid_rate)  # (1 - exp(-2 r)) / 2
+                torch.lerp(x, self.memory, k, out=self.theta)  # x + k (x~ - x)
+                self.memory.lerp_(x, k)  # x~ + k (x - x~)
             else:
                 # m <- gamma m + (a - theta);  theta <- lerp(a, theta, eta) - eta gamma m
                 self.memory.mul_(cfg.gamma).add_(self.anchor).sub_(self.theta)

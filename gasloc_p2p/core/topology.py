@@ -7,6 +7,7 @@ round uses either every edge of the graph ("all") or a random matching drawn fro
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -135,6 +136,39 @@ def default_weight(graph: str, n: int, matching: str) -> float:
         degree[i] += 1
         degree[j] += 1
     return 1.0 / (max(degree, default=0) + 1)
+
+
+def acid_parameters(graph: str, n: int, participations_per_round: float) -> tuple[float, float]:
+    """A2CiD2's mixing rate and gossip step, ``(eta, alpha~)`` with rounds as the time unit,
+    for asynchronous pair gossip on ``graph`` where each node takes part in
+    ``participations_per_round`` exchanges per round with a uniformly drawn neighbour.
+
+    The edge ``(i, j)`` fires at rate ``p / 2 (1 / d_i + 1 / d_j)`` (each side starts half
+    of its exchanges); with the rate-weighted Laplacian ``L``: ``chi1 = 1 / lambda_2(L)``,
+    ``chi2 = max`` over edges of ``1/2 (e_i - e_j)^T L^+ (e_i - e_j)``,
+    ``eta = 1 / (2 sqrt(chi1 chi2))`` and ``alpha~ = sqrt(chi1 / chi2) / 2``
+    (Nabli et al. 2023, section 3). On the complete graph ``chi1 = chi2`` and ``alpha~`` is
+    1/2: plain gossip.
+    """
+    if n < 2 or participations_per_round <= 0:
+        raise ValueError("need n >= 2 and a positive participation rate")
+    edges = graph_edges(graph, n)
+    degree = [0] * n
+    for i, j in edges:
+        degree[i] += 1
+        degree[j] += 1
+    lap = torch.zeros(n, n, dtype=torch.float64)
+    for i, j in edges:
+        rate = participations_per_round / 2 * (1 / degree[i] + 1 / degree[j])
+        lap[i, j] -= rate
+        lap[j, i] -= rate
+        lap[i, i] += rate
+        lap[j, j] += rate
+    eig = torch.linalg.eigvalsh(lap)
+    chi1 = 1.0 / float(eig[1])
+    pinv = torch.linalg.pinv(lap, hermitian=True)
+    chi2 = max(0.5 * float(pinv[i, i] + pinv[j, j] - 2 * pinv[i, j]) for i, j in edges)
+    return 1.0 / (2.0 * math.sqrt(chi1 * chi2)), 0.5 * math.sqrt(chi1 / chi2)
 
 
 def _edge(i: int, j: int) -> Edge:

@@ -54,7 +54,8 @@ class AlgorithmConfig(AsyncConfig):
     def async_config(self) -> AsyncConfig:
         return AsyncConfig(eta=self.eta, gamma=self.gamma, w=self.w, momentum=self.momentum,
                            staleness_policy=self.staleness_policy,
-                           max_staleness=self.max_staleness)
+                           max_staleness=self.max_staleness, acid_rate=self.acid_rate,
+                           acid_beta=self.acid_beta)
 
     def validate(self) -> None:
         need(self.algorithm in ALGORITHMS, "algorithm", self.algorithm,

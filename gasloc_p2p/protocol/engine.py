@@ -255,7 +255,7 @@ class ExchangeEngine:
         weight *= prep.clip
         mine = torch.empty(min(step, fragment.numel), device=self.state.theta.device)
         theirs = torch.empty_like(mine)
-        anchor, theta = self.state.anchor, self.state.theta
+        targets = self.state.correction_targets()
         squares = []  # per chunk, read once at the end (no device sync per chunk)
         with self.lock.urgent(), self._refs_lock:
             folder = self.refs.folder(prep.peer_id, prep.reset, pinned)
@@ -266,8 +266,8 @@ class ExchangeEngine:
                 squares.append(torch.dot(c, c))
                 if weight > 0:
                     for start, length, o in pieces:
-                        anchor[start : start + length].add_(c[o : o + length])
-                        theta[start : start + length].add_(c[o : o + length])
+                        for buf, scale in targets:
+                            buf[start : start + length].add_(c[o : o + length], alpha=scale)
             folder.done()
         # summed in float64 in chunk order, as one float per chunk always was
         norm = math.sqrt(sum(torch.stack(squares).tolist()) if squares else 0.0)

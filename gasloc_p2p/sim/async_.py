@@ -31,11 +31,15 @@ class AsyncSim:
         n = cfg.workers
         gossip = cfg.algorithm == "gossip-sgd"
         w = cfg.w if cfg.w is not None else default_weight(cfg.graph, n, "1-peer")
+        rate, beta = cfg.acid() if cfg.momentum == "acid" else (0.0, 0.5)
         self.acfg = AsyncConfig(eta=1.0 if gossip else cfg.outer_eta, gamma=cfg.outer_gamma, w=w,
                                 momentum=cfg.momentum, staleness_policy=cfg.staleness_policy,
-                                max_staleness=cfg.max_staleness)
+                                max_staleness=cfg.max_staleness, acid_rate=rate, acid_beta=beta)
         self.states = [AsyncGaslocState(sim.thetas[i], sim.theta0, self.acfg)
                        for i in range(n)]
+        if cfg.task == "consensus" and cfg.momentum != "local":
+            for st in self.states:  # the toy's workers start apart: memory at the own point
+                st.memory.copy_(st.theta)
         numel = sim.theta0.numel()
         self.fragments: list[Fragment] = (
             [whole(numel)] if cfg.fragments == 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec, parse_optional
 from gasloc_p2p.core.feedback import REFERENCE_CHOICES, resolve_references
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
-from gasloc_p2p.core.topology import GRAPHS, MATCHINGS
+from gasloc_p2p.core.topology import GRAPHS, MATCHINGS, acid_parameters
 
 TASKS = ("lm", "consensus")
 ALGORITHMS = ("gasloc", "diloco", "streaming-diloco", "noloco", "gossip-sgd", "local")
@@ -48,8 +48,12 @@ class SimConfig:
     variant: str = opt("mixed", "sync gasloc momentum reading: mixed or unmixed")
     outer_warmup: int = opt(0, "sync gasloc: rounds over which the outer momentum ramps "
                                "linearly from 0 to --gamma (eta fixed); 0: off")
-    momentum: str = opt("mixed", "async gasloc momentum form: mixed (paper) or local (own drift "
-                                 "only)")
+    momentum: str = opt("mixed", "async gasloc momentum form: mixed (paper), local (own drift "
+                                 "only) or acid (A2CiD2; needs gamma 0)")
+    acid_rate: float | None = opt(None, "momentum acid: mixing rate per round (default: "
+                                        "A2CiD2's eta for the graph and participation rate)")
+    acid_beta: float | None = opt(None, "momentum acid: x~'s gossip step (default: A2CiD2's "
+                                        "alpha~ for the graph and participation rate)")
     staleness_policy: str = opt("downweight", "async exchanges spanning > max-staleness round "
                                               "ends: drop, downweight, keep")
     max_staleness: int = opt(1, "round ends an exchange may span before the staleness policy "
@@ -77,7 +81,7 @@ class SimConfig:
     budget: str = opt("each", "sync drivers: each (every worker takes --steps steps; the fastest "
                               "wait) or total (stop at workers * --steps steps in all, as async)")
     task: str = opt("lm", "lm: train the tiny GPT on text; consensus: the pure-consensus toy "
-                          "(sync gasloc, no gradients: workers start at random points and only "
+                          "(gasloc, no gradients: workers start at random points and only "
                           "gossip and momentum act; the loss is the consensus distance)")
     # model and data
     n_layer: int = opt(2, "transformer layers")
@@ -135,6 +139,16 @@ class SimConfig:
             return self.starts_per_round
         return self.participations_per_round / 2
 
+    def acid(self) -> tuple[float, float]:
+        """Momentum acid's (rate, beta): the flags, or A2CiD2's values for the graph at the
+        participation rate (1 per round for aligned matchings)."""
+        if self.acid_rate is not None and self.acid_beta is not None:
+            return self.acid_rate, self.acid_beta
+        rate = 1.0 if self.aligned else 2 * self.start_rate
+        auto = acid_parameters(self.graph, self.workers, rate) if self.workers > 1 else (0.0, 0.5)
+        return (auto[0] if self.acid_rate is None else self.acid_rate,
+                auto[1] if self.acid_beta is None else self.acid_beta)
+
     @property
     def outer_gamma(self) -> float:
         return DEFAULT_GAMMA[self.algorithm] if self.gamma is None else self.gamma
@@ -185,8 +199,8 @@ class SimConfig:
             (self.starts_per_round is None or self.starts_per_round > 0,
              "--starts-per-round must be > 0"),
             (self.task in TASKS, f"--task must be one of {', '.join(TASKS)}"),
-            (self.task == "lm" or (self.algorithm == "gasloc" and self.mode == "sync"),
-             "--task consensus runs sync gasloc only (--algorithm gasloc --mode sync)"),
+            (self.task == "lm" or self.algorithm == "gasloc",
+             "--task consensus runs gasloc only (--algorithm gasloc)"),
             (self.outer_warmup >= 0, "--outer-warmup must be >= 0"),
             (self.outer_warmup == 0 or (self.algorithm == "gasloc" and self.mode == "sync"),
              "--outer-warmup is implemented for sync gasloc only"),

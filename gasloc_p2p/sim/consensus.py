@@ -1,4 +1,4 @@
-"""The pure-consensus toy (ALGORITHM.md section 1): the real sync GASLoC driver with no training.
+"""The pure-consensus toy (ALGORITHM.md section 1): the real GASLoC drivers with no training.
 
 Each worker starts at its own random point in ``R^DIM`` (standard normal, seeded) and takes no
 gradient steps: its "inner phase" leaves its parameters unchanged, so the drift is zero and
@@ -7,16 +7,28 @@ weights as a training run) and the outer momentum act, so the consensus distance
 ``mean_i ||x_i - mean(x)||^2`` shows how fast a configuration reaches agreement: the effect
 the momentum is claimed to accelerate on sparse graphs. The momentum memory starts at each
 worker's own point (as it starts at ``theta_0`` when training), so round 0 takes no jump.
+The sync driver runs it (``--mode sync``), and so does the asynchronous one (``--mode async``,
+the daemon's node state and exchange events; ``--H 1`` makes each "step" a round), which is
+where momentum ``acid`` (A2CiD2) lives.
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from gasloc_p2p.sim.config import SimConfig
-from gasloc_p2p.sim.workers import SimWorkers
+from gasloc_p2p.sim.workers import SimWorkers, Worker
 
 DIM = 512  # coordinates per worker; every coordinate follows the same linear dynamics
+
+
+class _Counter:
+    """A worker without a model: its index and the steps it took."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.steps = index, 0
 
 
 class ConsensusWorkers(SimWorkers):
@@ -30,7 +42,8 @@ class ConsensusWorkers(SimWorkers):
         self.thetas = torch.randn(cfg.workers, DIM, generator=gen, dtype=torch.float64).to(dtype)
         self.theta0 = self.thetas.mean(dim=0)  # the exchanger's starting references
         self.counts = [0] * cfg.workers
-        self.workers = []
+        # what the async driver reads of a worker: its index and step count
+        self.workers = cast("list[Worker]", [_Counter(i) for i in range(cfg.workers)])
         self.start = self._distance()
 
     @property
@@ -40,6 +53,7 @@ class ConsensusWorkers(SimWorkers):
     def inner_step(self, i: int) -> float:
         """No gradient: the step only counts toward the budget (one step is one round)."""
         self.counts[i] += 1
+        self.workers[i].steps += 1
         return 0.0
 
     def mean_steps(self) -> float:
