@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
 Parts: momentum-h10, momentum-h50, async, slow, consensus, gamma-sweep-h100, gamma-sweep-h10,
-graphs, graphs-16, staleness, capacity, mixing, acid-consensus, acid, references,
+graphs, graphs-16, staleness, capacity, mixing, acid-consensus, acid, noloco, references,
 references-int4 (see PARTS). Training runs: n = 4 workers (graphs and references: 8, graphs-16
 and acid: 16, capacity: 12), 1000 inner steps per worker, the default tiny GPT (2 layers,
 width 64; 121k parameters) on byte-level Shakespeare, i.i.d. shards, int8 payloads. consensus
@@ -208,6 +208,18 @@ def _acid() -> list[Row]:
     ]
 
 
+def _noloco() -> list[Row]:
+    """NoLoCo (random pairs, n = 4, H = 10) around the setting measured untuned: momentum
+    alpha (--gamma), outer lr beta (--eta) and pull (--consensus). alpha 0, beta 1, pull 1
+    is plain averaging of random pairs, the paired reference."""
+    b = dataclasses.replace(BASE, algorithm="noloco", graph="complete")
+    r = dataclasses.replace
+    grid = ((0.0, 1.0, 1.0), (0.5, 0.5, 0.5), (0.5, 0.7, 0.5), (0.5, 0.5, 1.0), (0.3, 0.7, 1.0),
+            (0.7, 0.3, 1.0))
+    return [(f"noloco a{a:g} b{be:g} c{c:g}" + (" (random-pair averaging)" if a == 0 else ""),
+             r(b, gamma=a, eta=be, consensus=c)) for a, be, c in grid]
+
+
 PARTS: dict[str, tuple[str, list[Row]]] = {
     "momentum-h10": ("H = 10: outer momentum at equal effective step, NoLoCo, DiLoCo",
                      _momentum(10)),
@@ -232,6 +244,8 @@ PARTS: dict[str, tuple[str, list[Row]]] = {
                        repro_consensus.async_rows()),
     "acid": ("n = 16 ring, async: A2CiD2's continuous momentum against plain gossip and the "
              "mixed outer momentum", _acid()),
+    "noloco": ("NoLoCo tuned: momentum, outer lr and pull around the untuned setting",
+               _noloco()),
     "references": ("n = 8: quantization reference schemes at equal bytes, int8",
                    _references("int8")),
     "references-int4": ("n = 8: quantization reference schemes at equal bytes, int4",
