@@ -3,8 +3,9 @@ more than ``1 - target`` (no I/O; the gossip loop feeds it counters).
 
 An exchange never blocks training, but its work competes with it: encoding, decoding, the guard
 and the apply run on the node's own cores or device, and hold the training lock to apply
-(docs/results/pacing-premise.md: on 2 cores shared by 4 nodes, gossip at 2 exchanges started per
-round cost 4-15% of every node's compute throughput, on fast and slow links alike). The trainer
+(docs/results/pacing.md: on 2 cores shared by 4 nodes, gossip at 2 exchanges started per round
+cost about 14% of the nodes' compute throughput, and the node on the slow link no more than the
+others). The trainer
 times every inner step and marks the steps during which no exchange work ran ("quiet" steps;
 waiting on the network is not work). Over windows of about one round the pacer compares
 
