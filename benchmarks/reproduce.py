@@ -2,8 +2,8 @@
 
 Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
 Parts: momentum-h10, momentum-h50, async, slow, consensus, gamma-sweep-h100, gamma-sweep-h10,
-graphs, graphs-16, staleness, capacity, mixing, acid-consensus, acid, noloco, references,
-references-int4 (see PARTS). Training runs: n = 4 workers (graphs and references: 8, graphs-16
+graphs, graphs-16, staleness, capacity, mixing, acid-consensus, acid, gamma-graphs-8,
+gamma-graphs-16, noloco, references, references-int4 (see PARTS). Training runs: n = 4 workers (graphs and references: 8, graphs-16
 and acid: 16, capacity: 12), 1000 inner steps per worker, the default tiny GPT (2 layers,
 width 64; 121k parameters) on byte-level Shakespeare, i.i.d. shards, int8 payloads. consensus
 and acid-consensus: the pure-consensus toy (repro_consensus.py), no training. Each run is
@@ -208,6 +208,16 @@ def _acid() -> list[Row]:
     ]
 
 
+def _gamma_graphs(n: int, gammas: tuple[float, ...]) -> list[Row]:
+    """Sync GASLoC at n workers on a ring and on the exponential graph, outer momentum at equal
+    effective step eta / (1 - gamma) = 1 (H = 10), plain pair averaging first."""
+    b = dataclasses.replace(BASE, workers=n, H=10, algorithm="gasloc")
+    r = dataclasses.replace
+    return [(f"{graph} g{g:g} eta{1 - g:.1g}" + (" (plain pair averaging)" if g == 0 else ""),
+             r(b, graph=graph, gamma=g, eta=round(1 - g, 6)))
+            for graph in ("ring", "exponential") for g in gammas]
+
+
 def _noloco() -> list[Row]:
     """NoLoCo (random pairs, n = 4, H = 10) around the setting measured untuned: momentum
     alpha (--gamma), outer lr beta (--eta) and pull (--consensus). alpha 0, beta 1, pull 1
@@ -244,6 +254,10 @@ PARTS: dict[str, tuple[str, list[Row]]] = {
                        repro_consensus.async_rows()),
     "acid": ("n = 16 ring, async: A2CiD2's continuous momentum against plain gossip and the "
              "mixed outer momentum", _acid()),
+    "gamma-graphs-8": ("n = 8, ring and exponential graph: outer momentum at equal effective "
+                       "step", _gamma_graphs(8, (0.0, 0.3, 0.5, 0.7, 0.9))),
+    "gamma-graphs-16": ("n = 16, ring and exponential graph: outer momentum at equal effective "
+                        "step", _gamma_graphs(16, (0.0, 0.5, 0.9))),
     "noloco": ("NoLoCo tuned: momentum, outer lr and pull around the untuned setting",
                _noloco()),
     "references": ("n = 8: quantization reference schemes at equal bytes, int8",
@@ -308,6 +322,9 @@ def table(part: str, group: dict[str, list[dict[str, Any]]]) -> list[str]:
     warmups = part.startswith("gamma-sweep")
     if warmups:
         head.append("Δ vs same gamma without warm-up @100% (paired)")
+    graphs = part.startswith("gamma-graphs")
+    if graphs:
+        head.append("Δ vs g0 on the same graph @100% (paired)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ref_t = {}
     for name in names:
@@ -345,6 +362,9 @@ def table(part: str, group: dict[str, list[dict[str, Any]]]) -> list[str]:
         if warmups:
             cells.append(_versus(runs, group.get(name.split(", warm-up")[0], []))
                          if ", warm-up" in name else "")
+        if graphs:
+            plain = name.split(" ")[0] + " g0 eta1 (plain pair averaging)"
+            cells.append("(reference)" if name == plain else _versus(runs, group.get(plain, [])))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
