@@ -129,7 +129,7 @@ bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale ben
 	bench-peer-choice bench-pacing bench-projection
 
 reproduce: setup
-	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,staleness,capacity,mixing
+	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,staleness,capacity,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,noloco,references,references-int4
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

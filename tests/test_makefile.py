@@ -110,3 +110,15 @@ def test_setup_and_test_run_every_step_through_the_timed_wrapper():
     for tool in ("ruff check", "mypy gasloc_p2p", "pytest"):
         line = next(x for x in result.stdout.splitlines() if tool in x)
         assert "scripts/step.sh" in line, line
+
+
+def test_make_reproduce_runs_every_part_of_reproduce_py():
+    import ast
+
+    tree = ast.parse((ROOT / "benchmarks" / "reproduce.py").read_text())
+    parts = next(node.value for node in ast.walk(tree) if isinstance(node, ast.AnnAssign)
+                 and getattr(node.target, "id", "") == "PARTS")
+    assert isinstance(parts, ast.Dict)
+    names = {k.value for k in parts.keys if isinstance(k, ast.Constant)}
+    line = next(x for x in dry_run("reproduce").stdout.splitlines() if "reproduce.py" in x)
+    assert set(line.split("--only ")[1].split()[0].split(",")) == names
