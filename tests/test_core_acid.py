@@ -130,3 +130,17 @@ def test_quantized_exchanges_feed_x_tilde_through_the_protocol_engine():
     fast = run(dataclasses.replace(base, momentum="acid"))  # its graph's beta > 1/2
     assert same["final"]["val_loss"] == pytest.approx(plain, rel=1e-5)
     assert fast["final"]["val_loss"] != pytest.approx(plain, rel=1e-3)
+
+
+def test_simulator_rejects_acid_where_it_does_not_apply():
+    from gasloc_p2p.core.options import ConfigError
+
+    ok = SimConfig(algorithm="gasloc", mode="async", momentum="acid", gamma=0.0)
+    ok.validate()
+    assert ok.acid() == acid_parameters("complete", ok.workers, 2 * ok.start_rate)
+    for bad, match in ((dataclasses.replace(ok, gamma=0.5), "set --gamma 0"),
+                       (dataclasses.replace(ok, mode="sync"), "async gasloc form"),
+                       (dataclasses.replace(ok, acid_beta=0.0), "--acid-beta"),
+                       (dataclasses.replace(ok, momentum="nesterov"), "--momentum must be")):
+        with pytest.raises(ConfigError, match=match):
+            bad.validate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gasloc_p2p.core.async_state import MOMENTUM_FORMS
 from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec, parse_optional
 from gasloc_p2p.core.feedback import REFERENCE_CHOICES, resolve_references
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
@@ -201,6 +202,16 @@ class SimConfig:
             (self.task in TASKS, f"--task must be one of {', '.join(TASKS)}"),
             (self.task == "lm" or self.algorithm == "gasloc",
              "--task consensus runs gasloc only (--algorithm gasloc)"),
+            (self.momentum in MOMENTUM_FORMS,
+             f"--momentum must be one of {', '.join(MOMENTUM_FORMS)}"),
+            (self.momentum != "acid" or (self.algorithm == "gasloc" and self.mode == "async"),
+             "--momentum acid is an async gasloc form: use --algorithms gasloc --mode async"),
+            (self.momentum != "acid" or not self.gamma,  # None: gasloc's default, 0
+             f"--momentum acid has no outer momentum: set --gamma 0 (got {self.gamma})"),
+            (self.acid_rate is None or 0.0 <= self.acid_rate <= 100.0,
+             "--acid-rate must be in [0, 100]"),
+            (self.acid_beta is None or 0.0 < self.acid_beta <= 100.0,
+             "--acid-beta must be in (0, 100]"),
             (self.outer_warmup >= 0, "--outer-warmup must be >= 0"),
             (self.outer_warmup == 0 or (self.algorithm == "gasloc" and self.mode == "sync"),
              "--outer-warmup is implemented for sync gasloc only"),
