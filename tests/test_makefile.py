@@ -40,6 +40,7 @@ EXPECTED = {
                           "--repeat 4"],
     "bench-pacing": ["benchmarks/bench_external.py", "--systems gasloc,gasloc-paced,gasloc-solo",
                      "--repeat 3"],
+    "bench-pacing-2nodes": ["benchmarks/bench_external.py", "--nodes 2", "--name pacing-2nodes"],
     "bench-projection": ["benchmarks/bench_projection.py"],
     "reproduce": ["benchmarks/reproduce.py"],
 }
