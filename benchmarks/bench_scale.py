@@ -20,7 +20,7 @@ node: live parameters (the "model"), the outer state (anchor, momentum memory) a
   which is what the time is made of; the kernels of one exchange go to stderr.
 
 No gradients or optimizer state are allocated: they are the model's, not the outer algorithm's.
-Run: ``python benchmarks/bench_scale.py [--sizes 1e6,1e7,1e8] [--schemes links,feedback]``.
+Run: ``python benchmarks/bench_scale.py [--sizes 1e6,1e7,1e8] [--schemes links,plain]``.
 Timings on shared machines vary by ~30%: compare ratios, not absolute times.
 """
 
@@ -135,8 +135,16 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
     if guarded:  # the daemon's default: check screens the pair (thresholds never hit here)
         engine.guard = UpdateGuard(GuardRule(factor=1e30, warmup_factor=1e30, min_cosine=-1))
     spec = CodecSpec.parse(codec)
-    theta.add_(torch.randn(numel, device=dev, generator=gen), alpha=1e-3)  # a local drift
-    peer_payload = spec.codec().encode(torch.randn(numel, device=dev, generator=gen) * 1e-3)
+    drift = torch.randn(numel, device=dev, generator=gen).mul_(1e-3)
+    theta.add_(drift)  # a local drift
+    # The peer drifted from the same theta_0 along a shared direction plus its own noise (so
+    # the guard's direction screen passes, as between honest nodes); links send the delta from
+    # the link's reference (theta_0 here), the other schemes the public iterate itself.
+    peer = drift.add_(torch.randn(numel, device=dev, generator=gen), alpha=1e-3)
+    if scheme != "links":
+        peer.add_(theta0.float())
+    peer_payload = spec.codec().encode(peer)
+    del drift, peer
     raw = bytearray(peer_payload.to_bytes())  # the peer's payload, as the session's buffer
     crc = zlib.crc32(raw)
     del peer_payload
@@ -182,7 +190,7 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1e6,1e7,1e8", help="parameter counts")
-    p.add_argument("--schemes", default="feedback,plain,links,feedback+guard",
+    p.add_argument("--schemes", default="plain,feedback,links,plain+guard",
                    help="reference schemes; NAME+guard: with the update guard's screen in "
                         "check (the daemon's default)")
     p.add_argument("--peers", type=int, default=8, help="distinct peers exchanged with")
@@ -205,6 +213,7 @@ def main() -> int:
     print(f"{'device':<6} {'params':>7} {'scheme':<9} {'extra':>6} {'θ0':>5} {'prepare':>15} "
           f"{'check':>15} {'commit':>15} {'total/clone':>11} {'total/copy_':>11} "
           f"{'passes p+c+c':>16}")
+    failed = 0
     for device in devices:
         for size in (int(float(s)) for s in args.sizes.split(",")):
             for scheme in args.schemes.split(","):
@@ -215,6 +224,7 @@ def main() -> int:
                 except subprocess.CalledProcessError as exc:  # e.g. the engine on CUDA
                     last = (exc.stderr or "").strip().splitlines()[-1:]
                     print(f"{device:<6} {size / 1e6:6.0f}M {scheme:<9} failed: {last}")
+                    failed += 1
                     continue
                 total = r["prepare_s"] + r["check_s"] + r["commit_s"]
                 cells = " ".join(f"{r[k + '_s']:7.3f}s {r[k + '_s'] / r['clone_s']:4.1f}x"
@@ -228,7 +238,9 @@ def main() -> int:
     print("(per phase: seconds and multiple of one clone of the fragment; memcpy copy_ "
           "into an existing buffer is the unit of total/copy_; passes: kernels over the "
           "fragment, each counted by its largest tensor, / fragment size)")
-    return 0
+    if failed:
+        print(f"{failed} row(s) failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def run_child(size: int, scheme: str, device: str, args: argparse.Namespace) -> dict[str, float]:

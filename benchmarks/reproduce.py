@@ -7,7 +7,9 @@ gamma-graphs-16, noloco, references, references-int4 (see PARTS). Training runs:
 and acid: 16, capacity: 12), 1000 inner steps per worker, the default tiny GPT (2 layers,
 width 64; 121k parameters) on byte-level Shakespeare, i.i.d. shards, int8 payloads. consensus
 and acid-consensus: the pure-consensus toy (repro_consensus.py), no training. Each run is
-cached as JSON under --cache, so an interrupted part resumes; ``--rebuild`` only rewrites the tables and plots from the cache.
+cached as JSON under --cache, so an interrupted part resumes; ``--rebuild`` only rewrites the
+tables and plots from the cache or, for training parts, from the runs the part's published
+``{part}.json`` holds (so it works in a fresh clone).
 Writes ``docs/results/{part}.json|md|png`` and ``docs/results/reproduction.md``.
 """
 
@@ -144,12 +146,12 @@ def _staleness() -> list[Row]:
 def _capacity() -> list[Row]:
     """n = 12 on the complete graph (degree 11), async: per-peer references ("links") with an
     LRU of 4, 8 (the daemon's default) and 16 peers, against one per-node error-feedback buffer
-    ("feedback", the default for int8: no per-peer state to evict)."""
+    ("feedback": no per-peer state to evict)."""
     b = dataclasses.replace(BASE, workers=12, algorithm="gasloc", mode="async",
                             graph="complete", gamma=0.0, eta=1.0, participations_per_round=1.0)
     r = dataclasses.replace
     return [
-        ("feedback (default for int8)", r(b, references="feedback")),
+        ("feedback", r(b, references="feedback")),
         ("links, capacity 4", r(b, reference_capacity=4)),
         ("links, capacity 8", r(b, reference_capacity=8)),
         ("links, capacity 16", r(b, reference_capacity=16)),
@@ -173,13 +175,13 @@ def _mixing() -> list[Row]:
 
 def _references(codec: str) -> list[Row]:
     """n = 8, complete graph, async (one participation per round): the three reference
-    schemes at equal bytes (same codec, same schedule), the codec's default first; every
+    schemes at equal bytes (same codec, same schedule), the default (plain) first; every
     worker evaluated (worst worker, consensus distance)."""
     b = dataclasses.replace(BASE, workers=8, algorithm="gasloc", mode="async", graph="complete",
                             gamma=0.0, eta=1.0, participations_per_round=1.0, codec=codec,
                             eval_workers=True)
-    default = "feedback" if codec == "int8" else "plain"
-    schemes = [default] + [s for s in ("links", "feedback", "plain") if s != default]
+    default = "plain"
+    schemes = [default, "links", "feedback"]
     return [(f"{codec} {s}" + (" (default)" if s == default else ""),
              dataclasses.replace(b, references=s)) for s in schemes]
 
@@ -270,12 +272,29 @@ PARTS: dict[str, tuple[str, list[Row]]] = {
 _LATE_FIELDS = {"task": "lm", "outer_warmup": 0, "acid_rate": None, "acid_beta": None}
 
 
+def config_key(config: dict[str, Any]) -> str:
+    """A run's configuration (``dataclasses.asdict`` of its SimConfig, or the ``config`` a
+    result records) as the key of its cached run; fields added later count only when set."""
+    fields = {k: v for k, v in config.items() if k not in _LATE_FIELDS or v != _LATE_FIELDS[k]}
+    return json.dumps(fields, sort_keys=True)
+
+
 def cache_path(cache: Path, cfg: SimConfig) -> Path:
     """One file per configuration (seed included): parts that share a row share its runs."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
-              if k not in _LATE_FIELDS or v != _LATE_FIELDS[k]}
-    key = json.dumps(fields, sort_keys=True)
+    key = config_key(dataclasses.asdict(cfg))
     return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def published_run(runs: list[dict[str, Any]], cfg: SimConfig) -> dict[str, Any] | None:
+    """The run of ``cfg`` among a part's published runs (its ``{part}.json``): what
+    ``--rebuild`` falls back on where the cache lacks a run (a fresh clone has no cache).
+    Fields a run does not record did not exist when it ran, so they are not compared."""
+    config = dataclasses.asdict(cfg)
+    for r in runs:
+        if config_key(r["config"]) == config_key({k: config[k] for k in r["config"]
+                                                  if k in config}):
+            return r
+    return None
 
 
 def _run(item: tuple[str, str, SimConfig, Path]) -> tuple[str, str, dict[str, Any]]:
@@ -460,7 +479,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--cache", type=Path, default=Path("runs/reproduce"))
     parser.add_argument("--rebuild", action="store_true",
-                        help="only rewrite the markdown and plots from the cached runs")
+                        help="only rewrite the markdown and plots from the cached runs (training "
+                             "parts: else from the published {part}.json)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     todo = [p.strip() for p in args.only.split(",") if p.strip()]
@@ -474,11 +494,20 @@ def main() -> None:
             "steps": args.steps, "eval_every": max(1, args.steps // 4)}
         items = [(part, name, dataclasses.replace(cfg, seed=s, **short), args.cache)
                  for name, cfg in PARTS[part][1] for s in seeds]
-        if args.rebuild:  # every cached run of the part's rows (also of an interrupted part)
+        if args.rebuild:  # every cached or published run of the part's rows
+            path = args.out / f"{part}.json"
+            # the consensus parts publish every 25th round only: no table can be rebuilt from it
+            published = (json.loads(path.read_text()) if path.exists() and part not in
+                         ("consensus", "acid-consensus") else [])
             for _, name, cfg, cache in items:
                 if cache_path(cache, cfg).exists():
                     res = json.loads(cache_path(cache, cfg).read_text())
+                else:
+                    res = published_run(published, cfg)
+                if res is not None:
                     group.setdefault(name, []).append({**res, "label": name})
+            if not group:
+                raise SystemExit(f"--rebuild: no cached or published runs of part {part!r}")
         else:
             with ProcessPoolExecutor(args.jobs) as pool:
                 for _, name, res in pool.map(_run, items):

@@ -76,7 +76,7 @@ class GossipConfig:
     max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)")
     references: str = opt("auto", "quantization references: links (two float32 model copies "
                                   "per peer), feedback (one int8 error-feedback buffer per "
-                                  "node), plain (none); auto: feedback, plain for 4-bit codecs",
+                                  "node), plain (none); auto: plain",
                           choices=REFERENCE_CHOICES)
     reference_capacity: int = opt(8, "peers whose quantization references are kept (LRU, "
                                      "--references links)")

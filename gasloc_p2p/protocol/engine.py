@@ -32,7 +32,7 @@ from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.references import LinkScheme, ReferenceScheme
 from gasloc_p2p.protocol.guard import UpdateGuard
 
-DEFAULT_SCHEME = "feedback"  # see gasloc_p2p.core.feedback.resolve_references
+DEFAULT_SCHEME = "plain"  # see gasloc_p2p.core.feedback.resolve_references
 # Scratch of the fused loops: 2^18 float32 (1 MiB) stays in a core's L2; bigger chunks were
 # slower on a 2-core EPYC, smaller ones paid per-op overhead (see benchmarks/bench_scale.py).
 CHUNK_ELEMS = 1 << 18

@@ -68,8 +68,8 @@ class SimConfig:
     codec: str = opt("int8", "payload codec: none (exact), fp32, fp16, int8, int4, fp4; "
                              "block size: int8:256")
     references: str = opt("auto", "async quantized exchanges: links (per-peer references), "
-                                  "feedback (one per-node error-feedback buffer), plain; auto: "
-                                  "feedback, plain for 4-bit codecs")
+                                  "feedback (one per-node error-feedback buffer), plain (none); "
+                                  "auto: plain")
     reference_capacity: int = opt(8, "async, --references links: peers whose references each "
                                      "worker keeps (LRU; an evicted link restarts from theta_0)")
     fragments: int = opt(1, "parameter fragments (strided layers); one fragment per exchange or "
