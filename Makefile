@@ -10,8 +10,8 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
-	bench-chaos bench-poison bench-soak bench-external bench-peer-choice bench-pacing \
-	bench-pacing-2nodes bench-projection reproduce proto clean
+	bench-chaos bench-poison bench-soak bench-external bench-external-1000 bench-peer-choice \
+	bench-pacing bench-pacing-2nodes bench-projection reproduce proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -109,6 +109,19 @@ bench-external: setup
 		$(PIP) -e '.[bench-external]'
 	nice -n 10 $(PY) benchmarks/bench_external.py
 
+# The suite's headline at 1000 steps, 3 repetitions, on the uneven links: GASLoC against DiLoCo
+# mode and torchft's DiLoCo (Nesterov 0.7/0.9), then against DiLoCo mode with plain averaging
+# (about 60 minutes; root, tc; installs the bench-external extra)
+bench-external-1000: setup
+	@$(STEP) "bench-external: install the bench-external extra" --log $(VENV)/setup-external.log -- \
+		$(PIP) -e '.[bench-external]'
+	nice -n 10 $(PY) benchmarks/bench_external.py --systems gasloc,gasloc-diloco,torchft-diloco \
+		--cases uneven --steps 1000 --repeat 3 --no-exchange-check --timeout-s 1200 \
+		--name external-1000
+	nice -n 10 $(PY) benchmarks/bench_external.py --systems gasloc,gasloc-diloco-avg \
+		--cases uneven --steps 1000 --repeat 3 --no-exchange-check --timeout-s 1200 \
+		--name external-1000-avg
+
 # --peer-choice bandwidth against uniform on uneven shaped links (about 10 minutes; root, tc)
 bench-peer-choice: setup
 	nice -n 10 $(PY) benchmarks/bench_external.py --systems gasloc,gasloc-bw --cases uneven \
@@ -132,7 +145,7 @@ bench-projection: setup
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
 	bench-byzantine bench-direction bench-chaos bench-poison bench-soak bench-external \
-	bench-peer-choice bench-pacing bench-pacing-2nodes bench-projection
+	bench-external-1000 bench-peer-choice bench-pacing bench-pacing-2nodes bench-projection
 
 reproduce: setup
 	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,staleness,capacity,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,noloco,references,references-int4

@@ -42,7 +42,7 @@ def suite_numel() -> int:
     return sum(p.numel() for p in build_model(cfg, 0).parameters())
 
 
-def measured_profile(path: Path) -> tuple[dict[str, Any], str]:
+def measured_profile(path: Path, name: str = "measured") -> tuple[dict[str, Any], str]:
     """Step time, payload and exchange work from a bench_external run with gasloc-solo."""
     from benchmarks.external.aggregate import summarize
     results = json.loads(path.read_text())
@@ -66,7 +66,7 @@ def measured_profile(path: Path) -> tuple[dict[str, Any], str]:
     if not steps_s:
         raise SystemExit(f"{path}: no repetition with both gasloc and gasloc-solo")
     mean = sum(steps_s) / len(steps_s), sum(works) / len(works), sum(rates) / len(rates)
-    prof = {"name": "measured", "numel": numel, "step_s": mean[0], "inner_steps":
+    prof = {"name": name, "numel": numel, "step_s": mean[0], "inner_steps":
             spec["inner_steps"], "payload_bytes": payload, "work_s": mean[1],
             "measured_participations_per_round": mean[2]}
     how = (f"from {path.name} ({len(steps_s)} repetitions, {spec['nodes']} real nodes, uneven "
@@ -80,7 +80,7 @@ def measured_profile(path: Path) -> tuple[dict[str, Any], str]:
 def exchange_work_s(numel: int, repeats: int = 12) -> float:
     """Node time one participation's work takes on one thread of this machine, measured: the
     daemon's protocol and engine (``ProtocolExchanger``: snapshot, encode, guard, decode,
-    fold, apply; int8, per-node error feedback) between two in-memory node states with the
+    fold, apply; int8, the default ``plain`` references) between two in-memory node states with the
     suite GPT's size, half of one exchange's time (each exchange is two participations)."""
     import torch
 
@@ -95,7 +95,7 @@ def exchange_work_s(numel: int, repeats: int = 12) -> float:
     cfg = AsyncConfig(eta=1.0, gamma=0.0)
     states = [AsyncGaslocState(theta0.clone(), theta0, cfg) for _ in range(2)]
     ex = ProtocolExchanger(states, theta0, [whole(numel)], CodecSpec.parse("int8"), cfg,
-                           references="feedback")
+                           references="plain")
     times = []
     for k in range(repeats + 2):
         for st in states:  # some drift, as after inner steps
@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--measured", default="docs/results/pacing.json",
                    help="a bench_external run with gasloc and gasloc-solo")
+    p.add_argument("--measured-dedicated", default="docs/results/pacing-2nodes.json",
+                   help="the same with a core per node ('' to skip)")
     p.add_argument("--nodes", default="64,256")
     p.add_argument("--billion-step-s", type=float, default=2.0)
     p.add_argument("--billion-inner-steps", type=int, default=100)
@@ -237,7 +239,13 @@ def main(argv: list[str] | None = None) -> None:
                      f"of 12. A lower bound: gRPC, serialization and the event loop are not in "
                      f"it, nor contention; the measured profile above (everything gossip cost "
                      f"4 nodes sharing 2 cores) is the upper one")
-    profiles = [(measured, how), (dedicated, how_dedicated),
+    extra = []
+    if args.measured_dedicated:
+        own, how_own = measured_profile(ROOT / args.measured_dedicated, "core-per-node")
+        own.pop("measured_participations_per_round")
+        extra.append((own, how_own + ": each node with a core of its own, as volunteers' "
+                      "machines are"))
+    profiles = [(measured, how), *extra, (dedicated, how_dedicated),
                 billion_profile(args.billion_step_s, args.billion_inner_steps,
                                 args.billion_work_s)]
     results, text = {}, []

@@ -2,8 +2,10 @@
 on loopback), wait for them to train ``spec.steps`` steps, and collect what they measured.
 
 Systems (:data:`SYSTEMS`): ``gasloc`` (``gasloc-node join`` with its defaults), ``gasloc-diloco``
-(the same daemon, ``--algorithm diloco``), ``gasloc-bw`` (``--peer-choice bandwidth``), ``gasloc-solo`` (no gossip) and ``gasloc-paced``
-(``--pacing compute``; these two not in "all"), ``torchft-diloco`` (a lighthouse and one replica group
+(the same daemon, ``--algorithm diloco``), ``gasloc-bw`` (``--peer-choice bandwidth``),
+``gasloc-solo`` (no gossip), ``gasloc-paced`` (``--pacing compute``) and ``gasloc-diloco-avg``
+(DiLoCo mode with plain averaging, eta 1 and gamma 0, the outer step the simulator found best;
+these three not in "all"), ``torchft-diloco`` (a lighthouse and one replica group
 per node, gloo on CPU), ``hivemind`` (``hivemind.Optimizer`` with local updates). Every node's
 result has its eval curve, bytes counted at its veth (kernel counters; None on loopback), bytes
 its program counted or estimated, and the peak resident memory of its process group.
@@ -34,9 +36,9 @@ from gasloc_p2p.tools.nodes import NodeChild, node_env
 from gasloc_p2p.tools.procs import Child
 
 SYSTEMS = ("gasloc", "gasloc-diloco", "torchft-diloco", "hivemind", "gasloc-bw")
-# not in "all": the same nodes without gossip (--exchanges-per-round 0), a compute-only control
-# and the defaults with adaptive pacing (--pacing compute)
-OPTIONAL_SYSTEMS = ("gasloc-solo", "gasloc-paced")
+# not in "all": the same nodes without gossip (--exchanges-per-round 0), a compute-only control;
+# the defaults with adaptive pacing (--pacing compute); DiLoCo mode with plain averaging
+OPTIONAL_SYSTEMS = ("gasloc-solo", "gasloc-paced", "gasloc-diloco-avg")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -131,6 +133,8 @@ class _Run:
         if self.system == "gasloc-diloco":
             flags += ["--algorithm", "diloco", "--diloco-eta", str(self.spec.diloco_eta),
                       "--diloco-gamma", str(self.spec.diloco_gamma)]
+        if self.system == "gasloc-diloco-avg":
+            flags += ["--algorithm", "diloco", "--diloco-eta", "1", "--diloco-gamma", "0"]
         return flags
 
     def bootstrap(self, timeout_s: float) -> list[str]:
@@ -143,7 +147,8 @@ class _Run:
         peers = self.bootstrap(timeout_s)
         self.children += [self._node_in_ns(i, peers) for i in range(len(self.hosts))]
 
-    _start_gasloc_diloco = _start_gasloc_bw = _start_gasloc_solo = _start_gasloc_paced = _start_gasloc
+    _start_gasloc_diloco = _start_gasloc_diloco_avg = _start_gasloc
+    _start_gasloc_bw = _start_gasloc_solo = _start_gasloc_paced = _start_gasloc
 
     def _node_in_ns(self, i: int, peers: list[str]) -> NodeChild:
         """A NodeChild whose command runs inside host i's namespace."""
