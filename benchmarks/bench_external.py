@@ -88,12 +88,18 @@ def plot(cases: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(cases), 2, figsize=(11, 4 * len(cases)), squeeze=False)
+    # one color per system in every row (repetitions run the systems in rotated order)
+    names = [*SYSTEMS, *OPTIONAL_SYSTEMS]
+    color = {name: f"C{k % 10}" for k, name in enumerate(names)}
     for row, (case, summary) in enumerate(cases.items()):
-        for system, pts in summary["curves"].items():
+        for system in sorted(summary["curves"], key=lambda s: names.index(s) if s in names
+                             else len(names)):
+            pts = summary["curves"][system]
             if not pts:
                 continue
-            axes[row][0].plot([p["t"] for p in pts], [p["loss"] for p in pts], label=system)
-            axes[row][1].plot([p["tokens"] / 1e3 for p in pts], [p["loss"] for p in pts], label=system)
+            style = {"label": system, "color": color.get(system)}
+            axes[row][0].plot([p["t"] for p in pts], [p["loss"] for p in pts], **style)
+            axes[row][1].plot([p["tokens"] / 1e3 for p in pts], [p["loss"] for p in pts], **style)
         for col, xlabel in enumerate(("wall time, s (slowest node)", "thousand tokens per node")):
             ax = axes[row][col]
             if summary["target_loss"]:
