@@ -45,69 +45,69 @@ proto: setup
 	$(PY) proto/generate.py
 
 bench-core: setup
-	$(PY) benchmarks/bench_core.py
+	$(PY) -m benchmarks.bench_core
 
 bench-codecs: setup
-	$(PY) benchmarks/bench_codecs.py
+	$(PY) -m benchmarks.bench_codecs
 
 bench-sim: setup
-	$(PY) benchmarks/bench_sim.py
+	$(PY) -m benchmarks.bench_sim
 
 bench-node: setup
-	$(PY) benchmarks/bench_node.py
+	$(PY) -m benchmarks.bench_node
 
 bench-diloco: setup
-	$(PY) benchmarks/bench_diloco.py
+	$(PY) -m benchmarks.bench_diloco
 
 bench-scale: setup
-	$(PY) benchmarks/bench_scale.py
+	$(PY) -m benchmarks.bench_scale
 
 bench-swarm100m: setup
-	nice -n 10 $(PY) benchmarks/bench_swarm100m.py
+	nice -n 10 $(PY) -m benchmarks.bench_swarm100m
 
 bench-trainer-memory: setup
-	nice -n 10 $(PY) benchmarks/bench_trainer_memory.py
+	nice -n 10 $(PY) -m benchmarks.bench_trainer_memory
 
 bench-downloads: setup
-	$(PY) benchmarks/bench_downloads.py
+	$(PY) -m benchmarks.bench_downloads
 
 bench-data: setup
-	$(PY) benchmarks/bench_data.py --mb 100,300
+	$(PY) -m benchmarks.bench_data --mb 100,300
 
 bench-streaming: setup
-	$(PY) benchmarks/bench_streaming.py
+	$(PY) -m benchmarks.bench_streaming
 
 # Network namespaces with tbf-shaped links: needs root and iproute2.
 bench-streaming-link: setup
-	$(PY) benchmarks/bench_streaming_link.py
+	$(PY) -m benchmarks.bench_streaming_link
 
 # Security figures (README, Security): each runs real node processes for minutes.
 bench-fuzz: setup
-	$(PY) benchmarks/bench_fuzz.py
+	$(PY) -m benchmarks.bench_fuzz
 
 bench-byzantine: setup
-	$(PY) benchmarks/bench_byzantine.py
+	$(PY) -m benchmarks.bench_byzantine
 
 # The guard's direction test on two honest 99.5M-parameter Llamas (minutes; transformers)
 bench-direction: setup
-	$(PY) benchmarks/bench_direction.py
+	$(PY) -m benchmarks.bench_direction
 
 bench-chaos: setup
-	$(PY) benchmarks/bench_chaos.py
+	$(PY) -m benchmarks.bench_chaos
 
 bench-poison: setup
-	$(PY) benchmarks/bench_poison.py
+	$(PY) -m benchmarks.bench_poison
 
 # 10 minutes; needs root, ip and tc (network namespaces, a tbf-shaped link)
 bench-soak: setup
-	$(PY) benchmarks/bench_soak.py
+	$(PY) -m benchmarks.bench_soak
 
 # External baselines (torchft DiLoCo, hivemind) on shaped links: installs the pinned
 # bench-external extra (torchft) into the venv first; needs root (network namespaces, tc).
 bench-external: setup
 	@$(STEP) "bench-external: install the bench-external extra" --log $(VENV)/setup-external.log -- \
 		$(PIP) -e '.[bench-external]'
-	nice -n 10 $(PY) benchmarks/bench_external.py
+	nice -n 10 $(PY) -m benchmarks.bench_external
 
 # The suite's headline at 1000 steps, 3 repetitions, on the uneven links: GASLoC against DiLoCo
 # mode and torchft's DiLoCo (Nesterov 0.7/0.9), then against DiLoCo mode with plain averaging
@@ -115,32 +115,32 @@ bench-external: setup
 bench-external-1000: setup
 	@$(STEP) "bench-external: install the bench-external extra" --log $(VENV)/setup-external.log -- \
 		$(PIP) -e '.[bench-external]'
-	nice -n 10 $(PY) benchmarks/bench_external.py --systems gasloc,gasloc-diloco,torchft-diloco \
+	nice -n 10 $(PY) -m benchmarks.bench_external --systems gasloc,gasloc-diloco,torchft-diloco \
 		--cases uneven --steps 1000 --repeat 3 --no-exchange-check --timeout-s 1200 \
 		--name external-1000
-	nice -n 10 $(PY) benchmarks/bench_external.py --systems gasloc,gasloc-diloco-avg \
+	nice -n 10 $(PY) -m benchmarks.bench_external --systems gasloc,gasloc-diloco-avg \
 		--cases uneven --steps 1000 --repeat 3 --no-exchange-check --timeout-s 1200 \
 		--name external-1000-avg
 
 # --peer-choice bandwidth against uniform on uneven shaped links (about 10 minutes; root, tc)
 bench-peer-choice: setup
-	nice -n 10 $(PY) benchmarks/bench_external.py --systems gasloc,gasloc-bw --cases uneven \
+	nice -n 10 $(PY) -m benchmarks.bench_external --systems gasloc,gasloc-bw --cases uneven \
 		--steps 1000 --repeat 4 --no-exchange-check --name peer-choice
 
 # --pacing compute against the defaults and no gossip, uneven shaped links (about 12 minutes)
 bench-pacing: setup
-	nice -n 10 $(PY) benchmarks/bench_external.py --systems gasloc,gasloc-paced,gasloc-solo \
+	nice -n 10 $(PY) -m benchmarks.bench_external --systems gasloc,gasloc-paced,gasloc-solo \
 		--cases uneven --steps 1000 --repeat 3 --no-exchange-check --name pacing
 
 # The same with one core per node: 2 nodes (100 and 5 Mbit/s) on the 2 cores (about 5 minutes)
 bench-pacing-2nodes: setup
-	nice -n 10 $(PY) benchmarks/bench_external.py --systems gasloc,gasloc-paced,gasloc-solo \
+	nice -n 10 $(PY) -m benchmarks.bench_external --systems gasloc,gasloc-paced,gasloc-solo \
 		--cases uneven --nodes 2 --steps 1000 --repeat 3 --no-exchange-check --name pacing-2nodes
 
 # Timing projection to n = 64 and 256 from the measured profile (docs/results/pacing.json);
 # a second, no training
 bench-projection: setup
-	$(PY) benchmarks/bench_projection.py
+	$(PY) -m benchmarks.bench_projection
 
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
@@ -148,7 +148,7 @@ bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale ben
 	bench-external-1000 bench-peer-choice bench-pacing bench-pacing-2nodes bench-projection
 
 reproduce: setup
-	$(PY) benchmarks/reproduce.py --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,staleness,capacity,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,noloco,references,references-int4
+	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,staleness,capacity,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,noloco,references,references-int4
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

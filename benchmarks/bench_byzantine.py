@@ -1,6 +1,6 @@
 """Bounded updates against a malicious member: 5 honest nodes + 1 attacker vs honest swarms.
 
-Usage: python benchmarks/bench_byzantine.py [--honest 5] [--steps 500] [--attack cycle]
+Usage: python -m benchmarks.bench_byzantine [--honest 5] [--steps 500] [--attack cycle]
                                             [--guard-factor 8] [--guard-warmup 8]
 
 Three swarms of real `gasloc-node join` processes (tiny model, 1 torch thread each, under
@@ -34,14 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.swarm_eval import Evaluator, flags  # noqa: E402
-from gasloc_p2p.protocol.auth import load_or_create_identity  # noqa: E402
-from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env  # noqa: E402
-from gasloc_p2p.tools.procs import Child  # noqa: E402
+from benchmarks.swarm_eval import Evaluator, flags
+from gasloc_p2p.protocol.auth import load_or_create_identity
+from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env
+from gasloc_p2p.tools.procs import Child
 
 HERE = Path(__file__).resolve().parent
 EXCHANGES = re.compile(r"exchanges ok (\d+) \(init \d+ resp \d+\) failed (\d+) busy (\d+)")
@@ -52,7 +50,7 @@ CLIPPED = re.compile(r"exchange (?:to|from) (\S+) clipped")
 def child(name: str, log_dir: Path, node_flags: list[str], attack: str = "") -> NodeChild:
     """A niced node process; with ``attack``, byzantine_node.py instead of the plain CLI."""
     if attack:
-        argv = ["nice", "-n", "5", sys.executable, str(HERE / "byzantine_node.py"), attack,
+        argv = ["nice", "-n", "5", sys.executable, "-m", "benchmarks.byzantine_node", attack,
                 str(log_dir / f"{name}.attacks.json"), *join_argv(node_flags)[3:]]
     else:
         argv = ["nice", "-n", "5", *join_argv(node_flags)]

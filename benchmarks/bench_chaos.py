@@ -1,6 +1,6 @@
 """Chaos: a swarm whose nodes are SIGKILLed and restarted, and that still learns.
 
-Usage: python benchmarks/bench_chaos.py [--nodes 5] [--duration-s 180] [--kill-every-s 20]
+Usage: python -m benchmarks.bench_chaos [--nodes 5] [--duration-s 180] [--kill-every-s 20]
 
 Runs real `gasloc-node join` processes (tiny model, 1 torch thread each, checkpoints every
 5 s). Every ``--kill-every-s`` a random node is SIGKILLed (its whole process group: the DHT and
@@ -24,10 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.swarm_eval import Evaluator, flags, network_average  # noqa: E402
-from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
+from benchmarks.swarm_eval import Evaluator, flags, network_average
+from gasloc_p2p.tools.nodes import NodeChild
 
 
 def maddrs(node: NodeChild) -> list[str]:

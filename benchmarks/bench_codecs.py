@@ -1,6 +1,6 @@
 """Throughput and error of the wire codecs (gasloc_p2p.core.codecs).
 
-Usage: ``python benchmarks/bench_codecs.py [--numel 100000000] [--threads 1 2] [--reps 3]``
+Usage: ``python -m benchmarks.bench_codecs [--numel 100000000] [--threads 1 2] [--reps 3]``
 
 Throughput is MB/s (1e6 bytes) of float32 input, best of ``reps``. Decoding writes into a
 preallocated output, as a receiver decoding into a reused buffer does: first-touch page

@@ -1,6 +1,6 @@
 """Core benchmark: cost of the GASLoC outer update as a ratio to a plain ``copy_``.
 
-Usage: python benchmarks/bench_core.py [--numel 100000000] [--threads 1 2] [--skip-codecs]
+Usage: python -m benchmarks.bench_core [--numel 100000000] [--threads 1 2] [--skip-codecs]
 Prints one table for the outer-update ops and, unless skipped, the codec throughput table
 (benchmarks/bench_codecs.py). Ratios are measured side by side in the same run.
 """
@@ -8,16 +8,12 @@ Prints one table for the outer-update ops and, unless skipped, the codec through
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState  # noqa: E402
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 
 
 def best_time(fn: Callable[[], object], repeats: int = 5) -> float:

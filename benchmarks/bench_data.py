@@ -6,7 +6,7 @@ a fresh child process builds the node's data exactly as ``gasloc-node join --dat
 (validation set, then the training window stream with its shuffle buffer) and reads one whole
 epoch. Prints, for each file size side by side, the child's resident memory after imports, its
 peak, and the growth (absolute and as a fraction of the file size). Run:
-``.venv/bin/python benchmarks/bench_data.py --mb 100,300`` (about 3-6 minutes on 2 cores).
+``.venv/bin/python -m benchmarks.bench_data --mb 100,300`` (about 3-6 minutes on 2 cores).
 """
 
 from __future__ import annotations

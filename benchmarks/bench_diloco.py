@@ -1,6 +1,6 @@
 """DiLoCo in the daemon: wall time of one averaging round on loopback (`--algorithm diloco`).
 
-Usage: python benchmarks/bench_diloco.py [--nodes 2] [--rounds 10] [--inner-steps 20]
+Usage: python -m benchmarks.bench_diloco [--nodes 2] [--rounds 10] [--inner-steps 20]
                                          [--codec fp32] [--data PATH] [-- more join flags]
 
 Starts ``--nodes`` `gasloc-node join --algorithm diloco` processes on 127.0.0.1 (default model
@@ -16,16 +16,13 @@ Timings on shared 2-core machines vary by about 30% run to run.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gasloc_p2p.node.config import NodeConfig  # noqa: E402
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
-from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
+from gasloc_p2p.node.config import NodeConfig
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.tools.nodes import NodeChild
 
 DILOCO_FLAGS = ["--algorithm", "diloco", "--host", "127.0.0.1", "--torch-threads", "1",
                 "--log-interval-s", "30"]

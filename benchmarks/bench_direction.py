@@ -1,6 +1,6 @@
 """How aligned are two honest nodes' displacements from theta_0? The guard's direction test, measured.
 
-Usage: python benchmarks/bench_direction.py [--layers 14] [--width 768] [--steps 8]
+Usage: python -m benchmarks.bench_direction [--layers 14] [--width 768] [--steps 8]
                                              [--seq-len 64] [--batch-size 2]
 
 Two copies of one Llama (byte vocabulary, theta_0 from ``--seed``; the 99.5M-parameter config
@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gasloc_p2p.protocol.guard import GuardRule  # noqa: E402
+from gasloc_p2p.protocol.guard import GuardRule
 
 OLD = GuardRule(min_z=-1, min_cosine=0.05)  # the fixed rule before this one
 NEW = GuardRule()

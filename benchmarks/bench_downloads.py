@@ -7,7 +7,7 @@ downloads (kernel VmHWM, reset after start-up), how many downloads were served a
 were answered BUSY, for ``--max-downloads`` values. Before issue 9, 20 downloads of a 6.4M
 node took it from 0.7 GB to 2.9 GB (one serialized copy per request).
 
-Run: ``python benchmarks/bench_downloads.py [--numel 6400000] [--clients 20]``.
+Run: ``python -m benchmarks.bench_downloads [--numel 6400000] [--clients 20]``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> int:
     print(f"donor state {mb:.0f} MB (public iterate + memory, {args.numel:,} parameters), "
           f"{args.clients} concurrent downloads")
     for limit in (int(x) for x in args.limits.split(",")):
-        proc = subprocess.Popen([sys.executable, __file__, "--donor", str(args.numel),
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_downloads", "--donor", str(args.numel),
                                  str(limit)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)
         try:

@@ -1,10 +1,10 @@
 """gasloc_p2p against what users would pick instead, on real shaped links (`make bench-external`).
 
-Usage: python benchmarks/bench_external.py [--cases uneven,uniform] [--systems all]
+Usage: python -m benchmarks.bench_external [--cases uneven,uniform] [--systems all]
            [--steps 300] [--nodes 4] [--out docs/results] [--quick]
 
 For each link case, each system runs ``--nodes`` real processes, one per network namespace
-(``gasloc_p2p.tools.netns``: veth pairs on a bridge, each host's egress shaped with tc tbf):
+(``benchmarks.tools.netns``: veth pairs on a bridge, each host's egress shaped with tc tbf):
 ``uneven`` = three hosts at ``--fast-mbit`` (100) and one at ``--slow-mbit`` (5), ``uniform`` =
 all at ``--fast-mbit``. Systems: gasloc_p2p's GASLoC (the defaults), gasloc_p2p's DiLoCo mode,
 torchft's DiLoCo (lighthouse + gloo; skipped if torchft is not installed) and hivemind's
@@ -24,14 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.external.aggregate import markdown, summarize  # noqa: E402
-from benchmarks.external.common import Spec, make_corpus  # noqa: E402
-from benchmarks.external.exchange import measure_exchange  # noqa: E402
-from benchmarks.external.runners import OPTIONAL_SYSTEMS, SYSTEMS, run_system  # noqa: E402
-from gasloc_p2p.sim.analysis import mean_ci  # noqa: E402
-from gasloc_p2p.tools.netns import ShapedNetwork, netns_unavailable  # noqa: E402
+from benchmarks.external.aggregate import markdown, summarize
+from benchmarks.external.common import Spec, make_corpus
+from benchmarks.external.exchange import measure_exchange
+from benchmarks.external.runners import OPTIONAL_SYSTEMS, SYSTEMS, run_system
+from benchmarks.tools.netns import ShapedNetwork, netns_unavailable
+from gasloc_p2p.sim.analysis import mean_ci
 
 
 def case_rates(case: str, nodes: int, fast: float, slow: float) -> list[float]:
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                 eval_every=args.inner_steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/bench_external.py " + " ".join(argv or sys.argv[1:])
+    command = "python -m benchmarks.bench_external " + " ".join(argv or sys.argv[1:])
     started = time.monotonic()
     results: dict[str, Any] = {"command": command.strip(), "spec": json.loads(spec.to_json()),
                                "cases": {}, "runs": {}}

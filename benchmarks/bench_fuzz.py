@@ -1,6 +1,6 @@
 """Fuzz a live node: thousands of generated hostile Exchange streams, and where each stopped.
 
-Usage: python benchmarks/bench_fuzz.py [--streams 5000] [--concurrency 2] [--seed 0]
+Usage: python -m benchmarks.bench_fuzz [--streams 5000] [--concurrency 2] [--seed 0]
                                        [--member-share 0.8]
 
 Starts one real `gasloc-node join` process (tiny model, short timeouts) and sends it seeded,
@@ -24,10 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gasloc_p2p.tools.fuzz_member import fuzz_node  # noqa: E402
-from gasloc_p2p.tools.fuzz_streams import STAGES, Counts  # noqa: E402
+from benchmarks.tools.fuzz_member import fuzz_node
+from benchmarks.tools.fuzz_streams import STAGES, Counts
 
 
 def report(r: dict[str, object], seed: int) -> bool:

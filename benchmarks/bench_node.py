@@ -1,6 +1,6 @@
 """Node benchmark: a gossip exchange over loopback against a raw gRPC stream of the same bytes.
 
-Usage: python benchmarks/bench_node.py [--numel 10000000] [--repeats 3] [--threads 2]
+Usage: python -m benchmarks.bench_node [--numel 10000000] [--repeats 3] [--threads 2]
                                        [--train-window-s 20] [--skip-training]
 
 The responder runs in a child process (a real gRPC server on 127.0.0.1:0 that also serves a
@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import hashlib
 import multiprocessing as mp
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,23 +28,21 @@ from typing import Any
 import grpc
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState  # noqa: E402
-from gasloc_p2p.core.flat import whole  # noqa: E402
-from gasloc_p2p.node.config import GossipConfig, NetworkConfig  # noqa: E402
-from gasloc_p2p.node.runtime.lock import TrainingLock  # noqa: E402
-from gasloc_p2p.node.transport.exchange import GossipTransport  # noqa: E402
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.flat import whole
+from gasloc_p2p.node.config import GossipConfig, NetworkConfig
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import GossipServicer, StateSnapshot, grpc_options
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc  # noqa: E402
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import (
     MAX_CHUNK_BYTES,
-    Identity,  # noqa: E402
+    Identity,
 )
-from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
+from gasloc_p2p.tools.nodes import NodeChild
 
 CODECS = ("fp32", "fp16", "int8", "int4", "fp4")
 RAW_METHOD = "/bench.Raw/Stream"

@@ -1,6 +1,6 @@
 """DHT poisoning on a real DHT: does gossip go on while an attacker floods the peer list?
 
-Usage: python benchmarks/bench_poison.py [--nodes 3] [--fakes 20] [--window-s 60]
+Usage: python -m benchmarks.bench_poison [--nodes 3] [--fakes 20] [--window-s 60]
 
 Starts ``--nodes`` real `gasloc-node join` processes (tiny model, 1 torch thread, under `nice`)
 on loopback, then measures the swarm's exchange rate (committed exchanges, summed over the
@@ -34,14 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.swarm_eval import flags  # noqa: E402
-from gasloc_p2p.node.discovery.base import PeerInfo, run_key  # noqa: E402
-from gasloc_p2p.node.discovery.records import signed_value  # noqa: E402
-from gasloc_p2p.protocol.auth import Signer  # noqa: E402
-from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env  # noqa: E402
-from gasloc_p2p.tools.procs import Child  # noqa: E402
+from benchmarks.swarm_eval import flags
+from gasloc_p2p.node.discovery.base import PeerInfo, run_key
+from gasloc_p2p.node.discovery.records import signed_value
+from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env
+from gasloc_p2p.tools.procs import Child
 
 KEY = run_key("gasloc")
 MAX_TTL_S = 2 * 20.0  # 2 x --announce-ttl-s (default 20 s): longer records are refused

@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from gasloc_p2p.core.codecs import get_codec
+from gasloc_p2p.sim.projection import Profile, min_link_for, project
 
-from gasloc_p2p.core.codecs import get_codec  # noqa: E402
-from gasloc_p2p.sim.projection import Profile, min_link_for, project  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 METHODS = ("gasloc", "gasloc-paced", "diloco", "streaming-diloco")
 LINKS_MBIT = (1.0, 5.0, 10.0, 100.0, 1000.0)
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     note = (f"Check at n = 4 on the measured uneven links: the model gives "
             f"{check.participations_per_round:.2f} participations per node per round at 2 "
             f"starts per round, the run measured {measured:.2f}.")
-    command = "python benchmarks/bench_projection.py " + " ".join(argv or sys.argv[1:])
+    command = "python -m benchmarks.bench_projection " + " ".join(argv or sys.argv[1:])
     header = ["# Projection past one machine", "", f"`{command.strip()}` "
               f"({time.monotonic() - started:.0f} s). Timing model: "
               "`gasloc_p2p/sim/projection.py` (GASLoC event-driven, 40 rounds after 5 of "

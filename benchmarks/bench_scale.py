@@ -20,7 +20,7 @@ node: live parameters (the "model"), the outer state (anchor, momentum memory) a
   which is what the time is made of; the kernels of one exchange go to stderr.
 
 No gradients or optimizer state are allocated: they are the model's, not the outer algorithm's.
-Run: ``python benchmarks/bench_scale.py [--sizes 1e6,1e7,1e8] [--schemes links,plain]``.
+Run: ``python -m benchmarks.bench_scale [--sizes 1e6,1e7,1e8] [--schemes links,plain]``.
 Timings on shared machines vary by ~30%: compare ratios, not absolute times.
 """
 
@@ -244,7 +244,7 @@ def main() -> int:
 
 
 def run_child(size: int, scheme: str, device: str, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--child", str(size), scheme, device,
+    cmd = [sys.executable, "-m", "benchmarks.bench_scale", "--child", str(size), scheme, device,
            "--peers", str(args.peers), "--codec", args.codec]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """Simulator overhead: wall time per round for N workers as a ratio to N x H single steps.
 
-Usage: python benchmarks/bench_sim.py [--workers 8] [--rounds 5] [--H 10] [--algorithm gasloc]
+Usage: python -m benchmarks.bench_sim [--workers 8] [--rounds 5] [--H 10] [--algorithm gasloc]
 The single-step time is measured in the same run, before and after, on worker 0 of a one-worker
 simulation of the same config, so the ratio is the simulator's own cost (outer update, quantized exchanges, bookkeeping).
 Target: at most 1.15.

@@ -1,10 +1,10 @@
 """Soak: a small swarm for 10 minutes with one node behind a 10 Mbit/s tbf-shaped link.
 
-Usage: python benchmarks/bench_soak.py [--nodes 4] [--minutes 10] [--rate-mbit 10]
+Usage: python -m benchmarks.bench_soak [--nodes 4] [--minutes 10] [--rate-mbit 10]
                                        [--warmup-minutes 2] [--sample-s 30]
 
 Every node is a real `gasloc-node join` process (tiny model, fp32 payloads of 480 KB, 1 torch
-thread, under `nice`) in its own network namespace (gasloc_p2p.tools.netns), bound to that
+thread, under `nice`) in its own network namespace (benchmarks.tools.netns), bound to that
 namespace's address; the last node's egress is shaped with `tc tbf` to ``--rate-mbit``. Every ``--sample-s`` seconds
 the benchmark reads each node's resident memory (the node process alone, and its whole process
 group: node, DHT process and p2pd, from /proc) and the shaped node's exchanges (Info over
@@ -24,13 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.swarm_eval import flags  # noqa: E402
-from gasloc_p2p.protocol.auth import Signer  # noqa: E402
-from gasloc_p2p.tools.netns import ShapedNetwork, netns_unavailable  # noqa: E402
-from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env  # noqa: E402
-from gasloc_p2p.tools.procs import Child, group_members  # noqa: E402
+from benchmarks.swarm_eval import flags
+from benchmarks.tools.netns import ShapedNetwork, netns_unavailable
+from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env
+from gasloc_p2p.tools.procs import Child, group_members
 
 GROWTH_LIMIT = 0.10
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024

@@ -1,6 +1,6 @@
 """Streaming DiLoCo in the daemon: peak bandwidth per sync and compute utilization, on loopback.
 
-Usage: python benchmarks/bench_streaming.py [--nodes 2] [--fragments 4] [--taus 0 3]
+Usage: python -m benchmarks.bench_streaming [--nodes 2] [--fragments 4] [--taus 0 3]
                                             [--codec fp4] [--seconds 60] [-- more join flags]
 
 For each ``--taus`` value, starts ``--nodes`` `gasloc-node join --algorithm streaming-diloco`
@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gasloc_p2p.core.codecs import CodecSpec  # noqa: E402
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
-from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.tools.nodes import NodeChild
 
 FLAGS = ["--algorithm", "streaming-diloco", "--host", "127.0.0.1", "--torch-threads", "1",
          "--log-interval-s", "30", "--eval-interval-steps", "1000000"]

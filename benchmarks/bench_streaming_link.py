@@ -1,10 +1,10 @@
 """Streaming DiLoCo vs whole-model DiLoCo on tbf-shaped links: utilization and bandwidth.
 
-Usage (root, iproute2): python benchmarks/bench_streaming_link.py [--nodes 3] [--rate-mbit 8]
+Usage (root, iproute2): python -m benchmarks.bench_streaming_link [--nodes 3] [--rate-mbit 8]
         [--fragments 4] [--taus 0 8] [--codec fp4] [--inner-steps 50] [--seconds 60]
         [-- more join flags]
 
-Every node runs in its own network namespace (:mod:`gasloc_p2p.tools.netns`), its gRPC, DHT
+Every node runs in its own network namespace (:mod:`benchmarks.tools.netns`), its gRPC, DHT
 and metrics ports bound to the namespace's address. One after the other, on the same network:
 ``--algorithm streaming-diloco`` at each ``--taus`` value, then ``--algorithm diloco`` (the
 whole model all-reduced every H steps, blocking), all with the same codec. The links are left
@@ -44,14 +44,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gasloc_p2p.data import ensure_shakespeare  # noqa: E402
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb  # noqa: E402
-from gasloc_p2p.protocol.auth import Signer  # noqa: E402
-from gasloc_p2p.tools.netns import Host, ShapedNetwork, netns_unavailable  # noqa: E402
-from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env  # noqa: E402
-from gasloc_p2p.tools.procs import Child  # noqa: E402
+from benchmarks.tools.netns import Host, ShapedNetwork, netns_unavailable
+from gasloc_p2p.data import ensure_shakespeare
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env
+from gasloc_p2p.tools.procs import Child
 
 FLAGS = ["--torch-threads", "1", "--log-interval-s", "30", "--eval-interval-steps", "1000000",
          "--matchmaking-time-s", "2", "--request-timeout-s", "1", "--n-layer", "4",
@@ -98,7 +96,7 @@ def wait_warm(nodes: list[NsNode], syncs: int, timeout_s: float) -> None:
 
 def shape(host: Host, rate_mbit: float | None) -> None:
     """Shape ``host``'s egress with tbf at ``rate_mbit`` (None: remove the shaper). The burst
-    is :mod:`gasloc_p2p.tools.netns`'s: about 5 ms of traffic, at least 16 kB."""
+    is :mod:`benchmarks.tools.netns`'s: about 5 ms of traffic, at least 16 kB."""
     if rate_mbit is None:
         subprocess.run(host.cmd(["tc", "qdisc", "del", "dev", host.dev, "root"]),
                        capture_output=True, check=False)

@@ -8,7 +8,7 @@ the node does) and a few more steps, and after ``malloc_trim``. It runs twice, e
 process: with glibc's default allocator settings and with the node's
 (``gasloc_p2p.node.runtime.allocator.tune``). Then it names the largest live tensors.
 
-Run: ``nice -n 10 python benchmarks/bench_trainer_memory.py`` (``make bench-trainer-memory``;
+Run: ``nice -n 10 python -m benchmarks.bench_trainer_memory`` (``make bench-trainer-memory``;
 about 1 min for the default 20M-parameter model).
 """
 
@@ -44,15 +44,13 @@ def measure(mode: str, layers: int, width: int, steps: int) -> None:
 
     if mode == "tuned":
         allocator.tune()
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_swarm100m import write_inputs
-
+    from benchmarks.bench_swarm100m import write_inputs
     from gasloc_p2p.core.async_state import AsyncConfig
     from gasloc_p2p.node.config import TrainConfig
     from gasloc_p2p.node.runtime import checkpoint
     from gasloc_p2p.node.runtime.lock import TrainingLock
-    from gasloc_p2p.node.runtime.stats import TrainStats
     from gasloc_p2p.node.runtime.trainer import Trainer
+    from gasloc_p2p.node.stats import TrainStats
 
     root = Path(tempfile.mkdtemp(prefix="trainer-memory-"))
     config, corpus, numel = write_inputs(root, layers, width)
@@ -116,7 +114,7 @@ def main() -> int:
         return 0
     print("resident/live-tensor memory as multiples of the fp32 model size, after each stage")
     for mode in ("default", "tuned"):
-        subprocess.run([sys.executable, __file__, "--mode", mode, "--layers", str(args.layers),
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_trainer_memory", "--mode", mode, "--layers", str(args.layers),
                         "--width", str(args.width), "--steps", str(args.steps)], check=True)
     return 0
 

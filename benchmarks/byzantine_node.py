@@ -1,6 +1,6 @@
 """A malicious gossip node for bench_byzantine.py (never part of the package).
 
-Usage: python benchmarks/byzantine_node.py ATTACK REPORT.json [gasloc-node arguments...]
+Usage: python -m benchmarks.byzantine_node ATTACK REPORT.json [gasloc-node arguments...]
 
 Runs the real daemon with the real protocol, but every payload it sends in an exchange encodes
 ``theta_0 + f(p - theta_0)`` instead of its public iterate ``p``: ``scaled`` (f = 10x),
@@ -23,10 +23,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gasloc_p2p import cli  # noqa: E402
-from gasloc_p2p.protocol.engine import ExchangeEngine  # noqa: E402
+from gasloc_p2p import cli
+from gasloc_p2p.protocol.engine import ExchangeEngine
 
 ATTACKS = ("scaled", "signflip", "random")
 

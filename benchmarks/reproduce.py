@@ -1,6 +1,6 @@
 """Measure ALGORITHM.md section 5 in the simulator, one part at a time (each <= 30 min here).
 
-Usage: python benchmarks/reproduce.py --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
+Usage: python -m benchmarks.reproduce --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
 Parts: momentum-h10, momentum-h50, async, slow, consensus, gamma-sweep-h100, gamma-sweep-h10,
 graphs, graphs-16, staleness, capacity, mixing, acid-consensus, acid, gamma-graphs-8,
 gamma-graphs-16, noloco, references, references-int4 (see PARTS). Training runs: n = 4 workers (graphs and references: 8, graphs-16
@@ -26,8 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import repro_consensus
-
+from benchmarks import repro_consensus
 from gasloc_p2p.sim.analysis import mean_ci, paired_ci, time_to_target, value_at
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.consensus import DIM
@@ -410,7 +409,7 @@ def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
         write_consensus(part, group, out, seeds, wall, len(runs))
         return
     lines = [f"## {part}: {title}", "",
-             f"`python benchmarks/reproduce.py --only {part} --seeds "
+             f"`python -m benchmarks.reproduce --only {part} --seeds "
              f"{','.join(map(str, seeds))}`: {len(runs)} runs of n = {cfg['workers']} workers x "
              f"{cfg['steps']} inner steps, {runs[0]['params']:,} parameters, "
              f"{wall:.0f} CPU-minutes (1 thread per run).", "",
@@ -446,7 +445,7 @@ def write_consensus(part: str, group: dict[str, list[dict[str, Any]]], out: Path
         "the graph and the participation rate (core/topology.py acid_parameters); 'rate xk': "
         "the rate scaled by k.")
     lines = [f"## {part}: " + PARTS[part][0], "",
-             f"`python benchmarks/reproduce.py --only {part} --seeds "
+             f"`python -m benchmarks.reproduce --only {part} --seeds "
              f"{','.join(map(str, seeds))}`: {count} runs of {repro_consensus.ROUNDS} rounds "
              f"({wall:.1f} CPU-minutes). {driver} The drift is zero, so every gamma is at the "
              "same effective step (eta scales nothing).", "",
@@ -520,7 +519,7 @@ def main() -> None:
         print(f"{part}: {(time.perf_counter() - started) / 60:.1f} min wall", flush=True)
     parts = [(args.out / f"{p}.md").read_text() for p in PARTS if (args.out / f"{p}.md").exists()]
     intro = ["# Measurements in the simulator (issue 14)", "",
-             "Each part: `python benchmarks/reproduce.py --only PART` (`--jobs 2`, one torch "
+             "Each part: `python -m benchmarks.reproduce --only PART` (`--jobs 2`, one torch "
              "thread per run, under about 30 minutes on 2 cores). Regime of every training "
              "table unless it says otherwise: n = 4 workers, 1000 inner steps per worker (512 tokens per step), 121k-parameter GPT, "
              "byte-level Shakespeare, i.i.d. shards, int8 payloads, 3 seeds unless a row says "

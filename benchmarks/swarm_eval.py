@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gasloc_p2p.core.flat import FlatParams  # noqa: E402
-from gasloc_p2p.model import build_model  # noqa: E402
-from gasloc_p2p.node.runtime.trainer import load_data  # noqa: E402
-from gasloc_p2p.node.settings import build_config  # noqa: E402
-from gasloc_p2p.tools.nodes import NodeChild  # noqa: E402
-from gasloc_p2p.train import evaluate  # noqa: E402
+from gasloc_p2p.core.flat import FlatParams
+from gasloc_p2p.model import build_model
+from gasloc_p2p.node.runtime.trainer import load_data
+from gasloc_p2p.node.settings import build_config
+from gasloc_p2p.tools.nodes import NodeChild
+from gasloc_p2p.train import evaluate
 
 TINY = {"n_layer": 2, "n_embd": 64, "seq_len": 64, "batch_size": 8, "inner_steps": 10,
         "eval_batches": 4, "host": "127.0.0.1", "torch_threads": 1}

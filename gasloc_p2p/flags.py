@@ -37,6 +37,8 @@ class Option:
     flag: str = ""
     choices: tuple[str, ...] = ()
     metavar: str = ""
+    advanced: bool = False  # settable in TOML and the environment only
+    group: str = ""  # --help group (default: the section)
 
     @property
     def cli(self) -> str:
@@ -60,7 +62,8 @@ def options(sections: Mapping[str, type]) -> dict[str, Option]:
             meta = f.metadata
             out[f.name] = Option(section, f.name, kind, default, meta.get("help", ""), item,
                                  meta.get("flag", ""), tuple(meta.get("choices", ())),
-                                 meta.get("metavar", ""))
+                                 meta.get("metavar", ""), bool(meta.get("advanced", False)),
+                                 meta.get("group", ""))
     return out
 
 
@@ -75,17 +78,16 @@ def _kind(hint: Any) -> tuple[type, type]:
 
 
 def add_flags(parser: argparse.ArgumentParser, opts: Mapping[str, Option],
-              env_prefix: str = "", groups: bool = True,
-              skip: Sequence[str] = ()) -> None:
-    """One flag per option (grouped by section when ``groups``); unset flags stay absent."""
-    made: dict[str, Any] = {}
+              env_prefix: str = "", groups: Sequence[str] = (),
+              skip: Sequence[str] = (), advanced: bool = True) -> None:
+    """One flag per option; unset flags stay absent. ``groups``: the ``--help`` groups in
+    order (an option goes to its ``group``, else its section); none: no groups.
+    ``advanced``: also the options marked advanced."""
+    made = {name: parser.add_argument_group(name) for name in groups}
     for opt in opts.values():
-        if opt.name in skip:
+        if opt.name in skip or (opt.advanced and not advanced):
             continue
-        target: Any = parser
-        if groups:
-            target = made.get(opt.section) or made.setdefault(
-                opt.section, parser.add_argument_group(opt.section))
+        target: Any = made[opt.group or opt.section] if groups else parser
         notes = [] if "default" in opt.help else [f"default: {opt.default!r}"]
         if env_prefix:
             notes.append(f"env {env_prefix}{opt.name.upper()}")

@@ -19,8 +19,8 @@ import torch
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
-from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import GuardRule, ImplausibleUpdate, UpdateGuard

@@ -152,7 +152,7 @@ def exported_names() -> set[str]:
     from prometheus_client import CollectorRegistry, ProcessCollector
 
     from gasloc_p2p.node.observability.metrics import NodeCollector
-    from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
+    from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 
     train = TrainStats(train_loss=3.0, val_loss=3.1)  # NaN gauges are left out of a scrape
     exchange = ExchangeStats(consensus=0.01)

@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState, exchange_weight
-from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc
 from gasloc_p2p.core.topology import complete_edges, mixing_matrix, random_matching
 from tests import toy
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc, mix, mix_pair_
 
 from gasloc_p2p.core.diloco import NesterovOuter, outer_gradient
-from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc, mix, mix_pair_
 from gasloc_p2p.core.topology import complete_edges, mixing_matrix, random_matching, ring_edges
 from tests import toy
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc
 
 from gasloc_p2p.core.flat import Fragment, Span, layer_fragments
-from gasloc_p2p.core.gasloc import OuterConfig, SyncGasloc
 from gasloc_p2p.core.topology import (
     expected_spectral_gap,
     graph_edges,

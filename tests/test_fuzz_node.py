@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gasloc_p2p.tools.fuzz_member import fuzz_node
-from gasloc_p2p.tools.fuzz_streams import Counts
+from benchmarks.tools.fuzz_member import fuzz_node
+from benchmarks.tools.fuzz_streams import Counts
 
 pytestmark = pytest.mark.slow
 

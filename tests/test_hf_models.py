@@ -18,8 +18,8 @@ from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.export import ExportError, export
 from gasloc_p2p.node.runtime import checkpoint
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.runtime.trainer import Trainer
+from gasloc_p2p.node.stats import TrainStats
 from tests.hf_helpers import documents, write_jsonl, write_llama_config, write_tokenizer
 
 transformers = pytest.importorskip("transformers")

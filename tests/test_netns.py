@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from benchmarks.tools.netns import ShapedNetwork, netns_unavailable
 from gasloc_p2p.tools import netns
-from gasloc_p2p.tools.netns import ShapedNetwork, netns_unavailable
 
 pytestmark = pytest.mark.skipif(netns_unavailable() is not None,
                                 reason=netns_unavailable() or "")

@@ -20,15 +20,15 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from gasloc_p2p.node.modes.averaging import HivemindAverager, averaging_prefix
+from gasloc_p2p.node.modes.streaming import StreamingRounds
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.node.config import DilocoConfig
-from gasloc_p2p.node.modes.averaging import HivemindAverager, averaging_prefix
-from gasloc_p2p.node.modes.streaming import StreamingRounds
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.stats import TrainStats
 from tests.node_helpers import scaled
 
 NUMEL, H, N = 6000, 6, 3
@@ -183,12 +183,11 @@ def test_a_reducer_accepts_only_parts_of_its_codec_size_and_weight():
 
 
 def _check_reducer() -> None:
+    from gasloc_p2p.node.modes.compression import make_compression
+    from gasloc_p2p.node.modes.uniform import runner_class
     from hivemind.averaging.partition import AllreduceException
     from hivemind.compression import serialize_torch_tensor
     from hivemind.proto import averaging_pb2, runtime_pb2
-
-    from gasloc_p2p.node.modes.compression import make_compression
-    from gasloc_p2p.node.modes.uniform import runner_class
 
     class FakeP2P:
         peer_id = "a"

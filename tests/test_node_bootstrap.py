@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.node.runtime import bootstrap
-from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from tests.daemon_helpers import tiny_config
 from tests.node_helpers import run, wait_until

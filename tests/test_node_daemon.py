@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import (
     CompatibilityFilter,
     InMemoryDiscovery,
@@ -17,7 +18,6 @@ from gasloc_p2p.node.discovery.base import (
 )
 from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.clock import ManualClock
-from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.transport.service import download_state, fetch_info
 from tests.daemon_helpers import tiny_config
 from tests.node_helpers import run, scaled, wait_until

@@ -19,18 +19,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from gasloc_p2p.node.modes.averaging import AveragingResult, InMemoryAveragingHub
 from google.protobuf.json_format import MessageToDict
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.node.cli_node import _print_report
 from gasloc_p2p.node.config import ConfigError, DilocoConfig
+from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import (
     CompatibilityFilter,
     InMemoryDiscovery,
     InMemoryRegistry,
     PeerInfo,
 )
-from gasloc_p2p.node.modes.averaging import AveragingResult, InMemoryAveragingHub
 from gasloc_p2p.node.modes.diloco import (
     DilocoMode,
     DilocoRounds,
@@ -39,10 +40,9 @@ from gasloc_p2p.node.modes.diloco import (
     state_digest,
 )
 from gasloc_p2p.node.runtime import checkpoint as ckpt
-from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.settings import add_config_flags, build_config
+from gasloc_p2p.node.stats import TrainStats
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.messages import BUSY, PROTOCOL_VERSION
 from tests.daemon_helpers import spy_on_gossip_machinery, tiny_config, write_corpus

@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gasloc_p2p import __version__
 from gasloc_p2p.node.config import ConfigError, NodeConfig
+from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.node.observability.metrics import OUTCOMES, NodeCollector, NodeMetrics
-from gasloc_p2p.node.runtime.daemon import Node
-from gasloc_p2p.node.runtime.stats import ExchangeStats, FragmentStats, TrainStats
 from gasloc_p2p.node.settings import build_config
+from gasloc_p2p.node.stats import ExchangeStats, FragmentStats, TrainStats
 from tests.daemon_helpers import tiny_config, write_corpus
 from tests.node_helpers import make_peer, run, wait_until
 

@@ -7,18 +7,18 @@ import threading
 
 import pytest
 import torch
+from gasloc_p2p.node.modes.averaging import InMemoryAveragingHub
 
 from gasloc_p2p.node.config import NodeConfig, TrainConfig
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry, PeerInfo
-from gasloc_p2p.node.modes.averaging import InMemoryAveragingHub
 from gasloc_p2p.node.modes.base import Mode, ModeContext
 from gasloc_p2p.node.modes.diloco import DilocoMode
 from gasloc_p2p.node.modes.gossip import GossipMode
 from gasloc_p2p.node.modes.registry import MODES, make_mode
 from gasloc_p2p.node.runtime.clock import ManualClock
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.runtime.trainer import Trainer
+from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.transport.service import PeerChannels
 from gasloc_p2p.protocol.messages import Identity
 from tests.daemon_helpers import spy_on_gossip_machinery

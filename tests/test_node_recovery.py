@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
+from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.node.observability.metrics import NodeMetrics  # noqa: F401 (registry below)
 from gasloc_p2p.node.runtime import checkpoint as ckpt
-from gasloc_p2p.node.runtime.daemon import Node
 from gasloc_p2p.safelog import OneLineFormatter, safe
 from tests.daemon_helpers import tiny_config
 from tests.node_helpers import make_peer, run, wait_until
@@ -164,7 +164,7 @@ def test_slow_teardown_steps_are_logged_at_info(caplog, monkeypatch):
     from gasloc_p2p.node.runtime import daemon
 
     monkeypatch.setattr(daemon, "SLOW_TEARDOWN_S", 0.05)
-    with caplog.at_level(logging.INFO, logger="gasloc_p2p.node.runtime.daemon"):
+    with caplog.at_level(logging.INFO, logger="gasloc_p2p.node.daemon"):
         asyncio.run(daemon._timed("server stop", lambda: asyncio.sleep(0.1)))
         asyncio.run(daemon._timed("fast", lambda: asyncio.sleep(0)))
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]

@@ -19,7 +19,7 @@ from gasloc_p2p.node.discovery.records import make_validator, signed_value
 from gasloc_p2p.node.modes.gossip import GossipLoop, PeerBook
 from gasloc_p2p.node.runtime.clock import ManualClock, every
 from gasloc_p2p.node.runtime.reachability import Reachability
-from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.stats import TrainStats
 from gasloc_p2p.node.transport.service import download_state, fetch_info
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.auth import Signer, new_nonce
@@ -426,7 +426,7 @@ def test_commit_not_signed_for_this_stream_is_not_applied(signature):
 def test_nodes_with_swarm_key_ignore_a_node_without_it(corpus, tmp_path):
     """Three real nodes (in-memory discovery): two share --swarm-key and gossip; the third has
     none. Neither side accepts the other's records, so they never meet."""
-    from gasloc_p2p.node.runtime.daemon import Node
+    from gasloc_p2p.node.daemon import Node
     from tests.daemon_helpers import tiny_config
 
     key_file = tmp_path / "swarm.key"

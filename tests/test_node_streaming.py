@@ -15,20 +15,20 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from gasloc_p2p.node.modes.averaging import InMemoryAveragingHub, _Session
+from gasloc_p2p.node.modes.compression import make_compression
+from gasloc_p2p.node.modes.streaming import StreamingRounds
+from gasloc_p2p.node.modes.streaming_mode import StreamingMode
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.streaming import StreamingConfig, StreamingDiloco
 from gasloc_p2p.node.config import ConfigError, DilocoConfig
-from gasloc_p2p.node.modes.averaging import InMemoryAveragingHub, _Session
-from gasloc_p2p.node.modes.compression import make_compression
 from gasloc_p2p.node.modes.registry import make_mode
-from gasloc_p2p.node.modes.streaming import StreamingRounds
-from gasloc_p2p.node.modes.streaming_mode import StreamingMode
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.settings import add_config_flags, build_config
+from gasloc_p2p.node.stats import TrainStats
 from tests.node_helpers import scaled
 
 NUMEL, H = 30, 6

@@ -19,9 +19,9 @@ from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.node.modes.gossip import FragmentChooser, GossipLoop, PeerBook
 from gasloc_p2p.node.runtime.clock import ManualClock, every
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.runtime.trainer import inner_settings
 from gasloc_p2p.node.settings import add_config_flags, build_config
+from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.transport.ratelimit import TokenBucket
 from gasloc_p2p.train import build_adamw
 from tests.node_helpers import run, scaled
@@ -179,7 +179,7 @@ def test_periodic_job_runs_every_period_and_survives_errors():
 
 
 def test_node_stop_recancels_a_task_that_lost_its_cancellation(caplog):
-    from gasloc_p2p.node.runtime.daemon import _cancel_all
+    from gasloc_p2p.node.daemon import _cancel_all
 
     async def stubborn() -> None:
         for _ in range(2):  # the first cancellation is lost, as in a race with a gRPC call

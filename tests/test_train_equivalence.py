@@ -18,8 +18,8 @@ import torch
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import TrainStats
 from gasloc_p2p.node.runtime.trainer import Trainer
+from gasloc_p2p.node.stats import TrainStats
 from gasloc_p2p.sim import async_, sync
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.workers import SimWorkers, worker_data_seed

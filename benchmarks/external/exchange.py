@@ -51,7 +51,7 @@ def measure_exchange(rate_mbit: float, spec: Spec, data: Path, log_dir: Path,
                      exchanges: int = 8, timeout_s: float = 420.0) -> dict[str, Any]:
     """Run the two nodes on a fresh shaped network until host 0 (the slow one) has committed
     ``exchanges`` exchanges (or ``timeout_s``); its figures."""
-    from gasloc_p2p.tools.netns import ShapedNetwork
+    from benchmarks.tools.netns import ShapedNetwork
 
     log_dir.mkdir(parents=True, exist_ok=True)
     last: dict[str, float] = {}

@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.external.common import Spec, eval_record, project_pieces  # noqa: E402
-from gasloc_p2p.node.runtime.trainer import inner_settings  # noqa: E402
-from gasloc_p2p.train import evaluate, param_groups  # noqa: E402
+from benchmarks.external.common import Spec, eval_record, project_pieces
+from gasloc_p2p.node.runtime.trainer import inner_settings
+from gasloc_p2p.train import evaluate, param_groups
 
 BARRIER_KEY = "bench_external_barrier"
 

@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.external.common import Spec, eval_record, project_pieces  # noqa: E402
-from gasloc_p2p.node.runtime.trainer import inner_settings  # noqa: E402
-from gasloc_p2p.train import InnerLoop, evaluate  # noqa: E402
+from benchmarks.external.common import Spec, eval_record, project_pieces
+from gasloc_p2p.node.runtime.trainer import inner_settings
+from gasloc_p2p.train import InnerLoop, evaluate
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""DiLoCo's outer step: Nesterov SGD on the mean outer gradient (ALGORITHM.md section 3).
+"""DiLoCo's outer step: Nesterov SGD on the mean outer gradient (docs/algorithm.md section 3).
 
 Every ``H`` inner steps all workers all-reduce ``outer_grad = anchor - mean(theta')`` and apply
 ``buf <- gamma buf + g``; ``anchor <- anchor - eta (g + gamma buf)``, i.e.
@@ -22,16 +22,19 @@ class NesterovOuter:
     def __init__(self, numel: int, eta: float = 0.7, gamma: float = 0.9,
                  dtype: torch.dtype = torch.float32, buf: torch.Tensor | None = None) -> None:
         """``buf``: an existing ``[numel]`` momentum buffer to update in place (on its device);
-        by default a zeroed one on the host."""
+        by default a zeroed one on the host, and none at all when ``gamma`` is 0 (plain SGD on
+        the outer gradient: ``eta 1`` is averaging)."""
         check_outer_step(eta, gamma)
         self.eta = eta
         self.gamma = gamma
-        self.buf = torch.zeros(numel, dtype=dtype) if buf is None else buf
+        self.buf = buf if buf is not None or gamma == 0.0 else torch.zeros(numel, dtype=dtype)
 
     def step_(self, anchor: torch.Tensor, outer_grad: torch.Tensor) -> torch.Tensor:
         """Update ``anchor`` in place with the outer gradient ``[numel]`` (moved to the
         anchor's device: an averaged gradient arrives on the host); returns ``anchor``."""
         outer_grad = outer_grad.to(anchor.device, anchor.dtype)
+        if self.buf is None:
+            return anchor.sub_(outer_grad, alpha=self.eta)
         self.buf.mul_(self.gamma).add_(outer_grad)
         anchor.sub_(outer_grad + self.gamma * self.buf, alpha=self.eta)
         return anchor

@@ -1,8 +1,8 @@
 """The configuration vocabulary shared by every config dataclass of the project.
 
 A config field is declared with :func:`opt` (its default and ``--help`` text, optionally its
-flag name and choices); :mod:`gasloc_p2p.flags` turns such fields into command-line flags for
-``join``, ``sim`` and ``swarm`` alike. Values are checked with :func:`need`, whose message names
+flag name, choices and whether it is advanced tuning); :mod:`gasloc_p2p.flags` turns such
+fields into command-line flags for ``join``, ``sim`` and ``swarm`` alike. Values are checked with :func:`need`, whose message names
 the flag to change, and the outer step (eta, gamma) is checked once, by
 :func:`check_outer_step`, for every algorithm that has one.
 """
@@ -18,9 +18,14 @@ class ConfigError(ValueError):
 
 
 def opt(default: Any, help: str, *, flag: str = "", choices: tuple[str, ...] = (),
-        metavar: str = "") -> Any:
-    """A dataclass field carrying its ``--help`` text (and optionally flag name, choices)."""
-    meta: dict[str, Any] = {"help": help}
+        metavar: str = "", advanced: bool = False, group: str = "") -> Any:
+    """A dataclass field carrying its ``--help`` text (and optionally flag name, choices).
+
+    ``advanced``: tuning most users never touch (timeouts, guard thresholds, limits): no
+    command-line flag of ``join``, still settable in TOML and the environment and listed in
+    docs/configuration.md. ``group``: the ``--help`` group, when not the section's.
+    """
+    meta: dict[str, Any] = {"help": help, "advanced": advanced, "group": group}
     if flag:
         meta["flag"] = flag
     if choices:

@@ -1,4 +1,7 @@
-"""Streaming DiLoCo (ALGORITHM.md section 3): fragments, staggered syncs, overlap, merge.
+"""Streaming DiLoCo (docs/algorithm.md section 3): fragments, staggered syncs, overlap, merge.
+
+DiLoCo is the special case of one fragment (the whole model) and no overlap (``tau`` 0): the
+simulator and the daemon run both through this module.
 
 Parameters are split into fragments; fragment ``f`` syncs every ``H`` steps at a staggered
 offset. A sync started at step ``t`` all-reduces the fragment's (optionally 4-bit) outer
@@ -7,11 +10,11 @@ steps later as ``theta_f <- alpha * local + (1 - alpha) * global``.
 
 The schedule (:class:`FragmentSchedule`) and the per-fragment math (:func:`fragment_outer_grad`,
 :func:`fragment_outer_step`, :func:`merge_fragment`) are the one implementation both drivers
-use: :class:`StreamingDiloco` (the simulator's lock-step workers) and the node daemon's
-``--algorithm streaming-diloco`` (:mod:`gasloc_p2p.node.modes.streaming`), where the all-reduce
-runs in the background during the overlap. Both keep the global copies of all fragments in
-one flat ``anchor`` buffer and the Nesterov buffers in one flat ``memory`` buffer (same
-layout as the parameters), so a fragment's state is its slice of those two.
+use: :class:`StreamingDiloco` (the simulator's lock-step workers) and the node daemon's DiLoCo
+modes (:mod:`gasloc_p2p.node.modes.diloco_rounds`), where the all-reduce runs in the background
+during the overlap. Both keep the global copies of all fragments in one flat ``anchor`` buffer
+and the Nesterov buffers in one flat ``memory`` buffer (same layout as the parameters; none at
+``gamma`` 0), so a fragment's state is its slice of those two.
 """
 
 from __future__ import annotations
@@ -94,14 +97,17 @@ def fragment_outer_grad(frag: Fragment, anchor: torch.Tensor, theta: torch.Tenso
     return frag.gather(anchor) - frag.gather(theta)
 
 
-def fragment_outer_step(frag: Fragment, anchor: torch.Tensor, memory: torch.Tensor,
+def fragment_outer_step(frag: Fragment, anchor: torch.Tensor, memory: torch.Tensor | None,
                         mean_grad: torch.Tensor, eta: float, gamma: float) -> torch.Tensor:
     """Nesterov step of fragment ``frag`` with the (averaged) outer gradient ``mean_grad``
-    ``[frag.numel]``: updates the flat ``anchor`` and Nesterov ``memory`` buffers in place on
-    the fragment's slices and returns the new global fragment (compact copy)."""
-    outer = NesterovOuter(frag.numel, eta, gamma, anchor.dtype, buf=frag.gather(memory))
+    ``[frag.numel]``: updates the flat ``anchor`` and Nesterov ``memory`` buffers (none at
+    ``gamma`` 0) in place on the fragment's slices and returns the new global fragment (a
+    compact copy)."""
+    buf = frag.gather(memory) if memory is not None else None
+    outer = NesterovOuter(frag.numel, eta, gamma, anchor.dtype, buf=buf)
     new_global = outer.step_(frag.gather(anchor), mean_grad)  # moved to the anchor's device
-    frag.copy_(memory, outer.buf)
+    if memory is not None and outer.buf is not None:
+        frag.copy_(memory, outer.buf)
     frag.copy_(anchor, new_global)
     return new_global
 
@@ -122,7 +128,8 @@ class StreamingDiloco:
         self.fragments = list(fragments)
         self.schedule = FragmentSchedule(cfg.H, cfg.tau, len(self.fragments))
         self.global_params = theta0.detach().clone()
-        self.memory = torch.zeros_like(self.global_params)  # Nesterov buffers, flat layout
+        # Nesterov buffers, flat layout (none at gamma 0)
+        self.memory = torch.zeros_like(self.global_params) if cfg.gamma else None
         spec = parse_optional(cfg.codec)
         self.codec = spec.codec() if spec is not None else None
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (land step, global)

@@ -1,1 +1,1 @@
-"""The node daemon: asyncio, gRPC, hivemind DHT (see gasloc_p2p.node.runtime.daemon)."""
+"""The node daemon: asyncio, gRPC, hivemind DHT (see gasloc_p2p.node.daemon)."""

@@ -133,7 +133,7 @@ def _check_ports(cfg: NodeConfig) -> None:
 
 
 async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
-    from gasloc_p2p.node.runtime.daemon import Node
+    from gasloc_p2p.node.daemon import Node
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(executor)

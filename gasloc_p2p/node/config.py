@@ -1,11 +1,13 @@
 """Node configuration: one frozen dataclass per subsystem, nested in :class:`NodeConfig`.
 
-Every field is also a CLI flag (``--field-name``), an environment variable (``GASLOC_FIELD_NAME``)
-and a key in its section of a TOML file (``[gossip] codec = "int4"``); field names are unique
-across sections so the flat names cannot clash. :mod:`gasloc_p2p.node.settings` merges the
-sources (flags > env > TOML > defaults); ``validate`` checks values and the relations between
-them, with messages that name the flag to change. Times are seconds, sizes bytes unless the name
-says otherwise (``_mbps`` = megabits per second).
+Every field is an environment variable (``GASLOC_FIELD_NAME``) and a key in its section of a
+TOML file (``[gossip] codec = "int4"``), and, unless it is advanced tuning (timeouts, guard
+thresholds, limits), a ``join`` flag (``--field-name``); field names are unique across
+sections so the flat names cannot clash. :mod:`gasloc_p2p.node.settings` merges the sources
+(flags > env > TOML > defaults); ``validate`` checks values and the relations between them,
+with messages that name the setting to change. docs/configuration.md lists every field (it is
+generated from these classes: ``python -m gasloc_p2p.node.settings --reference``). Times are
+seconds, sizes bytes unless the name says otherwise (``_mbps`` = megabits per second).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from dataclasses import dataclass, field, fields
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
-from gasloc_p2p.core.feedback import REFERENCE_CHOICES, resolve_references
 from gasloc_p2p.core.options import ConfigError as ConfigError  # part of this module's API
 from gasloc_p2p.core.options import check_outer_step, need, opt
 from gasloc_p2p.node.config_network import (  # the sections live in three modules, one API
@@ -23,39 +24,38 @@ from gasloc_p2p.node.config_network import (  # the sections live in three modul
     NetworkConfig,
 )
 from gasloc_p2p.node.config_train import TrainConfig
-from gasloc_p2p.node.modes.pacing import MODES as PACING_MODES
-from gasloc_p2p.node.modes.peer_choice import CHOICES as PEER_CHOICES
 from gasloc_p2p.protocol.guard import GuardRule
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 FRAGMENT_ORDERS = ("round-robin", "random")
 ALGORITHMS = ("gasloc", "diloco", "streaming-diloco")
 DILOCO_CODECS = ("fp32", "fp16", "int8", "int4", "fp4")
+# join --help groups, in order; a field goes to its section's group unless it names another
+HELP_GROUPS = ("network", "training", "data", "algorithm", "security", "observability")
+SECTION_GROUPS = {"train": "training", "outer": "algorithm", "gossip": "algorithm",
+                  "network": "network", "discovery": "network", "diloco": "algorithm",
+                  "checkpoint": "training", "metrics": "observability"}
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig(AsyncConfig):
     """The outer algorithm (TOML table ``[outer]``): which one, and the asynchronous GASLoC
-    outer step of ALGORITHM.md section 2, whose fields and checks are the core's
+    outer step of docs/algorithm.md section 2, whose fields and checks are the core's
     :class:`AsyncConfig` (the simulator uses the same).
 
-    Defaults from the measurements in docs/results/ (n = 4, 1000 steps, 3 seeds): plain
-    averaging (eta 1, gamma 0) was never worse than outer momentum at equal effective step and
-    significantly better at H = 50 and with a slow worker; ``--gamma`` still turns it on."""
+    Defaults from the measurements in docs/results/ (121k parameters on CPU, n = 4, 1000 steps,
+    3 seeds): plain averaging (eta 1, gamma 0) was never worse than outer momentum at equal
+    effective step and significantly better at H = 50 and with a slow worker; ``--gamma``
+    still turns it on (and only then is a momentum buffer allocated)."""
 
-    eta: float = opt(1.0, "outer learning rate (1: plain averaging of the drift)")
-    gamma: float = opt(0.0, "outer momentum (0: none; see docs/results for when it helped)")
-    algorithm: str = opt("gasloc", "gasloc: gossip, ALGORITHM.md section 2 | diloco: the DiLoCo "
-                                   "baseline, an all-reduce every H steps (see [diloco]) | "
-                                   "streaming-diloco: one fragment of --fragments at a time, "
-                                   "overlapped with --tau steps",
+    algorithm: str = opt("gasloc", "gasloc: gossip (docs/algorithm.md section 2) | diloco: an "
+                                   "all-reduce every H steps (Streaming DiLoCo with one fragment "
+                                   "and no overlap) | streaming-diloco: one fragment of "
+                                   "--fragments at a time, overlapped with --tau steps",
                          choices=ALGORITHMS)
 
     def async_config(self) -> AsyncConfig:
-        return AsyncConfig(eta=self.eta, gamma=self.gamma, w=self.w, momentum=self.momentum,
-                           staleness_policy=self.staleness_policy,
-                           max_staleness=self.max_staleness, acid_rate=self.acid_rate,
-                           acid_beta=self.acid_beta)
+        return AsyncConfig(eta=self.eta, gamma=self.gamma, w=self.w, momentum=self.momentum)
 
     def validate(self) -> None:
         need(self.algorithm in ALGORITHMS, "algorithm", self.algorithm,
@@ -68,76 +68,73 @@ class GossipConfig:
     """Gossip exchanges: codec, rate, fragments, limits and per-stage timeouts."""
 
     codec: str = opt("int8", f"payload codec: {' | '.join(CODEC_NAMES)}")
-    block_size: int = opt(1024, "quantization block, elements (int8/int4/fp4)")
-    fragments: int = opt(1, "P: exchange one strided fragment of P per event (1: whole model)")
-    fragment_order: str = opt("round-robin", f"fragment choice: {' | '.join(FRAGMENT_ORDERS)}")
+    block_size: int = opt(1024, "quantization block, elements (int8/int4/fp4)", advanced=True)
+    fragments: int = opt(1, "P: exchange one strided fragment of P per event (1: whole model); "
+                            "streaming-diloco: fragments synced in turn")
+    fragment_order: str = opt("round-robin", f"fragment choice: {' | '.join(FRAGMENT_ORDERS)}",
+                              advanced=True)
     exchanges_per_round: float = opt(2.0, "mean exchanges this node starts per round (0: none)")
-    max_inbound: int = opt(4, "inbound exchanges served at once; more are answered BUSY")
-    max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)")
-    references: str = opt("auto", "quantization references: links (two float32 model copies "
-                                  "per peer), feedback (one int8 error-feedback buffer per "
-                                  "node), plain (none); auto: plain",
-                          choices=REFERENCE_CHOICES)
-    reference_capacity: int = opt(8, "peers whose quantization references are kept (LRU, "
-                                     "--references links)")
-    chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)")
-    peer_choice: str = opt("uniform", "gossip partners: uniform, or bandwidth (prefer peers "
-                           "whose exchanges were measured faster, still exploring)",
-                           choices=PEER_CHOICES)
-    peer_explore: float = opt(0.25, "--peer-choice bandwidth: share of uniform draws")
-    pacing: str = opt("off", "off: start --exchanges-per-round | compute: start fewer (down to "
-                      "--pacing-min-rate) while exchange work takes more than 1 - "
-                      "--pacing-target of the node's time", choices=PACING_MODES)
-    pacing_target: float = opt(0.95, "--pacing compute: keep compute at least this share of "
-                               "compute + exchange work")
-    pacing_min_rate: float = opt(0.5, "--pacing compute: always start at least this many "
-                                 "exchanges per round (at most --exchanges-per-round)")
-    busy_retries: int = opt(3, "other peers tried after a BUSY answer")
+    max_inbound: int = opt(4, "inbound exchanges served at once; more are answered BUSY",
+                           advanced=True)
+    max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)",
+                                 group="network")
+    chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)",
+                           advanced=True)
+    busy_retries: int = opt(3, "other peers tried after a BUSY answer", advanced=True)
     connect_fanout: int = opt(3, "connect to this many random peers at once and exchange with "
-                                 "the first that answers (dead records then cost no waiting)")
+                                 "the first that answers (dead records then cost no waiting)",
+                              advanced=True)
     backoff_s: float = opt(10.0, "after a failed exchange, leave that peer alone this long "
-                                 "(doubled after each further failure)")
-    max_backoff_s: float = opt(300.0, "cap on the doubled backoff of a failing peer")
+                                 "(doubled after each further failure)", advanced=True)
+    max_backoff_s: float = opt(300.0, "cap on the doubled backoff of a failing peer",
+                               advanced=True)
     min_transfer_bps: float = opt(16384.0, "cut an exchange whose payload arrives slower than "
-                                           "this many bytes/s after the grace (0: no minimum)")
-    transfer_grace_s: float = opt(5.0, "grace before --min-transfer-bps applies")
-    header_timeout_s: float = opt(10.0, "wait for the peer's Header")
-    chunk_timeout_s: float = opt(15.0, "wait for any one message during the transfer")
-    commit_timeout_s: float = opt(15.0, "responder: wait for Commit after both Ready")
-    exchange_timeout_s: float = opt(120.0, "deadline of a whole exchange")
-    init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any")
-    download_timeout_s: float = opt(60.0, "deadline of a state download")
+                                           "this many bytes/s after the grace (0: no minimum)",
+                                  advanced=True)
+    transfer_grace_s: float = opt(5.0, "grace before min_transfer_bps applies", advanced=True)
+    header_timeout_s: float = opt(10.0, "wait for the peer's Header", advanced=True)
+    chunk_timeout_s: float = opt(15.0, "wait for any one message during the transfer",
+                                 advanced=True)
+    commit_timeout_s: float = opt(15.0, "responder: wait for Commit after both Ready",
+                                  advanced=True)
+    exchange_timeout_s: float = opt(120.0, "deadline of a whole exchange", advanced=True)
+    init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any",
+                                group="training")
+    download_timeout_s: float = opt(60.0, "deadline of a state download", advanced=True)
     guard_factor: float = opt(8.0, "clip a peer's update whose RMS distance exceeds this many "
-                              "times the median of recent accepted ones (0: no guard)")
-    guard_window: int = opt(32, "accepted exchanges per fragment the guard's median covers")
-    guard_warmup: int = opt(8, "accepted exchanges per fragment before the median rule applies")
+                              "times the median of recent accepted ones (0: no guard)",
+                              advanced=True)
+    guard_window: int = opt(32, "accepted exchanges per fragment the guard's median covers",
+                            advanced=True)
+    guard_warmup: int = opt(8, "accepted exchanges per fragment before the median rule applies",
+                            advanced=True)
     guard_warmup_factor: float = opt(4.0, "warm-up limit: this many times the node's own scale "
-                                     "(RMS of p - theta_0, at least RMS of theta_0)")
+                                     "(RMS of p - theta_0, at least RMS of theta_0)",
+                                     advanced=True)
     guard_hard_factor: float = opt(64.0, "refuse (and back off) a peer whose RMS distance "
-                                   "exceeds this many times the node's own scale")
+                                   "exceeds this many times the node's own scale",
+                                   advanced=True)
     guard_max_clips: int = opt(8, "refuse (and back off) a peer clipped more than this many "
-                               "times in a row")
+                               "times in a row", advanced=True)
     guard_min_z: float = opt(4.0, "reject a peer whose displacement from theta_0 has a cosine "
-                             "below this / sqrt(fragment size) with this node's (<0: off)")
-    guard_min_cosine: float = opt(-1.0, "also reject a cosine below this fixed value (-1: off)")
+                             "below this / sqrt(fragment size) with this node's (<0: off)",
+                             advanced=True)
+    guard_min_cosine: float = opt(-1.0, "also reject a cosine below this fixed value (-1: off)",
+                                  advanced=True)
     guard_backoff_s: float = opt(300.0, "leave a peer whose update was implausible alone this "
-                                 "long (both directions)")
+                                 "long (both directions)", advanced=True)
 
     @property
     def codec_spec(self) -> CodecSpec:
         """What this node sends: ``codec`` with ``block_size`` (0 for fp32/fp16)."""
         return CodecSpec.of(self.codec, self.block_size)
 
-    @property
-    def reference_scheme(self) -> str:
-        """``references`` with ``auto`` resolved for this node's codec."""
-        return resolve_references(self.references, self.codec)
-
     def guard_rule(self) -> GuardRule:
         """The bounded-update guard's thresholds (factor 0: off)."""
         return GuardRule(self.guard_factor, self.guard_window, self.guard_warmup,
                          self.guard_warmup_factor, min_z=self.guard_min_z,
-                         min_cosine=self.guard_min_cosine, hard_factor=self.guard_hard_factor, max_clips=self.guard_max_clips)
+                         min_cosine=self.guard_min_cosine, hard_factor=self.guard_hard_factor,
+                         max_clips=self.guard_max_clips)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -149,24 +146,15 @@ class GossipConfig:
         need(self.exchanges_per_round >= 0, "exchanges_per_round", self.exchanges_per_round,
               "must be >= 0 (0 disables outbound gossip)")
         need(self.max_inbound >= 1, "max_inbound", self.max_inbound, "must be >= 1")
-        need(self.references in REFERENCE_CHOICES, "references", self.references,
-              f"choose one of {REFERENCE_CHOICES}")
         need(self.max_upload_mbps >= 0, "max_upload_mbps", self.max_upload_mbps,
               "must be >= 0 (0: no cap)")
         need(1024 <= self.chunk_bytes <= MAX_CHUNK_BYTES, "chunk_bytes", self.chunk_bytes,
               f"must be in [1024, {MAX_CHUNK_BYTES}]")
-        need(self.peer_choice in PEER_CHOICES, "peer_choice", self.peer_choice,
-             f"choose one of {PEER_CHOICES}")
-        need(0 <= self.peer_explore <= 1, "peer_explore", self.peer_explore, "must be in [0, 1]")
-        need(self.pacing in PACING_MODES, "pacing", self.pacing, f"choose one of {PACING_MODES}")
-        need(0 < self.pacing_target < 1, "pacing_target", self.pacing_target,
-             "must be in (0, 1), e.g. 0.95")
-        need(self.pacing_min_rate >= 0, "pacing_min_rate", self.pacing_min_rate, "must be >= 0")
         need(self.busy_retries >= 0, "busy_retries", self.busy_retries, "must be >= 0")
         need(self.connect_fanout >= 1, "connect_fanout", self.connect_fanout, "must be >= 1")
         need(self.backoff_s >= 0, "backoff_s", self.backoff_s, "must be >= 0")
         need(self.max_backoff_s >= self.backoff_s, "max_backoff_s", self.max_backoff_s,
-              f"must be >= --backoff-s={self.backoff_s}")
+              f"must be >= backoff_s={self.backoff_s}")
         need(self.min_transfer_bps >= 0, "min_transfer_bps", self.min_transfer_bps,
               "must be >= 0 (0: no minimum)")
         need(self.transfer_grace_s >= 0, "transfer_grace_s", self.transfer_grace_s,
@@ -174,7 +162,7 @@ class GossipConfig:
         need(self.guard_factor == 0 or self.guard_factor >= 2, "guard_factor", self.guard_factor,
              "must be 0 (off) or >= 2 (honest distances vary by about 2x)")
         need(self.guard_window >= 1 and 0 <= self.guard_warmup <= self.guard_window,
-             "guard_warmup", self.guard_warmup, f"must be in [0, --guard-window="
+             "guard_warmup", self.guard_warmup, f"must be in [0, guard_window="
              f"{self.guard_window}]")
         need(self.guard_max_clips >= 0, "guard_max_clips", self.guard_max_clips, "must be >= 0")
         need(self.guard_hard_factor > 0, "guard_hard_factor", self.guard_hard_factor,
@@ -187,23 +175,21 @@ class GossipConfig:
              "must be a finite number (4: noise is accepted with probability about 3e-5; < 0: "
              "off)")
         need(self.guard_backoff_s >= 0, "guard_backoff_s", self.guard_backoff_s, "must be >= 0")
-        # An inbound exchange pins its peer's references: eviction must find an unpinned one.
-        need(self.reference_capacity > self.max_inbound + 1, "reference_capacity",
-              self.reference_capacity, f"must exceed --max-inbound + 1 = {self.max_inbound + 1}")
         for name in ("header_timeout_s", "chunk_timeout_s", "commit_timeout_s",
                      "download_timeout_s"):
             need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
         for name in ("header_timeout_s", "chunk_timeout_s", "commit_timeout_s"):
             need(getattr(self, name) < self.exchange_timeout_s, name, getattr(self, name),
-                  f"must be shorter than --exchange-timeout-s={self.exchange_timeout_s}")
+                  f"must be shorter than exchange_timeout_s={self.exchange_timeout_s}")
 
 
 @dataclass(frozen=True)
 class DilocoConfig:
-    """The DiLoCo baseline (``--algorithm diloco``, ALGORITHM.md section 3): every H inner steps
-    the node all-reduces its outer gradient ``anchor - theta`` with the swarm (hivemind
-    averaging on the node's DHT), then takes a Nesterov SGD step. A round that finds no group
-    applies the node's own outer gradient and training goes on."""
+    """The DiLoCo modes (``--algorithm diloco`` and ``streaming-diloco``, docs/algorithm.md
+    section 3): every H inner steps (per fragment, staggered) the node all-reduces its outer
+    gradient ``anchor - theta`` with the swarm (hivemind averaging on the node's DHT), then
+    takes a Nesterov SGD step. A sync that finds no group applies the node's own outer gradient
+    and training goes on."""
 
     diloco_eta: float = opt(0.7, "DiLoCo outer learning rate (Nesterov SGD)")
     diloco_gamma: float = opt(0.9, "DiLoCo outer momentum (Nesterov)")
@@ -215,20 +201,25 @@ class DilocoConfig:
     merge_alpha: float = opt(0.0, "streaming-diloco: weight of the local fragment when merging "
                                   "(theta_f <- a * local + (1 - a) * averaged)")
     target_group_size: int = opt(0, "peers per all-reduce group (0: every compatible peer the "
-                                    "DHT lists, this node included)")
-    min_group_size: int = opt(2, "smallest group that averages; a smaller one fails the round")
+                                    "DHT lists, this node included)", advanced=True)
+    min_group_size: int = opt(2, "smallest group that averages; a smaller one fails the round",
+                              advanced=True)
     matchmaking_time_s: float = opt(5.0, "wait this long for late groupmates before averaging "
-                                         "with those that joined")
-    request_timeout_s: float = opt(3.0, "wait for a group leader's answer")
+                                         "with those that joined", advanced=True)
+    request_timeout_s: float = opt(3.0, "wait for a group leader's answer", advanced=True)
     averaging_timeout_s: float = opt(30.0, "give up finding a group after this long (the round "
-                                           "then applies this node's own outer gradient)")
-    allreduce_timeout_s: float = opt(120.0, "deadline of the all-reduce once a group formed")
+                                           "then applies this node's own outer gradient)",
+                                     advanced=True)
+    allreduce_timeout_s: float = opt(120.0, "deadline of the all-reduce once a group formed",
+                                     advanced=True)
     part_timeout_s: float = opt(5.0, "all-reduce: a groupmate silent this long is dropped (its "
-                                     "share of the model stays unaveraged this round)")
+                                     "share of the model stays unaveraged this round)",
+                                advanced=True)
 
     def async_config(self) -> AsyncConfig:
-        """The node state for DiLoCo: the "local" momentum form keeps ``m`` (zero at start),
-        which is exactly the Nesterov buffer; the all-reduced gradient replaces the drift."""
+        """The node state for DiLoCo: the "local" momentum form keeps ``m`` (zero at start;
+        none at gamma 0), which is exactly the Nesterov buffer; the all-reduced gradient
+        replaces the drift."""
         return AsyncConfig(eta=self.diloco_eta, gamma=self.diloco_gamma, momentum="local")
 
     def validate(self) -> None:
@@ -240,21 +231,21 @@ class DilocoConfig:
         need(self.min_group_size >= 2, "min_group_size", self.min_group_size, "must be >= 2")
         need(self.target_group_size == 0 or self.target_group_size >= self.min_group_size,
               "target_group_size", self.target_group_size,
-              f"must be 0 (auto) or >= --min-group-size={self.min_group_size}")
+              f"must be 0 (auto) or >= min_group_size={self.min_group_size}")
         for name in ("matchmaking_time_s", "request_timeout_s", "averaging_timeout_s",
                      "allreduce_timeout_s", "part_timeout_s"):
             need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
         need(self.part_timeout_s < self.allreduce_timeout_s, "part_timeout_s",
               self.part_timeout_s,
-              f"must be shorter than --allreduce-timeout-s={self.allreduce_timeout_s}")
+              f"must be shorter than allreduce_timeout_s={self.allreduce_timeout_s}")
         # hivemind: a leader's answer must come within the matchmaking window (else deadlocks
         # between two would-be leaders last longer), and the window must fit in the deadline.
         need(self.request_timeout_s < self.matchmaking_time_s, "request_timeout_s",
               self.request_timeout_s,
-              f"must be shorter than --matchmaking-time-s={self.matchmaking_time_s}")
+              f"must be shorter than matchmaking_time_s={self.matchmaking_time_s}")
         need(self.averaging_timeout_s > self.matchmaking_time_s, "averaging_timeout_s",
               self.averaging_timeout_s,
-              f"must exceed --matchmaking-time-s={self.matchmaking_time_s}")
+              f"must exceed matchmaking_time_s={self.matchmaking_time_s}")
 
 
 @dataclass(frozen=True)
@@ -278,7 +269,8 @@ class MetricsConfig:
     log_interval_s: float = opt(10.0, "one progress line every this many seconds")
     metrics_port: int = opt(0, "Prometheus /metrics HTTP port (0: any free port, printed at "
                                "start; -1: no metrics endpoint)")
-    metrics_host: str = opt("", "listen address of /metrics (empty: the same as --host)")
+    metrics_host: str = opt("", "listen address of /metrics (empty: the same as --host)",
+                            advanced=True)
 
     def validate(self) -> None:
         need(self.log_interval_s > 0, "log_interval_s", self.log_interval_s, "must be > 0")
@@ -311,7 +303,7 @@ class NodeConfig:
              self.gossip.fragments, f"cannot exceed the model's --n-layer={layers}")
         need(self.gossip.chunk_bytes + 1024 <= self.network.max_message_bytes, "chunk_bytes",
               self.gossip.chunk_bytes,
-              f"must leave 1 KiB of headroom under --max-message-bytes="
+              f"must leave 1 KiB of headroom under max_message_bytes="
               f"{self.network.max_message_bytes}")
         need(self.metrics.metrics_port <= 0 or self.metrics.metrics_port != self.network.port,
               "metrics_port", self.metrics.metrics_port, "must differ from --port")
@@ -324,11 +316,11 @@ class NodeConfig:
              "lands before its next one starts)")
         need(self.network.max_streams > self.gossip.max_inbound, "max_streams",
              self.network.max_streams,
-             f"must exceed --max-inbound={self.gossip.max_inbound} (streams before their "
+             f"must exceed max_inbound={self.gossip.max_inbound} (streams before their "
              "Header count too)")
         need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
               "connect_timeout_s", self.network.connect_timeout_s,
-              f"must be shorter than --exchange-timeout-s={self.gossip.exchange_timeout_s}")
+              f"must be shorter than exchange_timeout_s={self.gossip.exchange_timeout_s}")
         return self
 
 

@@ -18,30 +18,32 @@ class NetworkConfig:
     port: int = opt(0, "gRPC port (0: any free port)")
     announce_host: str = opt("", "address peers should dial (empty: guessed from --host/DHT)")
     client_mode: bool = opt(False, "behind NAT: do not accept exchanges, only dial out")
-    max_message_bytes: int = opt(MAX_CHUNK_BYTES + 64 * 1024, "gRPC message size limit")
-    keepalive_time_s: float = opt(20.0, "HTTP/2 keepalive ping interval")
-    keepalive_timeout_s: float = opt(10.0, "close a connection whose ping is unanswered this long")
-    connect_timeout_s: float = opt(5.0, "wait for a TCP/HTTP2 connection to a peer")
-    info_timeout_s: float = opt(5.0, "deadline of a unary Info call")
-    stop_grace_s: float = opt(3.0, "on stop, let running RPCs finish this long")
+    max_message_bytes: int = opt(MAX_CHUNK_BYTES + 64 * 1024, "gRPC message size limit", advanced=True)
+    keepalive_time_s: float = opt(20.0, "HTTP/2 keepalive ping interval", advanced=True)
+    keepalive_timeout_s: float = opt(10.0, "close a connection whose ping is unanswered this long", advanced=True)
+    connect_timeout_s: float = opt(5.0, "wait for a TCP/HTTP2 connection to a peer", advanced=True)
+    info_timeout_s: float = opt(5.0, "deadline of a unary Info call", advanced=True)
+    stop_grace_s: float = opt(3.0, "on stop, let running RPCs finish this long", advanced=True)
     stop_deadline_s: float = opt(120.0, "a stop (signal or limit) still running after this "
                                  "long writes every thread's stack to stderr and exits 1 (0: "
-                                 "no deadline; raise it if a final checkpoint takes longer)")
-    max_channels: int = opt(32, "cached client channels to peers (LRU)")
+                                 "no deadline; raise it if a final checkpoint takes longer)", advanced=True)
+    max_channels: int = opt(32, "cached client channels to peers (LRU)", advanced=True)
     reachability_interval_s: float = opt(
         60.0, "ask a random peer to dial this node back this often (0: never); if it cannot, "
-        "the node gossips by dialing out only, as with --client-mode")
+        "the node gossips by dialing out only, as with --client-mode", advanced=True)
     reachability_probes: int = opt(3, "unreachable only after this many dial-backs by distinct "
-                                      "peers failed in a row (and none succeeded)")
+                                      "peers failed in a row (and none succeeded)", advanced=True)
     swarm_key: str = opt("", "file with the swarm's shared secret (>= 16 bytes): without it "
-                             "nobody can exchange, download state or publish accepted records")
+                             "nobody can exchange, download state or publish accepted records",
+                         group="security")
     identity_file: str = opt("", "file with this node's ed25519 key, created if missing, so "
-                                 "its peer id survives restarts (empty: a new key at each start)")
-    auth_skew_s: float = opt(120.0, "accept signed requests whose time is this close to ours")
+                                 "its peer id survives restarts (empty: a new key at each start)",
+                             group="security")
+    auth_skew_s: float = opt(120.0, "accept signed requests whose time is this close to ours", advanced=True)
     max_streams: int = opt(12, "open Exchange streams served at once (before their Header "
-                               "too); more get BUSY at once")
-    max_streams_per_address: int = opt(3, "open Exchange streams from one IP address")
-    max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY")
+                               "too); more get BUSY at once", advanced=True)
+    max_streams_per_address: int = opt(3, "open Exchange streams from one IP address", advanced=True)
+    max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY", advanced=True)
 
     def validate(self) -> None:
         need(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535] (0: any)")
@@ -88,11 +90,11 @@ class DiscoveryConfig:
     peers: tuple[str, ...] = opt((), "bootstrap multiaddrs of running nodes (empty: new swarm)",
                                  metavar="MADDR")
     dht_port: int = opt(0, "DHT (libp2p) TCP port (0: any free port)")
-    announce_interval_s: float = opt(5.0, "re-announce this node every this many seconds")
-    announce_ttl_s: float = opt(20.0, "an announcement expires after this many seconds")
-    refresh_interval_s: float = opt(3.0, "re-read the peer list every this many seconds")
-    dht_timeout_s: float = opt(10.0, "deadline of one DHT get/store")
-    dht_start_timeout_s: float = opt(60.0, "deadline of DHT start-up and bootstrap")
+    announce_interval_s: float = opt(5.0, "re-announce this node every this many seconds", advanced=True)
+    announce_ttl_s: float = opt(20.0, "an announcement expires after this many seconds", advanced=True)
+    refresh_interval_s: float = opt(3.0, "re-read the peer list every this many seconds", advanced=True)
+    dht_timeout_s: float = opt(10.0, "deadline of one DHT get/store", advanced=True)
+    dht_start_timeout_s: float = opt(60.0, "deadline of DHT start-up and bootstrap", advanced=True)
 
     def validate(self) -> None:
         need(bool(self.run_id) and "/" not in self.run_id, "run_id", self.run_id,

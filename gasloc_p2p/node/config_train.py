@@ -26,38 +26,38 @@ class TrainConfig:
                             "from --seed) | a local model directory (pretrained safetensors) | "
                             "a hub name (needs network); HF models need 'gasloc_p2p[hf]'")
     data: str = opt("", "text file, directory of *.txt, glob, or JSON Lines / Parquet files "
-                        "(streamed); empty: Shakespeare (downloaded)")
-    data_field: str = opt("text", "the text column of JSON Lines / Parquet rows")
+                        "(streamed); empty: Shakespeare (downloaded)", group="data")
+    data_field: str = opt("text", "the text column of JSON Lines / Parquet rows", group="data")
     tokenizer: str = opt("byte", "byte | bpe (trained on the data) | a local tokenizer.json or "
-                                 "Hugging Face tokenizer directory")
+                                 "Hugging Face tokenizer directory", group="data")
     device: str = opt("auto", "auto (cuda when present) | cpu | cuda | cuda:N | mps")
     precision: str = opt("fp32", "fp32 | bf16 (autocast forward; fp32 master weights and outer "
                                  "state)", choices=PRECISIONS)
     grad_accum: int = opt(1, "micro-batches of --batch-size per inner step")
     compile: bool = opt(False, "torch.compile the model's forward")
-    shard: str = opt("", "train on shard K of N of the corpus, as 'K/N' (empty: all of it)")
+    shard: str = opt("", "train on shard K of N of the corpus, as 'K/N' (empty: all of it)", group="data")
     seed: int = opt(0, "model init seed, the same on every node of a run (gives theta_0)")
-    data_seed: int = opt(-1, "seed of this node's batch sampling; -1: derived from its peer id")
+    data_seed: int = opt(-1, "seed of this node's batch sampling; -1: derived from its peer id", advanced=True)
     n_layer: int = opt(4, "transformer layers")
     n_embd: int = opt(128, "model width")
     n_head: int = opt(4, "attention heads")
     seq_len: int = opt(128, "context length, tokens")
     batch_size: int = opt(16, "sequences per micro-batch (an inner step: --grad-accum of them)")
     lr: float = opt(3e-3, "peak inner AdamW learning rate")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --lr")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --lr", advanced=True)
     warmup_steps: int = opt(100, "linear warmup, inner steps")
-    lr_horizon_steps: int = opt(20000, "cosine decay length, inner steps (then constant)")
-    weight_decay: float = opt(0.1, "AdamW weight decay")
+    lr_horizon_steps: int = opt(20000, "cosine decay length, inner steps (then constant)", advanced=True)
+    weight_decay: float = opt(0.1, "AdamW weight decay", advanced=True)
     decay_vectors: bool = opt(False, "weight decay also on biases and LayerNorm gains "
-                                     "(default: weight matrices and embeddings only)")
+                                     "(default: weight matrices and embeddings only)", advanced=True)
     inner_steps: int = opt(20, "H: inner steps per round of this node")
     torch_threads: int = opt(1, "torch intra-op threads for training")
     max_steps: int = opt(0, "stop after this many inner steps (0: run until stopped)")
     max_time_s: float = opt(0.0, "stop after this many seconds (0: run until stopped)")
     eval_interval_steps: int = opt(100, "validation loss every this many inner steps")
-    eval_batches: int = opt(8, "held-out batches per validation (fixed, same on every node)")
+    eval_batches: int = opt(8, "held-out batches per validation (fixed, same on every node)", advanced=True)
     max_rollbacks: int = opt(3, "non-finite losses rolled back to the last good anchor before "
-                             "the node gives up and stops")
+                             "the node gives up and stops", advanced=True)
 
     def gpt(self, vocab_size: int = 256) -> GPTConfig:
         """The built-in GPT's config (a preset's depth, width and heads if --model names one)."""

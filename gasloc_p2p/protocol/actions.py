@@ -35,12 +35,11 @@ class Send:
 
 @dataclass(frozen=True)
 class Prepare:
-    """Run ``engine.prepare(peer_id, fragment, codec, reset)``; then call ``prepared``."""
+    """Run ``engine.prepare(peer_id, fragment, codec)``; then call ``prepared``."""
 
     peer_id: str
     fragment: int
     codec: CodecSpec
-    reset: bool
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,26 @@
 """The tensor side of a gossip exchange: snapshot, encode, check, commit (no I/O, no asyncio).
 
 Every method here is synchronous and may take milliseconds to seconds on a large model, so the
-async layer (:mod:`gasloc_p2p.node.transport.exchange`) calls them through ``asyncio.to_thread``. Shared
-tensors are touched only under the node's :class:`TrainingLock`, which also serialises the
-trainer's optimizer steps and round ends.
+async layer (:mod:`gasloc_p2p.node.transport.exchange`) calls them through ``asyncio.to_thread``.
+Shared tensors are touched only under the node's :class:`TrainingLock`, which also serialises
+the trainer's optimizer steps and round ends.
+
+A message is the sender's public iterate itself, quantized: ``m_i = Q(p_i)``. Both sides fold
+the two decoded messages into the same correction ``c_i = w (D(m_j) - D(m_i)) = -c_j`` (one
+IEEE subtraction, negated by swapping its operands, then the same multiplication), so the pair's
+sum is kept exactly and no per-peer state exists (docs/algorithm.md, section 4; the per-peer
+and error-feedback reference schemes measured no better: docs/results/references.md).
 
 Nothing shared changes before :meth:`ExchangeEngine.commit`: ``prepare`` reads a snapshot and
-encodes it through the node's reference scheme (per-peer references, or theta_0 when the link
-is new or must be reset; or the per-node schemes of :mod:`gasloc_p2p.core.feedback`, whose
-local error-feedback buffer is advanced at encoding), ``check`` parses and validates the
-peer's payload; only ``commit`` folds both messages and adds the correction to the anchor and
-live parameters.
+encodes it, ``check`` parses and validates the peer's payload; only ``commit`` folds both
+messages and adds the correction to the anchor and live parameters.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,12 +29,9 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
-from gasloc_p2p.core.feedback import FEEDBACK_SPEC, make_scheme
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.references import LinkScheme, ReferenceScheme
 from gasloc_p2p.protocol.guard import UpdateGuard
 
-DEFAULT_SCHEME = "plain"  # see gasloc_p2p.core.feedback.resolve_references
 # Scratch of the fused loops: 2^18 float32 (1 MiB) stays in a core's L2; bigger chunks were
 # slower on a 2-core EPYC, smaller ones paid per-op overhead (see benchmarks/bench_scale.py).
 CHUNK_ELEMS = 1 << 18
@@ -48,8 +47,6 @@ class Prepared:
 
     peer_id: str
     fragment: Fragment
-    link_version: int  # this side's version before the exchange
-    reset: bool  # restart the link from theta_0 at commit (the versions differed)
     rounds0: int  # round ends at the snapshot
     encoded: Encoded  # views of payload
     payload: bytearray
@@ -71,63 +68,34 @@ class NoLock:
 
 
 class ExchangeEngine:
-    """The reference scheme, fragments and codecs of one node, around its
-    :class:`AsyncGaslocState`.
+    """The fragments and codecs of one node, around its :class:`AsyncGaslocState`.
 
     Tensor work is fused and chunked (``CHUNK_ELEMS`` at a time, through cache-sized scratch):
     ``prepare`` reads anchor and live parameters once and writes the payload in place (off
     the host: each chunk is encoded on the device, then its bytes are copied once); ``check``
     validates without decoding; ``commit`` decodes each message once, straight into the
-    scheme's fold and the correction's add. No fragment-size temporary is allocated besides the
-    two payloads.
+    correction's add. No fragment-size temporary is allocated besides the two payloads.
     """
 
     def __init__(self, state: AsyncGaslocState, theta0: torch.Tensor,
-                 fragments: Sequence[Fragment], lock: UrgentLock,
-                 reference_capacity: int, references: str = DEFAULT_SCHEME) -> None:
+                 fragments: Sequence[Fragment], lock: UrgentLock) -> None:
         """theta0: ``[numel]`` initial parameters, the same on every node of the run (kept by
-        reference, never modified): float32 for ``links`` (references start from it exactly);
-        the other schemes accept a bfloat16 copy (it only anchors the guard's screens).
-        references: one of ``REFERENCE_SCHEMES``."""
+        reference, never modified; a bfloat16 copy will do: it only anchors the guard's
+        screens)."""
         self.state = state
         self.theta0 = theta0
         self.fragments = list(fragments)
         self.lock = lock
-        self.capacity = reference_capacity
-        self.refs = self._scheme(references)
-        self._refs_lock = threading.Lock()  # the scheme is touched from several worker threads
         self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
-
-    @property
-    def references(self) -> str:
-        """The reference scheme's name (peers must use the same one)."""
-        return self.refs.name
-
-    def use_references(self, name: str) -> None:
-        """Switch the reference scheme (before any exchange: all references restart)."""
-        if name != self.refs.name:
-            self.refs = self._scheme(name)
-
-    def _scheme(self, name: str) -> ReferenceScheme:
-        if name == "links" and self.theta0.dtype != torch.float32:
-            raise ValueError(f"references 'links' start from the exact float32 theta_0; this "
-                             f"node kept a {self.theta0.dtype} copy (start it with --references "
-                             "links)")
-        return make_scheme(name, self.theta0, self.capacity)
-
-    def link_version(self, peer_id: str) -> int:
-        with self._refs_lock:
-            return self.refs.version(peer_id)
 
     def rounds_since(self, prep: Prepared) -> int:
         return self.state.rounds - prep.rounds0
 
-    def prepare(self, peer_id: str, fragment_index: int, spec: CodecSpec,
-                reset: bool) -> Prepared:
+    def prepare(self, peer_id: str, fragment_index: int, spec: CodecSpec) -> Prepared:
         """Snapshot the public iterate of one fragment and encode it into a fresh payload.
 
         One pass per chunk under the training lock: ``p = lerp(a, theta, eta)`` into scratch,
-        the scheme's reference step, the codec writing into the payload's memory.
+        then the codec writing into the payload's memory.
         """
         fragment = self.fragments[fragment_index]
         codec, step = spec.codec(), chunk_elems(spec)
@@ -138,9 +106,7 @@ class ExchangeEngine:
         staged = (spec.codec().encode(torch.zeros(min(step, fragment.numel), device=device))
                   if stages_on_device(device) else None)
         anchor, theta, eta = self.state.anchor, self.state.theta, self.state.cfg.eta
-        with self.lock.urgent(), self._refs_lock:
-            version = self.refs.version(peer_id)
-            sender = self.refs.sender(peer_id, reset, step, fragment)
+        with self.lock.urgent():
             rounds0 = self.state.rounds
             for pos, n, pieces in fragment.chunks(step):
                 x = work[:n]
@@ -148,15 +114,14 @@ class ExchangeEngine:
                     torch.lerp(anchor[start : start + length], theta[start : start + length],
                                eta, out=x[o : o + length])
                 if staged is None:  # straight into the payload's memory
-                    sender.encode(pos, pieces, x, codec, encoded.view(pos, n))
+                    codec.encode_into(x, encoded.view(pos, n))
                 else:
                     out = staged.view(0, n)
-                    sender.encode(pos, pieces, x, codec, out)
+                    codec.encode_into(x, out)
                     host = encoded.view(pos, n)
                     host.data.copy_(out.data)
                     host.scales.copy_(out.scales)
-        return Prepared(peer_id, fragment, version, reset, rounds0, encoded, payload,
-                        zlib.crc32(payload))
+        return Prepared(peer_id, fragment, rounds0, encoded, payload, zlib.crc32(payload))
 
     def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray,
               crc32: int, prep: Prepared | None = None) -> Encoded:
@@ -190,43 +155,32 @@ class ExchangeEngine:
                              f"{MAX_ABS_VALUE:g})")
 
     def screen(self, prep: Prepared, received: Encoded) -> float:
-        """ImplausibleUpdate if the pair's references after this commit (what each side will
-        hold of the other, computed identically by the peer) are implausibly far apart, or
-        their displacements from ``theta_0`` point different ways; else the guard's factor on
-        the weight (1, or below 1 to clip). Changes nothing."""
+        """ImplausibleUpdate if the two decoded messages (what each side will fold, computed
+        identically by the peer) are implausibly far apart, or their displacements from
+        ``theta_0`` point different ways; else the guard's factor on the weight (1, or below 1
+        to clip). Changes nothing."""
         assert self.guard is not None
         fragment, codec, step = prep.fragment, prep.encoded.spec.codec(), chunk_elems(
             prep.encoded.spec)
         # Chunk by chunk through three cache-sized buffers (no fragment-size temporary): the
-        # decoded messages (made references for links), then displacements from theta_0.
+        # decoded messages, then their displacements from theta_0.
         a = torch.empty(min(step, fragment.numel), device=self.state.theta.device)
         b, base = torch.empty_like(a), torch.empty_like(a)
         self._bounded(prep.encoded.spec, received)  # block codecs: from the scales alone
         dist2 = mine2 = theirs2 = base2 = dot = 0.0
-        refs = self.refs
-        links = isinstance(refs, LinkScheme)
-        with self._refs_lock if links else nullcontext():
-            link = (refs.get(prep.peer_id) if isinstance(refs, LinkScheme)
-                    and prep.peer_id in refs and not prep.reset else None)
-            for pos, n, pieces in fragment.chunks(step):
-                mine = codec.decode(prep.encoded.view(pos, n), a[:n])
-                theirs = codec.decode(received.view(pos, n), b[:n])
-                t0 = base[:n]
-                for start, length, o in pieces:
-                    t0[o : o + length].copy_(self.theta0[start : start + length])  # bf16 ok
-                if links:  # deltas against per-peer references (theta_0 for a new link)
-                    for start, length, o in pieces:
-                        mine[o : o + length].add_(link.ref_out[start : start + length]
-                                                  if link is not None else t0[o : o + length])
-                        theirs[o : o + length].add_(link.ref_in[start : start + length]
-                                                    if link is not None else t0[o : o + length])
-                dist2 += float(torch.dist(theirs, mine)) ** 2
-                mine.sub_(t0)
-                theirs.sub_(t0)
-                mine2 += float(mine.dot(mine))
-                theirs2 += float(theirs.dot(theirs))
-                base2 += float(t0.dot(t0))
-                dot += float(mine.dot(theirs))
+        for pos, n, pieces in fragment.chunks(step):
+            mine = codec.decode(prep.encoded.view(pos, n), a[:n])
+            theirs = codec.decode(received.view(pos, n), b[:n])
+            t0 = base[:n]
+            for start, length, o in pieces:
+                t0[o : o + length].copy_(self.theta0[start : start + length])  # bf16 ok
+            dist2 += float(torch.dist(theirs, mine)) ** 2
+            mine.sub_(t0)
+            theirs.sub_(t0)
+            mine2 += float(mine.dot(mine))
+            theirs2 += float(theirs.dot(theirs))
+            base2 += float(t0.dot(t0))
+            dot += float(mine.dot(theirs))
         root_n = math.sqrt(max(fragment.numel, 1))
         if (mine2 > 0) != (theirs2 > 0):  # no refusal on record: the peer may retry
             raise ValueError("one side has not moved from theta_0 yet: the direction of the "
@@ -239,14 +193,9 @@ class ExchangeEngine:
                                         fragment.numel)
         return clip
 
-    def commit(self, prep: Prepared, received: Encoded, weight: float,
-               pinned: Iterable[str] = ()) -> float:
-        """Fold both messages into the references and apply the correction with ``weight``
-        times the guard's ``prep.clip``; returns ``||c||_2``.
-
-        ``pinned``: peers with exchanges in flight, moved to the LRU's recent end first so that
-        creating this link never evicts (and resets) a link another exchange is using.
-        """
+    def commit(self, prep: Prepared, received: Encoded, weight: float) -> float:
+        """Fold both messages and apply the correction ``c = weight * clip * (D(theirs) -
+        D(mine))``; returns ``||c||_2``."""
         fragment, sent = prep.fragment, prep.encoded
         if received.numel != fragment.numel or received.spec != sent.spec:
             raise ValueError(f"received {received.spec}/{received.numel}, sent "
@@ -257,18 +206,16 @@ class ExchangeEngine:
         theirs = torch.empty_like(mine)
         targets = self.state.correction_targets()
         squares = []  # per chunk, read once at the end (no device sync per chunk)
-        with self.lock.urgent(), self._refs_lock:
-            folder = self.refs.folder(prep.peer_id, prep.reset, pinned)
+        with self.lock.urgent():
             for pos, n, pieces in fragment.chunks(step):
                 c = codec.decode(sent.view(pos, n), mine[:n])
-                folder.fold(pieces, c, codec.decode(received.view(pos, n), theirs[:n]))
+                torch.sub(codec.decode(received.view(pos, n), theirs[:n]), c, out=c)
                 c.mul_(weight)
                 squares.append(torch.dot(c, c))
                 if weight > 0:
                     for start, length, o in pieces:
                         for buf, scale in targets:
                             buf[start : start + length].add_(c[o : o + length], alpha=scale)
-            folder.done()
         # summed in float64 in chunk order, as one float per chunk always was
         norm = math.sqrt(sum(torch.stack(squares).tolist()) if squares else 0.0)
         if self.guard is not None and weight > 0 and prep.clip == 1.0:  # distance without w
@@ -285,6 +232,6 @@ def stages_on_device(device: torch.device) -> bool:
 
 def chunk_elems(spec: CodecSpec) -> int:
     """Elements per chunk of the fused loops: about ``CHUNK_ELEMS``, whole blocks of the
-    message and of the error-feedback buffer."""
-    block = math.lcm(spec.block_size or 1, FEEDBACK_SPEC.block_size)
+    message."""
+    block = spec.block_size or 1
     return max(1, CHUNK_ELEMS // block) * block

@@ -95,7 +95,7 @@ class MemoryExchange:
             other.inbox.append(act.msg)
             return []
         if isinstance(act, Prepare):
-            return s.prepared(me.engine.prepare(act.peer_id, act.fragment, act.codec, act.reset))
+            return s.prepared(me.engine.prepare(act.peer_id, act.fragment, act.codec))
         if isinstance(act, Admit):
             return s.admitted()
         if isinstance(act, SendPayload):

@@ -17,9 +17,10 @@ from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
 from gasloc_p2p.protocol.engine import Prepared
 from gasloc_p2p.safelog import safe
 
-# 3: signed headers, commits and requests (protocol/auth.py), and the Header names the
-# reference scheme ("feedback" payloads are not deltas)
-PROTOCOL_VERSION = 4  # 4: the responder's payload waits for the initiator's proof of key
+# 3: signed headers, commits and requests (protocol/auth.py); 4: the responder's payload waits
+# for the initiator's proof of key; 5: payloads are Q(p) (no per-peer references, no link
+# versions)
+PROTOCOL_VERSION = 5
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 # Block sizes a responder accepts besides its own: a peer's header never picks another one, so
 # it cannot make this node allocate (or cache codecs for) sizes of its choosing.
@@ -95,16 +96,14 @@ class Identity:
         return cls(run_id, fingerprint, signer.peer_id, signer)
 
 
-def make_header(me: Identity, prep: Prepared, fragment_count: int,
-                references: str = "links") -> pb.ExchangeMsg:
+def make_header(me: Identity, prep: Prepared, fragment_count: int) -> pb.ExchangeMsg:
     enc = prep.encoded
     return pb.ExchangeMsg(header=pb.Header(
         protocol_version=PROTOCOL_VERSION, run_id=me.run_id, model_fingerprint=me.fingerprint,
         peer_id=me.peer_id, codec=enc.codec, block_size=enc.block_size,
         fragment_index=prep.fragment.index, fragment_count=fragment_count,
         fragment_numel=prep.fragment.numel, payload_bytes=len(prep.payload),
-        payload_crc32=prep.crc32, link_version=prep.link_version, rounds=prep.rounds0,
-        references=references))
+        payload_crc32=prep.crc32, rounds=prep.rounds0))
 
 
 HEADER_DOMAIN = "gasloc/header"
@@ -116,8 +115,7 @@ def header_fields(h: pb.Header, peer_nonce: bytes) -> list[object]:
     nonce."""
     return [h.protocol_version, h.run_id, h.model_fingerprint, h.peer_id, h.codec,
             h.block_size, h.fragment_index, h.fragment_count, h.fragment_numel,
-            h.payload_bytes, h.payload_crc32, h.link_version, h.rounds, h.public_key, h.nonce,
-            h.references, peer_nonce]
+            h.payload_bytes, h.payload_crc32, h.rounds, h.public_key, h.nonce, peer_nonce]
 
 
 def sign_header(msg: pb.ExchangeMsg, signer: Signer, nonce: bytes,
@@ -201,8 +199,7 @@ def header_codec(h: pb.Header) -> CodecSpec:
 
 
 def check_header(h: pb.Header, me: Identity, fragments: Sequence[Fragment],
-                 accepted: Collection[CodecSpec],
-                 references: str = "links") -> ExchangeError | None:
+                 accepted: Collection[CodecSpec]) -> ExchangeError | None:
     """Why a peer's header is unacceptable (an error to send back), or None if it is fine."""
     if h.protocol_version != PROTOCOL_VERSION:
         return ExchangeError(VERSION_MISMATCH, f"protocol {h.protocol_version}, "
@@ -212,9 +209,6 @@ def check_header(h: pb.Header, me: Identity, fragments: Sequence[Fragment],
     if h.model_fingerprint != me.fingerprint:
         return ExchangeError(FINGERPRINT_MISMATCH, f"model {h.model_fingerprint[:12]}, this "
                                                    f"node runs {me.fingerprint[:12]}")
-    if h.references != references:
-        return ExchangeError(BAD_REQUEST, f"reference scheme {h.references[:20]!r}, this node "
-                                          f"uses {references!r} (--references)")
     if not h.peer_id or h.peer_id == me.peer_id:
         return ExchangeError(BAD_REQUEST, f"bad sender peer id {h.peer_id!r}")
     frags = fragments
@@ -240,10 +234,9 @@ def check_header(h: pb.Header, me: Identity, fragments: Sequence[Fragment],
 
 def check_reply_header(h: pb.Header, mine: pb.Header, me: Identity,
                        fragments: Sequence[Fragment],
-                       accepted: Collection[CodecSpec],
-                       references: str = "links") -> ExchangeError | None:
+                       accepted: Collection[CodecSpec]) -> ExchangeError | None:
     """The responder's header must also echo our fragment and codec."""
-    problem = check_header(h, me, fragments, accepted, references)
+    problem = check_header(h, me, fragments, accepted)
     if problem is None and (h.fragment_index, h.codec, h.block_size) != (
             mine.fragment_index, mine.codec, mine.block_size):
         problem = ExchangeError(BAD_REQUEST, "reply header names another fragment or codec")

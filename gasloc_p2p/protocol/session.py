@@ -20,14 +20,12 @@ before :class:`Apply`, which the initiator gets right after its ``Commit`` messa
 responder once it has read that ``Commit``.
 
 Order on the stream: initiator Header -> responder Header (or Reject) -> the initiator's Header
-again, signed over the responder's fresh nonce (re-encoded against ``theta_0`` if the link
-versions differ); then both payloads (Chunks) cross, each side sends Ready (with its round ends
+again, signed over the responder's fresh nonce; then both payloads (Chunks) cross, each side sends Ready (with its round ends
 since its snapshot) once it holds the peer's payload; the initiator sends Commit; both apply
 with the same weight. The responder sends its payload only after that second Header: its
 signature over a nonce the responder just chose proves the initiator holds its key now, so a
 recorded Header replayed by someone else reads nothing. (Without keys, as in the simulator,
-there is no second Header unless the link is reset, and the responder's payload follows its
-Header at once.)
+there is no second Header, and the responder's payload follows its Header at once.)
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from gasloc_p2p.core.async_state import AsyncConfig, exchange_weight
+from gasloc_p2p.core.async_state import exchange_weight
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import (
@@ -95,17 +93,16 @@ class Rules:
     me: Identity
     codec: CodecSpec  # what this node sends when it initiates
     accepted: frozenset[CodecSpec]  # what it accepts in a peer's header
-    outer: AsyncConfig  # gossip weight and staleness policy
+    w: float  # the gossip weight at staleness 0 (1/2: the pair average)
     timeouts: Timeouts
 
     @classmethod
-    def build(cls, me: Identity, codec: CodecSpec, outer: AsyncConfig,
-              timeouts: Timeouts) -> Rules:
-        return cls(me, codec, accepted_codecs(codec), outer, timeouts)
+    def build(cls, me: Identity, codec: CodecSpec, w: float, timeouts: Timeouts) -> Rules:
+        return cls(me, codec, accepted_codecs(codec), w, timeouts)
 
     def weight(self, staleness: int) -> float:
         """The exchange's gossip weight; both sides know both round counts, so they agree."""
-        return exchange_weight(self.outer, staleness)
+        return exchange_weight(self.w, staleness)
 
 
 class Role(enum.Enum):
@@ -129,7 +126,7 @@ class Stage(enum.Enum):
 class ExchangeSession:
     """The protocol state of one exchange (see the module docstring for events and actions).
 
-    ``engine`` is only read here (fragments, link versions, round counts); its heavy work is
+    ``engine`` is only read here (fragments, round counts); its heavy work is
     requested through actions so the shell can run it off its event loop.
     """
 
@@ -145,7 +142,7 @@ class ExchangeSession:
         self._prep: Prepared | None = None
         self._mine: pb.Header | None = None
         self._peer: pb.Header | None = None
-        self._await_header = False  # responder: the initiator re-sends its Header (link reset)
+        self._await_header = False  # responder: the initiator re-sends its Header (its proof)
         self._buf = bytearray()  # the peer's payload, allocated at its announced (checked) size
         self._filled = 0
         self._received: Encoded | None = None
@@ -202,27 +199,23 @@ class ExchangeSession:
 
     # ----------------------------------------------------------------- events
     def start(self) -> list[Action]:
-        """Initiator: snapshot and encode against the link's reference."""
+        """Initiator: snapshot and encode."""
         assert self.role is Role.INITIATOR and self.stage is Stage.PREPARING
-        return [Prepare(self.peer_id, self.fragment, self.rules.codec, False)]
+        return [Prepare(self.peer_id, self.fragment, self.rules.codec)]
 
     def prepared(self, prep: Prepared) -> list[Action]:
         assert self.stage is Stage.PREPARING
-        first = self._prep is None
         self._prep = prep
-        header = make_header(self.rules.me, prep, len(self.engine.fragments),
-                             self.engine.references)
+        header = make_header(self.rules.me, prep, len(self.engine.fragments))
         signer = self.rules.me.signer
         if signer is not None:  # the initiator's first Header: no peer nonce yet
             sign_header(header, signer, self._nonce,
                         self._peer.nonce if self._peer is not None else b"")
-        self._mine = self._mine or header.header
+        self._mine = header.header
         self._sent = header.header
-        if self.role is Role.INITIATOR and first:
+        if self.role is Role.INITIATOR:
             self.stage = Stage.HEADER
             return [Send(header)]
-        # responder (its header carries its version before any reset, so the initiator resets
-        # too), or the initiator's re-encoded Header after a link reset
         self.stage = Stage.TRANSFER
         if self.role is Role.RESPONDER and signer is not None:
             # the payload waits for the initiator's Header signed over our fresh nonce: a
@@ -251,9 +244,8 @@ class ExchangeSession:
     def admitted(self) -> list[Action]:
         assert self.stage is Stage.ADMIT and self._peer is not None
         h = self._peer
-        self._await_header = h.link_version != self.engine.link_version(h.peer_id)
         self.stage = Stage.PREPARING
-        return [Prepare(h.peer_id, h.fragment_index, header_codec(h), self._await_header)]
+        return [Prepare(h.peer_id, h.fragment_index, header_codec(h))]
 
     def refused(self) -> list[Action]:
         return self._reject(ExchangeError(BUSY, "at the inbound limit or already exchanging "
@@ -317,8 +309,7 @@ class ExchangeSession:
         if kind != "header":
             return self._reject(ExchangeError(BAD_REQUEST, "the first message must be a Header"))
         h = msg.header
-        problem = check_header(h, self.rules.me, self.engine.fragments, self.rules.accepted,
-                               self.engine.references)
+        problem = check_header(h, self.rules.me, self.engine.fragments, self.rules.accepted)
         if problem is None and self.rules.me.signer is not None:
             problem = check_header_auth(h, self.rules.me.signer, b"")
         if problem is not None:
@@ -339,7 +330,7 @@ class ExchangeSession:
             raise ProtocolError(f"expected Header or Reject, got {kind}")
         assert self._mine is not None and self._prep is not None
         problem = check_reply_header(msg.header, self._mine, self.rules.me, self.engine.fragments,
-                                     self.rules.accepted, self.engine.references)
+                                     self.rules.accepted)
         if problem is None and self.rules.me.signer is not None:  # it owns the dialed id
             problem = check_header_auth(msg.header, self.rules.me.signer, self._nonce)
         if problem is not None:
@@ -347,9 +338,6 @@ class ExchangeSession:
         if msg.header.peer_id != self.peer_id:
             raise ProtocolError(f"dialed {self.peer_id!r}, answered by {msg.header.peer_id!r}")
         self._peer = msg.header
-        if msg.header.link_version != self._prep.link_version:  # both restart from theta_0
-            self.stage = Stage.PREPARING
-            return [Prepare(self.peer_id, self.fragment, self.rules.codec, True)]
         self.stage = Stage.TRANSFER
         signer = self.rules.me.signer
         if signer is None:
@@ -364,11 +352,9 @@ class ExchangeSession:
         assert self._peer is not None
         if kind == "header" and self._await_header:
             self._peer = self._replacement_header(msg.header, self._peer)
-            self._await_header = False
-            if self.rules.me.signer is not None:  # the initiator proved its key: our payload
-                assert self._prep is not None
-                return [SendPayload(self._prep.payload, self._prep.encoded.spec)]
-            return []
+            self._await_header = False  # the initiator proved its key: our payload
+            assert self._prep is not None
+            return [SendPayload(self._prep.payload, self._prep.encoded.spec)]
         if kind == "chunk" and self._received is None and not self._await_header:
             return self._chunk(msg.chunk.data, self._peer)
         if kind == "ready" and self._peer_rounds is None:
@@ -393,12 +379,12 @@ class ExchangeSession:
                       self._prep)]
 
     def _replacement_header(self, new: pb.Header, old: pb.Header) -> pb.Header:
-        problem = check_header(new, self.rules.me, self.engine.fragments, self.rules.accepted,
-                               self.engine.references)
+        problem = check_header(new, self.rules.me, self.engine.fragments, self.rules.accepted)
         if problem is None and (new.peer_id, new.fragment_index, new.codec, new.block_size) != (
                 old.peer_id, old.fragment_index, old.codec, old.block_size):
             problem = ProtocolError("the re-sent Header changed peer, fragment or codec")
-        if problem is None and self.rules.me.signer is not None:
+        if problem is None:
+            assert self.rules.me.signer is not None  # only keyed sessions await a second one
             problem = check_header_auth(new, self.rules.me.signer, self._nonce)
             if problem is None and new.public_key != old.public_key:
                 problem = ProtocolError("the re-sent Header changed key", UNAUTHENTICATED)

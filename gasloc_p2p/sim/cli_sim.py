@@ -24,7 +24,7 @@ def add_sim_parser(sub: Any) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/sim"), help="output directory")
     p.add_argument("--name", default="sim", help="base name of the JSON and PNG files")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_flags(p, sim_options(), groups=False, skip=SKIP)
+    add_flags(p, sim_options(), skip=SKIP)
     p.set_defaults(func=run_sim)
 
 

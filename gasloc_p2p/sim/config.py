@@ -4,25 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gasloc_p2p.core.async_state import MOMENTUM_FORMS
+from gasloc_p2p.core.async_state import MOMENTUM_FORMS as NODE_MOMENTUM_FORMS
 from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec, parse_optional
-from gasloc_p2p.core.feedback import REFERENCE_CHOICES, resolve_references
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
 from gasloc_p2p.core.topology import GRAPHS, MATCHINGS, acid_parameters
 
 TASKS = ("lm", "consensus")
-ALGORITHMS = ("gasloc", "diloco", "streaming-diloco", "noloco", "gossip-sgd", "local")
+ALGORITHMS = ("gasloc", "diloco", "streaming-diloco", "gossip-sgd", "local")
 MODES = ("sync", "async")
+# The node's momentum forms, and A2CiD2's continuous momentum (a research form of the
+# simulator only: docs/results/acid.md found it a tie on the graphs the daemon builds).
+MOMENTUM_FORMS = (*NODE_MOMENTUM_FORMS, "acid")
 # Outer step defaults per algorithm. GASLoC: plain averaging (gamma 0, eta 1), the best measured
 # in docs/results (n = 4, 1000 steps, 3 seeds: async on a slow link, 0.14 nats better than
 # gamma 0.5 / eta 0.7 at fewer bytes; sync H = 50: gamma 0.9 at equal effective step 0.23
 # worse; sync H = 10: within noise of gamma 0.5 / eta 0.5).
-# DiLoCo and Streaming DiLoCo keep the papers' Nesterov 0.7 / 0.9 (not re-measured at 1000
-# steps); NoLoCo: the setting measured (momentum 0.5, beta 0.5).
-DEFAULT_GAMMA = {"gasloc": 0.0, "diloco": 0.9, "streaming-diloco": 0.9, "noloco": 0.5,
-                 "gossip-sgd": 0.0, "local": 0.0}
-DEFAULT_ETA = {"gasloc": 1.0, "diloco": 0.7, "streaming-diloco": 0.7, "noloco": 0.5,
-               "gossip-sgd": 1.0, "local": 1.0}
+# DiLoCo and Streaming DiLoCo keep the papers' Nesterov 0.7 / 0.9 (labels say so: "diloco
+# (Nesterov 0.7/0.9)" against "diloco (plain averaging)" at eta 1, gamma 0).
+DEFAULT_GAMMA = {"gasloc": 0.0, "diloco": 0.9, "streaming-diloco": 0.9, "gossip-sgd": 0.0,
+                 "local": 0.0}
+DEFAULT_ETA = {"gasloc": 1.0, "diloco": 0.7, "streaming-diloco": 0.7, "gossip-sgd": 1.0,
+               "local": 1.0}
 BUDGETS = ("each", "total")
 
 
@@ -31,8 +33,9 @@ class SimConfig:
     """One simulated run. Times are simulated seconds; bandwidths in megabits per second."""
 
     algorithm: str = opt("gasloc", "the algorithm (the sim command takes --algorithms)")
-    mode: str = opt("sync", "sync: synchronous rounds; async: event-driven, per-worker speeds "
-                            "(gasloc, gossip-sgd)")
+    mode: str = opt("sync", "sync: synchronous rounds (exchanges at every round end); async: "
+                            "event-driven, per-worker speeds (gasloc, gossip-sgd); both run the "
+                            "node's state and exchange protocol")
     workers: int = opt(4, "number of simulated workers")
     steps: int = opt(200, "inner steps per worker (equal-token budget)")
     H: int = opt(10, "inner steps per round (local steps between outer updates)")
@@ -41,24 +44,17 @@ class SimConfig:
     graph: str = opt("complete", "communication graph: ring, exponential, complete")
     matching: str = opt("1-peer", "per-round gossip: 1-peer, 2-peer random matchings, or all edges")
     eta: float | None = opt(None, "outer learning rate (default: 1 gasloc, 0.7 diloco and "
-                                  "streaming-diloco, 0.5 noloco)")
-    gamma: float | None = opt(None, "outer momentum (default: 0 gasloc, 0.9 diloco, "
-                                    "0.5 noloco, 0 gossip-sgd)")
+                                  "streaming-diloco)")
+    gamma: float | None = opt(None, "outer momentum (default: 0 gasloc, 0.9 diloco and "
+                                    "streaming-diloco, 0 gossip-sgd)")
     w: float | None = opt(None, "gossip weight (default 1/2 for matchings, exact average for "
                                 "complete/all)")
-    variant: str = opt("mixed", "sync gasloc momentum reading: mixed or unmixed")
-    outer_warmup: int = opt(0, "sync gasloc: rounds over which the outer momentum ramps "
-                               "linearly from 0 to --gamma (eta fixed); 0: off")
-    momentum: str = opt("mixed", "async gasloc momentum form: mixed (paper), local (own drift "
-                                 "only) or acid (A2CiD2; needs gamma 0)")
+    momentum: str = opt("mixed", "gasloc momentum form: mixed (paper), local (own drift "
+                                 "only) or acid (A2CiD2, async only; needs gamma 0)")
     acid_rate: float | None = opt(None, "momentum acid: mixing rate per round (default: "
                                         "A2CiD2's eta for the graph and participation rate)")
     acid_beta: float | None = opt(None, "momentum acid: x~'s gossip step (default: A2CiD2's "
                                         "alpha~ for the graph and participation rate)")
-    staleness_policy: str = opt("downweight", "async exchanges spanning > max-staleness round "
-                                              "ends: drop, downweight, keep")
-    max_staleness: int = opt(1, "round ends an exchange may span before the staleness policy "
-                                "applies")
     participations_per_round: float = opt(
         2.0, "async: mean gossip exchanges a worker takes part in (started or accepted) per own "
              "round; sync 1-peer matchings are 1 per round")
@@ -67,18 +63,10 @@ class SimConfig:
               "--exchanges-per-round; overrides --participations-per-round, about half of it)")
     codec: str = opt("int8", "payload codec: none (exact), fp32, fp16, int8, int4, fp4; "
                              "block size: int8:256")
-    references: str = opt("auto", "async quantized exchanges: links (per-peer references), "
-                                  "feedback (one per-node error-feedback buffer), plain (none); "
-                                  "auto: plain")
-    reference_capacity: int = opt(8, "async, --references links: peers whose references each "
-                                     "worker keeps (LRU; an evicted link restarts from theta_0)")
     fragments: int = opt(1, "parameter fragments (strided layers); one fragment per exchange or "
                             "sync")
     tau: int = opt(1, "streaming-diloco: inner steps a sync overlaps")
     alpha: float = opt(0.0, "streaming-diloco: weight of the local copy when merging")
-    consensus: float = opt(0.5, "noloco: weight of the pull toward the pair mean, "
-                                "-consensus * (phi_i - mean(phi)) (NoLoCo's gamma; --gamma is its "
-                                "momentum alpha, --eta its beta)")
     budget: str = opt("each", "sync drivers: each (every worker takes --steps steps; the fastest "
                               "wait) or total (stop at workers * --steps steps in all, as async)")
     task: str = opt("lm", "lm: train the tiny GPT on text; consensus: the pure-consensus toy "
@@ -113,8 +101,6 @@ class SimConfig:
     slow_workers: int = opt(0, "how many workers (the first ones) are slow")
     slow_link_factor: float = opt(1.0, "slow workers' bandwidth is divided by this")
     slow_compute_factor: float = opt(1.0, "slow workers' step time is multiplied by this")
-    aligned: bool = opt(False, "async: exchanges only at synchronized round ends (equals sync "
-                               "mode)")
     eval_every: int = opt(100, "inner steps per worker between full evaluations (--eval-batches)")
     eval_batches: int = opt(64, "validation batches per full evaluation, 2 * batch-size sequences "
                                 "each (64 = 65,536 tokens at the default sizes; fixed, the same "
@@ -129,11 +115,6 @@ class SimConfig:
         return parse_optional(self.codec)
 
     @property
-    def reference_scheme(self) -> str:
-        """``references`` with ``auto`` resolved for the codec."""
-        return resolve_references(self.references, self.codec.partition(":")[0])
-
-    @property
     def start_rate(self) -> float:
         """Exchanges a worker starts per own round: each exchange has two participants."""
         if self.starts_per_round is not None:
@@ -145,7 +126,7 @@ class SimConfig:
         participation rate (1 per round for aligned matchings)."""
         if self.acid_rate is not None and self.acid_beta is not None:
             return self.acid_rate, self.acid_beta
-        rate = 1.0 if self.aligned else 2 * self.start_rate
+        rate = 2 * self.start_rate
         auto = acid_parameters(self.graph, self.workers, rate) if self.workers > 1 else (0.0, 0.5)
         return (auto[0] if self.acid_rate is None else self.acid_rate,
                 auto[1] if self.acid_beta is None else self.acid_beta)
@@ -183,9 +164,6 @@ class SimConfig:
             (_parses(self.codec),
              f"unknown codec {self.codec!r}; choose none or one of {CODEC_NAMES}"),
             (self.dtype in ("float32", "float64"), "--dtype must be float32 or float64"),
-            (self.reference_capacity >= 1, "--reference-capacity must be >= 1"),
-            (self.references in REFERENCE_CHOICES,
-             f"--references must be one of {', '.join(REFERENCE_CHOICES)}"),
             (self.tokenizer in ("byte", "bpe"), "--tokenizer must be byte or bpe"),
             (self.dtype == "float32" or self.codec == "none",
              "float64 runs need --codec none (codecs quantize float32)"),
@@ -212,10 +190,6 @@ class SimConfig:
              "--acid-rate must be in [0, 100]"),
             (self.acid_beta is None or 0.0 < self.acid_beta <= 100.0,
              "--acid-beta must be in (0, 100]"),
-            (self.outer_warmup >= 0, "--outer-warmup must be >= 0"),
-            (self.outer_warmup == 0 or (self.algorithm == "gasloc" and self.mode == "sync"),
-             "--outer-warmup is implemented for sync gasloc only"),
-            (0.0 <= self.consensus <= 1.0, "--consensus must be in [0, 1]"),
             (self.budget in BUDGETS, f"--budget must be one of {BUDGETS}"),
             (self.trace_batches >= 0, "--trace-batches must be >= 0"),
             (self.lr > 0 and self.warmup_steps >= 0, "--lr must be > 0, --warmup-steps >= 0"),

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from gasloc_p2p.data import TokenData
-from gasloc_p2p.sim.async_ import run_async
+from gasloc_p2p.sim.clock import Clock
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.consensus import ConsensusWorkers
-from gasloc_p2p.sim.sync import SYNC_DRIVERS, Clock
+from gasloc_p2p.sim.diloco import run_diloco, run_local
+from gasloc_p2p.sim.gossip import run_gossip
 from gasloc_p2p.sim.workers import SimWorkers, load_token_data
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,12 @@ def run(cfg: SimConfig, data: TokenData | None = None,
 
     record(0.0, force=True)
     stats: dict[str, float] = {}
-    if cfg.mode == "async":
-        stats = run_async(sim, clock, record)
+    if cfg.algorithm in ("diloco", "streaming-diloco"):
+        run_diloco(sim, clock, record)
+    elif cfg.algorithm == "local" and cfg.mode == "sync":
+        run_local(sim, clock, record)
     else:
-        SYNC_DRIVERS[cfg.algorithm](sim, clock, record)
+        stats = run_gossip(sim, clock, record)
     if history[-1]["sim_seconds"] != clock.now or history[-1]["steps"] != trace_steps(sim):
         record(clock.now, force=True)
     final = history[-1]
@@ -74,18 +77,28 @@ def trace_steps(sim: SimWorkers) -> float:
 
 
 def label(cfg: SimConfig) -> str:
+    """What the run is, outer step included: ``diloco (Nesterov 0.7/0.9) int8`` is not
+    ``diloco (plain averaging) int8``."""
     parts = [cfg.algorithm]
     if cfg.algorithm == "gasloc":
         parts.append(cfg.mode)
-        parts.append(cfg.momentum if cfg.mode == "async" else cfg.variant)
-        parts.append(f"g{cfg.outer_gamma:g}")
+        if cfg.momentum == "acid":
+            parts.append("acid")
+    if cfg.algorithm in ("gasloc", "diloco", "streaming-diloco"):
+        parts.append(outer_step_name(cfg.outer_eta, cfg.outer_gamma,
+                                     "Nesterov" if cfg.algorithm != "gasloc" else cfg.momentum))
     if cfg.algorithm in ("gasloc", "gossip-sgd"):
         parts.append(f"{cfg.graph}")
     if cfg.algorithm != "local":
         parts.append(cfg.codec)
-    if cfg.mode == "async" and cfg.algorithm != "local" and cfg.codec != "none":
-        parts.append(cfg.reference_scheme)
     return " ".join(parts)
+
+
+def outer_step_name(eta: float, gamma: float, momentum: str) -> str:
+    """``(plain averaging)`` at eta 1, gamma 0; ``(Nesterov 0.7/0.9)``: eta, then gamma."""
+    if gamma == 0.0:
+        return "(plain averaging)" if eta == 1.0 else f"(eta {eta:g}, no momentum)"
+    return f"({momentum} {eta:g}/{gamma:g})"
 
 
 def write_results(results: Sequence[dict[str, Any]], out_dir: Path, name: str = "sim") -> Path:

@@ -30,7 +30,7 @@ def add_swarm_parser(sub: Any) -> None:
                     "one progress line per node; Ctrl+C stops everything. Node flags go after "
                     "`--`, e.g. `gasloc-node swarm --nodes 4 -- --codec int4 --data my.txt`; "
                     f"they override the swarm's defaults: {' '.join(DEFAULT_NODE_ARGS)}")
-    add_flags(p, options({"swarm": SwarmConfig}), groups=False, skip=("node_args",))
+    add_flags(p, options({"swarm": SwarmConfig}), skip=("node_args",))
     p.add_argument("node_args", nargs=argparse.REMAINDER, metavar="-- NODE_FLAGS",
                    help="flags passed to every `gasloc-node join`")
     p.set_defaults(func=run_swarm)

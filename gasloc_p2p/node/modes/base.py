@@ -1,6 +1,6 @@
 """The seam between the node and its outer algorithm: one small :class:`Mode` interface.
 
-The node (:mod:`gasloc_p2p.node.runtime.daemon`) owns what every mode shares: discovery, the
+The node (:mod:`gasloc_p2p.node.daemon`) owns what every mode shares: discovery, the
 model and trainer thread, the gRPC server (Info, DownloadState), checkpoints, metrics and the
 compatible-peer list. A mode owns the outer algorithm: what runs at each round end, what it
 needs on the network (GASLoC: the gossip exchanger, peer book and loop; DiLoCo: an all-reduce
@@ -27,8 +27,8 @@ from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.discovery.base import Discovery, PeerInfo
 from gasloc_p2p.node.runtime.clock import Clock
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import ExchangeStats, FragmentStats, TrainStats
 from gasloc_p2p.node.runtime.trainer import Trainer
+from gasloc_p2p.node.stats import ExchangeStats, FragmentStats, TrainStats
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb

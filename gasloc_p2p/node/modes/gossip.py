@@ -8,14 +8,13 @@ The loop decides when to exchange, with whom, and which fragment.
 
 Waiting times are exponential with rate ``exchanges_per_round / round duration`` (the round
 duration is estimated from the trainer's recent step time), so each node starts on average
-``exchanges_per_round`` exchanges per round of its own; with ``--pacing compute`` the
-:class:`~.pacing.Pacer` lowers that rate while exchange work takes too much of the node's time
-(re-estimated about once a round; the waits are memoryless, so a rate change applies at once). The partner is a compatible peer drawn
-by ``--peer-choice`` (uniform, or preferring peers measured faster: :mod:`.peer_choice`): not
-this node, not one it is already exchanging with, not one in backoff after a failure,
-and never an unreachable (``--client-mode``) peer: nobody can dial it, it gossips by dialing
-out, so two unreachable nodes are never paired. A BUSY
-answer is not a failure: the loop tries another peer, up to ``busy_retries`` times.
+``exchanges_per_round`` exchanges per round of its own. The partner is a compatible peer drawn
+uniformly: not this node, not one it is already exchanging with, not one in backoff after a
+failure, and never an unreachable (``--client-mode``) peer: nobody can dial it, it gossips by
+dialing out, so two unreachable nodes are never paired. A BUSY answer is not a failure: the
+loop tries another peer, up to ``busy_retries`` times. About once a round the loop also updates
+the node's compute-utilization estimate (:class:`~gasloc_p2p.node.stats.Utilization`, a
+metric and a progress field).
 """
 
 from __future__ import annotations
@@ -27,14 +26,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
-from gasloc_p2p.core.async_state import AsyncConfig
+from gasloc_p2p.core.async_state import MAX_STALENESS, AsyncConfig
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig, NodeConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.node.modes.base import Mode, ModeContext, ModeTask
-from gasloc_p2p.node.modes.pacing import Counters, Pacer
-from gasloc_p2p.node.modes.peer_choice import PeerChooser
 from gasloc_p2p.node.runtime.clock import Clock, WallClock
-from gasloc_p2p.node.runtime.stats import TrainStats
+from gasloc_p2p.node.stats import TrainStats, Utilization
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.protocol.actions import Outcome
@@ -44,7 +41,7 @@ from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
-_PACE_MIN_S = 2.0  # shortest pacing window (a round, at least this)
+_WINDOW_MIN_S = 2.0  # shortest utilization window (a round, at least this)
 
 
 class PeerBook:
@@ -131,42 +128,40 @@ class GossipLoop:
                                                gossip.fragment_order, self.rng)
         self.active = active
         self.clock = clock or WallClock()
-        self.chooser = PeerChooser(gossip.peer_choice, gossip.peer_explore, self.rng)
-        self.pacer = Pacer(gossip.pacing_target, gossip.exchanges_per_round,
-                           gossip.pacing_min_rate, enabled=gossip.pacing == "compute")
-        self._paced_at = -float("inf")
-        exchanger.on_commit = self._committed
+        self.utilization = Utilization()
+        self._window_at = -float("inf")
 
     def rate_per_s(self) -> float:
         """Exchanges per second this node starts now (0 before the first timed step)."""
         round_s = self.train_stats.round_duration_s(self.inner_steps)
-        if self.pacer.per_round <= 0 or round_s <= 0:
+        if self.cfg.exchanges_per_round <= 0 or round_s <= 0:
             return 0.0
-        return self.pacer.per_round / round_s
+        return self.cfg.exchanges_per_round / round_s
 
-    def pace(self) -> None:
-        """Feed the pacer the trainer's counters when a window (a round, >= 2 s) has passed."""
+    def window(self) -> float:
+        """One round, at least ``_WINDOW_MIN_S``: the utilization's window and the longest
+        single wait (the waits are memoryless: sleeping one window and drawing again is the
+        same law)."""
+        return max(self.train_stats.round_duration_s(self.inner_steps), _WINDOW_MIN_S)
+
+    def measure(self) -> None:
+        """Update the utilization estimate when a window has passed."""
         now = self.clock.monotonic()
-        if now - self._paced_at < max(self.train_stats.round_duration_s(self.inner_steps),
-                                      _PACE_MIN_S):
+        if now - self._window_at < self.window():
             return
-        self._paced_at = now
-        t = self.train_stats
-        self.pacer.update(Counters(t.timed_steps, t.train_s, t.quiet_steps, t.quiet_s))
-        x = self.exchanger.stats
-        x.utilization, x.starts_per_round = self.pacer.utilization, self.pacer.per_round
+        self._window_at = now
+        self.exchanger.stats.utilization = self.utilization.update(self.train_stats)
 
     async def run(self) -> None:
         while True:
-            self.pace()
+            self.measure()
             rate = self.rate_per_s()
             if rate <= 0 or not self.active():
                 await self.clock.sleep(_IDLE_S)
                 continue
             wait = self.rng.expovariate(rate)
-            window = max(self.train_stats.round_duration_s(self.inner_steps), _PACE_MIN_S)
-            if wait > window:  # memoryless: sleep one window, re-pace, draw again
-                await self.clock.sleep(window)
+            if wait > self.window():
+                await self.clock.sleep(self.window())
                 continue
             await self.clock.sleep(wait)
             try:
@@ -184,8 +179,7 @@ class GossipLoop:
             options = self.book.candidates(exclude)
             if not options:
                 return None
-            picks = self.chooser.pick(options, self.cfg.connect_fanout, _peer_id)
-            self._export()
+            picks = self.rng.sample(options, min(self.cfg.connect_fanout, len(options)))
             tried += [p.peer_id for p in picks]
             peer = await self._first_connected(picks)
             if peer is None:
@@ -238,27 +232,11 @@ class GossipLoop:
         return await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
                                              peer.peer_id, fragment)
 
-    def _committed(self, outcome: Outcome, seconds: float) -> None:
-        self.chooser.observe(outcome.peer_id, outcome.bytes_sent + outcome.bytes_received,
-                             seconds)
-        self._export()
-
-    def _export(self) -> None:
-        st, ch = self.exchanger.stats, self.chooser
-        if ch.mode != "uniform":
-            st.peer_rates = ch.rates()
-            st.draws_explore, st.draws_exploit = ch.explored, ch.exploited
-
     def _failed(self, peer: PeerInfo, exc: BaseException) -> None:
-        self.chooser.failed(peer.peer_id)
         self.exchanger.stats.failed += 1
         self.exchanger.stats.failures[f"outbound:{type(exc).__name__}"] += 1
         seconds = self.book.failed(peer, self.cfg.backoff_s, self.cfg.max_backoff_s)
         log.debug("exchange with %s failed (backoff %.0f s): %s", safe(peer.peer_id), seconds, exc)
-
-
-def _peer_id(peer: PeerInfo) -> str:
-    return peer.peer_id
 
 
 class ConnectFailed(ExchangeError):
@@ -307,14 +285,10 @@ class GossipMode(Mode):
     async def start(self, ctx: ModeContext) -> None:
         cfg, trainer = ctx.cfg, ctx.trainer
         self.ctx = ctx
-        scheme = cfg.gossip.reference_scheme
-        if scheme != "links":  # only per-peer references start from the exact theta_0
-            trainer.compact_theta0()
-        engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, ctx.lock,
-                                cfg.gossip.reference_capacity, scheme)
+        engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, ctx.lock)
         self._exchanger = GossipTransport(ctx.me, engine, cfg.gossip, cfg.outer.async_config(),
                                     stats=ctx.exchange_stats)
-        trainer.exchange_work = ctx.exchange_stats  # quiet steps, for --pacing
+        trainer.exchange_work = ctx.exchange_stats  # quiet steps, for the utilization
         self.book = PeerBook(ctx.me.peer_id, ctx.clock)
         self.book.update(ctx.peers())
         self.loop = GossipLoop(self._exchanger, self.book, ctx.channels, cfg.gossip, cfg.network,
@@ -355,17 +329,17 @@ class GossipMode(Mode):
         assert self.ctx is not None
         state = self.ctx.trainer.state
         with self.ctx.lock.urgent():
+            memory = state.memory.clone() if state.memory is not None else None
             return StateSnapshot(self.ctx.train_stats.step, state.rounds, state.cfg.momentum,
-                                 state.public_iterate(), state.memory.clone())
+                                 state.public_iterate(), memory)
 
     def progress(self) -> str:
         assert self.ctx is not None
-        x, limit = self.ctx.exchange_stats, self.ctx.cfg.outer.max_staleness
-        stale = sum(n for k, n in x.staleness.items() if k > limit)
+        x = self.ctx.exchange_stats
+        stale = sum(n for k, n in x.staleness.items() if k > MAX_STALENESS)
         return (f"exchanges ok {x.ok} (init {x.ok_initiator} resp {x.ok_responder}) failed "
                 f"{x.failed} busy {x.busy} stale {stale} | sent {x.bytes_sent / 1e6:.2f} MB "
-                f"recv {x.bytes_received / 1e6:.2f} MB | util {x.utilization:.3f} "
-                f"starts/round {x.starts_per_round:.2f}")
+                f"recv {x.bytes_received / 1e6:.2f} MB | util {x.utilization:.3f}")
 
     async def stop(self) -> None:
         if self._exchanger is not None:

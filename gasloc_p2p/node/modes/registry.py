@@ -7,12 +7,11 @@ from collections.abc import Callable
 from gasloc_p2p.node.modes.base import Mode
 from gasloc_p2p.node.modes.diloco import DilocoMode
 from gasloc_p2p.node.modes.gossip import GossipMode
-from gasloc_p2p.node.modes.streaming_mode import StreamingMode
 
 MODES: dict[str, Callable[[], Mode]] = {
     GossipMode.name: GossipMode,
-    DilocoMode.name: DilocoMode,
-    StreamingMode.name: StreamingMode,
+    "diloco": lambda: DilocoMode("diloco"),
+    "streaming-diloco": lambda: DilocoMode("streaming-diloco"),
 }
 
 

@@ -2,7 +2,7 @@
 
 Every :class:`NodeMetrics` has its own ``CollectorRegistry`` (never the global one), so several
 nodes in one process coexist. Nothing on the training or exchange path touches Prometheus: the
-trainer and the exchanger update plain counters (:mod:`gasloc_p2p.node.runtime.stats`) and
+trainer and the exchanger update plain counters (:mod:`gasloc_p2p.node.stats`) and
 :class:`NodeCollector` turns them into metric families when Prometheus scrapes.
 
 The names below are an interface (``docker/grafana/dashboards/gasloc.json``, the project's own
@@ -23,13 +23,8 @@ gasloc_exchanges_total{outcome}        counter    gossip exchanges by outcome, s
 gasloc_exchanges_by_role_total{role}   counter    committed exchanges, role initiator|responder
 gasloc_updates_rejected_total          counter    exchanges aborted: implausibly large update
 gasloc_updates_clipped_total           counter    exchanges committed with a clipped weight
-gasloc_peer_throughput_bytes_per       gauge      --peer-choice bandwidth: the throughput this
-_second{peer}                                     node measured with a peer (first 16 chars)
-gasloc_peer_choice_draws_total{kind}   counter    partner draws, kind explore | exploit
 gasloc_compute_utilization             gauge      estimated compute / (compute + exchange work),
-                                                  EMA over windows of a round (:mod:`pacing`)
-gasloc_gossip_starts_per_round         gauge      exchanges per round this node starts now
-                                                  (--exchanges-per-round, or less: --pacing)
+                                                  EMA over windows of a round (stats.Utilization)
 gasloc_sent_bytes_total{codec}         counter    payload bytes sent (Chunk data), by codec
 gasloc_received_bytes_total{codec}     counter    payload bytes received, by codec
 gasloc_exchange_duration_seconds       histogram  wall time of committed exchanges, both roles
@@ -41,7 +36,7 @@ gasloc_event_loop_lag_seconds          gauge      last overshoot of a 0.5 s slee
 gasloc_threads                         gauge      OS threads of the process
 gasloc_info{version,run_id,codec,      gauge      always 1; the labels describe the node
 algorithm}
-gasloc_fragment_syncs_total            counter    streaming-diloco syncs of each fragment by
+gasloc_fragment_syncs_total            counter    DiLoCo-mode syncs of each fragment by
 {fragment,outcome}                                outcome ok | failed | solo (no group possible)
 gasloc_fragment_sent_bytes_total       counter    encoded all-reduce payload bytes this node sent
 {fragment}                                        for the fragment (inputs and averaged parts)
@@ -59,8 +54,8 @@ process_*                              various    prometheus_client's ProcessCol
                                                   CPU seconds, open fds, start time)
 =====================================  =========  ================================================
 
-``gasloc_consensus_estimate``: at each commit the correction is ``c = w (ref_in - ref_out)``
-over the exchanged fragment, and the two references track the two public iterates, so
+``gasloc_consensus_estimate``: at each commit the correction is ``c = w (D(m_j) - D(m_i))``
+over the exchanged fragment, and the two messages are the two public iterates, quantized, so
 ``(||c|| / w)^2 / numel`` estimates the mean squared per-parameter distance between this node
 and the peer; the gauge is an EMA (weight 0.8 on the previous value) over commits, absent
 before the first. Gauges whose value is not known yet (losses before the first step or
@@ -88,7 +83,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gasloc_p2p import __version__
-from gasloc_p2p.node.runtime.stats import Buckets, ExchangeStats, FragmentStats, TrainStats
+from gasloc_p2p.node.stats import Buckets, ExchangeStats, FragmentStats, TrainStats
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -100,7 +95,6 @@ log = logging.getLogger(__name__)
 # gasloc_exchanges_total{outcome}: a closed set, one event each.
 OUTCOMES = (
     "ok",             # committed and applied (either role)
-    "dropped_stale",  # committed with weight 0: too stale under --staleness-policy drop
     "failed",         # error, timeout or abort before commit (either role): nothing applied
     "busy",           # our attempt was answered BUSY by the peer (another peer is tried)
     "rejected",       # an inbound exchange we refused (at the limit, or incompatible)
@@ -108,7 +102,6 @@ OUTCOMES = (
 ROLES = ("initiator", "responder")
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 LOOP_LAG_PERIOD_S = 0.5
-MAX_PEER_SERIES = 64  # peers exported by gasloc_peer_throughput_bytes_per_second (latest)
 #: (compatible peers known, those dialable now), None before the node knows any
 PeerCounts = Callable[[], "tuple[int, int] | None"]
 #: the mode's per-fragment sync counters (empty but in streaming-diloco mode)
@@ -211,8 +204,7 @@ class NodeCollector(Collector):
         outcomes = CounterMetricFamily("gasloc_exchanges", "Gossip exchanges by outcome.",
                                        labels=["outcome"])
         # separate monotonic fields (ok - dropped could step back between two writes)
-        counts = {"ok": x.applied, "dropped_stale": x.dropped_stale,
-                  "failed": x.failed, "busy": x.busy, "rejected": x.rejected_inbound}
+        counts = {"ok": x.applied, "failed": x.failed, "busy": x.busy, "rejected": x.rejected_inbound}
         for outcome in OUTCOMES:
             outcomes.add_metric([outcome], counts[outcome])
         yield outcomes
@@ -224,24 +216,10 @@ class NodeCollector(Collector):
         yield CounterMetricFamily("gasloc_updates_rejected", "Exchanges aborted because the "
                                   "peer's update was implausibly large (bounded updates).",
                                   value=x.implausible)
-        rates = GaugeMetricFamily("gasloc_peer_throughput_bytes_per_second",
-                                  "Throughput this node measured on its exchanges with a peer "
-                                  "(--peer-choice bandwidth).", labels=["peer"])
-        for peer, rate in list(x.peer_rates.items())[-MAX_PEER_SERIES:]:
-            rates.add_metric([peer[:16]], rate)
-        yield rates
-        draws = CounterMetricFamily("gasloc_peer_choice_draws", "Partner draws by kind "
-                                    "(--peer-choice bandwidth).", labels=["kind"])
-        for kind, n in (("explore", x.draws_explore), ("exploit", x.draws_exploit)):
-            draws.add_metric([kind], n)
-        yield draws
-        for name, doc, value in (
-                ("gasloc_compute_utilization", "Estimated compute / (compute + exchange work) "
-                 "of this node (EMA over windows of a round).", x.utilization),
-                ("gasloc_gossip_starts_per_round", "Exchanges per round this node starts now "
-                 "(--exchanges-per-round, or fewer with --pacing compute).", x.starts_per_round)):
-            if math.isfinite(value):
-                yield GaugeMetricFamily(name, doc, value=value)
+        if math.isfinite(x.utilization):
+            yield GaugeMetricFamily("gasloc_compute_utilization", "Estimated compute / (compute "
+                                    "+ exchange work) of this node (EMA over windows of a "
+                                    "round).", value=x.utilization)
         yield CounterMetricFamily("gasloc_updates_clipped", "Exchanges committed with a clipped "
                                   "weight: the peer was farther than the guard's soft limit "
                                   "but within its hard limit.", value=x.clipped)

@@ -25,18 +25,21 @@ MAX_ABS_VALUE = 1e6  # as the exchange engine's limit on decoded values
 
 @dataclass(frozen=True, eq=False)
 class Candidate:
-    """One donor's downloaded state: public iterate and outer memory, float32 ``[numel]``."""
+    """One donor's downloaded state: public iterate and outer memory (None: the donor keeps
+    none), float32 ``[numel]``."""
 
     peer_id: str
     step: int
     params: torch.Tensor
-    memory: torch.Tensor
+    memory: torch.Tensor | None
     meta: pb.StateMeta
 
 
 def problem(c: Candidate, numel: int) -> str:
     """Why a downloaded state is unusable on its own ("" if it is fine)."""
     for name, t in (("params", c.params), ("memory", c.memory)):
+        if t is None:
+            continue
         if t.shape != (numel,):
             return f"{name} has {t.numel()} values, this model {numel}"
         hi, lo = float(t.amax()), float(t.amin())

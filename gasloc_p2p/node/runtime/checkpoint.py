@@ -79,6 +79,8 @@ def validate(payload: dict[str, Any], fingerprint: str, numel: int, path: str | 
                   "flags and --seed, or another --checkpoint-dir")
     for name in _TENSORS:
         t = payload[name]
+        if t is None and name == "memory":  # a node without an outer momentum buffer
+            continue
         if not isinstance(t, torch.Tensor) or t.shape != (numel,):
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise bad(f"{name} has shape {shape}, the model needs [{numel}]")

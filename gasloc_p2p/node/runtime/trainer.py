@@ -29,7 +29,7 @@ from gasloc_p2p.model import layer_index
 from gasloc_p2p.model_spec import BuiltModel, build
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
+from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.train import (
     AdamWConfig,
     InnerLoop,
@@ -89,7 +89,7 @@ class Trainer:
         self.lock = lock
         self.stats = stats
         # the gossip transport's counters of exchange work in flight (set by the gossip mode):
-        # steps that overlap none are "quiet" (TrainStats.quiet_steps, --pacing)
+        # steps that overlap none are "quiet" (TrainStats.quiet_steps, the utilization)
         self.exchange_work: ExchangeStats | None = None
         self.device = resolve_device(cfg.device)
         self.data = load_data(cfg, cfg.seed)  # first: the tokenizer sets the vocabulary
@@ -101,9 +101,13 @@ class Trainer:
         self.model_description = built.description
         self.validation_set = self.data.validation_set
         self.flat = FlatParams(self.model)  # on the device: outer state and codecs follow it
-        # theta_0: exact float32 until a mode says it needs less (see compact_theta0)
-        self.theta0 = self.flat.buffer.detach().clone()
-        self.state = AsyncGaslocState(self.flat.buffer, self.theta0, outer)
+        theta0 = self.flat.buffer.detach().clone()
+        self.state = AsyncGaslocState(self.flat.buffer, theta0, outer)  # copies what it keeps
+        # theta_0 in bfloat16 (half a float32 model copy): it only anchors the plausibility
+        # screens (update guard, bootstrap agreement: displacements from it, whose bfloat16
+        # rounding is common to both sides compared)
+        self.theta0 = theta0.to(torch.bfloat16)
+        del theta0
         how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
         self.inner = InnerLoop(self.model, *inner_settings(cfg), how=how)
         self.optimizer = self.inner.optimizer
@@ -121,8 +125,8 @@ class Trainer:
         self._mark: tuple[torch.Tensor, dict[str, Any] | None] | None = None
         self.finished = threading.Event()
         self.round_end = round_end
-        self.round_end_every_step = False  # a mode's callback after every step (streaming)
-        self._good: tuple[torch.Tensor, torch.Tensor] | None = None  # (anchor, memory)
+        self.round_end_every_step = False  # a mode's callback after every step (DiLoCo)
+        self._good: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (anchor, memory)
 
     def load_data(self, data_seed: int) -> None:
         """Start sampling this node's batches with ``data_seed`` (the data is loaded already)."""
@@ -201,10 +205,10 @@ class Trainer:
             if not math.isfinite(float(st.anchor.sum())):
                 return  # never keep a bad anchor as the good one
             if self._good is None:
-                self._good = (st.anchor.clone(), st.memory.clone())
+                self._good = (st.anchor.clone(), _clone(st.memory))
             else:
                 self._good[0].copy_(st.anchor)
-                self._good[1].copy_(st.memory)
+                _copy(self._good[1], st.memory)
 
     def _roll_back(self, loss: float) -> None:
         """A non-finite loss: back to the last good anchor with fresh AdamW moments, at most
@@ -218,7 +222,7 @@ class Trainer:
             anchor, memory = self._good
             self.state.theta.copy_(anchor)
             self.state.anchor.copy_(anchor)
-            self.state.memory.copy_(memory)
+            _copy(self.state.memory, memory)
             self.optimizer.state.clear()  # the moments may hold NaN too
         st.rollbacks += 1
         log.warning("loss %s at step %d: rolled back to the last good anchor (rollback %d of "
@@ -243,7 +247,8 @@ class Trainer:
                     "rounds": st.rounds, "tokens": self.stats.tokens,
                     "theta": st.theta.to("cpu", copy=True),
                     "anchor": st.anchor.to("cpu", copy=True),
-                    "memory": st.memory.to("cpu", copy=True), "momentum": st.cfg.momentum,
+                    "memory": st.memory.to("cpu", copy=True) if st.memory is not None else None,
+                    "momentum": st.cfg.momentum,
                     "train_config": dataclasses.asdict(self.cfg), "tokenizer": self._tok_doc(),
                     "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                     "generator": self._mark[0] if self._mark else self.generator.get_state(),
@@ -269,12 +274,12 @@ class Trainer:
             raise ValueError("checkpoint belongs to another model (fingerprint differs): use "
                              "another --checkpoint-dir or the same model flags and --seed")
         if ckpt.get("momentum") != self.state.cfg.momentum:
-            raise ValueError(f"checkpoint used --momentum {ckpt.get('momentum')}")
+            raise ValueError(f"checkpoint used the {ckpt.get('momentum')} momentum form")
         with self.lock.urgent():
             st = self.state
             st.theta.copy_(ckpt["theta"])
             st.anchor.copy_(ckpt["anchor"])
-            st.memory.copy_(ckpt["memory"])
+            self._restore_memory(ckpt.get("memory"))
             st.rounds = int(ckpt["rounds"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
             self.generator.set_state(ckpt["generator"])
@@ -287,26 +292,41 @@ class Trainer:
             self.stats.first_val_loss = float(ckpt["first_val_loss"])
             self._good = None
 
-    def compact_theta0(self) -> None:
-        """Keep ``theta_0`` in bfloat16 (half of a float32 model copy is freed): for modes whose
-        reference scheme never starts from it (``feedback``, ``plain``), where it only anchors
-        the plausibility screens (update guard, bootstrap agreement: displacements from it,
-        whose bfloat16 rounding is common to both sides compared). ``links`` needs the exact
-        float32 ``theta_0``: both sides of a link start their references from it."""
-        if self.theta0.dtype != torch.bfloat16:
-            self.theta0 = self.theta0.to(torch.bfloat16)
+    def _restore_memory(self, memory: torch.Tensor | None) -> None:
+        """The outer memory from a checkpoint or a peer (under the lock). A node that keeps
+        none ignores it; one that keeps one but gets none starts it afresh: "mixed" from the
+        adopted public iterate (no momentum jump at the next round end), "local" at zero."""
+        st = self.state
+        if st.memory is None:
+            return
+        if memory is not None:
+            st.memory.copy_(memory)
+        elif st.cfg.momentum == "mixed":
+            st.memory.copy_(st.anchor)
+        else:
+            st.memory.zero_()
 
-    def adopt(self, params: torch.Tensor, memory: torch.Tensor) -> None:
+    def adopt(self, params: torch.Tensor, memory: torch.Tensor | None) -> None:
         """Start from a peer's public iterate and outer memory (late join).
 
         AdamW starts fresh and this node's own step count (so its warmup) is kept: the peer's
         moments would not match this node's data anyway.
         """
-        if params.shape != self.state.theta.shape or memory.shape != params.shape:
+        if params.shape != self.state.theta.shape or (
+                memory is not None and memory.shape != params.shape):
             raise ValueError(f"peer state has {params.numel()} params, this model "
                              f"{self.state.theta.numel()}")
         with self.lock.urgent():
             self.state.theta.copy_(params)
             self.state.anchor.copy_(params)
-            self.state.memory.copy_(memory)
+            self._restore_memory(memory)
             self._good = None
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.clone() if t is not None else None
+
+
+def _copy(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
+    if dst is not None and src is not None:
+        dst.copy_(src)

@@ -2,7 +2,7 @@
 
 :class:`GossipTransport` runs exchanges as initiator (:meth:`GossipTransport.initiate`) or
 responder (:meth:`GossipTransport.respond`). The protocol itself (message order, header checks,
-link resets, staleness weight) lives in the sans-I/O :class:`ExchangeSession`; this shell only
+staleness weight) lives in the sans-I/O :class:`ExchangeSession`; this shell only
 moves messages between the stream and the session, runs the actions it asks for (tensor work in
 threads via ``asyncio.to_thread``, never on the event loop), applies the named timeouts from
 :class:`GossipConfig`, and owns admission control (in-flight peers, inbound limit), the upload
@@ -10,8 +10,8 @@ rate limit and the stats. Any error, timeout, cancellation or ``Abort`` before t
 both sides unchanged.
 
 The one window two parties cannot close: the initiator applies once its ``Commit`` is written;
-if the responder dies before reading it, only one side applied. The link versions then differ,
-and the next exchange of the pair restarts the link from ``theta_0`` (self-healing).
+if the responder dies before reading it, only one side applied: the pair's sum moved by one
+correction, which the next exchanges average away (no per-peer state can go stale).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import grpc
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.node.config import GossipConfig
-from gasloc_p2p.node.runtime.stats import ExchangeStats
+from gasloc_p2p.node.stats import ExchangeStats
 from gasloc_p2p.node.transport.ratelimit import TokenBucket
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import (
@@ -110,11 +110,9 @@ class GossipTransport:
 
     @cfg.setter
     def cfg(self, gossip: GossipConfig) -> None:
-        """Replacing the config (codec, timeouts) rebuilds the sessions' rules to match; the
-        engine takes the config's reference scheme (restarting all references if it changed)."""
+        """Replacing the config (codec, timeouts) rebuilds the sessions' rules to match."""
         self._cfg = gossip
-        self.engine.use_references(gossip.reference_scheme)
-        self.rules = Rules.build(self.me, gossip.codec_spec, self.outer, Timeouts(
+        self.rules = Rules.build(self.me, gossip.codec_spec, self.outer.w, Timeouts(
             gossip.header_timeout_s, gossip.chunk_timeout_s, gossip.commit_timeout_s))
 
     # ----------------------------------------------------------------- initiator
@@ -157,10 +155,11 @@ class GossipTransport:
             await call.done_writing()
             code = await asyncio.wait_for(call.code(), self.cfg.commit_timeout_s)
             if code != grpc.StatusCode.OK:
-                log.warning("peer ended a committed exchange with %s; the link will reset", code)
+                log.warning("peer ended a committed exchange with %s: it may not have applied",
+                            code)
         except Exception as exc:
-            log.warning("no confirmation from the peer after commit (%s); the link will reset "
-                        "if it did not apply", exc)
+            log.warning("no confirmation from the peer after commit (%s): it may not have "
+                        "applied", exc)
 
     # ----------------------------------------------------------------- responder
     async def respond(self, stream: MessageStream) -> None:
@@ -273,12 +272,11 @@ class GossipTransport:
         raise AssertionError(f"unexpected action {act!r}")
 
     async def _prepare(self, act: Prepare) -> Any:
-        return await self._work(self.engine.prepare, act.peer_id, act.fragment, act.codec,
-                                act.reset)
+        return await self._work(self.engine.prepare, act.peer_id, act.fragment, act.codec)
 
     async def _work(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread, marked as exchange work for the trainer's timing
-        (steps that overlap no exchange work are its "quiet" steps, see ``--pacing``)."""
+        (steps that overlap no exchange work are its "quiet" steps: the utilization)."""
         st = self.stats
         st.work_active += 1
         st.work_started += 1
@@ -295,9 +293,8 @@ class GossipTransport:
 
     async def _apply(self, session: ExchangeSession, act: Apply) -> Outcome:
         """Apply in a thread; shielded so a cancellation cannot split a commit."""
-        pinned = tuple(self.inflight)
         job = asyncio.ensure_future(self._work(self.engine.commit, act.prep, act.received,
-                                               act.weight, pinned))
+                                               act.weight))
         norm = await asyncio.shield(job)
         (done,) = session.applied(norm)
         assert isinstance(done, Done)

@@ -68,17 +68,20 @@ def grpc_options(net: NetworkConfig, server: bool) -> list[tuple[str, int]]:
 
 @dataclass(frozen=True, eq=False)
 class StateSnapshot:
-    """What DownloadState sends: ``params`` (public iterate) and ``memory``, float32 [numel]."""
+    """What DownloadState sends: ``params`` (public iterate) and ``memory`` (the outer momentum
+    memory; None when the node keeps none: gamma 0), float32 [numel]."""
 
     step: int
     rounds: int
     momentum: str
     params: torch.Tensor
-    memory: torch.Tensor
+    memory: torch.Tensor | None
 
     def views(self) -> tuple[memoryview, memoryview]:
-        """The body's two parts as bytes views of the tensors' memory (no copy on CPU)."""
-        return _bytes_view(self.params), _bytes_view(self.memory)
+        """The body's two parts as bytes views of the tensors' memory (no copy on CPU); the
+        second is empty without a memory."""
+        memory = self.memory if self.memory is not None else self.params[:0]
+        return _bytes_view(self.params), _bytes_view(memory)
 
     def body(self) -> bytes:
         """The whole body as one bytes object (a copy; tests and small tools only)."""
@@ -130,7 +133,8 @@ class SharedSnapshot:
     def _take(self) -> tuple[StateSnapshot, tuple[memoryview, memoryview], int]:
         snap = self.take()
         if snap.params.device.type != "cpu":  # hold host copies only, not device ones too
-            snap = replace(snap, params=snap.params.cpu(), memory=snap.memory.cpu())
+            snap = replace(snap, params=snap.params.cpu(),
+                           memory=snap.memory.cpu() if snap.memory is not None else None)
         views = snap.views()
         return snap, views, zlib.crc32(views[1], zlib.crc32(views[0]))
 
@@ -386,9 +390,10 @@ def state_request(run_id: str, fingerprint: str, signer: Signer) -> pb.StateRequ
     return sign_state_request(request, signer, time.time())
 
 
-async def download_state(stub: pb_grpc.GossipStub, me: Identity,
-                         timeout_s: float) -> tuple[pb.StateMeta, torch.Tensor, torch.Tensor]:
-    """A peer's public iterate and momentum memory (float32 ``[numel]`` each) and its meta."""
+async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: float
+                         ) -> tuple[pb.StateMeta, torch.Tensor, torch.Tensor | None]:
+    """A peer's public iterate and momentum memory (float32 ``[numel]`` each; None when the
+    peer keeps none) and its meta."""
     assert me.signer is not None, "state requests are signed"
     request = state_request(me.run_id, me.fingerprint, me.signer)
     meta: pb.StateMeta | None = None
@@ -408,7 +413,8 @@ async def download_state(stub: pb_grpc.GossipStub, me: Identity,
                 raise ExchangeError(BAD_REQUEST, f"unexpected {kind} in the state stream")
     if meta is None or len(body) != meta.total_bytes or zlib.crc32(body) != meta.body_crc32:
         raise ExchangeError(BAD_REQUEST, "state stream incomplete or corrupt")
-    if meta.total_bytes != 8 * meta.numel:
+    if meta.total_bytes not in (4 * meta.numel, 8 * meta.numel) or not meta.numel:
         raise ExchangeError(BAD_REQUEST, f"state of {meta.total_bytes} B for {meta.numel} params")
     flat = torch.frombuffer(body, dtype=torch.float32)
-    return meta, flat[: meta.numel].clone(), flat[meta.numel :].clone()
+    memory = flat[meta.numel :].clone() if meta.total_bytes == 8 * meta.numel else None
+    return meta, flat[: meta.numel].clone(), memory

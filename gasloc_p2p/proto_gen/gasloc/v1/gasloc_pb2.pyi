@@ -37,7 +37,7 @@ class Auth(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., timestamp: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_crc32", "link_version", "rounds", "public_key", "nonce", "signature", "references")
+    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_crc32", "rounds", "public_key", "nonce", "signature")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -49,12 +49,10 @@ class Header(_message.Message):
     FRAGMENT_NUMEL_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
-    LINK_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
-    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     model_fingerprint: str
@@ -66,13 +64,11 @@ class Header(_message.Message):
     fragment_numel: int
     payload_bytes: int
     payload_crc32: int
-    link_version: int
     rounds: int
     public_key: bytes
     nonce: bytes
     signature: bytes
-    references: str
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., link_version: _Optional[int] = ..., rounds: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., references: _Optional[str] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., rounds: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data",)

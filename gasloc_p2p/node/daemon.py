@@ -37,8 +37,8 @@ from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.clock import Clock, WallClock, every
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.reachability import Reachability
-from gasloc_p2p.node.runtime.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
+from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,

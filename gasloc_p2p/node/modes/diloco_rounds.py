@@ -1,30 +1,40 @@
-"""``--algorithm streaming-diloco``: Streaming DiLoCo in the node daemon (ALGORITHM.md section 3).
+"""The round logic of the DiLoCo modes (docs/algorithm.md section 3), trainer thread only.
 
-The model is split into fragments (strided layers, the simulator's split:
+DiLoCo is Streaming DiLoCo with one fragment (the whole model) and no overlap: both
+``--algorithm diloco`` and ``--algorithm streaming-diloco`` run :class:`DilocoRounds`. The model
+is split into fragments (DiLoCo: one; Streaming DiLoCo: strided layers, the simulator's split
 ``layer_fragments(spans, layer_index, --fragments, "strided")``, plus one fragment of non-layer
 tensors). Fragment ``f`` syncs every H inner steps at its own offset ``f H // parts``; the
 schedule and the per-fragment math are the core's (:mod:`gasloc_p2p.core.streaming`), shared
-with the simulator. After each inner step the trainer thread calls :meth:`StreamingRounds.
+with the simulator. After each inner step the trainer thread calls :meth:`DilocoRounds.
 after_step`, which
 
 1. starts the syncs due now: under the training lock it takes the fragment's outer gradient
    ``anchor_f - theta_f`` and a digest of ``(anchor_f, buffer_f)``, then hands the all-reduce
-   to a background thread (hivemind averaging: one averager per fragment, or one shared by all
-   when at most one sync is in flight, see :mod:`.streaming_mode`), and training goes on;
-2. lands the syncs started ``--tau`` steps ago: waits for the result if it is not there yet
-   (the stall is recorded per fragment: the cost overlap hides), then under the lock takes the
-   fragment's Nesterov step with the mean gradient (or its own when the group failed, as DiLoCo
-   mode) and merges ``theta_f <- alpha theta_f + (1 - alpha) anchor_f`` (``--merge-alpha``).
+   to a background thread (hivemind averaging, see :mod:`gasloc_p2p.node.averaging`), and
+   training goes on;
+2. lands the syncs started ``--tau`` steps ago (at once with ``tau`` 0: DiLoCo's blocking
+   all-reduce): waits for the result if it is not there yet (the stall is recorded per
+   fragment: the cost overlap hides), then under the lock takes the fragment's Nesterov step
+   with the mean gradient (or its own when the group failed: the failed sync is recorded and
+   training goes on, as in torchft) and merges ``theta_f <- alpha theta_f + (1 - alpha)
+   anchor_f`` (``--merge-alpha``).
 
-Each fragment keeps its own epoch (outer steps along the shared history) and, as in DiLoCo mode
-(:mod:`gasloc_p2p.node.modes.diloco`), a member whose fragment state is off its group's history
-downloads the reference member's state and adopts that fragment; "off" is decided by digests of
-``(anchor_f, buffer_f)``, as DiLoCo mode does, whatever the payload codec: the all-reduce gives
-every member the same averaged outer gradient bit for bit, lossy codecs included
-(:mod:`gasloc_p2p.node.modes.uniform`), so members in step hold equal fragments. State lives in the node's
-:class:`AsyncGaslocState`: ``anchor`` holds every fragment's global copy and ``memory`` every
-fragment's Nesterov buffer, in the parameters' layout, so checkpoints, resume and late-join
-downloads work unchanged; ``rounds`` is the sum of the fragments' epochs.
+A member that applies its own gradient while others average drifts away from them for good:
+plain DiLoCo has no way back. So each member also gathers its digest, epoch and gRPC endpoint;
+after a successful sync every member picks the same reference (the highest epoch, then the
+largest set of matching digests, then the peer id), and a member whose fragment is off its
+group's history downloads the reference's state and adopts that fragment, as hivemind's
+optimizer loads state from peers when it falls behind. "Off" is decided by digests of
+``(anchor_f, buffer_f)``, whatever the payload codec: the all-reduce gives every member the same
+averaged outer gradient bit for bit, lossy codecs included (:mod:`gasloc_p2p.node.averaging.
+uniform`), so members in step hold equal fragments. Each fragment keeps its own epoch (outer
+steps along the shared history, never going down).
+
+State lives in the node's :class:`AsyncGaslocState` with the "local" momentum form: ``anchor``
+holds every fragment's global copy and ``memory`` every fragment's Nesterov buffer (none at
+gamma 0), in the parameters' layout, so checkpoints, resume and late-join downloads work
+unchanged; ``rounds`` is the sum of the fragments' epochs.
 """
 
 from __future__ import annotations
@@ -47,21 +57,58 @@ from gasloc_p2p.core.streaming import (
     fragment_outer_step,
     merge_fragment,
 )
+from gasloc_p2p.node.averaging.base import Averager, AveragingResult
 from gasloc_p2p.node.config import DilocoConfig
-from gasloc_p2p.node.modes.averaging import (
-    Averager,
-    AveragingResult,
-)
-from gasloc_p2p.node.modes.diloco import (
-    FetchState,
-    choose_reference,
-    digests_match,
-    state_digest,
-)
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.stats import FragmentStats, TrainStats
+from gasloc_p2p.node.stats import FragmentStats, TrainStats
 
 log = logging.getLogger(__name__)
+DIGEST_PARTS = 8  # contiguous chunks per tensor in the digest
+DIGEST_REL_TOL = 1e-4  # relative to the chunk's norm: far above float32 rounding of averaging
+
+#: endpoint -> (epoch, anchor [numel], Nesterov buffer [numel] or None) of that node; blocking.
+FetchState = Callable[[str], tuple[int, torch.Tensor, torch.Tensor | None]]
+
+
+def state_digest(tensors: Sequence[torch.Tensor | None],
+                 parts: int = DIGEST_PARTS) -> list[float]:
+    """Per contiguous chunk of each tensor: (sum, L2 norm) in float64; ``4 * parts`` floats for
+    two tensors (None: no buffer, nothing). Equal states give digests equal up to rounding; see
+    :func:`digests_match`."""
+    out: list[float] = []
+    for t in tensors:
+        if t is None:
+            continue
+        for chunk in torch.tensor_split(t.detach(), parts):
+            out.append(float(chunk.sum(dtype=torch.float64)))
+            out.append(float(torch.linalg.vector_norm(chunk, dtype=torch.float64)))
+    return out
+
+
+def digests_match(a: Sequence[float], b: Sequence[float], rel_tol: float = DIGEST_REL_TOL) -> bool:
+    """Whether two digests describe the same state: every chunk sum within ``rel_tol`` of the
+    chunk's norm (float32 rounding moves a sum by about 1e-7 of the norm, one missed or extra
+    outer step by far more)."""
+    if len(a) != len(b):
+        return False
+    for i in range(0, len(a), 2):
+        scale = max(a[i + 1], b[i + 1], 1e-30)
+        if not abs(a[i] - b[i]) <= rel_tol * scale:
+            return False
+    return True
+
+
+def choose_reference(members: Mapping[str, Mapping[str, Any]]) -> str:
+    """The member whose state the group keeps: the highest epoch (the longest history, as
+    hivemind prefers the peer with the highest epoch to load state from), then most members
+    with a matching digest, then the largest peer id. Every member computes the same answer."""
+
+    def key(pid: str) -> tuple[int, int, str]:
+        mine = members[pid]["digest"]
+        support = sum(digests_match(mine, m["digest"]) for m in members.values())
+        return int(members[pid]["epoch"]), support, pid
+
+    return max(members, key=key)
 
 
 @dataclass(eq=False)
@@ -76,21 +123,25 @@ class _Sync:
     future: concurrent.futures.Future[AveragingResult | None]
 
 
-class StreamingRounds:
-    """The per-step hook of a streaming-diloco node (module docstring); trainer thread only."""
+class DilocoRounds:
+    """The per-step hook of a DiLoCo node (module docstring); trainer thread only."""
 
     def __init__(self, state: AsyncGaslocState, fragments: Sequence[Fragment], H: int,
-                 lock: TrainingLock, averagers: Sequence[Averager], cfg: DilocoConfig,
+                 tau: int, lock: TrainingLock, averagers: Sequence[Averager], cfg: DilocoConfig,
                  train_stats: TrainStats, stop: threading.Event,
                  peer_count: Callable[[], int], endpoint: Callable[[], str],
                  fetch_state: FetchState | None = None) -> None:
         """``averagers``: one per fragment (each fragment under its own group key), or one
         shared by all (one key: nodes out of phase still meet, see :meth:`land`; a sync that
         starts while another is in flight waits for it); ``H``: inner steps between two syncs
-        of a fragment; the rest as :class:`DilocoRounds`."""
+        of a fragment; ``peer_count``: compatible peers known now, this node excluded;
+        ``endpoint``: this node's gRPC address; ``fetch_state``: download another node's state
+        (None: never resynchronize). ``state`` must use the "local" momentum form."""
+        if state.cfg.momentum != "local":
+            raise ValueError("DiLoCo keeps its Nesterov buffers in the 'local' momentum memory")
         self.state = state
         self.fragments = list(fragments)
-        self.schedule = FragmentSchedule(H, cfg.tau, len(self.fragments))
+        self.schedule = FragmentSchedule(H, tau, len(self.fragments))
         self.shared = len(averagers) == 1 < len(self.fragments)
         if len(averagers) != len(fragments) and not self.shared:
             raise ValueError(f"{len(fragments)} fragments need as many averagers, or one")
@@ -130,7 +181,7 @@ class StreamingRounds:
         frag, st = self.fragments[f], self.state
         with self.lock.urgent(), torch.no_grad():
             own = fragment_outer_grad(frag, st.anchor, st.theta)
-            digest = state_digest([frag.gather(st.anchor), frag.gather(st.memory)])
+            digest = state_digest([frag.gather(st.anchor), _gather(frag, st.memory)])
         epoch = self.epochs[f]
         future = self._pool.submit(self._average, f, own, digest, epoch, step)
         self.pending[f] = _Sync(step, own, digest, epoch, time.monotonic(), future)
@@ -253,18 +304,22 @@ class StreamingRounds:
             s.resync_failures += 1
             log.warning("state download from %s failed: %s", ref["endpoint"], exc)
             return
-        if anchor.shape != st.anchor.shape or buf.shape != anchor.shape:
+        if anchor.shape != st.anchor.shape or (buf is None) != (st.memory is None) or (
+                buf is not None and buf.shape != anchor.shape):
             s.resync_failures += 1
-            log.warning("state from %s has %d params, this model %d", ref["endpoint"],
-                        anchor.numel(), st.anchor.numel())
+            log.warning("state from %s does not fit this node (%d params, this model %d; a "
+                        "momentum buffer: %s, here: %s)", ref["endpoint"], anchor.numel(),
+                        st.anchor.numel(), buf is not None, st.memory is not None)
             return
-        if digests_match(state_digest([frag.gather(anchor), frag.gather(buf)]), ref["digest"]):
+        if digests_match(state_digest([frag.gather(anchor), _gather(frag, buf)]),
+                         ref["digest"]):
             # downloaded before the reference landed this sync: take its step here
             fragment_outer_step(frag, anchor, buf, grad, self.cfg.diloco_eta,
                                 self.cfg.diloco_gamma)
         with self.lock.urgent(), torch.no_grad():
             frag.copy_(st.anchor, frag.gather(anchor))
-            frag.copy_(st.memory, frag.gather(buf))
+            if st.memory is not None and buf is not None:
+                frag.copy_(st.memory, frag.gather(buf))
             merge_fragment(frag, st.theta, frag.gather(anchor), self.cfg.merge_alpha)
             self.epochs[f] = int(ref["epoch"]) + 1
             st.rounds = self.train_stats.rounds = sum(self.epochs)
@@ -282,10 +337,13 @@ class StreamingRounds:
                            for f in range(parts)]
             self.state.rounds = self.train_stats.rounds = rounds
 
-    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(rounds, anchor copy, buffers copy) under the lock: what DownloadState serves."""
+    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        """(rounds, anchor copy, buffers copy or None) under the lock: what DownloadState
+        serves."""
         with self.lock.urgent():
-            return self.state.rounds, self.state.anchor.clone(), self.state.memory.clone()
+            st = self.state
+            return (st.rounds, st.anchor.clone(),
+                    st.memory.clone() if st.memory is not None else None)
 
     def bytes_sent(self, f: int) -> int:
         return self.stats[f].bytes_sent
@@ -314,5 +372,10 @@ class StreamingRounds:
         parts = " ".join(f"f{f}:{s.ok}/{s.failed}/{s.solo}" for f, s in enumerate(self.stats))
         wait = sum(s.wait_s for s in self.stats)
         sent = sum(self.bytes_sent(f) for f in range(len(self.fragments)))
-        return (f"streaming epochs {self.epochs} syncs ok/failed/solo {parts} | stalled "
-                f"{wait:.2f} s | sent {sent / 1e6:.2f} MB")
+        group = max(self.stats, key=lambda s: s.last_start_step).last_group_size
+        return (f"diloco epochs {self.epochs} syncs ok/failed/solo {parts} | group {group} | "
+                f"stalled {wait:.2f} s | sent {sent / 1e6:.2f} MB")
+
+
+def _gather(frag: Fragment, buf: torch.Tensor | None) -> torch.Tensor | None:
+    return frag.gather(buf) if buf is not None else None

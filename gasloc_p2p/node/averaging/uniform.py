@@ -27,9 +27,9 @@ place, and the bytes it is sent as are what everyone keeps. Deterministic decodi
 (``tests/test_codecs.py``) makes the decoded values equal everywhere.
 
 Wire bytes: every encoded part a member sends (inputs and averaged parts) is counted once per
-send in :class:`~gasloc_p2p.node.modes.compression.CodecCompression`'s counters; received parts
+send in :class:`~gasloc_p2p.node.averaging.compression.CodecCompression`'s counters; received parts
 are counted on decode. Members running hivemind's stock runner must never meet members running
-this one: :func:`~gasloc_p2p.node.modes.averaging.averaging_prefix` carries
+this one: :func:`~gasloc_p2p.node.averaging.averaging_prefix` carries
 :data:`GROUP_TAG` in the group key.
 """
 

@@ -2,7 +2,7 @@
 
 A member's stream passes the header checks by construction: its Header and the proof Header
 over the node's nonce are validly signed, so what it mutates (see
-:mod:`gasloc_p2p.tools.fuzz_streams`) reaches the payload and commit paths.
+:mod:`benchmarks.tools.fuzz_streams`) reaches the payload and commit paths.
 """
 
 from __future__ import annotations
@@ -14,19 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from gasloc_p2p.core.wire import BLOCK_CODECS
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
-from gasloc_p2p.protocol.auth import Signer, new_nonce
-from gasloc_p2p.protocol.messages import (
-    COMMIT_DOMAIN,
-    INTERNAL,
-    MAX_CHUNK_BYTES,
-    STANDARD_BLOCK_SIZES,
-    commit_fields,
-    sign_header,
-)
-from gasloc_p2p.tools.fuzz_streams import (
+from benchmarks.tools.fuzz_streams import (
     CODECS,
     COMMITS,
     FRAMING,
@@ -40,6 +28,18 @@ from gasloc_p2p.tools.fuzz_streams import (
     make_payload,
     mutate_header,
     outsider_stream,
+)
+from gasloc_p2p.core.wire import BLOCK_CODECS
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from gasloc_p2p.protocol.auth import Signer, new_nonce
+from gasloc_p2p.protocol.messages import (
+    COMMIT_DOMAIN,
+    INTERNAL,
+    MAX_CHUNK_BYTES,
+    STANDARD_BLOCK_SIZES,
+    commit_fields,
+    sign_header,
 )
 from gasloc_p2p.tools.nodes import NodeChild
 

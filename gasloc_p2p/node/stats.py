@@ -1,7 +1,8 @@
 """Counters of one node, written from the event loop (exchanges) or the trainer thread (steps).
 
 Plain attributes: each is written by one thread only and read for logs and ``Info``; reads may
-be a moment stale, which is all a progress line needs.
+be a moment stale, which is all a progress line needs. The shared types of the node's rooms:
+runtime, transport, modes and observability all read them, none of them is imported here.
 """
 
 from __future__ import annotations
@@ -49,16 +50,12 @@ class ExchangeStats:
     rejected_inbound: int = 0  # inbound exchanges we refused (BUSY or incompatible)
     implausible: int = 0  # exchanges aborted by the bounded-update guard (either side)
     clipped: int = 0  # exchanges this node committed with a clipped weight (its guard)
-    peer_rates: dict[str, float] = field(default_factory=dict)  # measured bytes/s per peer
-    draws_explore: int = 0  # partner draws of --peer-choice bandwidth, by kind
-    draws_exploit: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     staleness: Counter[int] = field(default_factory=Counter)  # round ends spanned -> count
     failures: Counter[str] = field(default_factory=Counter)  # reason -> count
     last_correction_norm: float = 0.0
     applied: int = 0  # committed with weight > 0 (either role)
-    dropped_stale: int = 0  # committed with weight 0 (--staleness-policy drop)
     sent_by_codec: Counter[str] = field(default_factory=Counter)  # codec -> payload bytes
     received_by_codec: Counter[str] = field(default_factory=Counter)
     duration_s: Buckets = field(default_factory=lambda: Buckets(DURATION_BUCKETS_S))
@@ -66,8 +63,7 @@ class ExchangeStats:
     consensus: float = math.nan
     work_active: int = 0  # exchange work sections (check/prepare/commit) running now
     work_started: int = 0  # ... started so far (the trainer reads both: quiet steps)
-    utilization: float = math.nan  # the pacer's estimate: quiet step time / mean step time
-    starts_per_round: float = math.nan  # exchanges per round the gossip loop starts now
+    utilization: float = math.nan  # quiet step time / mean step time (see Utilization)
 
     @property
     def ok(self) -> int:
@@ -83,15 +79,14 @@ class ExchangeStats:
 
     def record_commit(self, duration_s: float, weight: float, correction_norm: float,
                       numel: int) -> None:
-        """Duration, dropped count and consensus estimate of one committed exchange.
+        """Duration and consensus estimate of one committed exchange.
 
-        The correction is ``c = w (ref_in - ref_out)`` over the fragment, and the references
-        track both public iterates, so ``(||c|| / w)^2 / numel`` estimates the mean squared
-        per-parameter distance between the two nodes; a weight-0 (dropped) commit tells nothing.
+        The correction is ``c = w (D(m_j) - D(m_i))`` over the fragment, and the messages are
+        both public iterates, quantized, so ``(||c|| / w)^2 / numel`` estimates the mean squared
+        per-parameter distance between the two nodes.
         """
         self.duration_s.observe(duration_s)
         if weight <= 0:
-            self.dropped_stale += 1
             return
         self.applied += 1
         if numel > 0:
@@ -109,7 +104,7 @@ class TrainStats:
     tokens: int = 0
     tokens_per_s: float = 0.0
     step_time_s: float = 0.0  # EMA of one inner step's wall time
-    timed_steps: int = 0  # inner steps timed since start, and their wall time (--pacing)
+    timed_steps: int = 0  # inner steps timed since start, and their wall time
     train_s: float = 0.0
     quiet_steps: int = 0  # steps that overlapped no exchange work, and their wall time
     quiet_s: float = 0.0
@@ -127,9 +122,43 @@ class TrainStats:
         return self.step_time_s * inner_steps
 
 
+class Utilization:
+    """How much of its compute throughput the node keeps while exchanges run: ``quiet step time
+    / mean step time`` over windows of about a round (EMA), at most 1, from the trainer's
+    counters (a "quiet" step overlapped no exchange work; waiting on the network is not work).
+    docs/results/pacing.md: 0.97 on a core per node; the controller that once acted on it was
+    retired (no loss gain measured)."""
+
+    EMA = 0.5  # weight of the newest window
+    MIN_QUIET = 2  # quiet steps a window needs to re-estimate the quiet step time
+
+    def __init__(self) -> None:
+        self.value = math.nan
+        self.quiet_step_s = math.nan
+        self._last: tuple[int, float, int, float] | None = None
+
+    def update(self, t: TrainStats) -> float:
+        """Take the trainer's cumulative counters at the end of a window; returns the estimate."""
+        now = (t.timed_steps, t.train_s, t.quiet_steps, t.quiet_s)
+        last, self._last = self._last, now
+        if last is None or now[0] <= last[0]:  # first window, or not training
+            return self.value
+        mean_s = (now[1] - last[1]) / (now[0] - last[0])
+        quiet = now[2] - last[2]
+        quiet_s = self.quiet_step_s  # the window's own quiet steps if it has enough
+        if quiet >= self.MIN_QUIET:
+            quiet_s = self.quiet_step_s = self._ema(self.quiet_step_s, (now[3] - last[3]) / quiet)
+        if not math.isnan(quiet_s) and mean_s > 0:
+            self.value = self._ema(self.value, min(1.0, quiet_s / mean_s))
+        return self.value
+
+    def _ema(self, old: float, new: float) -> float:
+        return new if math.isnan(old) else (1 - self.EMA) * old + self.EMA * new
+
+
 @dataclass
 class FragmentStats:
-    """One streaming-diloco fragment's syncs (``gasloc_fragment_*`` metrics, Info, logs).
+    """One DiLoCo fragment's syncs (``gasloc_fragment_*`` metrics, Info, logs).
 
     Written by the trainer thread (counts, times) and the fragment's averaging thread (bytes);
     read at scrape time. ``last_start_step`` is the schedule step (inner step plus the phase

@@ -1,0 +1,1 @@
+"""Tooling the node never runs: fuzzers and network-namespace helpers for benchmarks and tests."""

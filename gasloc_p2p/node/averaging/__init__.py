@@ -1,0 +1,1 @@
+"""All-reduce for the DiLoCo modes: the :class:`~.base.Averager` seam and its hivemind implementation."""
