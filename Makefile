@@ -10,8 +10,8 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
-	bench-chaos bench-poison bench-soak bench-external bench-external-1000 bench-peer-choice \
-	bench-pacing bench-pacing-2nodes bench-projection reproduce proto clean
+	bench-chaos bench-poison bench-soak bench-external bench-external-1000 bench-projection reproduce \
+	proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -122,21 +122,6 @@ bench-external-1000: setup
 		--cases uneven --steps 1000 --repeat 3 --no-exchange-check --timeout-s 1200 \
 		--name external-1000-avg
 
-# --peer-choice bandwidth against uniform on uneven shaped links (about 10 minutes; root, tc)
-bench-peer-choice: setup
-	nice -n 10 $(PY) -m benchmarks.bench_external --systems gasloc,gasloc-bw --cases uneven \
-		--steps 1000 --repeat 4 --no-exchange-check --name peer-choice
-
-# --pacing compute against the defaults and no gossip, uneven shaped links (about 12 minutes)
-bench-pacing: setup
-	nice -n 10 $(PY) -m benchmarks.bench_external --systems gasloc,gasloc-paced,gasloc-solo \
-		--cases uneven --steps 1000 --repeat 3 --no-exchange-check --name pacing
-
-# The same with one core per node: 2 nodes (100 and 5 Mbit/s) on the 2 cores (about 5 minutes)
-bench-pacing-2nodes: setup
-	nice -n 10 $(PY) -m benchmarks.bench_external --systems gasloc,gasloc-paced,gasloc-solo \
-		--cases uneven --nodes 2 --steps 1000 --repeat 3 --no-exchange-check --name pacing-2nodes
-
 # Timing projection to n = 64 and 256 from the measured profile (docs/results/pacing.json);
 # a second, no training
 bench-projection: setup
@@ -145,10 +130,10 @@ bench-projection: setup
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
 	bench-byzantine bench-direction bench-chaos bench-poison bench-soak bench-external \
-	bench-external-1000 bench-peer-choice bench-pacing bench-pacing-2nodes bench-projection
+	bench-external-1000 bench-projection
 
 reproduce: setup
-	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,staleness,capacity,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,noloco,references,references-int4
+	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

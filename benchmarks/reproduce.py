@@ -1,15 +1,20 @@
-"""Measure ALGORITHM.md section 5 in the simulator, one part at a time (each <= 30 min here).
+"""The simulator measurements of docs/results, one part at a time (each <= 30 min here).
 
 Usage: python -m benchmarks.reproduce --only PART[,PART] [--seeds 0,1,2] [--jobs 2]
 Parts: momentum-h10, momentum-h50, async, slow, consensus, gamma-sweep-h100, gamma-sweep-h10,
-graphs, graphs-16, staleness, capacity, mixing, acid-consensus, acid, gamma-graphs-8,
-gamma-graphs-16, noloco, references, references-int4 (see PARTS). Training runs: n = 4 workers (graphs and references: 8, graphs-16
-and acid: 16, capacity: 12), 1000 inner steps per worker, the default tiny GPT (2 layers,
-width 64; 121k parameters) on byte-level Shakespeare, i.i.d. shards, int8 payloads. consensus
-and acid-consensus: the pure-consensus toy (repro_consensus.py), no training. Each run is
-cached as JSON under --cache, so an interrupted part resumes; ``--rebuild`` only rewrites the
-tables and plots from the cache or, for training parts, from the runs the part's published
-``{part}.json`` holds (so it works in a fresh clone).
+graphs, graphs-16, mixing, acid-consensus, acid, gamma-graphs-8, gamma-graphs-16 (see PARTS).
+Training runs: n = 4 workers (graphs: 8, graphs-16 and acid: 16), 1000 inner steps per worker,
+the default tiny GPT (2 layers, width 64; 121k parameters) on byte-level Shakespeare, i.i.d.
+shards, int8 payloads. consensus and acid-consensus: the pure-consensus toy
+(repro_consensus.py), no training. Each run is cached as JSON under --cache, so an interrupted
+part resumes.
+
+``--rebuild`` only rewrites the tables and plots from the runs a part's published
+``{part}.json`` holds, grouped by their labels (so it works in a fresh clone). It also rebuilds
+the ARCHIVED parts: tables of options retired from the code after commit db57895 (their rows
+cannot run any more; their results stay). The published tables before that commit were measured
+with per-peer quantization references ("links"), since retired for "plain" (no measured
+difference: docs/results/references.md); re-running a part measures today's code.
 Writes ``docs/results/{part}.json|md|png`` and ``docs/results/reproduction.md``.
 """
 
@@ -36,17 +41,15 @@ N, STEPS = 4, 1000
 BUDGETS = (0.25, 0.5, 1.0)  # fractions of the token budget at which losses are read
 TARGETS = (2.8, 2.6, 2.4)  # losses (nats/byte) for time-to-target, in the slow part
 
-# references="links": the per-peer scheme these tables were measured with (the default "auto"
-# became per-node error feedback for int8 later; docs/results/references.md compares them).
 BASE = SimConfig(workers=N, steps=STEPS, H=10, codec="int8", eval_every=STEPS // 4,
-                 eval_batches=64, trace_batches=4, eval_workers=False, threads=1,
-                 references="links")
+                 eval_batches=64, trace_batches=4, eval_workers=False, threads=1)
 Row = tuple[str, SimConfig]
 
 
 def _momentum(H: int, baselines: bool = True) -> list[Row]:
     """Outer momentum at equal effective step eta / (1 - gamma) = 1, against plain averaging
-    (and, with ``baselines``, NoLoCo and all-reduce averaging)."""
+    (and, with ``baselines``, all-reduce averaging; the published table also has a NoLoCo row,
+    retired)."""
     b = dataclasses.replace(BASE, H=H, graph="ring")
     r = dataclasses.replace
     rows = [
@@ -55,8 +58,6 @@ def _momentum(H: int, baselines: bool = True) -> list[Row]:
         ("gasloc sync g0.9 eta0.1", r(b, algorithm="gasloc", gamma=0.9, eta=0.1)),
     ]
     return rows if not baselines else rows + [
-        ("noloco a0.5 b0.5 c0.5 (random peer)",
-         r(b, algorithm="noloco", graph="complete", gamma=0.5, eta=0.5, consensus=0.5)),
         ("diloco g0 eta1 (all-reduce averaging)", r(b, algorithm="diloco", gamma=0.0, eta=1.0)),
     ]
 
@@ -84,8 +85,6 @@ def _slow() -> list[Row]:
                                                          eta=1.0, **hi)),
         ("streaming-diloco g0 eta1 tau5 (overlapped)", r(b, algorithm="streaming-diloco",
                                                           gamma=0.0, eta=1.0, tau=5)),
-        ("noloco a0.5 b0.5 c0.5, H_i", r(b, algorithm="noloco", graph="complete", gamma=0.5,
-                                         eta=0.5, consensus=0.5, **hi)),
         ("gasloc async g0 eta1, 1/round, H_i", r(b, algorithm="gasloc", mode="async",
                                                  graph="complete", gamma=0.0, eta=1.0,
                                                  participations_per_round=1.0, **hi)),
@@ -95,21 +94,19 @@ def _slow() -> list[Row]:
     ]
 
 
-def _gamma_sweep(H: int, warmup: int, extra: bool = True) -> list[Row]:
+def _gamma_sweep(H: int, extra: bool = True) -> list[Row]:
     """Sync GASLoC on a ring, gamma in {0, .3, .5, .7, .9} at equal effective step
-    eta / (1 - gamma) = 1, and gamma 0.9 / 0.5 with the momentum ramped up over ``warmup``
-    rounds. Rows in priority order (parts run row by row, so an interrupted part has the
-    first rows complete). Without ``extra``: only the rows momentum-h10 lacks (it has gamma
-    0.5 and 0.9 without warm-up, the same configurations and seeds)."""
+    eta / (1 - gamma) = 1. Rows in priority order (parts run row by row, so an interrupted part
+    has the first rows complete). Without ``extra``: only the rows momentum-h10 lacks (it has
+    gamma 0.5 and 0.9, the same configurations and seeds). The published tables also have rows
+    with the momentum ramped up over a few rounds (an outer warm-up, retired)."""
     b = dataclasses.replace(BASE, H=H, graph="ring", algorithm="gasloc")
     r = dataclasses.replace
     rows = []
-    grid = ((0.0, 0), (0.9, 0), (0.9, warmup), (0.5, 0), (0.7, 0), (0.3, 0), (0.5, warmup))
-    for g, ramp in grid if extra else ((0.0, 0), (0.9, warmup), (0.7, 0), (0.3, 0)):
+    for g in (0.0, 0.9, 0.5, 0.7, 0.3) if extra else (0.0, 0.7, 0.3):
         name = f"gasloc sync g{g:g} eta{1 - g:.1g}" + (" (plain pair averaging)" if g == 0
                                                        else "")
-        rows.append((name + (f", warm-up {ramp} rounds" if ramp else ""),
-                     r(b, gamma=g, eta=round(1 - g, 6), outer_warmup=ramp)))
+        rows.append((name, r(b, gamma=g, eta=round(1 - g, 6))))
     return rows
 
 
@@ -126,37 +123,6 @@ def _graphs() -> list[Row]:
     ]
 
 
-def _staleness() -> list[Row]:
-    """Async GASLoC at the slow-link profile of the ``slow`` part (an exchange with the slow
-    worker spans about two of its round ends): the staleness policies side by side."""
-    b = dataclasses.replace(BASE, slow_workers=1, slow_compute_factor=3.0, slow_link_factor=20.0,
-                            bandwidth_mbps=20.0, algorithm="gasloc", mode="async",
-                            graph="complete", gamma=0.0, eta=1.0, participations_per_round=1.0,
-                            H_per_worker=(3, 10, 10, 10), budget="total")
-    r = dataclasses.replace
-    return [
-        ("downweight, max 1 (default)", b),
-        ("drop, max 1", r(b, staleness_policy="drop")),
-        ("keep (no policy)", r(b, staleness_policy="keep")),
-        ("downweight, max 3", r(b, max_staleness=3)),
-    ]
-
-
-def _capacity() -> list[Row]:
-    """n = 12 on the complete graph (degree 11), async: per-peer references ("links") with an
-    LRU of 4, 8 (the daemon's default) and 16 peers, against one per-node error-feedback buffer
-    ("feedback": no per-peer state to evict)."""
-    b = dataclasses.replace(BASE, workers=12, algorithm="gasloc", mode="async",
-                            graph="complete", gamma=0.0, eta=1.0, participations_per_round=1.0)
-    r = dataclasses.replace
-    return [
-        ("feedback", r(b, references="feedback")),
-        ("links, capacity 4", r(b, reference_capacity=4)),
-        ("links, capacity 8", r(b, reference_capacity=8)),
-        ("links, capacity 16", r(b, reference_capacity=16)),
-    ]
-
-
 def _mixing() -> list[Row]:
     """The gossip weight w below 1/2 (sync, ring, plain averaging), and the two async momentum
     forms at gamma 0.5, eta 0.5 (equal effective step 1)."""
@@ -170,19 +136,6 @@ def _mixing() -> list[Row]:
         ("async g0.5 eta0.5 mixed momentum", r(asyn, momentum="mixed")),
         ("async g0.5 eta0.5 local momentum", r(asyn, momentum="local")),
     ]
-
-
-def _references(codec: str) -> list[Row]:
-    """n = 8, complete graph, async (one participation per round): the three reference
-    schemes at equal bytes (same codec, same schedule), the default (plain) first; every
-    worker evaluated (worst worker, consensus distance)."""
-    b = dataclasses.replace(BASE, workers=8, algorithm="gasloc", mode="async", graph="complete",
-                            gamma=0.0, eta=1.0, participations_per_round=1.0, codec=codec,
-                            eval_workers=True)
-    default = "plain"
-    schemes = [default, "links", "feedback"]
-    return [(f"{codec} {s}" + (" (default)" if s == default else ""),
-             dataclasses.replace(b, references=s)) for s in schemes]
 
 
 def _graphs16() -> list[Row]:
@@ -219,63 +172,60 @@ def _gamma_graphs(n: int, gammas: tuple[float, ...]) -> list[Row]:
             for graph in ("ring", "exponential") for g in gammas]
 
 
-def _noloco() -> list[Row]:
-    """NoLoCo (random pairs, n = 4, H = 10) around the setting measured untuned: momentum
-    alpha (--gamma), outer lr beta (--eta) and pull (--consensus). alpha 0, beta 1, pull 1
-    is plain averaging of random pairs, the paired reference."""
-    b = dataclasses.replace(BASE, algorithm="noloco", graph="complete")
-    r = dataclasses.replace
-    grid = ((0.0, 1.0, 1.0), (0.5, 0.5, 0.5), (0.5, 0.7, 0.5), (0.5, 0.5, 1.0), (0.3, 0.7, 1.0),
-            (0.7, 0.3, 1.0))
-    return [(f"noloco a{a:g} b{be:g} c{c:g}" + (" (random-pair averaging)" if a == 0 else ""),
-             r(b, gamma=a, eta=be, consensus=c)) for a, be, c in grid]
-
-
-PARTS: dict[str, tuple[str, list[Row]]] = {
-    "momentum-h10": ("H = 10: outer momentum at equal effective step, NoLoCo, DiLoCo",
-                     _momentum(10)),
-    "momentum-h50": ("H = 50: outer momentum at equal effective step", _momentum(50, False)),
-    "async": ("Async against sync GASLoC at equal participation (bytes)", _async()),
-    "slow": ("One worker 3x slower compute on a 20x slower link: time to target", _slow()),
-    "consensus": ("The pure-consensus toy on the sync driver: where momentum accelerates "
-                  "agreement", repro_consensus.rows()),
-    "gamma-sweep-h100": ("H = 100: outer momentum at equal effective step, with and without "
-                         "warm-up", _gamma_sweep(100, 3)),
-    "gamma-sweep-h10": ("H = 10: outer momentum 0.3, 0.7 and 0.9 with warm-up at equal "
-                        "effective step (0.5 and 0.9 without warm-up: momentum-h10)",
-                        _gamma_sweep(10, 10, extra=False)),
-    "graphs": ("n = 8: ring against exponential graph, and DiLoCo", _graphs()),
-    "graphs-16": ("n = 16: ring against exponential graph", _graphs16()),
-    "staleness": ("Async at the slow-link profile: staleness policies", _staleness()),
-    "capacity": ("n = 12, complete graph: per-peer reference capacity against per-node "
-                 "error feedback", _capacity()),
-    "mixing": ("Gossip weight below 1/2, and mixed against local momentum", _mixing()),
-    "acid-consensus": ("The pure-consensus toy on the async driver: A2CiD2's continuous "
-                       "momentum against plain gossip and the mixed outer momentum",
-                       repro_consensus.async_rows()),
-    "acid": ("n = 16 ring, async: A2CiD2's continuous momentum against plain gossip and the "
-             "mixed outer momentum", _acid()),
-    "gamma-graphs-8": ("n = 8, ring and exponential graph: outer momentum at equal effective "
-                       "step", _gamma_graphs(8, (0.0, 0.3, 0.5, 0.7, 0.9))),
-    "gamma-graphs-16": ("n = 16, ring and exponential graph: outer momentum at equal effective "
-                        "step", _gamma_graphs(16, (0.0, 0.5, 0.9))),
-    "noloco": ("NoLoCo tuned: momentum, outer lr and pull around the untuned setting",
-               _noloco()),
-    "references": ("n = 8: quantization reference schemes at equal bytes, int8",
-                   _references("int8")),
-    "references-int4": ("n = 8: quantization reference schemes at equal bytes, int4",
-                        _references("int4")),
+TITLES: dict[str, str] = {  # as published (a table keeps the title it was measured under)
+    "momentum-h10": "H = 10: outer momentum at equal effective step, NoLoCo, DiLoCo",
+    "momentum-h50": "H = 50: outer momentum at equal effective step",
+    "async": "Async against sync GASLoC at equal participation (bytes)",
+    "slow": "One worker 3x slower compute on a 20x slower link: time to target",
+    "consensus": "The pure-consensus toy on the sync driver: where momentum accelerates "
+                 "agreement",
+    "gamma-sweep-h100": "H = 100: outer momentum at equal effective step, with and without "
+                        "warm-up",
+    "gamma-sweep-h10": "H = 10: outer momentum 0.3, 0.7 and 0.9 with warm-up at equal "
+                       "effective step (0.5 and 0.9 without warm-up: momentum-h10)",
+    "graphs": "n = 8: ring against exponential graph, and DiLoCo",
+    "graphs-16": "n = 16: ring against exponential graph",
+    "mixing": "Gossip weight below 1/2, and mixed against local momentum",
+    "acid-consensus": "The pure-consensus toy on the async driver: A2CiD2's continuous "
+                      "momentum against plain gossip and the mixed outer momentum",
+    "acid": "n = 16 ring, async: A2CiD2's continuous momentum against plain gossip and the "
+            "mixed outer momentum",
+    "gamma-graphs-8": "n = 8, ring and exponential graph: outer momentum at equal effective "
+                      "step",
+    "gamma-graphs-16": "n = 16, ring and exponential graph: outer momentum at equal effective "
+                       "step",
+    # archived: their options were retired after commit db57895 (rebuilt from their JSON only)
+    "staleness": "Async at the slow-link profile: staleness policies",
+    "capacity": "n = 12, complete graph: per-peer reference capacity against per-node "
+                "error feedback",
+    "noloco": "NoLoCo tuned: momentum, outer lr and pull around the untuned setting",
+    "references": "n = 8: quantization reference schemes at equal bytes, int8",
+    "references-int4": "n = 8: quantization reference schemes at equal bytes, int4",
 }
-# fields added after the first tables: left out of the cache key at their defaults, so the
-# runs cached before them keep their keys
-_LATE_FIELDS = {"task": "lm", "outer_warmup": 0, "acid_rate": None, "acid_beta": None}
+PARTS: dict[str, list[Row]] = {
+    "momentum-h10": _momentum(10),
+    "momentum-h50": _momentum(50, False),
+    "async": _async(),
+    "slow": _slow(),
+    "consensus": repro_consensus.rows(),
+    "gamma-sweep-h100": _gamma_sweep(100),
+    "gamma-sweep-h10": _gamma_sweep(10, extra=False),
+    "graphs": _graphs(),
+    "graphs-16": _graphs16(),
+    "mixing": _mixing(),
+    "acid-consensus": repro_consensus.async_rows(),
+    "acid": _acid(),
+    "gamma-graphs-8": _gamma_graphs(8, (0.0, 0.3, 0.5, 0.7, 0.9)),
+    "gamma-graphs-16": _gamma_graphs(16, (0.0, 0.5, 0.9)),
+}
+ARCHIVED = [p for p in TITLES if p not in PARTS]
+CONSENSUS_PARTS = ("consensus", "acid-consensus")  # they publish every 25th round only
 
 
 def config_key(config: dict[str, Any]) -> str:
-    """A run's configuration (``dataclasses.asdict`` of its SimConfig, or the ``config`` a
-    result records) as the key of its cached run; fields added later count only when set."""
-    fields = {k: v for k, v in config.items() if k not in _LATE_FIELDS or v != _LATE_FIELDS[k]}
-    return json.dumps(fields, sort_keys=True)
+    """A run's configuration (``dataclasses.asdict`` of its SimConfig) as the key of its
+    cached run."""
+    return json.dumps(config, sort_keys=True)
 
 
 def cache_path(cache: Path, cfg: SimConfig) -> Path:
@@ -284,16 +234,12 @@ def cache_path(cache: Path, cfg: SimConfig) -> Path:
     return cache / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def published_run(runs: list[dict[str, Any]], cfg: SimConfig) -> dict[str, Any] | None:
-    """The run of ``cfg`` among a part's published runs (its ``{part}.json``): what
-    ``--rebuild`` falls back on where the cache lacks a run (a fresh clone has no cache).
-    Fields a run does not record did not exist when it ran, so they are not compared."""
-    config = dataclasses.asdict(cfg)
-    for r in runs:
-        if config_key(r["config"]) == config_key({k: config[k] for k in r["config"]
-                                                  if k in config}):
-            return r
-    return None
+def published_groups(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """A part's published runs (its ``{part}.json``) by row label, in published order."""
+    group: dict[str, list[dict[str, Any]]] = {}
+    for res in json.loads(path.read_text()) if path.exists() else []:
+        group.setdefault(res["label"], []).append(res)
+    return group
 
 
 def _run(item: tuple[str, str, SimConfig, Path]) -> tuple[str, str, dict[str, Any]]:
@@ -400,12 +346,12 @@ def _versus(runs: list[dict[str, Any]], others: list[dict[str, Any]]) -> str:
 
 def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
                seeds: Sequence[int]) -> None:
-    title = PARTS[part][0]
+    title = TITLES[part]
     runs = [r for rs in group.values() for r in rs]
     # CPU time where recorded (runs on a loaded machine take longer in wall time)
     wall = sum(r.get("cpu_seconds", r["wall_seconds"]) for r in runs) / 60
     cfg = runs[0]["config"]
-    if part in ("consensus", "acid-consensus"):
+    if part in CONSENSUS_PARTS:
         write_consensus(part, group, out, seeds, wall, len(runs))
         return
     lines = [f"## {part}: {title}", "",
@@ -431,12 +377,12 @@ def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
 def write_consensus(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
                     seeds: Sequence[int], wall: float, count: int) -> None:
     driver = (
-        "The real sync GASLoC driver (sim/sync.py, core/gasloc.py mixed momentum, "
+        "The real sync GASLoC driver (sim/gossip.py: the node state with mixed momentum and "
         "sim/exchange.py) with no training: each worker starts at its own standard-normal "
         f"point in R^{DIM}, takes no gradient step, and gossips over fresh random 1-peer "
         "matchings of the graph (w = 1/2 unless the row says w), exact float64 exchanges."
         if part == "consensus" else
-        "The real async GASLoC driver (sim/async_.py with the daemon's node state, "
+        "The real async GASLoC driver (sim/gossip.py with the daemon's node state, "
         "core/async_state.py) with no training: each worker starts at its own standard-normal "
         f"point in R^{DIM}, takes no gradient step (one step is one round), and starts "
         "exchanges with a uniformly drawn free graph neighbour at exponential waiting times, "
@@ -444,7 +390,7 @@ def write_consensus(part: str, group: dict[str, list[dict[str, Any]]], out: Path
         "with no latency. 'acid': A2CiD2's continuous momentum, its rate and gossip step from "
         "the graph and the participation rate (core/topology.py acid_parameters); 'rate xk': "
         "the rate scaled by k.")
-    lines = [f"## {part}: " + PARTS[part][0], "",
+    lines = [f"## {part}: " + TITLES[part], "",
              f"`python -m benchmarks.reproduce --only {part} --seeds "
              f"{','.join(map(str, seeds))}`: {count} runs of {repro_consensus.ROUNDS} rounds "
              f"({wall:.1f} CPU-minutes). {driver} The drift is zero, so every gamma is at the "
@@ -470,7 +416,9 @@ def write_consensus(part: str, group: dict[str, list[dict[str, Any]]], out: Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", required=True, help=f"comma-separated parts: {', '.join(PARTS)}")
+    parser.add_argument("--only", required=True,
+                        help=f"comma-separated parts: {', '.join(PARTS)} (and, with --rebuild, "
+                             f"the archived {', '.join(ARCHIVED)})")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None,
@@ -478,53 +426,52 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--cache", type=Path, default=Path("runs/reproduce"))
     parser.add_argument("--rebuild", action="store_true",
-                        help="only rewrite the markdown and plots from the cached runs (training "
-                             "parts: else from the published {part}.json)")
+                        help="only rewrite the markdown and plots from the published "
+                             "{part}.json (training parts; no run)")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     todo = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = [p for p in todo if p not in PARTS]
+    known = TITLES if args.rebuild else PARTS
+    unknown = [p for p in todo if p not in known]
     if unknown:
-        parser.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+        retired = [p for p in unknown if p in ARCHIVED]
+        parser.error(f"part(s) {retired} measured options retired after commit db57895: "
+                     "--rebuild only" if retired and len(retired) == len(unknown)
+                     else f"unknown part(s) {unknown}; choose from {list(known)}")
     for part in todo:
         started = time.perf_counter()
-        group: dict[str, list[dict[str, Any]]] = {}
-        short = {} if args.steps is None else {
-            "steps": args.steps, "eval_every": max(1, args.steps // 4)}
-        items = [(part, name, dataclasses.replace(cfg, seed=s, **short), args.cache)
-                 for name, cfg in PARTS[part][1] for s in seeds]
-        if args.rebuild:  # every cached or published run of the part's rows
-            path = args.out / f"{part}.json"
-            # the consensus parts publish every 25th round only: no table can be rebuilt from it
-            published = (json.loads(path.read_text()) if path.exists() and part not in
-                         ("consensus", "acid-consensus") else [])
-            for _, name, cfg, cache in items:
-                if cache_path(cache, cfg).exists():
-                    res = json.loads(cache_path(cache, cfg).read_text())
-                else:
-                    res = published_run(published, cfg)
-                if res is not None:
-                    group.setdefault(name, []).append({**res, "label": name})
+        if args.rebuild:
+            # the consensus parts publish every 25th round only: no table can be rebuilt
+            group = ({} if part in CONSENSUS_PARTS
+                     else published_groups(args.out / f"{part}.json"))
             if not group:
                 raise SystemExit(f"--rebuild: no cached or published runs of part {part!r}")
         else:
+            group = {}
+            short = {} if args.steps is None else {
+                "steps": args.steps, "eval_every": max(1, args.steps // 4)}
+            items = [(part, name, dataclasses.replace(cfg, seed=s, **short), args.cache)
+                     for name, cfg in PARTS[part] for s in seeds]
             with ProcessPoolExecutor(args.jobs) as pool:
                 for _, name, res in pool.map(_run, items):
                     group.setdefault(name, []).append(res)
                     print(f"{part} {name} seed {res['config']['seed']}: "
                           f"{res['final']['val_loss']:.3f} ({res['wall_seconds']:.0f} s)",
                           flush=True)
-            group = {name: group[name] for name, _ in PARTS[part][1] if name in group}
+            group = {name: group[name] for name, _ in PARTS[part] if name in group}
         write_part(part, group, args.out, seeds)
         print(f"{part}: {(time.perf_counter() - started) / 60:.1f} min wall", flush=True)
-    parts = [(args.out / f"{p}.md").read_text() for p in PARTS if (args.out / f"{p}.md").exists()]
+    parts = [(args.out / f"{p}.md").read_text() for p in TITLES
+             if (args.out / f"{p}.md").exists()]
     intro = ["# Measurements in the simulator (issue 14)", "",
              "Each part: `python -m benchmarks.reproduce --only PART` (`--jobs 2`, one torch "
              "thread per run, under about 30 minutes on 2 cores). Regime of every training "
-             "table unless it says otherwise: n = 4 workers, 1000 inner steps per worker (512 tokens per step), 121k-parameter GPT, "
-             "byte-level Shakespeare, i.i.d. shards, int8 payloads, 3 seeds unless a row says "
-             "otherwise. Simulated time: 0.05 s per inner step, 100 Mbit/s links, 20 ms latency "
-             "(slow part: 20 Mbit/s, the slow worker 1 Mbit/s and 3x slower compute).", ""]
+             "table unless it says otherwise: n = 4 workers, 1000 inner steps per worker (512 "
+             "tokens per step), 121k-parameter GPT, byte-level Shakespeare, i.i.d. shards, int8 "
+             "payloads, 3 seeds unless a row says otherwise. Simulated time: 0.05 s per inner "
+             "step, 100 Mbit/s links, 20 ms latency (slow part: 20 Mbit/s, the slow worker 1 "
+             "Mbit/s and 3x slower compute). Tables published before commit db57895 used "
+             "per-peer quantization references (retired; docs/results/references.md).", ""]
     (args.out / "reproduction.md").write_text("\n".join(intro) + "\n" + "\n\n".join(parts) + "\n")
 
 

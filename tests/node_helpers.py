@@ -56,7 +56,7 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
 def gossip_config(**kw: Any) -> GossipConfig:
     base = GossipConfig(header_timeout_s=scaled(3), chunk_timeout_s=scaled(3),
                         commit_timeout_s=scaled(3), exchange_timeout_s=scaled(10),
-                        chunk_bytes=64 * 1024, references="links")
+                        chunk_bytes=64 * 1024)
     return replace(base, **kw)
 
 
@@ -108,13 +108,13 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
     state.theta.add_(0.05)  # live != anchor, so p != theta
     lock = TrainingLock()
     gossip = gossip or gossip_config()
-    engine = ExchangeEngine(state, t0, fragments(), lock, gossip.reference_capacity)
+    engine = ExchangeEngine(state, t0, fragments(), lock)
     me = Identity.keyed(RUN, fingerprint, Signer(swarm_key=swarm_key))
     exchanger = GossipTransport(me, engine, gossip, outer)
 
     def snapshot() -> StateSnapshot:
         return StateSnapshot(0, state.rounds, outer.momentum, state.public_iterate(),
-                             state.memory.clone())
+                             state.memory.clone() if state.memory is not None else None)
 
     def info() -> pb.InfoReply:  # step and peers: only an authenticated caller sees them
         return pb.InfoReply(peer_id=me.peer_id, software_version=name, step=7, peers=["x"])
@@ -126,14 +126,11 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
 
 
 def full_state(peer: Peer) -> dict[str, Any]:
-    """Everything an exchange may change, as copies: tensors, link versions and references."""
-    out: dict[str, Any] = {"theta": peer.state.theta.clone(), "anchor": peer.state.anchor.clone(),
-                           "memory": peer.state.memory.clone(), "rounds": peer.state.rounds}
-    for pid, link in peer.engine.refs._links.items():
-        out[f"{pid}.version"] = link.version
-        out[f"{pid}.out"] = link.ref_out.clone()
-        out[f"{pid}.in"] = link.ref_in.clone()
-    return out
+    """Everything an exchange may change, as copies: the node state's tensors and rounds."""
+    memory = peer.state.memory
+    return {"theta": peer.state.theta.clone(), "anchor": peer.state.anchor.clone(),
+            "memory": memory.clone() if memory is not None else None,
+            "rounds": peer.state.rounds}
 
 
 def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:

@@ -22,6 +22,6 @@ def node(name: str, seed: int, codec: str = "int8",
     theta = t0 + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
     state = AsyncGaslocState(theta, t0, OUTER)
     state.theta.add_(0.05)
-    engine = ExchangeEngine(state, t0, fragments(), NoLock(), 4, "links")
-    rules = Rules.build(Identity(run_id, "f" * 64, name), CodecSpec.of(codec), OUTER, TIMEOUTS)
+    engine = ExchangeEngine(state, t0, fragments(), NoLock())
+    rules = Rules.build(Identity(run_id, "f" * 64, name), CodecSpec.of(codec), OUTER.w, TIMEOUTS)
     return rules, engine

@@ -39,8 +39,7 @@ from benchmarks.external.runners import (  # noqa: E402
 
 def test_arguments_and_cases():
     args = parse_args([])
-    assert args.systems == ["gasloc", "gasloc-diloco", "torchft-diloco", "hivemind",
-                            "gasloc-bw"]
+    assert args.systems == ["gasloc", "gasloc-diloco", "torchft-diloco", "hivemind"]
     assert args.cases == ["uneven", "uniform"] and args.steps == 300
     assert parse_args(["--quick", "--systems", "gasloc,hivemind"]).systems == ["gasloc",
                                                                               "hivemind"]
@@ -157,19 +156,19 @@ def test_torchft_runner_on_loopback(tmp_path):
 
 
 def test_repetitions_alternate_and_are_paired():
-    args = parse_args(["--systems", "gasloc,gasloc-bw", "--cases", "uneven", "--repeat", "3"])
+    args = parse_args(["--systems", "gasloc,gasloc-solo", "--cases", "uneven", "--repeat", "3"])
     assert args.cases == ["uneven#1", "uneven#2", "uneven#3"]
     assert case_rates("uneven#2", 4, 100.0, 5.0) == [100.0, 100.0, 100.0, 5.0]
     with pytest.raises(SystemExit):
         parse_args(["--repeat", "0"])
 
     def rep(a: float, b: float) -> dict:
-        return {"rows": [{"system": "gasloc-bw", "final_loss": b},
+        return {"rows": [{"system": "gasloc-solo", "final_loss": b},
                          {"system": "gasloc", "final_loss": a}]}
 
     lines = paired({"uneven#1": rep(2.0, 1.9), "uneven#2": rep(2.1, 2.1),
                     "uneven#3": rep(1.8, 1.6)})
     assert lines[0].startswith("**Paired")
-    assert "uneven, 3 repetitions: final val loss gasloc-bw minus gasloc -0.1000 ±" in lines[1]
+    assert "uneven, 3 repetitions: final val loss gasloc-solo minus gasloc -0.1000 ±" in lines[1]
     assert "-0.100, +0.000, -0.200" in lines[1]
     assert paired({"uneven": rep(2.0, 1.9)}) == []  # no repetitions, nothing to pair

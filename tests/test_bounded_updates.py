@@ -69,8 +69,8 @@ def test_a_peer_clipped_too_often_in_a_row_is_refused_and_starts_over():
         assert guard.screen(0, 1.6, own_scale=1.0, peer="far") < 1
 
 
-def guarded(name: str, seed: int, rule: GuardRule | None = None):
-    rules, engine = node(name, seed)
+def guarded(name: str, seed: int, rule: GuardRule | None = None, codec: str = "int8"):
+    rules, engine = node(name, seed, codec)
     engine.guard = UpdateGuard(rule or GuardRule())
     return rules, engine
 
@@ -92,7 +92,6 @@ def test_a_large_offset_is_refused_before_commit_on_both_sides(attacker_initiate
         MemoryExchange(*pair, 0).run()
     after = [t for e in (honest[1], evil[1]) for t in (e.state.theta, e.state.anchor)]
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
-    assert honest[1].refs.version("E") == evil[1].refs.version("H") == 0
 
 
 def rms_move(before: torch.Tensor, after: torch.Tensor, fragment: Fragment) -> float:
@@ -123,12 +122,16 @@ def test_a_late_joiner_far_beyond_the_median_is_pulled_in_not_refused():
     """The false positive a 3-process swarm showed: two nodes near consensus (a small median)
     and a third that trained alone, many medians away; its exchanges commit, clipped on the
     guarded side, and after a few the joiner is within the median rule."""
-    a, b = guarded("A", 1, GuardRule(warmup=4)), guarded("B", 2, GuardRule(warmup=4))
+    # fp32: these nodes move 0.002 RMS per round from a theta_0 of RMS 1, less than int8's
+    # rounding of the iterates themselves (about absmax / 254); the rules, not the codec, are
+    # under test (real models start at RMS ~0.02 and move by ~lr per step)
+    a = guarded("A", 1, GuardRule(warmup=4), "fp32")
+    b = guarded("B", 2, GuardRule(warmup=4), "fp32")
     for i in range(12):
         drift(a[1], 100 + i, 0.002)
         drift(b[1], 200 + i, 0.002)
         MemoryExchange(a, b, i % 2).run()
-    late = guarded("L", 3, GuardRule(warmup=4))
+    late = guarded("L", 3, GuardRule(warmup=4), "fp32")
     clips = [MemoryExchange(late, a, 0).run()[1].clip for _ in range(8)]
     assert clips[0] < 0.5, clips  # far beyond A's soft limit at first, and not refused
     assert clips[-1] == 1.0, clips  # then within it
@@ -139,14 +142,15 @@ def test_a_peer_that_keeps_pulling_towards_theta0_is_refused_after_a_few_clips()
     """An attacker that always sends ``theta_0 + 0.01 (p - theta_0)`` (aligned with us, so the
     direction test passes; far beyond the median, within the hard limit) is clipped
     ``max_clips`` times, then refused (and backed off by the node)."""
-    a, b = guarded("A", 1, GuardRule(warmup=4)), guarded("B", 2, GuardRule(warmup=4))
+    a = guarded("A", 1, GuardRule(warmup=4), "fp32")
+    b = guarded("B", 2, GuardRule(warmup=4), "fp32")
     drift(a[1], 42, 0.5)  # far from theta_0 together (the same move), then near consensus
     drift(b[1], 42, 0.5)
     for i in range(12):
         drift(a[1], 100 + i, 0.002)
         drift(b[1], 200 + i, 0.002)
         MemoryExchange(a, b, i % 2).run()
-    evil = node("E", 3)
+    evil = node("E", 3, "fp32")
     rule = a[1].guard.rule
     for i in range(rule.max_clips + 1):
         for t in (evil[1].state.theta, evil[1].state.anchor):
@@ -161,7 +165,7 @@ def test_a_peer_that_keeps_pulling_towards_theta0_is_refused_after_a_few_clips()
 def test_a_node_still_at_theta0_neither_judges_nor_is_judged_by_direction():
     """The direction test needs both sides to have moved: a node still at ``theta_0`` (or a
     peer claiming to be) refuses, as a bad payload (no backoff), until it has trained."""
-    fresh, moved = guarded("F", 1), guarded("M", 2)
+    fresh, moved = guarded("F", 1, codec="fp32"), guarded("M", 2, codec="fp32")
     for t in (fresh[1].state.theta, fresh[1].state.anchor):
         t.copy_(fresh[1].theta0)
     for pair in ((fresh, moved), (moved, fresh)):
@@ -196,11 +200,10 @@ def test_after_warmup_the_median_rule_clips_scaled_deltas_and_refuses_absurd_one
     MemoryExchange(b, a, 0).run()  # an honest peer still gets through
 
 
-def test_a_bfloat16_theta0_serves_feedback_and_the_guard_but_not_links():
-    """Nodes without per-peer references keep theta_0 in bfloat16 (Trainer.compact_theta0):
-    the guard still screens against it (clips a scaled delta, refuses an absurd one),
-    exchanges commit with antisymmetric corrections, and asking for ``links`` on such a node is
-    refused."""
+def test_a_bfloat16_theta0_serves_the_guard():
+    """Nodes keep theta_0 in bfloat16 (Trainer): the guard still screens against it (clips a
+    scaled delta, refuses an absurd one), and exchanges commit with antisymmetric
+    corrections."""
     from gasloc_p2p.core.async_state import AsyncGaslocState
     from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
     from tests.session_helpers import OUTER
@@ -210,11 +213,9 @@ def test_a_bfloat16_theta0_serves_feedback_and_the_guard_but_not_links():
         rules, linked = node(name, seed)
         t0 = linked.theta0.to(torch.bfloat16)
         state = AsyncGaslocState(linked.state.theta.clone(), linked.theta0, OUTER)
-        engine = ExchangeEngine(state, t0, linked.fragments, NoLock(), 4, "feedback")
+        engine = ExchangeEngine(state, t0, linked.fragments, NoLock())
         engine.guard = UpdateGuard(GuardRule(warmup=2))
         pair.append((rules, engine))
-        with pytest.raises(ValueError, match="float32 theta_0"):
-            engine.use_references("links")
     a, b = pair
     for i in range(6):
         drift(a[1], 100 + i)
@@ -268,8 +269,7 @@ async def _inject(node: Node, payload: bytes, codec: str, block: int, peer_id: s
         protocol_version=PROTOCOL_VERSION, run_id=node.me.run_id,
         model_fingerprint=node.me.fingerprint, peer_id=signer.peer_id, codec=codec,
         block_size=block, fragment_index=0, fragment_count=1, fragment_numel=numel,
-        payload_bytes=len(payload), payload_crc32=zlib.crc32(payload), link_version=0, rounds=0,
-        references=node.mode.exchanger.engine.references))
+        payload_bytes=len(payload), payload_crc32=zlib.crc32(payload), rounds=0))
     nonce, proof = new_nonce(), pb.ExchangeMsg()
     proof.CopyFrom(header)
     await call.write(sign_header(header, signer, nonce, b""))
@@ -365,9 +365,10 @@ def test_a_delta_pointing_away_is_refused_whatever_its_size(flip):
     delta = -mine if flip == "signflip" else torch.randn(mine.shape, generator=g) * mine.std()
     for t in (b[1].state.theta, b[1].state.anchor):
         t.copy_(t0 + delta)
+    before = a[1].state.theta.clone()
     with pytest.raises(ExchangeError, match="cosine"):
         MemoryExchange(b, a, 0).run()
-    assert a[1].refs.version("E") == 0
+    assert torch.equal(a[1].state.theta, before)
 
 
 def test_the_direction_threshold_scales_with_the_fragment_size():
@@ -389,9 +390,9 @@ BIG = 10_000_000
 def big_node(name: str, t0: torch.Tensor, move: torch.Tensor):
     """A guarded node of BIG parameters at ``t0 + move`` (live == anchor), one fragment."""
     state = AsyncGaslocState(t0 + move, t0, OUTER)
-    engine = ExchangeEngine(state, t0, [Fragment(0, [(0, BIG)])], NoLock(), 4, "links")
+    engine = ExchangeEngine(state, t0, [Fragment(0, [(0, BIG)])], NoLock())
     engine.guard = UpdateGuard(GuardRule())
-    return Rules.build(Identity("run", "f" * 64, name), CodecSpec.of("int8"), OUTER,
+    return Rules.build(Identity("run", "f" * 64, name), CodecSpec.of("int8"), OUTER.w,
                        TIMEOUTS), engine
 
 
@@ -407,8 +408,8 @@ def test_weakly_correlated_honest_moves_in_high_dimension_pass_and_a_flipped_one
     cosine = float(torch.nn.functional.cosine_similarity(moves[0], moves[1], dim=0))
     assert 0.01 < cosine < 0.02
     a, b = big_node("A", t0, moves[0]), big_node("B", t0, moves[1])
-    MemoryExchange(a, b, 0).run()
-    assert a[1].refs.version("B") == b[1].refs.version("A") == 1
+    out_a, out_b = MemoryExchange(a, b, 0).run()
+    assert out_a.clip == out_b.clip == 1.0 and out_a.correction_norm > 0
     for name, move in (("F", -moves[1]), ("R", 3 * moves[1].std() * torch.randn(BIG, generator=g))):
         evil = big_node(name, t0, move)
         with pytest.raises(ExchangeError, match="cosine"):

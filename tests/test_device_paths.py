@@ -28,7 +28,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
 NUMEL = 3 * 4096 + 1000  # several chunks (CHUNK_ELEMS patched to 4096) and a partial block
 
 
-def _pair(device: str, scheme: str) -> list[ExchangeEngine]:
+def _pair(device: str) -> list[ExchangeEngine]:
     engines = []
     for seed in (0, 1):
         gen = torch.Generator().manual_seed(seed)
@@ -36,7 +36,7 @@ def _pair(device: str, scheme: str) -> list[ExchangeEngine]:
         theta = (theta0 + 0.1 * torch.randn(NUMEL, generator=gen).to(device)).contiguous()
         state = AsyncGaslocState(theta, theta0, AsyncConfig(eta=0.7))
         state.theta.add_(0.05)
-        engines.append(ExchangeEngine(state, theta0, [whole(NUMEL)], NoLock(), 4, scheme))
+        engines.append(ExchangeEngine(state, theta0, [whole(NUMEL)], NoLock()))
     return engines
 
 
@@ -44,8 +44,8 @@ def _exchanges(engines: list[ExchangeEngine], spec: CodecSpec, rounds: int = 3) 
     """Payload bytes of ``rounds`` exchanges (both sides), committing each."""
     sent = []
     for _ in range(rounds):
-        a = engines[0].prepare("B", 0, spec, reset=False)
-        b = engines[1].prepare("A", 0, spec, reset=False)
+        a = engines[0].prepare("B", 0, spec)
+        b = engines[1].prepare("A", 0, spec)
         sent += [bytes(a.payload), bytes(b.payload)]
         got_b = engines[0].check(spec, NUMEL, bytearray(b.payload), b.crc32)
         got_a = engines[1].check(spec, NUMEL, bytearray(a.payload), a.crc32)
@@ -54,26 +54,24 @@ def _exchanges(engines: list[ExchangeEngine], spec: CodecSpec, rounds: int = 3) 
     return sent
 
 
-@pytest.mark.parametrize("scheme", ["feedback", "plain", "links"])
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp4", "fp16"])
-def test_staged_encode_gives_the_direct_payload_bytes(monkeypatch, scheme, codec):
+def test_staged_encode_gives_the_direct_payload_bytes(monkeypatch, codec):
     """The device path of prepare (encode into a staging Encoded, copy its bytes into the host
     payload), forced on the host: same bytes as encoding straight into the payload, over
-    several chunks, a partial last block and the feedback buffer's evolution."""
+    several chunks and a partial last block."""
     monkeypatch.setattr(engine_mod, "CHUNK_ELEMS", 4096)
     spec = CodecSpec.of(codec, 256)
-    direct = _exchanges(_pair("cpu", scheme), spec)
+    direct = _exchanges(_pair("cpu"), spec)
     monkeypatch.setattr(engine_mod, "stages_on_device", lambda device: True)
-    assert _exchanges(_pair("cpu", scheme), spec) == direct
+    assert _exchanges(_pair("cpu"), spec) == direct
 
 
 @NO_CUDA
-@pytest.mark.parametrize("scheme", ["feedback", "plain", "links"])
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp4", "fp16"])
-def test_exchanges_on_cuda_send_the_cpu_bytes(monkeypatch, scheme, codec):
+def test_exchanges_on_cuda_send_the_cpu_bytes(monkeypatch, codec):
     monkeypatch.setattr(engine_mod, "CHUNK_ELEMS", 4096)
     spec = CodecSpec.of(codec, 256)
-    assert _exchanges(_pair("cuda", scheme), spec) == _exchanges(_pair("cpu", scheme), spec)
+    assert _exchanges(_pair("cuda"), spec) == _exchanges(_pair("cpu"), spec)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -109,10 +109,10 @@ def test_two_node_exchange_on_device_is_antisymmetric(device):
         flat.buffer.add_(noise.to(device))
         state = AsyncGaslocState(flat.buffer, theta0, AsyncConfig())
         states.append(state)
-        engines.append(ExchangeEngine(state, theta0, [whole(flat.numel)], TrainingLock(), 8))
+        engines.append(ExchangeEngine(state, theta0, [whole(flat.numel)], TrainingLock()))
     before = [s.theta.clone() for s in states]
-    a = engines[0].prepare("B", 0, spec, reset=False)
-    b = engines[1].prepare("A", 0, spec, reset=False)
+    a = engines[0].prepare("B", 0, spec)
+    b = engines[1].prepare("A", 0, spec)
     got_b = engines[0].check(spec, b.encoded.numel, b.payload, b.crc32)
     got_a = engines[1].check(spec, a.encoded.numel, a.payload, a.crc32)
     norms = engines[0].commit(a, got_b, 0.5), engines[1].commit(b, got_a, 0.5)

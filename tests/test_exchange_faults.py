@@ -2,9 +2,10 @@
 
 A driver runs two real sessions back to back (as :class:`MemoryExchange` does) and injects one
 fault when a given message reaches a given side. The protocol's promise: both sides end
-untouched, or both applied the exact negatives of one correction; the one window two parties
-cannot close (the responder fails after sending Ready, so never reads ``Commit``) leaves the initiator applied and the link
-versions different, and the pair's next exchange then restarts the link on both sides.
+untouched, or both applied the exact negatives of one correction (the pair's sum is kept); the
+one window two parties cannot close (the responder fails after sending Ready, so never reads
+``Commit``) leaves the initiator applied and the responder untouched. No per-peer state exists,
+so the pair's next exchange works as any other.
 """
 
 from __future__ import annotations
@@ -33,11 +34,8 @@ RESPONDER_AFTER_READY = ("ready-at-responder", "commit-at-responder")
 
 def state(engine) -> dict[str, object]:
     s = engine.state
-    out: dict[str, object] = {"theta": s.theta.clone(), "anchor": s.anchor.clone(),
-                              "memory": s.memory.clone()}
-    for pid, link in engine.refs._links.items():
-        out[pid] = (link.version, link.ref_out.clone(), link.ref_in.clone())
-    return out
+    assert s.memory is not None
+    return {"theta": s.theta.clone(), "anchor": s.anchor.clone(), "memory": s.memory.clone()}
 
 
 def same(a: dict[str, object], b: dict[str, object]) -> bool:
@@ -134,19 +132,19 @@ def test_a_fault_at_any_stage_leaves_both_sides_consistent(stage, fault):
     before = state(a[1]), state(b[1])
     applied = FaultyExchange(a, b, 1, fault, STAGES[stage]).run_faulty()
     after = state(a[1]), state(b[1])
-    la, lb = a[1].refs.get("B"), b[1].refs.get("A")
     if applied == (False, False):
         assert same(before[0], after[0]) and same(before[1], after[1])
-    elif applied == (True, True):
-        assert la.version == lb.version == 2
-        assert torch.equal(la.ref_out, lb.ref_in) and torch.equal(la.ref_in, lb.ref_out)
+    elif applied == (True, True):  # exact negatives (up to the adds' rounding): the sum kept
+        moved_a = after[0]["theta"] - before[0]["theta"]  # type: ignore[operator]
+        moved_b = after[1]["theta"] - before[1]["theta"]  # type: ignore[operator]
+        assert moved_a.abs().max() > 0
+        torch.testing.assert_close(moved_a, -moved_b, rtol=0, atol=1e-6)
     else:  # only the window the protocol documents: the responder fails after its Ready
         assert applied == (True, False) and stage in RESPONDER_AFTER_READY, applied
-        assert same(before[1], after[1]) and la.version != lb.version
-    # whatever happened, the pair's next exchange commits on both sides with equal references
-    MemoryExchange(b, a, 0).run()
-    assert la.version == lb.version
-    assert torch.equal(la.ref_out, lb.ref_in) and torch.equal(la.ref_in, lb.ref_out)
+        assert same(before[1], after[1]) and not same(before[0], after[0])
+    # whatever happened, the pair's next exchange commits on both sides
+    out_b, out_a = MemoryExchange(b, a, 0).run()
+    assert out_a.weight == out_b.weight > 0
     for engine in (a[1], b[1]):
         assert torch.isfinite(engine.state.theta).all()
 

@@ -5,7 +5,12 @@
 - ``model``, ``data``, ``sim/``: never the network layers;
 - ``train/`` (the one training loop): torch, the standard library (no I/O modules), the model,
   the data and the core only: never the simulator, the daemon or the tooling;
-- ``node/`` (the daemon): never the developer tooling in ``tools/``.
+- ``node/`` (the daemon): never the developer tooling in ``tools/``; inside it, rooms (below):
+  the shared types (config, settings, stats) import no other room; runtime, transport,
+  discovery, averaging and observability import only the shared types and themselves (and the
+  transport the runtime's lock); the modes compose those; only the daemon composes the modes,
+  and nothing but the command-line entry imports the daemon;
+- no installed module imports the benchmarks' tooling (fuzzers, network namespaces).
 """
 
 from __future__ import annotations
@@ -96,9 +101,76 @@ def test_daemon_never_imports_the_tooling():
     assert not bad, bad
 
 
+NODE = PKG / "node"
+SHARED = ("config", "config_network", "config_train", "settings", "stats")
+# room -> the node rooms it may import (besides the shared types and itself)
+ROOMS: dict[str, tuple[str, ...]] = {
+    "runtime": (), "discovery": (), "averaging": (), "observability": (),
+    "transport": ("runtime",),  # the training lock's protocol
+    "modes": ("runtime", "transport", "discovery", "averaging"),
+}
+
+
+def _node_room(name: str) -> str | None:
+    """The room of a ``gasloc_p2p.node...`` module name (None: not in node/)."""
+    if not name.startswith("gasloc_p2p.node."):
+        return None
+    part = name.split(".")[2]
+    return "shared" if part in SHARED else part
+
+
+def node_room_violations() -> list[str]:
+    bad = []
+    for path in sorted(NODE.rglob("*.py")):
+        rel = path.relative_to(NODE)
+        room = "shared" if rel.stem in SHARED and len(rel.parts) == 1 else (
+            rel.parts[0] if len(rel.parts) > 1 else rel.stem)
+        for name in imported_modules(path):
+            other = _node_room(name)
+            if other is None or other in ("shared", room):
+                continue
+            if room == "shared":
+                bad.append(f"{rel}: {name} (the shared types import no room)")
+            elif room in ROOMS and other not in ROOMS[room]:
+                bad.append(f"{rel}: {name} ({room} may import {ROOMS[room] or 'no room'})")
+            elif other == "daemon" and room != "cli_node":
+                bad.append(f"{rel}: {name} (only the command line composes the daemon)")
+    return bad
+
+
+def test_node_rooms_import_downward_only():
+    assert {p.name for p in NODE.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        *ROOMS}, "a new room in node/: give it a rule"
+    bad = node_room_violations()
+    assert not bad, bad
+
+
+def test_nothing_but_the_entry_point_imports_the_daemon():
+    paths = [p for p in sorted(PKG.rglob("*.py")) if p.name not in ("cli_node.py", "daemon.py")]
+    bad = [f"{p.relative_to(PKG)}: {n}" for p in paths for n in imported_modules(p)
+           if n == "gasloc_p2p.node.daemon"]
+    assert not bad, bad
+
+
+def test_the_installed_package_never_imports_the_benchmarks():
+    bad = _bad_imports(sorted(PKG.rglob("*.py")), {"benchmarks", "tests"})
+    assert not bad, bad
+
+
+def test_room_check_catches_an_upward_import(tmp_path, monkeypatch):
+    """The rules bite: a runtime module importing a mode is reported."""
+    room = tmp_path / "node"
+    (room / "runtime").mkdir(parents=True)
+    (room / "runtime" / "x.py").write_text("from gasloc_p2p.node.modes.gossip import PeerBook\n")
+    (room / "stats.py").write_text("import gasloc_p2p.node.runtime.trainer\n")
+    monkeypatch.setattr(sys.modules[__name__], "NODE", room)
+    bad = node_room_violations()
+    assert len(bad) == 2 and "runtime/x.py" in bad[0] and "stats.py" in bad[1], bad
+
+
 def test_importing_core_loads_no_network_module():
-    code = ("import sys, gasloc_p2p.core.gasloc, gasloc_p2p.core.async_state, "
-            "gasloc_p2p.core.references, gasloc_p2p.core.streaming, gasloc_p2p.core.topology; "
+    code = ("import sys, gasloc_p2p.core.async_state, gasloc_p2p.core.streaming, "
+            "gasloc_p2p.core.topology, gasloc_p2p.core.codecs; "
             "print(','.join(m for m in ('grpc', 'hivemind', 'prometheus_client', 'uvloop') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -107,7 +179,7 @@ def test_importing_core_loads_no_network_module():
 
 def test_simulator_and_protocol_load_no_network_module():
     """The simulator runs the exchange protocol in memory: that must not pull gRPC in."""
-    code = ("import sys, gasloc_p2p.sim.run, gasloc_p2p.sim.async_, gasloc_p2p.protocol.memory; "
+    code = ("import sys, gasloc_p2p.sim.run, gasloc_p2p.sim.gossip, gasloc_p2p.protocol.memory; "
             "print(','.join(m for m in ('grpc', 'hivemind', 'prometheus_client', 'uvloop') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

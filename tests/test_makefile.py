@@ -15,37 +15,33 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {
     "swarm": ["gasloc-node swarm --nodes 3"],
     "test": ["ruff check", "proto/generate.py --check", "mypy gasloc_p2p", "pytest"],
+    "lint": ["ruff check", "proto/generate.py --check"],
     "sim": ["gasloc-node sim "],
     "proto": ["proto/generate.py"],
-    "bench-core": ["benchmarks/bench_core.py"],
-    "bench-codecs": ["benchmarks/bench_codecs.py"],
-    "bench-sim": ["benchmarks/bench_sim.py"],
-    "bench-node": ["benchmarks/bench_node.py"],
-    "bench-diloco": ["benchmarks/bench_diloco.py"],
-    "bench-scale": ["benchmarks/bench_scale.py"],
-    "bench-swarm100m": ["benchmarks/bench_swarm100m.py"],
-    "bench-trainer-memory": ["benchmarks/bench_trainer_memory.py"],
-    "bench-downloads": ["benchmarks/bench_downloads.py"],
-    "bench-data": ["benchmarks/bench_data.py"],
-    "bench-streaming": ["benchmarks/bench_streaming.py"],
-    "bench-streaming-link": ["benchmarks/bench_streaming_link.py"],
-    "bench-fuzz": ["benchmarks/bench_fuzz.py"],
-    "bench-byzantine": ["benchmarks/bench_byzantine.py"],
-    "bench-direction": ["benchmarks/bench_direction.py"],
-    "bench-chaos": ["benchmarks/bench_chaos.py"],
-    "bench-poison": ["benchmarks/bench_poison.py"],
-    "bench-soak": ["benchmarks/bench_soak.py"],
-    "bench-external": ["pip install", ".[bench-external]", "benchmarks/bench_external.py"],
-    "bench-external-1000": [".[bench-external]", "benchmarks/bench_external.py", "--steps 1000",
+    "bench-core": ["benchmarks.bench_core"],
+    "bench-codecs": ["benchmarks.bench_codecs"],
+    "bench-sim": ["benchmarks.bench_sim"],
+    "bench-node": ["benchmarks.bench_node"],
+    "bench-diloco": ["benchmarks.bench_diloco"],
+    "bench-scale": ["benchmarks.bench_scale"],
+    "bench-swarm100m": ["benchmarks.bench_swarm100m"],
+    "bench-trainer-memory": ["benchmarks.bench_trainer_memory"],
+    "bench-downloads": ["benchmarks.bench_downloads"],
+    "bench-data": ["benchmarks.bench_data"],
+    "bench-streaming": ["benchmarks.bench_streaming"],
+    "bench-streaming-link": ["benchmarks.bench_streaming_link"],
+    "bench-fuzz": ["benchmarks.bench_fuzz"],
+    "bench-byzantine": ["benchmarks.bench_byzantine"],
+    "bench-direction": ["benchmarks.bench_direction"],
+    "bench-chaos": ["benchmarks.bench_chaos"],
+    "bench-poison": ["benchmarks.bench_poison"],
+    "bench-soak": ["benchmarks.bench_soak"],
+    "bench-external": ["pip install", ".[bench-external]", "benchmarks.bench_external"],
+    "bench-external-1000": [".[bench-external]", "benchmarks.bench_external", "--steps 1000",
                             "--repeat 3", "--name external-1000", "gasloc-diloco-avg",
                             "--name external-1000-avg"],
-    "bench-peer-choice": ["benchmarks/bench_external.py", "--systems gasloc,gasloc-bw",
-                          "--repeat 4"],
-    "bench-pacing": ["benchmarks/bench_external.py", "--systems gasloc,gasloc-paced,gasloc-solo",
-                     "--repeat 3"],
-    "bench-pacing-2nodes": ["benchmarks/bench_external.py", "--nodes 2", "--name pacing-2nodes"],
-    "bench-projection": ["benchmarks/bench_projection.py"],
-    "reproduce": ["benchmarks/reproduce.py"],
+    "bench-projection": ["benchmarks.bench_projection"],
+    "reproduce": ["benchmarks.reproduce"],
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no `make` on this machine")
@@ -80,9 +76,9 @@ def test_target_runs_what_readme_says(target):
 def test_make_bench_runs_every_benchmark():
     result = dry_run("bench")
     assert result.returncode == 0 and "warning" not in result.stderr.lower(), result.stderr
-    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
     assert scripts, "no benchmarks found"
-    missing = [s for s in scripts if f"benchmarks/{s}" not in result.stdout]
+    missing = [s for s in scripts if f"benchmarks.{s}" not in result.stdout]
     assert not missing, f"make bench skips {missing}"
 
 
@@ -124,5 +120,6 @@ def test_make_reproduce_runs_every_part_of_reproduce_py():
                  and getattr(node.target, "id", "") == "PARTS")
     assert isinstance(parts, ast.Dict)
     names = {k.value for k in parts.keys if isinstance(k, ast.Constant)}
-    line = next(x for x in dry_run("reproduce").stdout.splitlines() if "reproduce.py" in x)
+    line = next(x for x in dry_run("reproduce").stdout.splitlines()
+                if "benchmarks.reproduce" in x)
     assert set(line.split("--only ")[1].split()[0].split(",")) == names

@@ -1,4 +1,4 @@
-"""Shaped links (tools/netns.py): real namespaces, veths, a bridge and tc tbf; root only."""
+"""Shaped links (benchmarks/tools/netns.py): real namespaces, veths, a bridge and tc tbf; root only."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from benchmarks.tools import netns
 from benchmarks.tools.netns import ShapedNetwork, netns_unavailable
-from gasloc_p2p.tools import netns
 
 pytestmark = pytest.mark.skipif(netns_unavailable() is not None,
                                 reason=netns_unavailable() or "")

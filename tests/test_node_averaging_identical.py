@@ -20,13 +20,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from gasloc_p2p.node.modes.averaging import HivemindAverager, averaging_prefix
-from gasloc_p2p.node.modes.streaming import StreamingRounds
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.node.averaging.dht import HivemindAverager, averaging_prefix
 from gasloc_p2p.node.config import DilocoConfig
+from gasloc_p2p.node.modes.diloco_rounds import DilocoRounds
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.stats import TrainStats
 from tests.node_helpers import scaled
@@ -77,9 +77,9 @@ class Member:
         self.state = AsyncGaslocState(t0.clone(), t0, AsyncConfig(eta=0.7, gamma=0.9,
                                                                   momentum="local"))
         self.stats = TrainStats()
-        self.rounds = StreamingRounds(self.state, FRAGS, H, TrainingLock(), [self.averager], cfg,
-                                      self.stats, threading.Event(), lambda: N - 1,
-                                      lambda: "unused:1")
+        self.rounds = DilocoRounds(self.state, FRAGS, H, cfg.tau, TrainingLock(),
+                                   [self.averager], cfg, self.stats, threading.Event(),
+                                   lambda: N - 1, lambda: "unused:1")
 
     def step(self, step: int, worker: int) -> None:
         self.state.theta.add_(noise(step, worker))

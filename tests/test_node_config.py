@@ -57,17 +57,18 @@ def test_bad_toml_is_reported(tmp_path, text, match):
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"GASLOC_HEADER_TIMEOUT_S": "500"}, "--header-timeout-s=500.0: must be shorter than"),
-    ({"GASLOC_ANNOUNCE_TTL_S": "1"}, "--announce-ttl-s=1.0: must exceed --announce-interval-s"),
-    ({"GASLOC_MAX_INBOUND": "8"}, "--reference-capacity=8: must exceed --max-inbound"),
+    ({"GASLOC_HEADER_TIMEOUT_S": "500"},
+     r"header_timeout_s=500.0 \(\[gossip\] in --config, or GASLOC_HEADER_TIMEOUT_S\): must be "
+     "shorter than"),
+    ({"GASLOC_ANNOUNCE_TTL_S": "1"}, "announce_ttl_s=1.0 .*: must exceed --announce-interval-s"),
+    ({"GASLOC_MAX_INBOUND": "12"}, "max_streams=12 .*: must exceed max_inbound=12"),
     ({"GASLOC_FRAGMENTS": "9"}, "--fragments=9: cannot exceed the model's --n-layer=4"),
     ({"GASLOC_KEEPALIVE_TIMEOUT_S": "30"}, "must be shorter than --keepalive-time-s"),
     ({"GASLOC_CODEC": "int9"}, "--codec='int9': choose one of"),
     ({"GASLOC_PORT": "http"}, "environment GASLOC_PORT: --port: expected int"),
     ({"GASLOC_PEERS": "1.2.3.4:5"}, "each peer is a multiaddr"),
     ({"GASLOC_GAMMA": "1.5"}, "--gamma=1.5: the outer momentum needs"),
-    ({"GASLOC_MOMENTUM": "acid", "GASLOC_GAMMA": "0.5"}, "--gamma=0.5: momentum acid has no"),
-    ({"GASLOC_MOMENTUM": "acid", "GASLOC_ACID_RATE": "-1"}, "--acid-rate=-1.0: need a mixing"),
+    ({"GASLOC_MOMENTUM": "acid"}, "momentum='acid' .*: choose one of"),
 ])
 def test_invalid_values_and_relations_name_the_flag(env, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,4 +1,5 @@
-"""``--algorithm diloco``: the DiLoCo baseline in the node daemon.
+"""``--algorithm diloco``: the DiLoCo baseline in the node daemon (the one DiLoCo round logic,
+:class:`DilocoRounds`, with one fragment and no overlap).
 
 Fast: the outer-step math through the averaging seam (an in-memory averager, threads, float64)
 against ``torch.optim.SGD(nesterov=True)`` on the mean outer gradient; failed and solo rounds;
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from gasloc_p2p.node.modes.averaging import AveragingResult, InMemoryAveragingHub
 from google.protobuf.json_format import MessageToDict
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.flat import whole
+from gasloc_p2p.node.averaging.base import AveragingResult, InMemoryAveragingHub
 from gasloc_p2p.node.cli_node import _print_report
 from gasloc_p2p.node.config import ConfigError, DilocoConfig
 from gasloc_p2p.node.daemon import Node
@@ -32,8 +34,8 @@ from gasloc_p2p.node.discovery.base import (
     InMemoryRegistry,
     PeerInfo,
 )
-from gasloc_p2p.node.modes.diloco import (
-    DilocoMode,
+from gasloc_p2p.node.modes.diloco import DilocoMode
+from gasloc_p2p.node.modes.diloco_rounds import (
     DilocoRounds,
     choose_reference,
     digests_match,
@@ -51,7 +53,7 @@ from tests.swarm_helpers import NodeProc, start_three, wait_for
 
 NUMEL = 1000
 ETA, GAMMA = 0.7, 0.9
-Snapshot = tuple[int, torch.Tensor, torch.Tensor]
+Snapshot = tuple[int, torch.Tensor, torch.Tensor | None]
 
 
 class Worker:
@@ -72,8 +74,23 @@ class Worker:
             def fetch(endpoint: str) -> Snapshot:
                 self.fetched.append(endpoint)
                 return sources[endpoint]()
-        self.rounds = DilocoRounds(self.state, TrainingLock(), hub.averager(name), DilocoConfig(),
-                                   TrainStats(), self.stop, lambda: peers, lambda: name, fetch)
+        self.train_stats = TrainStats()
+        self.rounds = DilocoRounds(self.state, [whole(NUMEL)], 1, 0, TrainingLock(),
+                                   [hub.averager(name)], DilocoConfig(), self.train_stats,
+                                   self.stop, lambda: peers, lambda: name, fetch)
+
+    def round_end(self) -> None:
+        """One inner step is a round here (H 1): the sync starts and lands at once."""
+        self.train_stats.step += 1
+        self.rounds.after_step()
+
+    @property
+    def stats(self):  # the one fragment's counters
+        return self.rounds.stats[0]
+
+    @property
+    def epoch(self) -> int:
+        return self.rounds.epochs[0]
 
     def drift(self, seed: int) -> torch.Tensor:
         """Fake inner steps: ``theta = anchor + noise``; returns the outer gradient."""
@@ -84,7 +101,7 @@ class Worker:
 
 
 def round_in_threads(workers: list[Worker]) -> None:
-    threads = [threading.Thread(target=w.rounds.round_end) for w in workers]
+    threads = [threading.Thread(target=w.round_end) for w in workers]
     for t in threads:
         t.start()
     for t in threads:
@@ -106,9 +123,9 @@ def test_rounds_equal_torch_nesterov_on_the_mean_outer_gradient():
             torch.testing.assert_close(w.state.anchor, ref.detach(), rtol=0, atol=1e-12)
             assert torch.equal(w.state.theta, w.state.anchor)
     for w in workers:
-        s = w.rounds.stats
-        assert (s.rounds_ok, s.rounds_failed, s.rounds_solo, w.rounds.epoch) == (5, 0, 0, 5)
-        assert s.last_group_size == 3 and s.resyncs == 0 and len(s.history) == 5
+        s = w.stats
+        assert (s.ok, s.failed, s.solo, w.epoch) == (5, 0, 0, 5)
+        assert s.last_group_size == 3 and s.resyncs == 0
 
 
 def test_solo_and_failed_rounds_apply_the_own_gradient():
@@ -120,13 +137,13 @@ def test_solo_and_failed_rounds_apply_the_own_gradient():
         anchor = w.state.anchor.clone()
         g = w.drift(7)
         t0 = time.monotonic()
-        w.rounds.round_end()
+        w.round_end()
         waited[w.name] = time.monotonic() - t0
         torch.testing.assert_close(w.state.anchor, anchor - ETA * (g + GAMMA * g))  # buf = g
-        assert w.rounds.epoch == 1
-    assert solo.rounds.stats.rounds_solo == 1 and waited["solo"] < 0.1  # no waiting alone
-    assert lonely.rounds.stats.rounds_failed == 1 and waited["lonely"] >= 0.2
-    assert lonely.rounds.stats.failures == {"no group": 1}
+        assert w.epoch == 1
+    assert solo.stats.solo == 1 and waited["solo"] < 0.1  # no waiting alone
+    assert lonely.stats.failed == 1 and waited["lonely"] >= 0.2
+    assert lonely.stats.failures == {"no group": 1}
 
 
 def test_stop_cancels_a_waiting_round_promptly():
@@ -134,9 +151,9 @@ def test_stop_cancels_a_waiting_round_promptly():
     w.drift(1)
     threading.Timer(0.2, w.stop.set).start()
     t0 = time.monotonic()
-    w.rounds.round_end()
+    w.round_end()
     assert time.monotonic() - t0 < 5
-    assert w.rounds.stats.rounds_failed == 1 and w.rounds.stats.failures == {"cancelled": 1}
+    assert w.stats.failed == 1 and w.stats.failures == {"cancelled": 1}
 
 
 @pytest.mark.parametrize("fetch_after_step", [False, True])
@@ -151,7 +168,7 @@ def test_a_failed_round_is_repaired_by_resynchronizing(fetch_after_step):
         a.drift(10 * r), b.drift(10 * r + 1)
         round_in_threads([a, b])
     assert not torch.equal(a.state.anchor, b.state.anchor)  # no way back in plain DiLoCo
-    assert a.rounds.stats.rounds_failed == b.rounds.stats.rounds_failed == 1
+    assert a.stats.failed == b.stats.failed == 1
     a.drift(20), b.drift(21)
     if not fetch_after_step:  # force the other branch: b's state from before b's step
         before = b.rounds.snapshot()
@@ -159,9 +176,9 @@ def test_a_failed_round_is_repaired_by_resynchronizing(fetch_after_step):
     round_in_threads([a, b])  # else a fetches b's post-step state (or races it: both fine)
     assert a.fetched == ["b"] and b.fetched == []  # equal epochs: the larger peer id wins
     torch.testing.assert_close(a.state.anchor, b.state.anchor, rtol=0, atol=1e-12)
-    torch.testing.assert_close(a.rounds.outer.buf, b.rounds.outer.buf, rtol=0, atol=1e-12)
-    assert a.rounds.epoch == b.rounds.epoch == 3
-    assert a.rounds.stats.resyncs == 1 and torch.equal(a.state.theta, a.state.anchor)
+    torch.testing.assert_close(a.state.memory, b.state.memory, rtol=0, atol=1e-12)
+    assert a.epoch == b.epoch == 3
+    assert a.stats.resyncs == 1 and torch.equal(a.state.theta, a.state.anchor)
 
 
 def test_digest_tolerates_rounding_but_not_a_missed_step():
@@ -182,22 +199,24 @@ def test_digest_tolerates_rounding_but_not_a_missed_step():
 def test_config_flags_env_and_validation():
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
-    cfg = build_config(parser.parse_args(["--algorithm", "diloco", "--target-group-size", "4"]),
-                       environ={"GASLOC_DILOCO_GAMMA": "0.8"})
+    cfg = build_config(parser.parse_args(["--algorithm", "diloco"]),
+                       environ={"GASLOC_DILOCO_GAMMA": "0.8", "GASLOC_TARGET_GROUP_SIZE": "4"})
     assert cfg.outer.algorithm == "diloco" and cfg.diloco.target_group_size == 4
     assert cfg.diloco.diloco_gamma == 0.8 and cfg.diloco.diloco_eta == 0.7
     assert cfg.diloco.async_config().momentum == "local"
     assert build_config(environ={"GASLOC_ALGORITHM": "diloco"}).outer.algorithm == "diloco"
-    bad = [(["--algorithm", "allreduce"], "--algorithm"),
-           (["--request-timeout-s", "6"], "--request-timeout-s"),
-           (["--averaging-timeout-s", "4"], "--averaging-timeout-s"),
-           (["--min-group-size", "1"], "--min-group-size"),
-           (["--target-group-size", "1"], "--target-group-size"),
-           (["--diloco-codec", "int2"], "--diloco-codec"),
-           (["--algorithm", "diloco", "--fragments", "2"], "--fragments")]
-    for argv, flag in bad:
+    bad = [(["--algorithm", "allreduce"], {}, "--algorithm"),
+           ([], {"GASLOC_REQUEST_TIMEOUT_S": "6"}, "request_timeout_s=6.0 .*GASLOC_REQUEST"),
+           ([], {"GASLOC_AVERAGING_TIMEOUT_S": "4"}, "averaging_timeout_s"),
+           ([], {"GASLOC_MIN_GROUP_SIZE": "1"}, "min_group_size"),
+           ([], {"GASLOC_TARGET_GROUP_SIZE": "1"}, "target_group_size"),
+           (["--diloco-codec", "int2"], {}, "--diloco-codec"),
+           (["--algorithm", "diloco", "--fragments", "2"], {}, "--fragments")]
+    for argv, env, flag in bad:
         with pytest.raises(ConfigError, match=flag):
-            build_config(parser.parse_args(argv), environ={})
+            build_config(parser.parse_args(argv), environ=env)
+    with pytest.raises(SystemExit):  # tuning is no flag of join
+        parser.parse_args(["--request-timeout-s", "1"])
 
 
 def test_toml_diloco_table(tmp_path):
@@ -235,18 +254,21 @@ def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, cap
         flags = {"algorithm": "diloco", "n_layer": 1, "n_embd": 32, "seq_len": 32,
                  "batch_size": 4, "inner_steps": 5, "eval_interval_steps": 20}
         a = Node(tiny_config(corpus, **flags, checkpoint_dir=str(tmp_path)),
-                 InMemoryDiscovery(reg, "gasloc", "node-a"), DilocoMode(hub.averager("node-a")))
+                 InMemoryDiscovery(reg, "gasloc", "node-a"),
+                 DilocoMode("diloco", [hub.averager("node-a")]))
         b = Node(tiny_config(corpus, **flags, peers=("/memory/node-a",)),
-                 InMemoryDiscovery(reg, "gasloc", "node-b"), DilocoMode(hub.averager("node-b")))
+                 InMemoryDiscovery(reg, "gasloc", "node-b"),
+                 DilocoMode("diloco", [hub.averager("node-b")]))
         async with a, b:
             assert isinstance(a.mode, DilocoMode) and isinstance(b.mode, DilocoMode)
             ra, rb = a.mode.rounds, b.mode.rounds
             assert ra is not None and rb is not None
             assert a.mode.exchanger is None and not hasattr(a.mode, "book")  # no gossip here
-            await wait_until(lambda: min(ra.stats.rounds_ok, rb.stats.rounds_ok)
-                             >= 12, timeout_s=60, what="averaged rounds on both nodes")
-            assert ra.stats.resyncs + rb.stats.resyncs >= 1
-            assert rb.stats.failures["injected failure"] == 1
+            sa, sb = ra.stats[0], rb.stats[0]
+            await wait_until(lambda: min(sa.ok, sb.ok) >= 12, timeout_s=60,
+                             what="averaged rounds on both nodes")
+            assert sa.resyncs + sb.resyncs >= 1
+            assert sb.failures["injected failure"] == 1
             info = b.info()
             assert info.algorithm == "diloco" and info.averaging_rounds_ok >= 12
             assert info.last_group_size == 2 and info.outer_epoch >= 12
@@ -266,7 +288,7 @@ def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, cap
         for node in (a, b):
             assert not node.train_stats.error
         saved = ckpt.load(tmp_path)  # written at stop: the epoch travels with the anchor
-        assert saved is not None and saved["rounds"] == ra.epoch
+        assert saved is not None and saved["rounds"] == ra.epochs[0]
         assert torch.equal(saved["anchor"], a.trainer.state.anchor)
 
     run(main(), timeout_s=120)
@@ -289,8 +311,8 @@ async def stray_exchange(node: Node, endpoint: str) -> int:
 # ------------------------------------------------------------------ real processes
 DILOCO = ["--algorithm", "diloco", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32",
           "--batch-size", "4", "--inner-steps", "5", "--eval-interval-steps", "20",
-          "--matchmaking-time-s", "2",
-          "--request-timeout-s", "1", "--averaging-timeout-s", "8", "--log-interval-s", "3"]
+          "--matchmaking-time-s", "2", "--request-timeout-s", "1", "--averaging-timeout-s", "8",
+          "--log-interval-s", "3"]  # tuning flags travel as GASLOC_* (tools.nodes.split_tuning)
 
 
 class DilocoProc(NodeProc):
@@ -338,8 +360,8 @@ def test_three_diloco_processes_average_through_hivemind(tmp_path: Path):
                   f"{info.total_averaging_s / max(1, waited):.3f} s/round")
         # the joiners started from theta_0 (--no-init-from-swarm) while d0 trained alone
         assert sum(i.resyncs for i in infos) >= 1
-        nodes[1].wait_for(r"\| diloco epoch \d+: rounds ok \d+ failed \d+ solo \d+ \| group "
-                          r"\d, averaging last [\d.]+ s", scaled(15), stdout=False)  # progress
+        nodes[1].wait_for(r"\| diloco epochs \[\d+\] syncs ok/failed/solo f0:\d+/\d+/\d+ \| "
+                          r"group \d \| stalled [\d.]+ s", scaled(15), stdout=False)  # progress
         for node in nodes:
             node.proc.send_signal(signal.SIGTERM)
         for node in nodes:

@@ -32,11 +32,6 @@ from tests.node_helpers import (
 )
 
 
-def _ref_correction(peer, other_id, fragment, w=0.5):
-    link = peer.engine.refs.get(other_id)
-    return w * (fragment.gather(link.ref_in) - fragment.gather(link.ref_out))
-
-
 @pytest.mark.parametrize("codec", ["fp32", "int8", "int4"])
 def test_full_exchange_commits_on_both_sides(codec):
     async def main():
@@ -45,25 +40,25 @@ def test_full_exchange_commits_on_both_sides(codec):
         try:
             frag = a.engine.fragments[0]
             pa, pb_ = a.state.public_iterate(frag), b.state.public_iterate(frag)
+            ta, tb = frag.gather(a.state.theta), frag.gather(b.state.theta)
             drift_a = a.state.theta - a.state.anchor
             other = a.engine.fragments[1]
             rest_a = a.state.public_iterate(other)
             outcome = await a.exchange(b, fragment=0)
             await wait_until(lambda: b.exchanger.stats.ok_responder == 1, what="B commit")
-            # references bit-identical across the pair, and c_a = -c_b exactly
-            la, lb = a.engine.refs.get(b.me.peer_id), b.engine.refs.get(a.me.peer_id)
-            assert torch.equal(la.ref_out, lb.ref_in) and torch.equal(la.ref_in, lb.ref_out)
-            assert la.version == lb.version == 1
-            ca, cb = _ref_correction(a, b.me.peer_id, frag), _ref_correction(b, a.me.peer_id, frag)
-            assert torch.equal(ca, -cb)
+            # c_a = -c_b (the adds' rounding aside): the same folds of the same two messages
+            ca, cb = frag.gather(a.state.theta) - ta, frag.gather(b.state.theta) - tb
+            torch.testing.assert_close(ca, -cb, rtol=0, atol=1e-6)
+            assert float(ca.norm()) == pytest.approx(outcome.correction_norm, rel=1e-4)
             # p moved by c, the drift theta - a is untouched, the pair's mean is kept
             pa2, pb2 = a.state.public_iterate(frag), b.state.public_iterate(frag)
             torch.testing.assert_close(pa2 - pa, ca, rtol=0, atol=1e-5)
             torch.testing.assert_close(a.state.theta - a.state.anchor, drift_a, rtol=0, atol=1e-6)
             torch.testing.assert_close(pa2 + pb2, pa + pb_, rtol=0, atol=1e-5)
-            tol = {"fp32": 1e-5, "int8": 0.02, "int4": 0.2}[codec]
-            gap_before = (pa - pb_).norm()
-            assert (pa2 - pb2).norm() < tol * gap_before  # w = 1/2: nearly the pair average
+            # w = 1/2: the pair average, up to each message's quantization error (relative to
+            # the parameters' scale: the messages are the iterates themselves)
+            tol = {"fp32": 1e-6, "int8": 0.02, "int4": 0.25}[codec]
+            assert (pa2 - pb2).norm() < tol * pa.norm()
             assert outcome.staleness == 0 and outcome.weight == 0.5
             assert a.exchanger.stats.ok_initiator == 1 and not a.exchanger.inflight
             assert torch.equal(a.state.public_iterate(other), rest_a)  # fragment 1 untouched
@@ -74,22 +69,19 @@ def test_full_exchange_commits_on_both_sides(codec):
     run(main())
 
 
-def test_second_exchange_uses_references_and_link_reset():
+def test_repeated_exchanges_in_both_directions_converge():
     async def main():
         a, b = await make_peer("A", 1), await make_peer("B", 2)
         try:
+            frag = a.engine.fragments[0]
+            gap = float((a.state.public_iterate(frag) - b.state.public_iterate(frag)).norm())
             await a.exchange(b, 0)
             first = a.exchanger.stats.bytes_sent
-            await b.exchange(a, 0)  # the other direction reuses the same link
+            await b.exchange(a, 0)  # the other direction: no per-peer state to agree on
             await wait_until(lambda: a.exchanger.stats.ok_responder == 1, what="A commit")
-            assert a.engine.refs.get(b.me.peer_id).version == b.engine.refs.get(a.me.peer_id).version == 2
             assert a.exchanger.stats.bytes_sent == 2 * first  # int8: fixed size per fragment
-            b.engine.refs.get(a.me.peer_id).reset(b.engine.theta0)  # B "evicted" A: versions differ
-            await a.exchange(b, 1)
-            await wait_until(lambda: b.exchanger.stats.ok_responder == 2, what="B commit")
-            la, lb = a.engine.refs.get(b.me.peer_id), b.engine.refs.get(a.me.peer_id)
-            assert la.version == lb.version == 1
-            assert torch.equal(la.ref_out, lb.ref_in) and torch.equal(la.ref_in, lb.ref_out)
+            after = float((a.state.public_iterate(frag) - b.state.public_iterate(frag)).norm())
+            assert after < 0.1 * gap  # pair averages: the quantization error is what is left
         finally:
             await a.close()
             await b.close()
@@ -123,7 +115,7 @@ def test_incompatible_peer_is_rejected_with_its_code(what):
 async def _raw_exchange(a, b, what):
     """Send a header with a wrong version or run id; return the peer's reply as an error."""
     codec = CodecSpec("int8", 1024)
-    prep = a.engine.prepare(b.me.peer_id, 0, codec, False)
+    prep = a.engine.prepare(b.me.peer_id, 0, codec)
     msg = make_header(a.me, prep, 2)
     if what == "version":
         msg.header.protocol_version = PROTOCOL_VERSION + 1
@@ -139,7 +131,7 @@ async def _raw_exchange(a, b, what):
 
 def _start_raw(a, b, fragment=0):
     codec = CodecSpec("int8", 1024)
-    prep = a.engine.prepare(b.me.peer_id, fragment, codec, False)
+    prep = a.engine.prepare(b.me.peer_id, fragment, codec)
     return prep, sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
 
 
@@ -278,12 +270,13 @@ def test_concurrent_exchanges_with_two_peers_all_commit():
     async def main():
         a, b, c = await make_peer("A", 1), await make_peer("B", 2), await make_peer("C", 3)
         try:
+            total = sum(p.state.public_iterate() for p in (a, b, c))
             await asyncio.gather(b.exchange(a, 0), c.exchange(a, 1), b.exchange(c, 1))
             await wait_until(lambda: a.exchanger.stats.ok_responder == 2
                              and c.exchanger.stats.ok == 2, what="all commits")
-            for x, y in ((a, b), (a, c), (b, c)):
-                lx, ly = x.engine.refs.get(y.me.peer_id), y.engine.refs.get(x.me.peer_id)
-                assert torch.equal(lx.ref_out, ly.ref_in) and lx.version == ly.version == 1
+            assert b.exchanger.stats.ok_initiator == 2
+            after = sum(p.state.public_iterate() for p in (a, b, c))
+            torch.testing.assert_close(after, total, rtol=0, atol=1e-5)  # every pair kept its sum
         finally:
             for p in (a, b, c):
                 await p.close()

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 import torch
-from gasloc_p2p.node.modes.averaging import InMemoryAveragingHub
 
+from gasloc_p2p.node.averaging.base import InMemoryAveragingHub
 from gasloc_p2p.node.config import NodeConfig, TrainConfig
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry, PeerInfo
 from gasloc_p2p.node.modes.base import Mode, ModeContext
@@ -61,7 +61,7 @@ def test_gossip_mode_builds_its_machinery_and_diloco_none(monkeypatch):
         assert not gossip.exchanger.accepting
 
         built.clear()
-        diloco = DilocoMode(InMemoryAveragingHub().averager("me"))
+        diloco = DilocoMode("diloco", [InMemoryAveragingHub().averager("me")])
         ctx = context(diloco)
         await diloco.start(ctx)
         assert built == [] and diloco.exchanger is None and diloco.tasks() == []

@@ -15,16 +15,16 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from gasloc_p2p.node.modes.averaging import InMemoryAveragingHub, _Session
-from gasloc_p2p.node.modes.compression import make_compression
-from gasloc_p2p.node.modes.streaming import StreamingRounds
-from gasloc_p2p.node.modes.streaming_mode import StreamingMode
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.streaming import StreamingConfig, StreamingDiloco
+from gasloc_p2p.node.averaging.base import InMemoryAveragingHub, _Session
+from gasloc_p2p.node.averaging.compression import make_compression
 from gasloc_p2p.node.config import ConfigError, DilocoConfig
+from gasloc_p2p.node.modes.diloco import DilocoMode
+from gasloc_p2p.node.modes.diloco_rounds import DilocoRounds
 from gasloc_p2p.node.modes.registry import make_mode
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.settings import add_config_flags, build_config
@@ -33,7 +33,7 @@ from tests.node_helpers import scaled
 
 NUMEL, H = 30, 6
 ETA, GAMMA = 0.7, 0.9
-Snapshot = tuple[int, torch.Tensor, torch.Tensor]
+Snapshot = tuple[int, torch.Tensor, torch.Tensor | None]
 FRAGS = [Fragment(0, [(0, 5), (15, 5)]), Fragment(1, [(5, 5), (20, 5)]),
          Fragment(2, [(10, 5), (25, 5)])]  # strided, as layer_fragments builds them
 
@@ -76,9 +76,9 @@ class Worker:
             def fetch(endpoint: str) -> Snapshot:
                 self.fetched.append(endpoint)
                 return sources[endpoint]()
-        self.rounds = StreamingRounds(self.state, FRAGS, H, TrainingLock(),
-                                      [h.averager(name) for h in hubs], cfg, self.stats,
-                                      self.stop, lambda: peers, lambda: name, fetch)
+        self.rounds = DilocoRounds(self.state, FRAGS, H, cfg.tau, TrainingLock(),
+                                   [h.averager(name) for h in hubs], cfg, self.stats,
+                                   self.stop, lambda: peers, lambda: name, fetch)
 
     def step(self, step: int, worker: int) -> None:
         """A fake inner step then the mode's per-step hook."""
@@ -228,7 +228,9 @@ def test_config_flags_and_validation():
     assert cfg.outer.algorithm == "streaming-diloco" and cfg.gossip.fragments == 2
     assert cfg.diloco.tau == 3 and cfg.diloco.merge_alpha == 0.25
     assert cfg.diloco.diloco_codec == "fp4"
-    assert isinstance(make_mode("streaming-diloco"), StreamingMode)
+    mode = make_mode("streaming-diloco")
+    assert isinstance(mode, DilocoMode) and mode.name == "streaming-diloco"
+    assert make_mode("diloco").name == "diloco"  # the same mode, one fragment
     bad = [(["--algorithm", "streaming-diloco", "--tau", "20"], "--tau"),  # H = 20
            (["--merge-alpha", "1.5"], "--merge-alpha"), (["--tau", "-1"], "--tau")]
     for argv, flag in bad:

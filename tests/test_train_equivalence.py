@@ -20,8 +20,9 @@ from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.trainer import Trainer
 from gasloc_p2p.node.stats import TrainStats
-from gasloc_p2p.sim import async_, sync
+from gasloc_p2p.sim.clock import Clock
 from gasloc_p2p.sim.config import SimConfig
+from gasloc_p2p.sim.gossip import run_gossip
 from gasloc_p2p.sim.workers import SimWorkers, worker_data_seed
 
 SEED, STEPS = 3, 12
@@ -73,7 +74,7 @@ def test_equal_with_round_ends_of_async_gasloc(corpus):
     cfg = sim_config(corpus, workers=1, algorithm="gasloc", mode="async", H=4, eta=0.7,
                      gamma=0.5, codec="none")
     sim = SimWorkers(cfg)
-    stats = async_.run_async(sim, sync.Clock(1), lambda now: None)
+    stats = run_gossip(sim, Clock(1), lambda now: None)
     assert stats["exchanges"] == 0
     outer = AsyncConfig(eta=0.7, gamma=0.5)
     trainer = node_trainer(corpus, worker=0, workers=1, outer=outer, inner_steps=4)

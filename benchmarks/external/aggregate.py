@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 DILOCOS = ("gasloc-diloco", "gasloc-diloco-avg", "torchft-diloco", "hivemind")
-COMPARED = (*DILOCOS, "gasloc-bw")  # the default GASLoC against each of these
+COMPARED = DILOCOS  # the default GASLoC against each of these
 
 
 def curve(run: dict[str, Any]) -> list[dict[str, float]]:
@@ -88,7 +88,6 @@ def summarize(runs: list[dict[str, Any]], target: float | None = None) -> dict[s
             "program_bytes_kind": nodes[0].get("program_bytes_kind", "") if nodes else "",
             "rss_peak_gb_max_node": max(n["rss_peak_bytes"] for n in nodes) / 1e9 if nodes else None,
             "utilization_est": [n.get("utilization_est") for n in nodes],
-            "starts_per_round": [n.get("starts_per_round") for n in nodes],
         })
     return {"target_loss": target, "rows": rows, "ratios": ratios(rows), "curves": curves}
 
@@ -141,10 +140,8 @@ def markdown(case: str, summary: dict[str, Any]) -> str:
     for r in summary["rows"]:
         util = [u for u in r.get("utilization_est") or [] if u is not None]
         if util:
-            starts = r.get("starts_per_round") or []
             lines.append(f"- {r['system']}: the nodes' own compute-utilization estimates "
-                         f"{', '.join(_fmt(u, '.3f') for u in r['utilization_est'])}; exchanges "
-                         f"started per round {', '.join(_fmt(x, '.2f') for x in starts)}")
+                         f"{', '.join(_fmt(u, '.3f') for u in r['utilization_est'])}")
     for name, rr in summary["ratios"].items():
         lines.append(f"- GASLoC / {name}: time to target {_fmt(rr['time_to_target_ratio'], '.2f')}"
                      f", final loss gap at equal tokens {_fmt(rr['final_loss_gap'], '+.2%')}")

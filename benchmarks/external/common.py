@@ -27,7 +27,7 @@ from gasloc_p2p.tools.procs import group_members
 EVAL_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*eval step (\d+) tokens (\d+) "
                        r"val_loss (\S+)$", re.M)
 SENT_LINE = re.compile(r"\| sent ([\d.]+) MB recv ([\d.]+) MB")
-PACE_LINE = re.compile(r"\| util ([\d.]+|nan) starts/round ([\d.]+|nan)")
+UTIL_LINE = re.compile(r"\| util ([\d.]+|nan)")
 
 
 @dataclass(frozen=True)
@@ -175,14 +175,12 @@ def gasloc_sent_bytes(log_text: str) -> int | None:
     return int(float(found[-1][0]) * 1e6) if found else None
 
 
-def gasloc_pacing(log_text: str) -> dict[str, float | None]:
-    """The node's own compute-utilization estimate and its exchanges started per round, per
-    its last progress line (gossip mode; None if absent or not measured yet)."""
-    found = [(float(u), float(r)) for u, r in PACE_LINE.findall(log_text)]
-    found = [f for f in found if math.isfinite(f[0]) and math.isfinite(f[1])]
-    if not found:
-        return {"utilization_est": None, "starts_per_round": None}
-    return {"utilization_est": found[-1][0], "starts_per_round": found[-1][1]}
+def gasloc_utilization(log_text: str) -> dict[str, float | None]:
+    """The node's own compute-utilization estimate, per its last progress line (gossip mode;
+    None if absent or not measured yet)."""
+    found = [float(u) for u in UTIL_LINE.findall(log_text)]
+    found = [f for f in found if math.isfinite(f)]
+    return {"utilization_est": found[-1] if found else None}
 
 
 # ---------------------------------------------------------------------------- memory

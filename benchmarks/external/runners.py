@@ -2,10 +2,9 @@
 on loopback), wait for them to train ``spec.steps`` steps, and collect what they measured.
 
 Systems (:data:`SYSTEMS`): ``gasloc`` (``gasloc-node join`` with its defaults), ``gasloc-diloco``
-(the same daemon, ``--algorithm diloco``), ``gasloc-bw`` (``--peer-choice bandwidth``),
-``gasloc-solo`` (no gossip), ``gasloc-paced`` (``--pacing compute``) and ``gasloc-diloco-avg``
-(DiLoCo mode with plain averaging, eta 1 and gamma 0, the outer step the simulator found best;
-these three not in "all"), ``torchft-diloco`` (a lighthouse and one replica group
+(the same daemon, ``--algorithm diloco``), ``gasloc-solo`` (no gossip) and
+``gasloc-diloco-avg`` (DiLoCo mode with plain averaging, eta 1 and gamma 0, the outer step the
+simulator found best; these two not in "all"), ``torchft-diloco`` (a lighthouse and one replica group
 per node, gloo on CPU), ``hivemind`` (``hivemind.Optimizer`` with local updates). Every node's
 result has its eval curve, bytes counted at its veth (kernel counters; None on loopback), bytes
 its program counted or estimated, and the peak resident memory of its process group.
@@ -28,17 +27,18 @@ from benchmarks.external.common import (
     Spec,
     flag_list,
     gasloc_evals,
-    gasloc_pacing,
     gasloc_sent_bytes,
+    gasloc_utilization,
     read_records,
 )
 from gasloc_p2p.tools.nodes import NodeChild, node_env
 from gasloc_p2p.tools.procs import Child
 
-SYSTEMS = ("gasloc", "gasloc-diloco", "torchft-diloco", "hivemind", "gasloc-bw")
+SYSTEMS = ("gasloc", "gasloc-diloco", "torchft-diloco", "hivemind")
 # not in "all": the same nodes without gossip (--exchanges-per-round 0), a compute-only control;
-# the defaults with adaptive pacing (--pacing compute); DiLoCo mode with plain averaging
-OPTIONAL_SYSTEMS = ("gasloc-solo", "gasloc-paced", "gasloc-diloco-avg")
+# DiLoCo mode with plain averaging. (gasloc-bw and gasloc-paced ran --peer-choice bandwidth and
+# --pacing compute, retired after commit db57895: docs/results/peer-choice.md, pacing.md.)
+OPTIONAL_SYSTEMS = ("gasloc-solo", "gasloc-diloco-avg")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -124,12 +124,8 @@ class _Run:
         flags = flag_list({**self.spec.train_keys(str(self.data), i), "host": host.addr,
                            "log_interval_s": 5, "metrics_port": -1,
                            "init_from_swarm": False})
-        if self.system == "gasloc-bw":
-            flags += ["--peer-choice", "bandwidth"]
         if self.system == "gasloc-solo":
             flags += ["--exchanges-per-round", "0"]
-        if self.system == "gasloc-paced":
-            flags += ["--pacing", "compute"]
         if self.system == "gasloc-diloco":
             flags += ["--algorithm", "diloco", "--diloco-eta", str(self.spec.diloco_eta),
                       "--diloco-gamma", str(self.spec.diloco_gamma)]
@@ -215,7 +211,7 @@ class _Run:
             sent = gasloc_sent_bytes(err)
             done = {"program_bytes_sent": sent,
                     "program_bytes_kind": "counted: gossip payload" if sent is not None
-                    else "not counted by the program (DiLoCo mode)", **gasloc_pacing(err)}
+                    else "not counted by the program (DiLoCo mode)", **gasloc_utilization(err)}
         else:
             records = read_records(out)
             evals = [r for r in records if r.get("event") == "eval"]
@@ -224,8 +220,7 @@ class _Run:
                 "program_bytes_sent": done.get("program_bytes_sent"),
                 "program_bytes_kind": done.get("program_bytes_kind", ""),
                 "rate_mbit": self.hosts[i].rate_mbit,
-                "utilization_est": done.get("utilization_est"),
-                "starts_per_round": done.get("starts_per_round")}
+                "utilization_est": done.get("utilization_est")}
 
 
 def run_system(system: str, hosts: Sequence[HostLike], spec: Spec, data: Path, log_dir: Path,

@@ -34,6 +34,33 @@ def join_argv(flags: Sequence[str], log_level: str = "INFO") -> list[str]:
     return [sys.executable, "-m", "gasloc_p2p.cli", "--log-level", log_level, "join", *flags]
 
 
+def split_tuning(flags: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``join`` flags, with the advanced settings among them (timeouts, guard, limits: no
+    flags of ``join``) moved to their ``GASLOC_*`` variables: ``--backoff-s 3`` becomes
+    ``GASLOC_BACKOFF_S=3``, ``--decay-vectors`` ``GASLOC_DECAY_VECTORS=true``. What the swarm
+    command, the tests and the benchmarks pass to node children."""
+    from gasloc_p2p.node.settings import env_name, options
+
+    tuning = {o.cli: o for o in options().values() if o.advanced}
+    out, env, i = [], {}, 0
+    while i < len(flags):
+        flag = flags[i]
+        name, eq, value = flag.partition("=")
+        negated = name.startswith("--no-") and "--" + name[5:] in tuning
+        opt = tuning.get("--" + name[5:] if negated else name)
+        if opt is None:
+            out.append(flag)
+        elif opt.kind is bool and not eq:
+            env[env_name(opt)] = "false" if negated else "true"
+        else:
+            if not eq:
+                i += 1
+                value = flags[i]
+            env[env_name(opt)] = value
+        i += 1
+    return out, env
+
+
 def node_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a node child: unbuffered output, hivemind's own logs quiet."""
     env = dict(os.environ, PYTHONUNBUFFERED="1",
@@ -47,8 +74,11 @@ class NodeChild(Child):
 
     def __init__(self, name: str, log_dir: Path, flags: Sequence[str], log_level: str = "INFO",
                  env: Mapping[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
-        """``prefix``: a command that runs the node, e.g. ``ip netns exec NS`` (a shaped host)."""
-        super().__init__(name, [*prefix, *join_argv(flags, log_level)], log_dir, node_env(env))
+        """``prefix``: a command that runs the node, e.g. ``ip netns exec NS`` (a shaped host);
+        advanced settings among ``flags`` travel as ``GASLOC_*`` variables (:func:`split_tuning`)."""
+        flags, tuning = split_tuning(flags)
+        super().__init__(name, [*prefix, *join_argv(flags, log_level)], log_dir,
+                         node_env({**tuning, **(env or {})}))
         self.endpoint = ""
         self.signer = Signer()  # signs Info/DownloadState (set swarm_key for a keyed swarm)
 

@@ -1,6 +1,6 @@
-"""Momentum ``acid`` (A2CiD2's continuous momentum on the daemon's node state): its
-parameters from the graph, the round end by hand, the invariants, and the acceleration on a
-sparse graph through the real asynchronous driver."""
+"""Momentum ``acid`` (A2CiD2's continuous momentum on the node state, a simulator-only research
+form): its parameters from the graph, the round end by hand, the invariants, and the
+acceleration on a sparse graph through the real asynchronous driver."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.topology import acid_parameters
+from gasloc_p2p.sim.acid import AcidState
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.run import run
 
@@ -39,8 +40,7 @@ def test_round_end_by_hand():
     # (3), x = 2; k = (1 - e^-2r) / 2; x <- 2 + k (3 - 2), x~ <- 3 - k
     r = 0.4
     theta = torch.zeros(1, dtype=torch.float64)
-    s = AsyncGaslocState(theta, theta.clone(),
-                         AsyncConfig(eta=1.0, gamma=0.0, momentum="acid", acid_rate=r))
+    s = AcidState(theta, theta.clone(), AsyncConfig(eta=1.0, gamma=0.0), r, 0.5)
     s.memory.fill_(1.0)
     theta.add_(2.0)
     s.round_end()
@@ -50,12 +50,15 @@ def test_round_end_by_hand():
     assert theta.item() + s.memory.item() == pytest.approx(5.0)  # mixing keeps x + x~
 
 
-def _random_run(cfg: AsyncConfig, n: int = 6, rounds: int = 12, seed: int = 0) -> torch.Tensor:
-    """Random drifts, pair exchanges (exact pair corrections) and round ends on ``n`` states."""
+def _random_run(cfg: AsyncConfig, acid: tuple[float, float] | None = None, n: int = 6,
+                rounds: int = 12, seed: int = 0) -> torch.Tensor:
+    """Random drifts, pair exchanges (exact pair corrections) and round ends on ``n`` states
+    (``acid``: A2CiD2's rate and beta); rows: theta, then x~ if any."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     theta0 = torch.randn(7, generator=gen, dtype=torch.float64)
-    states = [AsyncGaslocState(theta0.clone(), theta0, cfg) for _ in range(n)]
+    states = [AcidState(theta0.clone(), theta0, cfg, *acid) if acid is not None
+              else AsyncGaslocState(theta0.clone(), theta0, cfg) for _ in range(n)]
     for _ in range(rounds):
         for s in states:
             s.theta.add_(torch.randn(7, generator=gen, dtype=torch.float64))
@@ -66,22 +69,22 @@ def _random_run(cfg: AsyncConfig, n: int = 6, rounds: int = 12, seed: int = 0) -
             states[j].apply_correction(-c)
         for s in states:
             s.round_end()
-    return torch.stack([torch.cat([s.theta, s.memory]) for s in states])
+    return torch.stack([torch.cat([s.theta, *([s.memory] if s.memory is not None else [])])
+                        for s in states])
 
 
 def test_beta_one_half_is_plain_gossip_at_any_rate():
     plain = _random_run(AsyncConfig(eta=0.8, gamma=0.0, momentum="mixed"))
-    acid = _random_run(AsyncConfig(eta=0.8, gamma=0.0, momentum="acid", acid_rate=0.7,
-                                   acid_beta=0.5))
+    acid = _random_run(AsyncConfig(eta=0.8, gamma=0.0), (0.7, 0.5))
     torch.testing.assert_close(acid[:, :7], plain[:, :7], rtol=0, atol=1e-12)
     torch.testing.assert_close(acid[:, 7:], acid[:, :7], rtol=0, atol=1e-12)  # x~ = x
 
 
 def test_network_mean_of_x_plus_x_tilde_moves_only_by_the_drift():
-    cfg = AsyncConfig(eta=1.0, gamma=0.0, momentum="acid", acid_rate=0.3, acid_beta=2.0)
+    cfg = AsyncConfig(eta=1.0, gamma=0.0)
     gen = torch.Generator().manual_seed(1)
     starts = torch.randn(5, 4, generator=gen, dtype=torch.float64)
-    states = [AsyncGaslocState(starts[i].clone(), starts[i], cfg) for i in range(5)]
+    states = [AcidState(starts[i].clone(), starts[i], cfg, 0.3, 2.0) for i in range(5)]
     total = sum(s.theta + s.memory for s in states)
     rng = random.Random(1)
     for _ in range(30):
@@ -94,11 +97,13 @@ def test_network_mean_of_x_plus_x_tilde_moves_only_by_the_drift():
 
 
 def test_acid_needs_gamma_zero_and_sane_parameters():
-    for bad in (AsyncConfig(momentum="acid", gamma=0.5),
-                AsyncConfig(momentum="acid", gamma=0.0, acid_rate=-1.0),
-                AsyncConfig(momentum="acid", gamma=0.0, acid_beta=0.0)):
+    theta = torch.zeros(3)
+    for cfg, rate, beta in ((AsyncConfig(gamma=0.5), 0.1, 0.5), (AsyncConfig(), -1.0, 0.5),
+                            (AsyncConfig(), 0.1, 0.0)):
         with pytest.raises(ValueError, match="acid|gamma"):
-            bad.validate()
+            AcidState(theta, theta, cfg, rate, beta)
+    with pytest.raises(ValueError, match="momentum"):
+        AsyncConfig(momentum="acid").validate()  # not a node form
 
 
 def _async_consensus(n: int, graph: str, momentum: str, rounds: int = 120) -> list[float]:
