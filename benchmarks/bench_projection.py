@@ -1,6 +1,6 @@
 """Project compute utilization past one machine: GASLoC, DiLoCo and Streaming DiLoCo at
 n = 64 and 256 against link speed, from the profile measured on real nodes, and for a
-1B-parameter model (``gasloc_p2p.sim.projection``; timing only, no training).
+1B-parameter model (``benchmarks.projection``; timing only, no training).
 
 The measured profile comes from a ``bench_external.py`` run with the no-gossip control
 (``make bench-pacing`` writes ``docs/results/pacing.json``): the step time is the control's
@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.projection import Profile, min_link_for, project
 from gasloc_p2p.core.codecs import get_codec
-from gasloc_p2p.sim.projection import Profile, min_link_for, project
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def measured_profile(path: Path, name: str = "measured") -> tuple[dict[str, Any]
 def exchange_work_s(numel: int, repeats: int = 12) -> float:
     """Node time one participation's work takes on one thread of this machine, measured: the
     daemon's protocol and engine (``ProtocolExchanger``: snapshot, encode, guard, decode,
-    fold, apply; int8, the default ``plain`` references) between two in-memory node states with the
+    fold, apply; int8 payloads) between two in-memory node states with the
     suite GPT's size, half of one exchange's time (each exchange is two participations)."""
     import torch
 
@@ -93,8 +93,7 @@ def exchange_work_s(numel: int, repeats: int = 12) -> float:
     theta0 = torch.randn(numel, generator=gen) * 0.02
     cfg = AsyncConfig(eta=1.0, gamma=0.0)
     states = [AsyncGaslocState(theta0.clone(), theta0, cfg) for _ in range(2)]
-    ex = ProtocolExchanger(states, theta0, [whole(numel)], CodecSpec.parse("int8"), cfg,
-                           references="plain")
+    ex = ProtocolExchanger(states, theta0, [whole(numel)], CodecSpec.parse("int8"), cfg.w)
     times = []
     for k in range(repeats + 2):
         for st in states:  # some drift, as after inner steps
@@ -262,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.bench_projection " + " ".join(argv or sys.argv[1:])
     header = ["# Projection past one machine", "", f"`{command.strip()}` "
               f"({time.monotonic() - started:.0f} s). Timing model: "
-              "`gasloc_p2p/sim/projection.py` (GASLoC event-driven, 40 rounds after 5 of "
+              "`benchmarks/projection.py` (GASLoC event-driven, 40 rounds after 5 of "
               "warm-up, seed 0, 2 starts per round; paced: the most starts per round, down to "
               "0.5, that keep 95% utilization; DiLoCo and Streaming DiLoCo (4 fragments, tau = 5) in closed "
               "form; latency 20 ms one way; every method sends the int8 payload). Utilization = "

@@ -1,16 +1,15 @@
 """Memory and tensor work of one node's exchanges at 1M, 10M and 100M parameters (issue 9).
 
-For each size and reference scheme, a fresh child process (so peak RSS is its own) holds one
+For each size, with and without the update guard, a fresh child process (so peak RSS is its own) holds one
 node: live parameters (the "model"), the outer state (anchor, momentum memory) and an
 :class:`ExchangeEngine`; it runs exchanges of the whole vector with ``--peers`` distinct peers
 (prepare, check of a peer payload, commit) and reports
 
 - extra memory: (peak RSS during the exchanges - RSS with only the model allocated) / model
-  bytes, i.e. everything the outer algorithm adds (theta_0 where the scheme needs it, anchor,
-  memory, references or error feedback, both payloads, scratch), in model-size float32
-  equivalents (goal: <= 3). Of it, theta_0 (column θ0): float32 for ``links`` (its references
-  start from it), a bfloat16 copy for the other schemes (the node's ``compact_theta0``: it only
-  anchors the update guard), so half a model copy is saved. The peer's payload is held as
+  bytes, i.e. everything the outer algorithm adds (theta_0, anchor, both payloads, scratch; no
+  momentum memory at the default gamma 0), in model-size float32 equivalents (goal: <= 3). Of
+  it, theta_0 (column θ0) is a bfloat16 copy, as the node keeps it (it only anchors the update
+  guard). The peer's payload is held as
   received bytes (what the session's buffer holds) and counted; setup temporaries are not (the
   kernel's peak is reset after setup);
 - time per phase, as a multiple of one memcpy of the fragment: ``copy_`` into an existing
@@ -20,7 +19,7 @@ node: live parameters (the "model"), the outer state (anchor, momentum memory) a
   which is what the time is made of; the kernels of one exchange go to stderr.
 
 No gradients or optimizer state are allocated: they are the model's, not the outer algorithm's.
-Run: ``python -m benchmarks.bench_scale [--sizes 1e6,1e7,1e8] [--schemes links,plain]``.
+Run: ``python -m benchmarks.bench_scale [--sizes 1e6,1e7,1e8] [--schemes plain,plain+guard]``.
 Timings on shared machines vary by ~30%: compare ratios, not absolute times.
 """
 
@@ -105,7 +104,7 @@ def count_passes(engine: ExchangeEngine, spec: CodecSpec, numel: int, raw: bytea
     """Full-size passes of one exchange per phase (and, for the report, per kernel)."""
     result: dict[str, float] = {}
     with PassCounter() as c:
-        prep = engine.prepare("peer0", 0, spec, False)
+        prep = engine.prepare("peer0", 0, spec)
     result["prepare_passes"], ops = c.elems / numel, dict(c.by_op)
     with PassCounter() as c:
         received = engine.check(spec, numel, raw, crc, prep)
@@ -126,35 +125,33 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
     gen = torch.Generator(device=dev).manual_seed(0)
     theta = torch.randn(numel, device=dev, generator=gen).mul_(0.02)  # the model
     base = rss_bytes()
-    scheme, guarded = scheme.removesuffix("+guard"), scheme.endswith("+guard")
+    guarded = scheme.endswith("+guard")
     theta0 = theta.clone()
     state = AsyncGaslocState(theta, theta0, AsyncConfig())
-    if scheme != "links":  # as Trainer.compact_theta0: only "links" needs theta_0 in float32
-        theta0 = theta0.to(torch.bfloat16)  # the float32 copy is freed
-    engine = ExchangeEngine(state, theta0, [whole(numel)], NoLock(), max(peers, 1), scheme)
+    theta0 = theta0.to(torch.bfloat16)  # as the Trainer keeps it: the float32 copy is freed
+    engine = ExchangeEngine(state, theta0, [whole(numel)], NoLock())
     if guarded:  # the daemon's default: check screens the pair (thresholds never hit here)
         engine.guard = UpdateGuard(GuardRule(factor=1e30, warmup_factor=1e30, min_cosine=-1))
     spec = CodecSpec.parse(codec)
     drift = torch.randn(numel, device=dev, generator=gen).mul_(1e-3)
     theta.add_(drift)  # a local drift
     # The peer drifted from the same theta_0 along a shared direction plus its own noise (so
-    # the guard's direction screen passes, as between honest nodes); links send the delta from
-    # the link's reference (theta_0 here), the other schemes the public iterate itself.
+    # the guard's direction screen passes, as between honest nodes); the payload is its public
+    # iterate itself.
     peer = drift.add_(torch.randn(numel, device=dev, generator=gen), alpha=1e-3)
-    if scheme != "links":
-        peer.add_(theta0.float())
+    peer.add_(theta0.float())
     peer_payload = spec.codec().encode(peer)
     del drift, peer
     raw = bytearray(peer_payload.to_bytes())  # the peer's payload, as the session's buffer
     crc = zlib.crc32(raw)
     del peer_payload
-    prep = engine.prepare("warm-up", 0, spec, False)
+    prep = engine.prepare("warm-up", 0, spec)
     engine.commit(prep, engine.check(spec, numel, raw, crc, prep),
                   0.5)  # page in torch's kernels: a fixed ~20 MB of code, not the algorithm's
     del prep
     reset_peak()  # from here: the node's state plus what exchanges allocate
     for k in range(peers):  # memory: one exchange with each peer
-        prep = engine.prepare(f"peer{k}", 0, spec, False)
+        prep = engine.prepare(f"peer{k}", 0, spec)
         engine.commit(prep, engine.check(spec, numel, raw, crc, prep), 0.5)
         del prep  # as the session drops it: never two of our payloads at once
     peak = peak_bytes()
@@ -167,7 +164,7 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
         times["copy"].append(best(dst.copy_, 1, theta))
         times["clone"].append(best(theta.clone, 1))
         t0 = time.perf_counter()
-        prep = engine.prepare(f"peer{k % peers}", 0, spec, False)
+        prep = engine.prepare(f"peer{k % peers}", 0, spec)
         t1 = time.perf_counter()
         received = engine.check(spec, numel, raw, crc, prep)
         t2 = time.perf_counter()
@@ -190,13 +187,10 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1e6,1e7,1e8", help="parameter counts")
-    p.add_argument("--schemes", default="plain,feedback,links,plain+guard",
-                   help="reference schemes; NAME+guard: with the update guard's screen in "
-                        "check (the daemon's default)")
+    p.add_argument("--schemes", default="plain,plain+guard",
+                   help="plain, or plain+guard: with the update guard's screen in check (the "
+                        "daemon's default)")
     p.add_argument("--peers", type=int, default=8, help="distinct peers exchanged with")
-    p.add_argument("--links-max", type=float, default=1e7,
-                   help="largest size run with 'links' (its 2 copies per peer: 100M x 8 peers "
-                        "is 6.4 GB)")
     p.add_argument("--codec", default="int8:1024")
     p.add_argument("--device", default="cpu", help="cpu, cuda (also run when available)")
     p.add_argument("--child", nargs=3, metavar=("NUMEL", "SCHEME", "DEVICE"),
@@ -217,8 +211,6 @@ def main() -> int:
     for device in devices:
         for size in (int(float(s)) for s in args.sizes.split(",")):
             for scheme in args.schemes.split(","):
-                if scheme.startswith("links") and size > args.links_max:
-                    continue
                 try:
                     r = run_child(size, scheme, device, args)
                 except subprocess.CalledProcessError as exc:  # e.g. the engine on CUDA

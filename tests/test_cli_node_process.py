@@ -20,10 +20,11 @@ from tests.swarm_helpers import wait_for
 
 CLI = [sys.executable, "-m", "gasloc_p2p.cli"]
 TINY = ["--host", "127.0.0.1", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32",
-        "--batch-size", "4", "--torch-threads", "1", "--eval-interval-steps", "20",
-        "--eval-batches", "1"]
-# hivemind's own default log level, as in a user's terminal (the test suite quiets it elsewhere)
-ENV = {k: v for k, v in os.environ.items() if k != "HIVEMIND_LOGLEVEL"} | {"PYTHONUNBUFFERED": "1"}
+        "--batch-size", "4", "--torch-threads", "1", "--eval-interval-steps", "20"]
+# hivemind's own default log level, as in a user's terminal (the test suite quiets it elsewhere);
+# tuning travels in the environment (no join flag)
+ENV = {k: v for k, v in os.environ.items() if k != "HIVEMIND_LOGLEVEL"} | {
+    "PYTHONUNBUFFERED": "1", "GASLOC_EVAL_BATCHES": "1"}
 OWN_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO gasloc_p2p\.")
 
 

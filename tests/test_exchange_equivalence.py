@@ -62,8 +62,11 @@ def _round_ends_before_check(peer: Peer) -> None:
 @pytest.mark.parametrize("codec", ["int8", "fp4"])
 def test_daemon_and_simulator_exchanges_are_bit_identical(codec):
     async def main():
-        peers = [await make_peer("0", 1, gossip_config(codec=codec), outer=OUTER),
-                 await make_peer("1", 2, gossip_config(codec=codec), outer=OUTER)]
+        # guard off: fp4 rounds these raw iterates (RMS 1) by far more than the two differ, so
+        # the direction screen would refuse them; the equivalence, not the guard, is tested
+        gossip = gossip_config(codec=codec, guard_factor=0)
+        peers = [await make_peer("0", 1, gossip, outer=OUTER),
+                 await make_peer("1", 2, gossip, outer=OUTER)]
         try:
             t0 = peers[0].engine.theta0
             sim_states = [_clone_state(p.state, t0) for p in peers]

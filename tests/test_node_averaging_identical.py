@@ -4,7 +4,7 @@ Real hivemind averagers (each its own forked process) on three real DHT nodes on
 Streaming DiLoCo and DiLoCo need every replica to take its outer step with the same averaged
 outer gradient: hivemind's stock all-reduce returns ``Q(mean - own part)`` to each member and
 keeps the exact mean on the reducer, so with fp4 or int8 payloads the members' results differed
-by quantization noise and their fragments drifted apart (:mod:`gasloc_p2p.node.modes.uniform`).
+by quantization noise and their fragments drifted apart (:mod:`gasloc_p2p.node.averaging.uniform`).
 
 Checked here: several syncs of three nodes' streaming rounds (3 fragments, one shared averager
 as the daemon runs them) leave every fragment's anchor and Nesterov buffer bit-identical on all
@@ -183,11 +183,12 @@ def test_a_reducer_accepts_only_parts_of_its_codec_size_and_weight():
 
 
 def _check_reducer() -> None:
-    from gasloc_p2p.node.modes.compression import make_compression
-    from gasloc_p2p.node.modes.uniform import runner_class
     from hivemind.averaging.partition import AllreduceException
     from hivemind.compression import serialize_torch_tensor
     from hivemind.proto import averaging_pb2, runtime_pb2
+
+    from gasloc_p2p.node.averaging.compression import make_compression
+    from gasloc_p2p.node.averaging.uniform import runner_class
 
     class FakeP2P:
         peer_id = "a"

@@ -224,7 +224,7 @@ def test_responder_dying_mid_stream_changes_nothing_on_the_initiator():
 
             async def dying(stream):  # B sends its header and part of its payload, then dies
                 first = await stream.read()
-                prep = b.engine.prepare(a.me.peer_id, 0, CodecSpec("int8", 1024), False)
+                prep = b.engine.prepare(a.me.peer_id, 0, CodecSpec("int8", 1024))
                 await stream.write(sign_header(make_header(b.me, prep, 2), b.me.signer,
                                                new_nonce(), first.header.nonce))
                 await stream.write(pb.ExchangeMsg(chunk=pb.Chunk(data=bytes(prep.payload[:1000]))))

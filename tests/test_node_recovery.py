@@ -35,7 +35,8 @@ def test_a_checkpoint_with_nan_or_foreign_shapes_fails_in_one_line(corpus, tmp_p
     assert good is not None
     for change, why in ((lambda p: p["theta"].__setitem__(3, float("nan")), "NaN"),
                         (lambda p: p.__setitem__("anchor", torch.zeros(7)), "shape"),
-                        (lambda p: p["memory"].__setitem__(0, 1e30), "values up to"),
+                        (lambda p: p.__setitem__("memory", torch.full_like(p["theta"], 1e30)),
+                         "values up to"),  # a memory where gamma 0 keeps none: judged too
                         (lambda p: p.__setitem__("fingerprint", "x"), "another model")):
         bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in good.items()}
         change(bad)
@@ -161,7 +162,7 @@ def test_a_blocked_worker_thread_cannot_hold_the_exit(monkeypatch):
 def test_slow_teardown_steps_are_logged_at_info(caplog, monkeypatch):
     import asyncio
 
-    from gasloc_p2p.node.runtime import daemon
+    from gasloc_p2p.node import daemon
 
     monkeypatch.setattr(daemon, "SLOW_TEARDOWN_S", 0.05)
     with caplog.at_level(logging.INFO, logger="gasloc_p2p.node.daemon"):

@@ -50,7 +50,7 @@ SWARM_KEY = b"0123456789abcdef-the-swarm-secret"
 async def _send_header(a, b, forge):
     """A raw stream from ``a`` to ``b`` whose first Header ``forge`` tampers with; returns the
     first message ``b`` answers."""
-    prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec, False)
+    prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec)
     msg = sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
     forge(msg.header)
     call = a.open_call(b)
@@ -266,7 +266,7 @@ def test_slow_trickle_stream_is_cut_and_honest_peers_still_exchange():
         b = await make_peer("B", 2, slow_cfg)
         a, c = await make_peer("A", 1), await make_peer("C", 3)
         try:
-            prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec, False)
+            prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec)
             nonce = new_nonce()
             msg = sign_header(make_header(a.me, prep, 2), a.me.signer, nonce, b"")
             call = a.open_call(b)
@@ -394,7 +394,7 @@ def test_commit_not_signed_for_this_stream_is_not_applied(signature):
         a, b = await make_peer("A", 1), await make_peer("B", 2)
         try:
             before = full_state(b)
-            prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec, False)
+            prep = a.engine.prepare(b.me.peer_id, 0, a.exchanger.rules.codec)
             msg = sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
             call = a.open_call(b)
             await call.write(msg)

@@ -106,7 +106,7 @@ def test_three_streaming_processes_average_every_fragment_at_its_offset(tmp_path
         spread = max(float((a - states[0][1]).abs().max()) for _, a in states[1:])
         print(f"anchors: largest difference between nodes {spread:.3g} (max |anchor| "
               f"{float(states[0][1].abs().max()):.3g}), epochs {[m.rounds for m, _ in states]}")
-        nodes[1].wait_for(r"\| streaming epochs \[\d+(, \d+){4}\] syncs ok/failed/solo f0:",
+        nodes[1].wait_for(r"\| diloco epochs \[\d+(, \d+){4}\] syncs ok/failed/solo f0:",
                           scaled(15), stdout=False)  # the progress line
         for node in nodes:
             node.proc.send_signal(signal.SIGTERM)

@@ -55,12 +55,12 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
     assert abs(lr_at(110) - 1e-4) < 1e-12 and lr_at(10_000) == lr_at(110)
 
 
-def test_decay_vectors_flag_reaches_the_optimizer():
+def test_decay_vectors_setting_reaches_the_optimizer():
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
     model = build_model(TrainConfig(n_layer=1, n_embd=16, n_head=2, seq_len=8).gpt(), 0)
-    for argv, decays in (([], [0.1, 0.0]), (["--decay-vectors"], [0.1])):
-        cfg = build_config(parser.parse_args(argv), environ={}).train
+    for env, decays in (({}, [0.1, 0.0]), ({"GASLOC_DECAY_VECTORS": "true"}, [0.1])):
+        cfg = build_config(parser.parse_args([]), environ=env).train
         opt = build_adamw(model, 1e-3, inner_settings(cfg)[1])
         assert [g["weight_decay"] for g in opt.param_groups] == decays
 

@@ -1,10 +1,10 @@
-"""The timing projection (gasloc_p2p.sim.projection): closed forms, the event model's limits."""
+"""The timing projection (benchmarks.projection): closed forms, the event model's limits."""
 
 from __future__ import annotations
 
 import pytest
 
-from gasloc_p2p.sim.projection import (
+from benchmarks.projection import (
     Profile,
     diloco,
     gasloc,

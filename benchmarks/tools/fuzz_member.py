@@ -205,7 +205,7 @@ async def run_fuzz(endpoint: str, target: Target, streams: int, concurrency: int
 NODE_FLAGS = ["--host", "127.0.0.1", "--n-layer", "2", "--n-embd", "64", "--seq-len", "64",
               "--batch-size", "8", "--header-timeout-s", "2", "--chunk-timeout-s", "2",
               "--commit-timeout-s", "2", "--exchange-timeout-s", "8", "--torch-threads", "1",
-              "--max-inbound", "4", "--codec", "int8", "--references", "feedback"]
+              "--max-inbound", "4", "--codec", "int8"]
 STREAM_DEADLINE_S = 15.0  # the node's own timeouts end any stream within about 10 s
 
 
@@ -220,7 +220,7 @@ def fuzz_node(log_dir: Path, streams: int, concurrency: int, seed: int,
         before = node.info()
         params = node.download_state(before.run_id)[1]
         numel = params.numel()
-        target = Target(before.run_id, before.model_fingerprint, numel, "feedback",
+        target = Target(before.run_id, before.model_fingerprint, numel,
                         STREAM_DEADLINE_S, params)
         t0 = time.monotonic()
         counts = asyncio.run(run_fuzz(node.endpoint, target, streams, concurrency, seed,

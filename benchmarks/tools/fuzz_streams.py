@@ -67,7 +67,6 @@ class Target:
     run_id: str
     fingerprint: str
     numel: int
-    references: str
     deadline_s: float  # the node's own timeouts end any stream within this
     params: torch.Tensor | None = None  # the node's parameters (float32, flat), if known
     _mirrors: dict[tuple[str, int], bytes] = field(default_factory=dict)
@@ -88,8 +87,7 @@ class Target:
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id,
             model_fingerprint=self.fingerprint, peer_id=peer_id, codec=codec, block_size=block,
             fragment_index=0, fragment_count=1, fragment_numel=self.numel,
-            payload_bytes=len(payload), payload_crc32=zlib.crc32(payload), link_version=0,
-            rounds=0, references=self.references))
+            payload_bytes=len(payload), payload_crc32=zlib.crc32(payload), rounds=0))
 
 
 def make_payload(codec: str, block: int, numel: int, kind: str,
@@ -264,8 +262,8 @@ async def outsider_stream(channel: grpc.aio.Channel, rng: random.Random, t: Targ
 def mutate_header(h: pb.Header, rng: random.Random) -> None:
     name = rng.choice(["protocol_version", "run_id", "model_fingerprint", "peer_id", "codec",
                        "block_size", "fragment_index", "fragment_count", "fragment_numel",
-                       "payload_bytes", "references"])
-    if name in ("run_id", "model_fingerprint", "peer_id", "codec", "references"):
+                       "payload_bytes"])
+    if name in ("run_id", "model_fingerprint", "peer_id", "codec"):
         value: object = rng.choice(["", "x" * rng.randrange(1, 5000), "evil\nINFO forged",
                                     "\x1b[2J", "fp4", "links", "int9"])
     else:

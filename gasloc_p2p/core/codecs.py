@@ -1,4 +1,4 @@
-"""Codecs for flat 1-D tensors on the wire (ALGORITHM.md section 4).
+"""Codecs for flat 1-D tensors on the wire (docs/algorithm.md section 4).
 
 Every codec turns a 1-D float tensor of ``numel`` elements into an :class:`Encoded` payload
 and back into float32. Decoding is elementwise with one IEEE rounding per element, so it is

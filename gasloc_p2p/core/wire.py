@@ -1,4 +1,4 @@
-"""The codecs' wire format: payload layout and the :class:`Encoded` value (ALGORITHM.md s. 4).
+"""The codecs' wire format: payload layout and the :class:`Encoded` value (docs/algorithm.md s. 4).
 
 Wire layout (``Encoded.to_bytes``): ``scales`` (float32, little-endian, one per block) then
 ``data`` (uint8). No padding is sent: a partial last block is padded with zeros only in

@@ -32,10 +32,15 @@ _EXECUTOR_THREADS = 32  # to_thread work: encodes, commits, DHT calls, checkpoin
 def add_join_parser(sub: Any) -> None:
     p = sub.add_parser(
         "join", help="start a node: join a swarm (--peers) or start a new one",
-        description="Run a gasloc node: discover peers through the hivemind DHT, train the "
-                    "tiny GPT with AdamW inner steps, gossip quantized parameter deltas over "
-                    "gRPC (GASLoC, ALGORITHM.md section 2). Every option is also a GASLOC_* "
-                    "environment variable and a key of the --config TOML file.")
+        description="Run a gasloc node: discover peers through the hivemind DHT, train with "
+                    "AdamW inner steps, gossip quantized parameters over gRPC (GASLoC, "
+                    "docs/algorithm.md section 2). Every option is also a GASLOC_* "
+                    "environment variable and a key of the --config TOML file; tuning "
+                    "(timeouts, guard thresholds, limits) is settable there only: "
+                    "docs/configuration.md lists every setting.")
+    p.add_argument("--check", action="store_true",
+                   help="validate the configuration, print what the node would run, and exit "
+                        "(starts nothing, downloads nothing)")
     add_config_flags(p)
     p.set_defaults(func=run_join)
 
@@ -64,12 +69,18 @@ def _fail_config(command: str, exc: Exception) -> int:
 
 def run_join(args: argparse.Namespace) -> int:
     """Entry point of ``gasloc-node join``; returns the exit code."""
+    check = bool(getattr(args, "check", False))
+    if hasattr(args, "check"):
+        del args.check  # not a config field
     try:
         cfg = build_config(args)
         check_bootstrap_peers(cfg.discovery.peers)
         _check_ports(cfg)
     except (ConfigError, OSError) as exc:
         return _fail_config("join", exc)
+    if check:
+        print(check_summary(cfg))
+        return 0
     import uvloop
 
     # `kill -USR1 PID` writes every thread's stack to stderr (a node that seems stuck)
@@ -92,6 +103,29 @@ def run_join(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def check_summary(cfg: NodeConfig) -> str:
+    """What ``join --check`` prints: the configuration's gist, one line each."""
+    t, o, g = cfg.train, cfg.outer, cfg.gossip
+    algo = (f"{o.algorithm} (eta {o.eta:g}, gamma {o.gamma:g}, {g.codec} payloads, "
+            f"{g.exchanges_per_round:g} exchanges per round)" if o.algorithm == "gasloc" else
+            f"{o.algorithm} (Nesterov {cfg.diloco.diloco_eta:g}/{cfg.diloco.diloco_gamma:g}, "
+            f"{cfg.diloco.diloco_codec} all-reduce)")
+    peers = " ".join(cfg.discovery.peers) or "none: a new swarm"
+    return "\n".join([
+        "configuration ok",
+        f"  run       {cfg.discovery.run_id}",
+        f"  model     {t.model}, seed {t.seed}, {t.precision} on {t.device}",
+        f"  data      {t.data or 'Shakespeare (downloaded)'}, tokenizer {t.tokenizer}",
+        f"  training  batch {t.batch_size} x {t.seq_len} tokens, H {t.inner_steps}, lr {t.lr:g}",
+        f"  outer     {algo}",
+        f"  peers     {peers}",
+        f"  network   {cfg.network.host}:{cfg.network.port or 'any'}, DHT port "
+        f"{cfg.discovery.dht_port or 'any'}" + (", client mode" if cfg.network.client_mode
+                                                else ""),
+        f"  security  swarm key {'set' if cfg.network.swarm_key else 'none (an open swarm)'}, "
+        f"identity {cfg.network.identity_file or 'new at each start'}"])
 
 
 class BoundedExecutor(ThreadPoolExecutor):

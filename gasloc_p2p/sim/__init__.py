@@ -1,5 +1,5 @@
 """In-process swarm simulator: N workers on one machine, a driver of the pure core.
 
-Synchronous rounds (ALGORITHM.md section 1) and an event-driven asynchronous mode (section 2)
+Synchronous rounds (docs/algorithm.md section 1) and an event-driven asynchronous mode (section 2)
 with per-worker compute speed and per-link bandwidth; simulated wall-clock time is reported.
 """

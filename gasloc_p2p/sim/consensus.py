@@ -1,4 +1,4 @@
-"""The pure-consensus toy (ALGORITHM.md section 1): the real GASLoC drivers with no training.
+"""The pure-consensus toy (docs/algorithm.md section 1): the real GASLoC drivers with no training.
 
 Each worker starts at its own random point in ``R^DIM`` (standard normal, seeded) and takes no
 gradient steps: its "inner phase" leaves its parameters unchanged, so the drift is zero and

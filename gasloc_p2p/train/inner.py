@@ -62,7 +62,7 @@ class InnerLoop:
 
     ``model(x, y)`` must return ``(logits, loss)`` with a scalar loss, as
     :class:`gasloc_p2p.model.GPT` does. The optimizer state stays private to this worker or
-    node: it is never exchanged (ALGORITHM.md section 1), only checkpointed.
+    node: it is never exchanged (docs/algorithm.md section 1), only checkpointed.
     """
 
     def __init__(self, model: nn.Module, schedule: LRSchedule,

@@ -140,7 +140,7 @@ class DilocoMode(Mode):
         theta) and the Nesterov buffers."""
         assert self.ctx is not None
         rounds, anchor, buf = self._started().snapshot()
-        return StateSnapshot(self.ctx.train_stats.step, rounds, "diloco", anchor, buf)
+        return StateSnapshot(self.ctx.train_stats.step, rounds, self.name, anchor, buf)
 
     def info_fields(self) -> dict[str, Any]:
         fields = self._started().info_fields()

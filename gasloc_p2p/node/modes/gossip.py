@@ -268,7 +268,7 @@ def compatible_codecs(peers: Sequence[PeerInfo], codec: str) -> list[PeerInfo]:
 
 
 class GossipMode(Mode):
-    """GASLoC: pairwise gossip exchanges between round ends (ALGORITHM.md section 2)."""
+    """GASLoC: pairwise gossip exchanges between round ends (docs/algorithm.md section 2)."""
 
     name = "gasloc"
 
