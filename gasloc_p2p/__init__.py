@@ -1,4 +1,4 @@
-"""gasloc_p2p: peer-to-peer volunteer training with GASLoC (gossip + local steps + outer momentum).
+"""gasloc_p2p: peer-to-peer volunteer training with GASLoC (gossip + DiLoCo-style local steps).
 
 Layers (enforced by tests/test_layers.py):
 - ``gasloc_p2p.core``: the pure algorithm (torch + standard library only).

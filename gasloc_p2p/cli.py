@@ -22,7 +22,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="gasloc-node", description="Peer-to-peer volunteer training with "
-                    "GASLoC: gossip + local steps + outer momentum.")
+                    "GASLoC: gossip + DiLoCo-style local steps.")
     parser.add_argument("--version", action="version", version=f"gasloc-node {__version__}")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")

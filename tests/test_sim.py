@@ -215,7 +215,8 @@ def test_async_participation_per_round_matches_the_setting(data, participations)
     res = run(cfg, data)
     assert res["stats"]["participations_per_round"] == pytest.approx(participations, rel=0.15)
     # a sync 1-peer matching on the complete graph (n even): one participation per round
-    sync = run(dataclasses.replace(cfg, mode="sync", matching="1-peer"), data)
+    sync = run(dataclasses.replace(cfg, mode="sync", matching="1-peer",
+                                   participations_per_round=2.0), data)
     assert res["final"]["bytes_per_worker"] == pytest.approx(
         participations * sync["final"]["bytes_per_worker"], rel=0.15)
 

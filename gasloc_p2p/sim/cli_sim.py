@@ -39,15 +39,36 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+# Flags that only some algorithms or modes read. In a comparison (--algorithms gasloc,diloco)
+# each run takes the ones that apply to it; a single run is refused a flag it would ignore.
+ASYNC_ONLY = ("participations_per_round", "starts_per_round")
+GOSSIP_ONLY = ("w", "graph", "matching", "momentum")
+
+
+def applicable(flags: dict[str, Any], algo: str, mode: str) -> dict[str, Any]:
+    """The flags of ``flags`` that run ``algo`` in ``mode`` reads."""
+    drop = set(ASYNC_ONLY) if mode == "sync" else {"matching"}
+    if algo not in ("gasloc", "gossip-sgd"):
+        drop |= set(GOSSIP_ONLY)
+    if algo != "streaming-diloco":
+        drop |= {"tau", "alpha"}
+        if not (algo == "gasloc" and mode == "async"):
+            drop.add("fragments")
+    return {k: v for k, v in flags.items() if k not in drop}
+
+
 def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
     base = given(args, sim_options())
+    base.pop("mode", None)
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     seeds = _int_list(args.seeds)
     cfgs = []
     for seed in seeds:
         for algo in algorithms:
-            mode = base.get("mode", "sync") if algo in ("gasloc", "gossip-sgd", "local") else "sync"
-            cfg = SimConfig(**{**base, "mode": mode}, algorithm=algo, seed=seed)
+            mode = (getattr(args, "mode", "sync") if algo in ("gasloc", "gossip-sgd", "local")
+                    else "sync")
+            flags = applicable(base, algo, mode) if len(algorithms) > 1 else base
+            cfg = SimConfig(**flags, mode=mode, algorithm=algo, seed=seed)
             cfg.validate()
             cfgs.append(cfg)
     return cfgs

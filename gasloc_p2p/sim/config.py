@@ -191,6 +191,21 @@ class SimConfig:
             (self.acid_beta is None or 0.0 < self.acid_beta <= 100.0,
              "--acid-beta must be in (0, 100]"),
             (self.budget in BUDGETS, f"--budget must be one of {BUDGETS}"),
+            # flags a driver would otherwise ignore: refused, never silently dropped
+            (self.fragments == 1 or self.algorithm == "streaming-diloco"
+             or (self.algorithm == "gasloc" and self.mode == "async"),
+             "--fragments applies to streaming-diloco and async gasloc only"),
+            ((self.tau, self.alpha) == (1, 0.0) or self.algorithm == "streaming-diloco",
+             "--tau and --alpha apply to streaming-diloco only"),
+            (self.matching == "1-peer" or self.mode == "sync",
+             "--matching applies to --mode sync (async exchanges pair one peer at a time)"),
+            ((self.participations_per_round == 2.0 and self.starts_per_round is None)
+             or self.mode == "async",
+             "--participations-per-round and --starts-per-round apply to --mode async"),
+            (self.w is None or self.algorithm in ("gasloc", "gossip-sgd"),
+             "--w is the gossip weight of gasloc and gossip-sgd"),
+            (self.momentum == "mixed" or self.algorithm == "gasloc",
+             "--momentum is gasloc's round-end form"),
             (self.trace_batches >= 0, "--trace-batches must be >= 0"),
             (self.lr > 0 and self.warmup_steps >= 0, "--lr must be > 0, --warmup-steps >= 0"),
             (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
