@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 # Bump when the parameter layout or the init scheme changes: old fingerprints become invalid.
 _FINGERPRINT_FORMAT = 1
@@ -119,6 +120,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.checkpointing = False  # recompute each block's activations in backward
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Next-token logits and optional loss.
@@ -136,7 +138,10 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         # Tied head: logits reuse the token embedding, so there is no separate head parameter.
         logits = F.linear(self.ln_f(x), self.tok_emb.weight)
         if targets is None:

@@ -86,8 +86,9 @@ def test_allreduce_equals_diloco_on_every_worker(momentum):
 
 def test_correction_moves_public_iterate_and_keeps_drift():
     theta = torch.arange(5.0, dtype=torch.float64)
-    s = AsyncGaslocState(theta, torch.zeros(5, dtype=torch.float64), AsyncConfig())
+    s = AsyncGaslocState(theta, torch.zeros(5, dtype=torch.float64), AsyncConfig(eta=0.7))
     theta.add_(1.0)  # inner steps
+    assert s.anchor is not None  # eta < 1 reads it
     drift = s.theta - s.anchor
     p = s.public_iterate()
     c = torch.full((5,), 0.25, dtype=torch.float64)
@@ -120,3 +121,35 @@ def test_async_config_rejects_bad_values():
     for bad in [AsyncConfig(w=0.7), AsyncConfig(momentum="nesterov"), AsyncConfig(gamma=-0.1)]:
         with pytest.raises(ValueError):
             bad.validate()
+
+
+def test_the_anchor_exists_only_where_it_is_read():
+    theta = torch.ones(4)
+    assert AsyncGaslocState(theta, theta, AsyncConfig()).anchor is None  # eta 1: p is theta
+    assert AsyncGaslocState(theta, theta, AsyncConfig(gamma=0.5)).anchor is None  # mixed
+    assert AsyncGaslocState(theta, theta, AsyncConfig(gamma=0.5, momentum="local")).anchor \
+        is not None
+    assert AsyncGaslocState(theta, theta, AsyncConfig(eta=0.7)).anchor is not None
+    assert AsyncGaslocState(theta, theta, AsyncConfig(), keep_anchor=True).anchor is not None
+
+
+@pytest.mark.parametrize("cfg", [AsyncConfig(), AsyncConfig(eta=0.7), AsyncConfig(gamma=0.5),
+                                 AsyncConfig(eta=0.6, gamma=0.5, momentum="local")])
+def test_host_chunks_give_the_one_pass_bits(cfg, monkeypatch):
+    """Chunked round ends and corrections (what a GPU node runs, its outer state on the host)
+    give the bits of one pass: chunks of 7 elements against the whole vector at once."""
+    import gasloc_p2p.core.async_state as mod
+
+    def run(chunk: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(mod, "TRANSFER_ELEMS", chunk)
+        gen = torch.Generator().manual_seed(0)
+        theta0 = torch.randn(50, generator=gen, dtype=torch.float64)
+        s = AsyncGaslocState(theta0.clone(), theta0, cfg)
+        for r in range(3):
+            s.theta.add_(torch.randn(50, generator=gen, dtype=torch.float64) * 0.1)
+            s.apply_correction(torch.randn(50, generator=gen, dtype=torch.float64) * 0.01)
+            s.round_end()
+        return [t for t in (s.theta, s.anchor, s.memory) if t is not None]
+
+    for a, b in zip(run(7), run(1 << 24), strict=True):
+        assert torch.equal(a, b)

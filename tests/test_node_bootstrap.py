@@ -49,16 +49,15 @@ def test_a_joining_node_ignores_a_poisoned_donor_with_a_huge_step(corpus):
                              timeout_s=90, what="a and b in consensus")
             st, t0 = evil.trainer.state, evil.trainer.theta0
             with evil.lock.urgent():
-                st.theta.copy_(t0 + 50 * torch.randn(t0.shape))
-                st.anchor.copy_(st.theta)
+                st.theta.copy_(t0 + 50 * torch.randn(t0.shape))  # eta 1: p is theta
             evil.train_stats.step = 10**9  # announced at its next announcement
             await wait_until(lambda: any(p.step >= 10**9 for p in a.peers), timeout_s=30,
                              what="the fake step announced")
             joiner = Node(tiny_config(corpus, peers=("/memory/a",)),
                           InMemoryDiscovery(reg, "gasloc", "joiner"))
             async with joiner:
-                mine = joiner.trainer.state.anchor
-                poison = bootstrap.rms(st.anchor - t0)
+                mine = joiner.trainer.state.theta
+                poison = bootstrap.rms(st.theta - t0)
                 assert bootstrap.rms(mine - t0) < poison / 10
 
     run(main(), timeout_s=180)

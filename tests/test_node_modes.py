@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gasloc_p2p.node.averaging.base import InMemoryAveragingHub
-from gasloc_p2p.node.config import NodeConfig, TrainConfig
+from gasloc_p2p.node.config import AlgorithmConfig, NodeConfig, TrainConfig
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry, PeerInfo
 from gasloc_p2p.node.modes.base import Mode, ModeContext
 from gasloc_p2p.node.modes.diloco import DilocoMode
@@ -27,10 +27,10 @@ from tests.node_helpers import run
 
 def context(mode: Mode, discovery: InMemoryDiscovery | None = None) -> ModeContext:
     """A mode context around a tiny model (no data, no server)."""
-    cfg = NodeConfig()
+    cfg = NodeConfig(outer=AlgorithmConfig(eta=0.7))  # an outer step that reads the anchor
     lock, stats = TrainingLock(), TrainStats()
     trainer = Trainer(TrainConfig(n_layer=1, n_embd=16, n_head=2, seq_len=16),
-                      mode.outer_config(cfg), 1, lock, stats, mode.round_end)
+                      mode.outer_config(cfg), 1, lock, stats, mode.round_end, mode.keeps_anchor)
     discovery = discovery or InMemoryDiscovery(InMemoryRegistry(), "run", "me")
     peers = [PeerInfo("a", "h:1", 1, "f"), PeerInfo("nat", "h:2", 1, "f", reachable=False)]
     return ModeContext(cfg, trainer, lock, stats, ExchangeStats(), discovery,
@@ -78,6 +78,7 @@ def test_gossip_round_end_runs_the_outer_update_under_the_lock():
     ctx = context(gossip)
     run(gossip.start(ctx))
     state = ctx.trainer.state
+    assert state.anchor is not None  # context()'s outer step has eta 0.7: the anchor is read
     with torch.no_grad():
         state.theta.add_(0.01)  # a drift, so the round end moves the anchor
     anchor = state.anchor.clone()

@@ -1,22 +1,32 @@
 """GASLoC asynchronous node state (docs/algorithm.md, section 2): what one daemon node keeps.
 
-State: live parameters ``theta`` (the model's flat buffer, trained by the inner optimizer),
-anchor ``a`` (parameters at the start of the current round), and, only when ``gamma > 0``, the
-momentum memory. The public iterate ``p = a + eta (theta - a)`` is what the node would propose
-if its round ended now. A gossip exchange adds the same correction to ``a`` and ``theta``, so
-the local drift ``theta - a`` is untouched and ``p`` moves by exactly the correction.
+State: live parameters ``theta`` (the model's flat buffer, trained by the inner optimizer, on
+the training device), and the outer state on ``host`` (by default theta's device; the daemon
+puts it in pinned host memory when training on a GPU, as PRIME and torchft do): the anchor
+``a`` (parameters at the start of the current round) and the momentum memory. The public
+iterate ``p = a + eta (theta - a)`` is what the node would propose if its round ended now. A
+gossip exchange adds the same correction to ``a`` and ``theta``, so the local drift
+``theta - a`` is untouched and ``p`` moves by exactly the correction.
+
+No model-sized buffer exists that the configured algorithm never reads: with ``eta = 1`` the
+public iterate is ``theta`` itself and the anchor is kept only where the momentum form reads it
+(``local``, or when a mode asks for it: DiLoCo's global copy); the memory exists only when
+``gamma > 0``.
 
 Round-end momentum forms:
 - ``mixed`` (GASLoC's): ``z = p``; ``theta <- z + gamma (z - zprev)``; ``zprev <- z``.
 - ``local`` (never extrapolates received corrections; DiLoCo's Nesterov step is this form with
   the all-reduced drift): ``d = a - theta``; ``m <- gamma m + d``; ``theta <- a - eta (d +
   gamma m)``.
-In both, ``a <- theta`` afterwards. With ``gamma = 0`` both are ``theta <- p`` and no memory
-exists (no model-sized buffer the algorithm never reads).
+In both, ``a <- theta`` afterwards. With ``gamma = 0`` both are ``theta <- p``.
 
 Staleness: an exchange during which more than :data:`MAX_STALENESS` round ends happened (both
 sides together) applies its weight divided by ``1 + staleness - MAX_STALENESS``
 (docs/results/staleness.md: the other policies measured no better).
+
+Every operation that mixes host and device buffers walks the vector in :data:`TRANSFER_ELEMS`
+chunks with asynchronous copies (pinned host memory) and synchronises once at its end. On one
+device the chunks change nothing: elementwise math gives the same bits in any chunking.
 
 Threading: the caller serialises ``apply_correction``, ``round_end`` and the inner optimizer step
 (the daemon holds one lock around them); reading ``public_iterate`` takes a snapshot.
@@ -24,6 +34,7 @@ Threading: the caller serialises ``apply_correction``, ``round_end`` and the inn
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +44,7 @@ from gasloc_p2p.core.options import check_outer_step, need, opt
 
 MOMENTUM_FORMS = ("mixed", "local")
 MAX_STALENESS = 1  # round ends (both sides) an exchange may span at full weight
+TRANSFER_ELEMS = 1 << 24  # elements per host<->device step of the outer state (64 MiB fp32)
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,12 @@ class AsyncConfig:
         need(self.momentum in MOMENTUM_FORMS, "momentum", self.momentum,
              f"choose one of {MOMENTUM_FORMS}")
 
+    @property
+    def reads_anchor(self) -> bool:
+        """Whether the round end or the public iterate read the anchor (else it is theta's
+        twin and is not kept)."""
+        return self.eta != 1.0 or (self.gamma > 0.0 and self.momentum == "local")
+
 
 def exchange_weight(w: float, staleness: int) -> float:
     """Gossip weight for an exchange spanning ``staleness`` round ends (sum over both sides).
@@ -64,75 +82,182 @@ def exchange_weight(w: float, staleness: int) -> float:
     return w / (1 + staleness - MAX_STALENESS)
 
 
+def host_buffer(numel: int, like: torch.Tensor, host: torch.device,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty ``[numel]`` buffer on ``host``, pinned when ``like`` lives on a CUDA device and
+    ``host`` is the CPU (so copies between them can be asynchronous)."""
+    pin = host.type == "cpu" and like.device.type == "cuda"
+    return torch.empty(numel, dtype=dtype or like.dtype, device=host, pin_memory=pin)
+
+
+def spans(numel: int, step: int = TRANSFER_ELEMS) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of consecutive chunks of at most ``step`` elements."""
+    for start in range(0, numel, step):
+        yield start, min(numel, start + step)
+
+
 class AsyncGaslocState:
     """One node's outer state. ``theta`` aliases the live parameters (not copied)."""
 
-    def __init__(self, theta: torch.Tensor, theta0: torch.Tensor, cfg: AsyncConfig) -> None:
+    def __init__(self, theta: torch.Tensor, theta0: torch.Tensor, cfg: AsyncConfig,
+                 host: torch.device | str | None = None, keep_anchor: bool = False) -> None:
         """theta: ``[numel]`` live flat parameters; theta0: ``[numel]`` common initial values
-        (the ``mixed`` memory starts there; read only when ``gamma > 0``)."""
+        (the ``mixed`` memory starts there; read only when ``gamma > 0``); host: where the
+        outer state lives (default: theta's device); keep_anchor: keep the anchor even where
+        the momentum form does not read it (a DiLoCo mode's global copy)."""
         cfg.validate()
         if theta.shape != theta0.shape or theta.dim() != 1:
             raise ValueError("theta and theta0 must be 1-D tensors of the same size")
         self.cfg = cfg
         self.theta = theta
-        self.anchor = theta.detach().clone()
+        self.host = torch.device(host) if host is not None else theta.device
+        self.anchor: torch.Tensor | None = None
+        if keep_anchor or cfg.reads_anchor:
+            self.anchor = host_buffer(theta.numel(), theta, self.host)
+            self._copy(self.anchor, theta)
         self.memory: torch.Tensor | None = self.initial_memory(theta0)
         self.rounds = 0  # round ends so far; an exchange records how many happen during it
+
+    # ------------------------------------------------------------------ placement
+    @property
+    def split(self) -> bool:
+        """Whether the outer state lives on another device than theta (copies are chunked)."""
+        return self.host != self.theta.device
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` across devices in chunks, then one synchronisation."""
+        if dst.device == src.device:
+            dst.copy_(src)
+            return
+        for s, e in spans(dst.numel()):
+            dst[s:e].copy_(src[s:e], non_blocking=True)
+        self.sync()
+
+    def sync(self) -> None:
+        """Wait for this state's asynchronous copies (no-op on one device)."""
+        for dev in (self.theta.device, self.host):
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
+
+    def on_device(self, buf: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        """``buf[s:e]`` on theta's device (an asynchronous copy if ``buf`` lives elsewhere)."""
+        piece = buf[s:e]
+        return piece if piece.device == self.theta.device else piece.to(
+            self.theta.device, non_blocking=True)
+
+    def to_host(self, dst: torch.Tensor, s: int, e: int, src: torch.Tensor) -> None:
+        """``dst[s:e] = src`` (``src`` on theta's device; asynchronous to pinned memory)."""
+        dst[s:e].copy_(src, non_blocking=True)
 
     def initial_memory(self, theta0: torch.Tensor) -> torch.Tensor | None:
         """The momentum memory at start: ``zprev = theta_0`` (mixed) or ``m = 0`` (local);
         None when ``gamma = 0``."""
         if self.cfg.gamma == 0.0:
             return None
+        memory = host_buffer(self.theta.numel(), self.theta, self.host)
         if self.cfg.momentum == "mixed":
-            return theta0.detach().to(self.theta.dtype, copy=True)
-        return torch.zeros_like(self.theta)
+            memory.copy_(theta0.to(memory.device, memory.dtype))
+        else:
+            memory.zero_()
+        return memory
+
+    # ------------------------------------------------------------------ reads
+    def public_chunk(self, s: int, e: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``p[s:e]`` on theta's device: ``lerp(a, theta, eta)``, or ``theta[s:e]`` itself
+        (not a copy) when no anchor is kept and ``out`` is None."""
+        theta = self.theta[s:e]
+        if self.anchor is None:
+            return theta if out is None else out.copy_(theta)
+        anchor = self.on_device(self.anchor, s, e)
+        if out is None:
+            return torch.lerp(anchor, theta, self.cfg.eta)
+        return torch.lerp(anchor, theta, self.cfg.eta, out=out)
 
     def public_iterate(self, fragment: Fragment | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-        """Snapshot of ``p = a + eta (theta - a)`` (compact ``[fragment.numel]`` if given).
-
-        ``out``: a reusable ``[numel]`` buffer for the whole-vector case.
-        """
+        """Snapshot of ``p = a + eta (theta - a)`` (compact ``[fragment.numel]`` if given), on
+        ``out``'s device if given (a host ``out`` gets chunked copies), else theta's."""
         if fragment is None:
-            if out is not None:
-                return torch.lerp(self.anchor, self.theta, self.cfg.eta, out=out)
-            return torch.lerp(self.anchor, self.theta, self.cfg.eta)
-        return torch.lerp(fragment.gather(self.anchor), fragment.gather(self.theta), self.cfg.eta)
+            fragment = Fragment(0, [(0, self.theta.numel())])
+        if out is None:
+            out = torch.empty(fragment.numel, dtype=self.theta.dtype, device=self.theta.device)
+        pos = 0
+        for start, length in fragment.ranges:
+            for s, e in spans(length):
+                p = self.public_chunk(start + s, start + e)
+                out[pos + s: pos + e].copy_(p, non_blocking=out.device != p.device)
+            pos += length
+        if out.device != self.theta.device:
+            self.sync()
+        return out
 
+    # ------------------------------------------------------------------ writes
     def correction_targets(self) -> list[tuple[torch.Tensor, float]]:
-        """Buffers a gossip correction is added to, with its scale: anchor and live parameters
-        (so ``p`` moves by it and the drift is untouched). Research forms (the simulator's
-        A2CiD2) add their own."""
-        return [(self.anchor, 1.0), (self.theta, 1.0)]
+        """Buffers a gossip correction is added to, with its scale: the anchor (when kept) and
+        the live parameters (so ``p`` moves by it and the drift is untouched). Research forms
+        (the simulator's A2CiD2) add their own."""
+        anchor = [(self.anchor, 1.0)] if self.anchor is not None else []
+        return [*anchor, (self.theta, 1.0)]
+
+    def add_chunk(self, s: int, c: torch.Tensor, alpha: float = 1.0) -> None:
+        """Add ``alpha c`` (on theta's device) to every correction target at ``[s, s + len)``;
+        host targets go through the device and back asynchronously (:meth:`sync` after the
+        last chunk)."""
+        e = s + c.numel()
+        for buf, scale in self.correction_targets():
+            if buf.device == c.device:
+                buf[s:e].add_(c, alpha=alpha * scale)
+            else:
+                piece = self.on_device(buf, s, e).add_(c, alpha=alpha * scale)
+                self.to_host(buf, s, e, piece)
 
     def apply_correction(self, correction: torch.Tensor, fragment: Fragment | None = None) -> None:
-        """Add a gossip correction to :meth:`correction_targets`."""
-        for buf, scale in self.correction_targets():
-            if fragment is None:
-                buf.add_(correction, alpha=scale)
-            else:
-                fragment.add_(buf, correction, alpha=scale)
+        """Add a gossip correction (compact over ``fragment``, on theta's device)."""
+        if fragment is None:
+            fragment = Fragment(0, [(0, self.theta.numel())])
+        pos = 0
+        for start, length in fragment.ranges:
+            self.add_chunk(start, correction[pos: pos + length])
+            pos += length
+        if self.split:
+            self.sync()
 
     def round_end(self) -> None:
-        """Outer update at the end of this node's round of inner steps.
-
-        A few fused passes over the buffers with no temporaries: the anchor is scratch space
-        (it is reset to ``theta`` at the end anyway).
-        """
-        cfg, memory = self.cfg, self.memory
+        """Outer update at the end of this node's round of inner steps, chunk by chunk (on one
+        device the chunks give the same bits as one pass)."""
+        if self.anchor is None and self.memory is None:  # eta 1, gamma 0: theta is p already
+            self.rounds += 1
+            return
         with torch.no_grad():
-            if memory is None:  # gamma 0: theta <- p (bit for bit the forms' value there)
-                torch.lerp(self.anchor, self.theta, cfg.eta, out=self.theta)
-            elif cfg.momentum == "mixed":
-                z = self.anchor.lerp_(self.theta, cfg.eta)  # z = p, in the anchor's buffer
-                # theta = z + gamma (z - zprev) = lerp(zprev, z, 1 + gamma)
-                torch.lerp(memory, z, 1.0 + cfg.gamma, out=self.theta)
-                self.memory, self.anchor = z, memory  # zprev <- z; reuse the old buffer
-            else:
-                # m <- gamma m + (a - theta);  theta <- lerp(a, theta, eta) - eta gamma m
-                memory.mul_(cfg.gamma).add_(self.anchor).sub_(self.theta)
-                torch.lerp(self.anchor, self.theta, cfg.eta, out=self.theta)
-                self.theta.add_(memory, alpha=-cfg.eta * cfg.gamma)
-            self.anchor.copy_(self.theta)
+            for s, e in spans(self.theta.numel()):
+                self._round_end_chunk(s, e)
+        if self.split:
+            self.sync()
         self.rounds += 1
+
+    def _round_end_chunk(self, s: int, e: int) -> None:
+        cfg, theta = self.cfg, self.theta[s:e]
+        memory = self.on_device(self.memory, s, e) if self.memory is not None else None
+        if memory is None:  # gamma 0: theta <- p (bit for bit the forms' value there)
+            theta.copy_(self.public_chunk(s, e))
+        elif cfg.momentum == "mixed":
+            z = self.public_chunk(s, e) if self.anchor is not None else theta.clone()
+            torch.lerp(memory, z, 1.0 + cfg.gamma, out=theta)  # z + gamma (z - zprev)
+            self._store(self.memory, s, e, z)  # zprev <- z
+        else:
+            assert self.anchor is not None
+            anchor = self.on_device(self.anchor, s, e)
+            # m <- gamma m + (a - theta);  theta <- lerp(a, theta, eta) - eta gamma m
+            memory = memory.mul(cfg.gamma).add_(anchor).sub_(theta)
+            torch.lerp(anchor, theta, cfg.eta, out=theta)
+            theta.add_(memory, alpha=-cfg.eta * cfg.gamma)
+            self._store(self.memory, s, e, memory)
+        if self.anchor is not None:
+            self._store(self.anchor, s, e, theta)
+
+    def _store(self, buf: torch.Tensor | None, s: int, e: int, values: torch.Tensor) -> None:
+        assert buf is not None
+        if buf.device == values.device:
+            buf[s:e].copy_(values)
+        else:
+            self.to_host(buf, s, e, values)

@@ -90,22 +90,20 @@ class Codec(abc.ABC):
         self._encode_into(x, out)
         return out
 
-    def encode_into(self, x: torch.Tensor, out: Encoded) -> None:
+    def encode_into(self, x: torch.Tensor, out: Encoded,
+                    finite: torch.Tensor | None = None) -> None:
         """Encode ``x`` into ``out``'s tensors (e.g. views of a wire payload, see
-        ``Encoded.empty`` and ``Encoded.view``); same values as :meth:`encode`."""
+        ``Encoded.empty`` and ``Encoded.view``); same values as :meth:`encode`.
+
+        ``finite``: a bool scalar tensor on ``x``'s device that this call ANDs with "the input
+        was finite (and in range)" instead of checking it at once: no host synchronisation, so
+        a caller encoding many chunks reads one flag at the end (a payload whose flag is false
+        must not be sent).
+        """
         if (out.codec, out.block_size, out.numel) != (self.name, self.block_size, x.numel()):
             raise ValueError(f"cannot encode {x.numel()} elements with {self} into {out.codec}/"
                              f"{out.block_size}/{out.numel}")
-        self._encode_into(_check_input(x), out)
-
-    def encode_residual_into(self, x: torch.Tensor, out: Encoded) -> None:
-        """:meth:`encode_into`, then leave ``x - decode(out)`` in ``x`` (float32, contiguous),
-        bit-identical to decoding ``out`` and subtracting; block codecs do it block by block
-        while the chunk is in cache (int8 from its rounded codes, without unpacking)."""
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError("encode_residual_into needs a contiguous float32 x")
-        self.encode_into(x, out)
-        x.sub_(self.decode(out))
+        self._encode_into(_check_input(x), out, finite=finite)
 
     def check_decodable(self, enc: Encoded) -> None:
         """ValueError unless ``enc`` decodes to finite values, checked without decoding: for
@@ -120,6 +118,18 @@ class Codec(abc.ABC):
         values = enc.data.view(torch.float32 if self.name == "fp32" else torch.float16)
         if not (math.isfinite(float(values.amax())) and math.isfinite(float(values.amin()))):
             raise ValueError("payload decodes to non-finite values")
+
+    def magnitude(self, enc: Encoded) -> torch.Tensor:
+        """A float32 scalar tensor (on the payload's device, no synchronisation): an upper bound
+        of ``|decode(enc)|``, non-finite if any decoded value would be. Block codecs: the
+        largest scale times the largest code (scales are already checked non-negative and
+        finite); fp32/fp16: the largest magnitude of the data (NaN-propagating)."""
+        if enc.numel == 0:
+            return torch.zeros((), device=enc.data.device)
+        if self.block_size:
+            return enc.scales.amax() * self._max_code
+        values = enc.data.view(torch.float32 if self.name == "fp32" else torch.float16)
+        return torch.maximum(values.amax(), values.amin().neg()).float()
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode into float32 [numel]: into ``out`` (contiguous float32 [numel]) if given."""
@@ -148,7 +158,8 @@ class Codec(abc.ABC):
     _max_code = 1.0  # largest |unscaled value| a block codec's data can hold
 
     @abc.abstractmethod
-    def _encode_into(self, x: torch.Tensor, out: Encoded) -> None: ...
+    def _encode_into(self, x: torch.Tensor, out: Encoded,
+                     finite: torch.Tensor | None = None) -> None: ...
 
     @abc.abstractmethod
     def _decode(self, enc: Encoded, out: torch.Tensor) -> None: ...
@@ -160,8 +171,15 @@ class _RawCodec(Codec):
     block_size = 0
     _dtype: torch.dtype
 
-    def _encode_into(self, x: torch.Tensor, out: Encoded) -> None:
-        if x.numel():
+    def _encode_into(self, x: torch.Tensor, out: Encoded,
+                     finite: torch.Tensor | None = None) -> None:
+        if x.numel() and finite is not None:  # deferred: the caller reads the flag once
+            top, bottom = x.amax(), x.amin()  # NaN-propagating, no full-size temporary
+            ok = torch.isfinite(top) & torch.isfinite(bottom)
+            if self._dtype == torch.float16:
+                ok &= torch.maximum(top, -bottom) <= _FP16_MAX
+            finite.logical_and_(ok)
+        elif x.numel():
             # amax/amin propagate NaN and need no full-size temporary, unlike isfinite().
             hi, lo = float(x.amax()), float(x.amin())
             if not (math.isfinite(hi) and math.isfinite(lo)):
@@ -199,46 +217,39 @@ class _BlockCodec(Codec):
         self._block_bytes = block_size * self._bits // 8
         self._chunk_blocks = max(1, _CHUNK_ELEMS // block_size)
 
-    def encode_residual_into(self, x: torch.Tensor, out: Encoded) -> None:
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError("encode_residual_into needs a contiguous float32 x")
-        self.encode_into(x, out, residual=True)
-
-    def encode_into(self, x: torch.Tensor, out: Encoded, residual: bool = False) -> None:
+    def encode_into(self, x: torch.Tensor, out: Encoded, finite: torch.Tensor | None = None,
+                    clobber: bool = False) -> None:
+        """As :meth:`Codec.encode_into`; ``clobber``: ``x`` is scratch the encoder may
+        overwrite (no scratch of its own is allocated)."""
         if (out.codec, out.block_size, out.numel) != (self.name, self.block_size, x.numel()):
             raise ValueError(f"cannot encode {x.numel()} elements with {self} into {out.codec}/"
                              f"{out.block_size}/{out.numel}")
-        self._encode_into(_check_input(x), out, residual)
+        self._encode_into(_check_input(x), out, finite, clobber)
 
-    def _encode_into(self, x: torch.Tensor, out: Encoded, residual: bool = False) -> None:
+    def _blocks_per_pass(self, device: torch.device) -> int:
+        """Blocks per pass: cache-sized chunks on a CPU, everything at once on a device
+        (kernel launches then do not grow with the input)."""
+        return self._chunk_blocks if device.type == "cpu" else 1 << 62
+
+    def _encode_into(self, x: torch.Tensor, out: Encoded, finite: torch.Tensor | None = None,
+                     clobber: bool = False) -> None:
         n, bs, bb = x.numel(), self.block_size, self._block_bytes
         n_scales, n_data = layout(self.name, n, bs)
         scales, data = out.scales, out.data
         dev = x.device  # every buffer on the input's device: only to_bytes() goes to host
         full = n // bs  # blocks not needing padding
-        work = torch.empty(min(max(full, 1), self._chunk_blocks), bs, device=dev)  # scratch
-        for b0 in range(0, full, self._chunk_blocks):
-            b1 = min(b0 + self._chunk_blocks, full)
+        per = self._blocks_per_pass(dev)
+        work = None if clobber else torch.empty(min(max(full, 1), per), bs, device=dev)
+        for b0 in range(0, full, per):
+            b1 = min(b0 + per, full)
             xb = x[b0 * bs : b1 * bs].view(-1, bs)
-            self._encode_blocks(x, xb, scales[b0:b1], data[b0 * bb : b1 * bb], work)
-            if residual:  # the chunk is still in cache
-                self._subtract_decoded(xb, scales[b0:b1], data[b0 * bb : b1 * bb], work)
+            self._encode_blocks(x, xb, scales[b0:b1], data[b0 * bb : b1 * bb], work, finite)
         if full < n_scales:  # zero padding leaves the block's absmax unchanged
-            tail = torch.zeros(1, bs, dtype=x.dtype, device=dev)
+            tail = torch.zeros(1, bs, device=dev)  # float32: encoded in place below
             tail[0, : n - full * bs] = x[full * bs :]
             packed = torch.empty(bb, dtype=torch.uint8, device=dev)
-            self._encode_blocks(x, tail, scales[full:], packed, work)
+            self._encode_blocks(x, tail, scales[full:], packed, None, finite)
             data[full * bb :] = packed[: n_data - full * bb]
-            if residual:
-                x[full * bs :].sub_(self.decode(out.view(full * bs, n - full * bs)))
-
-    def _subtract_decoded(self, xb: torch.Tensor, scales: torch.Tensor, data: torch.Tensor,
-                          work: torch.Tensor) -> None:
-        """``xb -= decode(data, scales)`` for blocks just encoded from ``xb`` (``work``: the
-        scratch that ``_pack`` used)."""
-        y = work[: xb.shape[0]]
-        self._unpack_scaled(data, scales[:, None].to(y.device), y)
-        xb.sub_(y)
 
     def _encode_blocks(
         self,
@@ -246,23 +257,34 @@ class _BlockCodec(Codec):
         xb: torch.Tensor,
         scales: torch.Tensor,
         data: torch.Tensor,
-        work: torch.Tensor,
+        work: torch.Tensor | None,
+        finite: torch.Tensor | None = None,
     ) -> None:
-        """Encode xb [k, bs] of x into scales [k] and data [k * block_bytes] (uint8)."""
+        """Encode xb [k, bs] of x into scales [k] and data [k * block_bytes] (uint8), through
+        ``work`` (None: in place in ``xb``); ``finite``: AND "every block finite" into it
+        instead of raising now."""
         absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_()).float()  # NaN-propagating
-        if not bool(torch.isfinite(absmax).all()):
+        if finite is not None:
+            finite.logical_and_(torch.isfinite(absmax).all())
+        elif not bool(torch.isfinite(absmax).all()):
             _raise_non_finite(x, self.name)
         ok = absmax >= _MIN_ABSMAX
-        scales.copy_(torch.where(ok, absmax / self._levels, 0.0))
-        inv = torch.where(ok, self._levels / absmax, 0.0)
-        y = torch.mul(xb, inv[:, None], out=work[: xb.shape[0]])  # in [-levels, levels]
+        # tensor / tensor: IEEE division on every device (a CUDA division by a Python scalar
+        # multiplies by its reciprocal: scales 1 ulp off the CPU's)
+        levels = torch.full_like(absmax, self._levels)
+        scales.copy_(torch.where(ok, absmax / levels, 0.0))
+        inv = torch.where(ok, levels / absmax, 0.0)
+        # in [-levels, levels]
+        y = xb.mul_(inv[:, None]) if work is None else torch.mul(xb, inv[:, None],
+                                                                 out=work[: xb.shape[0]])
         self._pack(y, data)
 
     def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
         n, bs, bb = enc.numel, self.block_size, self._block_bytes
         full = n // bs
-        for b0 in range(0, full, self._chunk_blocks):
-            b1 = min(b0 + self._chunk_blocks, full)
+        per = self._blocks_per_pass(out.device)
+        for b0 in range(0, full, per):
+            b1 = min(b0 + per, full)
             ob = out[b0 * bs : b1 * bs].view(-1, bs)
             self._unpack_scaled(enc.data[b0 * bb : b1 * bb], enc.scales[b0:b1, None], ob)
         if full < enc.scales.numel():
@@ -298,13 +320,6 @@ class Int8Codec(_BlockCodec):
 
     def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(data.view(torch.int8).view_as(out))
-
-    def _subtract_decoded(self, xb: torch.Tensor, scales: torch.Tensor, data: torch.Tensor,
-                          work: torch.Tensor) -> None:
-        # _pack rounded work in place: it holds the codes as float32 (exactly), so code times
-        # scale is the decoded value bit for bit, without unpacking the int8 data
-        y = work[: xb.shape[0]]
-        xb.sub_(y.mul_(scales[:, None].to(y.device)))
 
     def _unpack_scaled(self, data: torch.Tensor, scales: torch.Tensor,
                        out: torch.Tensor) -> None:

@@ -57,10 +57,24 @@ class FlatParams:
                 offset += p.numel()
         self.buffer = buffer
         self.spans: tuple[Span, ...] = tuple(spans)
+        self._params = [p for _, p in named]
 
     @property
     def numel(self) -> int:
         return self.buffer.numel()
+
+    def to(self, device: torch.device | str) -> FlatParams:
+        """Move the buffer to ``device`` and re-point the parameters at it (one copy of the
+        parameters on the device, never two); returns self."""
+        device = torch.device(device)
+        if self.buffer.device == device:
+            return self
+        buffer = self.buffer.to(device)
+        with torch.no_grad():
+            for span, p in zip(self.spans, self._params, strict=True):
+                p.data = buffer[span.offset : span.offset + span.numel].view(span.shape)
+        self.buffer = buffer
+        return self
 
 
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gasloc_p2p.core.async_state import host_buffer, spans
 from gasloc_p2p.core.codecs import parse_optional
 from gasloc_p2p.core.diloco import NesterovOuter
 from gasloc_p2p.core.flat import Fragment
@@ -93,8 +94,26 @@ class FragmentSchedule:
 
 
 def fragment_outer_grad(frag: Fragment, anchor: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-    """This worker's outer gradient on ``frag``: ``anchor_f - theta_f`` (compact ``[frag.numel]``)."""
-    return frag.gather(anchor) - frag.gather(theta)
+    """This worker's outer gradient on ``frag``: ``anchor_f - theta_f`` (compact
+    ``[frag.numel]``), on the anchor's device: with the anchor in (pinned) host memory and
+    theta on a GPU, each chunk is subtracted on the GPU and copied back asynchronously, with
+    one synchronisation at the end (the all-reduce runs on the host)."""
+    if anchor.device == theta.device:
+        return frag.gather(anchor) - frag.gather(theta)
+    out = host_buffer(frag.numel, theta, anchor.device)
+    pos = 0
+    for start, length in frag.ranges:
+        for s, e in spans(length):
+            a = anchor[start + s: start + e].to(theta.device, non_blocking=True)
+            out[pos + s: pos + e].copy_(a.sub_(theta[start + s: start + e]), non_blocking=True)
+        pos += length
+    _sync(theta.device)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def fragment_outer_step(frag: Fragment, anchor: torch.Tensor, memory: torch.Tensor | None,
@@ -114,8 +133,19 @@ def fragment_outer_step(frag: Fragment, anchor: torch.Tensor, memory: torch.Tens
 
 def merge_fragment(frag: Fragment, theta: torch.Tensor, new_global: torch.Tensor,
                    alpha: float) -> None:
-    """The landing merge, in place: ``theta_f <- alpha * theta_f + (1 - alpha) * new_global``."""
-    frag.copy_(theta, torch.lerp(new_global, frag.gather(theta), alpha))
+    """The landing merge, in place: ``theta_f <- alpha * theta_f + (1 - alpha) * new_global``
+    (``new_global`` compact, on any device: moved to theta's chunk by chunk)."""
+    if new_global.device == theta.device:
+        frag.copy_(theta, torch.lerp(new_global, frag.gather(theta), alpha))
+        return
+    pos = 0
+    for start, length in frag.ranges:
+        for s, e in spans(length):
+            g = new_global[pos + s: pos + e].to(theta.device, non_blocking=True)
+            view = theta[start + s: start + e]
+            torch.lerp(g, view, alpha, out=view)
+        pos += length
+    _sync(theta.device)
 
 
 class StreamingDiloco:

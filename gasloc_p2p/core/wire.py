@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,16 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), n) if n else b""
 
 
+def payload_buffer(nbytes: int, pin: bool = False) -> bytearray | memoryview:
+    """A zeroed buffer for a wire payload: a bytearray, or with ``pin`` a writable memoryview
+    of pinned host memory (CUDA copies into and out of it run asynchronously)."""
+    if not pin:
+        return bytearray(nbytes)
+    tensor = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    array: Any = tensor.numpy()
+    return memoryview(array)  # keeps the tensor's storage alive
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no boolean equality
 class Encoded:
     """One encoded flat tensor: ``scales`` float32 [n_blocks], ``data`` uint8 [n_bytes]."""
@@ -85,12 +95,14 @@ class Encoded:
 
         return CodecSpec(self.codec, self.block_size)
 
-    def to(self, device: torch.device | str) -> Encoded:
-        """This payload with its tensors on ``device`` (self if already there)."""
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Encoded:
+        """This payload with its tensors on ``device`` (self if already there); from pinned
+        host memory with ``non_blocking`` the copy is asynchronous on the current stream."""
         if self.data.device == torch.device(device):
             return self
-        return Encoded(self.codec, self.numel, self.block_size, self.data.to(device),
-                       self.scales.to(device))
+        return Encoded(self.codec, self.numel, self.block_size,
+                       self.data.to(device, non_blocking=non_blocking),
+                       self.scales.to(device, non_blocking=non_blocking))
 
     @property
     def nbytes(self) -> int:
@@ -122,16 +134,18 @@ class Encoded:
                        self.scales[s0 : s0 + n_scales])
 
     @classmethod
-    def empty(cls, codec: str, numel: int, block_size: int) -> tuple[bytearray, Encoded]:
-        """A zeroed wire payload and an Encoded whose tensors are views of it: encoding into
-        the views fills the payload, with no ``to_bytes`` copy."""
+    def empty(cls, codec: str, numel: int, block_size: int,
+              pin: bool = False) -> tuple[bytearray | memoryview, Encoded]:
+        """A wire payload and an Encoded whose tensors are views of it: encoding into the
+        views fills the payload, with no ``to_bytes`` copy. ``pin``: in pinned (page-locked)
+        host memory, so a device copies into it asynchronously (a memoryview of it)."""
         _require_little_endian()
         n_scales, n_data = layout(codec, numel, block_size)
-        payload = bytearray(4 * n_scales + n_data)
+        payload = payload_buffer(4 * n_scales + n_data, pin)
         return payload, cls._over(codec, numel, block_size, payload, n_scales)
 
     @classmethod
-    def _over(cls, codec: str, numel: int, block_size: int, buf: bytearray,
+    def _over(cls, codec: str, numel: int, block_size: int, buf: bytearray | memoryview,
               n_scales: int) -> Encoded:
         raw = (torch.frombuffer(buf, dtype=torch.uint8) if len(buf)
                else torch.empty(0, dtype=torch.uint8))
@@ -145,8 +159,9 @@ class Encoded:
     ) -> Encoded:
         """Parse ``to_bytes`` output; ValueError on a wrong length or bad scales.
 
-        ``copy=False`` (``buf`` must be a bytearray the caller will neither resize nor reuse):
-        the tensors are views of ``buf``.
+        ``copy=False`` (``buf`` must be a bytearray or a writable memoryview, e.g. of
+        :func:`payload_buffer`, the caller will neither resize nor reuse): the tensors are
+        views of ``buf``.
         """
         _require_little_endian()
         n_scales, n_data = layout(codec, numel, block_size)
@@ -157,7 +172,8 @@ class Encoded:
                 f"{expected} bytes, got {got}"
             )
         # bytearray copy: the payload must not alias a buffer the transport will reuse.
-        owned = buf if not copy and isinstance(buf, bytearray) else bytearray(buf)
+        owned = (buf if not copy and isinstance(buf, bytearray | memoryview)
+                 and not memoryview(buf).readonly else bytearray(buf))
         enc = cls._over(codec, numel, block_size, owned, n_scales)
         # A scale from a peer feeds straight into the references: reject NaN/Inf/negative.
         if n_scales and not bool((torch.isfinite(enc.scales) & (enc.scales >= 0)).all()):

@@ -34,7 +34,10 @@ class TrainConfig:
     precision: str = opt("fp32", "fp32 | bf16 (autocast forward; fp32 master weights and outer "
                                  "state)", choices=PRECISIONS)
     grad_accum: int = opt(1, "micro-batches of --batch-size per inner step")
-    compile: bool = opt(False, "torch.compile the model's forward")
+    compile: bool = opt(False, "torch.compile the model's forward (warmed up before the node "
+                               "accepts exchanges)")
+    activation_checkpointing: bool = opt(False, "recompute each layer's activations in the "
+                                                "backward pass (less memory, ~30% more compute)")
     shard: str = opt("", "train on shard K of N of the corpus, as 'K/N' (empty: all of it)", group="data")
     seed: int = opt(0, "model init seed, the same on every node of a run (gives theta_0)")
     data_seed: int = opt(-1, "seed of this node's batch sampling; -1: derived from its peer id", advanced=True)

@@ -126,9 +126,10 @@ class Node:
         me_id = self.signer.peer_id
         trainer = self.trainer = await asyncio.to_thread(
             Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
-            self.train_stats, self.mode.trainer_round_end())
+            self.train_stats, self.mode.trainer_round_end(), self.mode.keeps_anchor)
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
+        await asyncio.to_thread(trainer.warm_up)  # --compile: before any exchange can arrive
         self.me = Identity.keyed(cfg.discovery.run_id, trainer.fingerprint, self.signer)
         self.filter = CompatibilityFilter(PROTOCOL_VERSION, trainer.fingerprint, me_id,
                                           cfg.outer.algorithm)

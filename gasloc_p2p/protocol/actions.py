@@ -53,7 +53,7 @@ class Admit:
 class SendPayload:
     """Stream ``payload`` as Chunks while reading goes on; call ``payload_sent`` on FlushPayload."""
 
-    payload: bytes | bytearray
+    payload: bytes | bytearray | memoryview
     codec: CodecSpec
 
 
@@ -64,7 +64,7 @@ class Check:
 
     codec: CodecSpec
     numel: int
-    payload: bytearray
+    payload: bytearray | memoryview
     crc32: int
     prep: Prepared | None = None  # our half, for the guard
 

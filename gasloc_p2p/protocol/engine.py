@@ -5,6 +5,17 @@ async layer (:mod:`gasloc_p2p.node.transport.exchange`) calls them through ``asy
 Shared tensors are touched only under the node's :class:`TrainingLock`, which also serialises
 the trainer's optimizer steps and round ends.
 
+Built for the device the model trains on. On a GPU the tensor work runs on the engine's own
+CUDA stream, ordered against training by events (it waits for the training work queued before
+it; training waits for its writes): the lock is held only while kernels are queued. It walks
+the fragment in chunks of :func:`chunk_elems` elements (2^27 on a GPU: at most a few dozen
+chunks for a 1B model; 2^18 on a CPU, whose caches prefer small ones), keeps every reduction
+(finiteness, magnitudes, the guard's distances and dot products, the correction's norm) on the
+device and reads them once per phase, copies the node's payload once into pinned host memory
+(one asynchronous copy per chunk, one event), and uploads each payload once for the check, the
+guard and the commit together. Kernel launches and host synchronisations per exchange do not
+grow with the model size below a chunk (``tests/test_engine_counts.py``).
+
 A message is the sender's public iterate itself, quantized: ``m_i = Q(p_i)``. Both sides fold
 the two decoded messages into the same correction ``c_i = w (D(m_j) - D(m_i)) = -c_j`` (one
 IEEE subtraction, negated by swapping its operands, then the same multiplication), so the pair's
@@ -18,9 +29,10 @@ messages and adds the correction to the anchor and live parameters.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,13 +40,13 @@ from typing import Protocol
 import torch
 
 from gasloc_p2p.core.async_state import AsyncGaslocState
-from gasloc_p2p.core.codecs import CodecSpec, Encoded
+from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.wire import payload_buffer
 from gasloc_p2p.protocol.guard import UpdateGuard
 
-# Scratch of the fused loops: 2^18 float32 (1 MiB) stays in a core's L2; bigger chunks were
-# slower on a 2-core EPYC, smaller ones paid per-op overhead (see benchmarks/bench_scale.py).
-CHUNK_ELEMS = 1 << 18
+ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
+ON_DEVICE_CHUNK = 1 << 27  # elements per chunk on an accelerator: launches and syncs stay few
 
 # No parameter or delta of a trained network is anywhere near this: a payload that decodes to
 # larger values (a finite fp32 offset of 1e30, an int8 block scale of 3e38) is rejected.
@@ -48,10 +60,12 @@ class Prepared:
     peer_id: str
     fragment: Fragment
     rounds0: int  # round ends at the snapshot
-    encoded: Encoded  # views of payload
-    payload: bytearray
+    encoded: Encoded  # views of payload (host)
+    payload: bytearray | memoryview
     crc32: int
     clip: float = 1.0  # the guard's factor on the weight, set by ``check`` (1: not clipped)
+    # both payloads on the device, from the check to the commit (each uploaded once)
+    on_device: tuple[Encoded, Encoded] | None = None
 
 
 class UrgentLock(Protocol):
@@ -67,124 +81,178 @@ class NoLock:
         return nullcontext()
 
 
+def chunk_elems(spec: CodecSpec, device: torch.device, chunk: int | None = None) -> int:
+    """Elements per chunk: ``chunk`` or the device's default, a whole number of the codec's
+    blocks."""
+    want = chunk or (ON_CPU_CHUNK if device.type == "cpu" else ON_DEVICE_CHUNK)
+    block = spec.block_size or 1
+    return max(1, want // block) * block
+
+
+def read(values: list[torch.Tensor]) -> list[float]:
+    """Scalar device tensors as floats: one device-to-host copy, the phase's one sync."""
+    if not values:
+        return []
+    return torch.stack([v.float() for v in values]).to("cpu", copy=True).tolist()
+
+
 class ExchangeEngine:
     """The fragments and codecs of one node, around its :class:`AsyncGaslocState`.
 
-    Tensor work is fused and chunked (``CHUNK_ELEMS`` at a time, through cache-sized scratch):
-    ``prepare`` reads anchor and live parameters once and writes the payload in place (off
-    the host: each chunk is encoded on the device, then its bytes are copied once); ``check``
-    validates without decoding; ``commit`` decodes each message once, straight into the
-    correction's add. No fragment-size temporary is allocated besides the two payloads.
+    ``chunk``: elements per chunk (default: :func:`chunk_elems`'s for the device). No
+    fragment-size temporary is allocated on the device besides the two payloads from the check
+    to the commit (a few bytes per element at 8-bit and below).
     """
 
     def __init__(self, state: AsyncGaslocState, theta0: torch.Tensor,
-                 fragments: Sequence[Fragment], lock: UrgentLock) -> None:
+                 fragments: Sequence[Fragment], lock: UrgentLock,
+                 chunk: int | None = None) -> None:
         """theta0: ``[numel]`` initial parameters, the same on every node of the run (kept by
-        reference, never modified; a bfloat16 copy will do: it only anchors the guard's
+        reference, never modified; a bfloat16 host copy will do: it only anchors the guard's
         screens)."""
         self.state = state
         self.theta0 = theta0
         self.fragments = list(fragments)
         self.lock = lock
+        self.chunk = chunk
+        self.device = state.theta.device
         self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
+        self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
+        self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
 
     def rounds_since(self, prep: Prepared) -> int:
         return self.state.rounds - prep.rounds0
 
+    def payload_buffer(self, nbytes: int) -> bytearray | memoryview:
+        """Where a peer's payload is received: pinned host memory beside a GPU (its upload
+        is then asynchronous), a bytearray otherwise."""
+        return payload_buffer(nbytes, pin=self.stream is not None)
+
+    # ------------------------------------------------------------------ streams
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """Run on the engine's stream after the training work queued so far; training's
+        later work waits for what is queued here (events, no host wait)."""
+        if self.stream is None:
+            yield
+            return
+        train = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(train)
+        with torch.cuda.stream(self.stream):
+            yield
+        train.wait_stream(self.stream)
+
+    def _done(self) -> None:
+        """Wait (host) for the engine's queued work: once per phase."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    # ------------------------------------------------------------------ phases
     def prepare(self, peer_id: str, fragment_index: int, spec: CodecSpec) -> Prepared:
         """Snapshot the public iterate of one fragment and encode it into a fresh payload.
 
-        One pass per chunk under the training lock: ``p = lerp(a, theta, eta)`` into scratch,
-        then the codec writing into the payload's memory.
+        Under the training lock, per chunk: ``p`` into scratch (the anchor's chunk uploaded
+        from host memory if the state keeps one there), the codec writing into the payload's
+        memory (on a device: into device scratch, then one asynchronous copy into the pinned
+        payload). Then, without the lock, one wait and one read of the finiteness flag.
         """
         fragment = self.fragments[fragment_index]
-        codec, step = spec.codec(), chunk_elems(spec)
-        payload, encoded = Encoded.empty(spec.name, fragment.numel, spec.block_size)
-        device = self.state.theta.device
-        work = torch.empty(min(step, fragment.numel), device=device)
-        # Off the host, a chunk is encoded on the device, then its bytes cross once.
-        staged = (spec.codec().encode(torch.zeros(min(step, fragment.numel), device=device))
-                  if stages_on_device(device) else None)
-        anchor, theta, eta = self.state.anchor, self.state.theta, self.state.cfg.eta
-        with self.lock.urgent():
+        codec, step = spec.codec(), chunk_elems(spec, self.device, self.chunk)
+        pin = self.stream is not None
+        payload, encoded = Encoded.empty(spec.name, fragment.numel, spec.block_size, pin=pin)
+        with self.lock.urgent(), self._on_stream():
             rounds0 = self.state.rounds
+            finite = torch.ones((), dtype=torch.bool, device=self.device)
+            n0 = min(step, fragment.numel)
+            work = torch.empty(n0, device=self.device)
+            staged = (Encoded.empty(spec.name, n0, spec.block_size)[1].to(self.device)
+                      if self.device.type != "cpu" else None)
             for pos, n, pieces in fragment.chunks(step):
                 x = work[:n]
                 for start, length, o in pieces:
-                    torch.lerp(anchor[start : start + length], theta[start : start + length],
-                               eta, out=x[o : o + length])
+                    self.state.public_chunk(start, start + length, out=x[o : o + length])
                 if staged is None:  # straight into the payload's memory
-                    codec.encode_into(x, encoded.view(pos, n))
-                else:
-                    out = staged.view(0, n)
-                    codec.encode_into(x, out)
-                    host = encoded.view(pos, n)
-                    host.data.copy_(out.data)
-                    host.scales.copy_(out.scales)
+                    codec.encode_into(x, encoded.view(pos, n), finite=finite)
+                    continue
+                out = staged.view(0, n)
+                codec.encode_into(x, out, finite=finite)
+                host = encoded.view(pos, n)
+                host.data.copy_(out.data, non_blocking=True)
+                host.scales.copy_(out.scales, non_blocking=True)
+        self._done()
+        if not read([finite])[0]:
+            raise NonFiniteError("this node's public iterate holds NaN or Inf (or values out of "
+                                 f"{spec.name}'s range): nothing is sent")
         return Prepared(peer_id, fragment, rounds0, encoded, payload, zlib.crc32(payload))
 
-    def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray,
+    def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray | memoryview,
               crc32: int, prep: Prepared | None = None) -> Encoded:
         """Parse the peer's payload; ValueError if it is corrupt or would decode to NaN/Inf or
         to values beyond ``MAX_ABS_VALUE``; with ``prep`` (our half) and a guard,
         :class:`ImplausibleUpdate` if the correction it implies is implausibly large (and
-        ``prep.clip`` below 1 if it is to be clipped).
+        ``prep.clip`` below 1 if it is to be clipped). With ``prep``, both payloads stay on
+        the device for the commit.
 
-        A bytearray payload is used in place (the session hands over its receive buffer).
+        A bytearray (or pinned memoryview) payload is used in place (the session hands over
+        its receive buffer).
         """
         if zlib.crc32(payload) != crc32:
             raise ValueError("payload CRC32 mismatch")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
-        received = received.to(self.state.theta.device)  # bytes cross once, decoded there
-        spec.codec().check_decodable(received)
-        if prep is not None and self.guard is not None and self.guard.rule.enabled:
-            prep.clip = self.screen(prep, received)
-        elif numel:  # the absolute bound, without a decode where the scales tell it
-            self._bounded(spec, received)
+        with self._on_stream():
+            theirs = received.to(self.device, non_blocking=True)
+            mine = prep.encoded.to(self.device, non_blocking=True) if prep is not None else None
+            top = spec.codec().magnitude(theirs)
+            screened = self.guard is not None and self.guard.rule.enabled
+            sums = (self._screen_sums(prep, mine, theirs)
+                    if screened and prep is not None and mine is not None else [])
+        values = read([top, *sums])  # the phase's one synchronisation
+        if not math.isfinite(values[0]):
+            raise ValueError("payload decodes to non-finite values")
+        if values[0] > MAX_ABS_VALUE:
+            raise ValueError(f"payload decodes to absurd values (|x| up to {values[0]:.3g} > "
+                             f"{MAX_ABS_VALUE:g})")
+        if sums:
+            assert prep is not None
+            prep.clip = self._judge(prep, *values[1:])
+        if prep is not None and mine is not None:
+            prep.on_device = (mine, theirs)
         return received
 
-    @staticmethod
-    def _bounded(spec: CodecSpec, received: Encoded) -> None:
-        codec = spec.codec()
-        if spec.block_size:  # |x| <= scale * the largest code
-            top = float(received.scales.amax()) * float(getattr(codec, "_max_code", 1.0))
-        else:
-            top = float(codec.decode(received).abs().amax())
-        if top > MAX_ABS_VALUE:
-            raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
-                             f"{MAX_ABS_VALUE:g})")
-
-    def screen(self, prep: Prepared, received: Encoded) -> float:
-        """ImplausibleUpdate if the two decoded messages (what each side will fold, computed
-        identically by the peer) are implausibly far apart, or their displacements from
-        ``theta_0`` point different ways; else the guard's factor on the weight (1, or below 1
-        to clip). Changes nothing."""
-        assert self.guard is not None
-        fragment, codec, step = prep.fragment, prep.encoded.spec.codec(), chunk_elems(
-            prep.encoded.spec)
-        # Chunk by chunk through three cache-sized buffers (no fragment-size temporary): the
-        # decoded messages, then their displacements from theta_0.
-        a = torch.empty(min(step, fragment.numel), device=self.state.theta.device)
-        b, base = torch.empty_like(a), torch.empty_like(a)
-        self._bounded(prep.encoded.spec, received)  # block codecs: from the scales alone
-        dist2 = mine2 = theirs2 = base2 = dot = 0.0
+    def _screen_sums(self, prep: Prepared, mine_enc: Encoded,
+                     theirs_enc: Encoded) -> list[torch.Tensor]:
+        """On the device, chunk by chunk: ``||theirs - mine||^2``, ``||mine - t0||^2``,
+        ``||theirs - t0||^2`` and ``(mine - t0) . (theirs - t0)`` over the decoded messages
+        (what each side will fold, computed identically by the peer)."""
+        fragment = prep.fragment
+        codec = prep.encoded.spec.codec()
+        step = chunk_elems(prep.encoded.spec, self.device, self.chunk)
+        a = torch.empty(min(step, fragment.numel), device=self.device)
+        b = torch.empty_like(a)
+        sums = [torch.zeros((), device=self.device) for _ in range(4)]
         for pos, n, pieces in fragment.chunks(step):
-            mine = codec.decode(prep.encoded.view(pos, n), a[:n])
-            theirs = codec.decode(received.view(pos, n), b[:n])
-            t0 = base[:n]
-            for start, length, o in pieces:
-                t0[o : o + length].copy_(self.theta0[start : start + length])  # bf16 ok
-            dist2 += float(torch.dist(theirs, mine)) ** 2
-            mine.sub_(t0)
-            theirs.sub_(t0)
-            mine2 += float(mine.dot(mine))
-            theirs2 += float(theirs.dot(theirs))
-            base2 += float(t0.dot(t0))
-            dot += float(mine.dot(theirs))
+            mine = codec.decode(mine_enc.view(pos, n), a[:n])
+            theirs = codec.decode(theirs_enc.view(pos, n), b[:n])
+            sums[0] += torch.dist(theirs, mine).square()
+            for start, length, o in pieces:  # displacements from theta_0 (bfloat16 is fine)
+                t0 = self.theta0[start : start + length].to(self.device, non_blocking=True)
+                mine[o : o + length].sub_(t0)
+                theirs[o : o + length].sub_(t0)
+            sums[1] += mine.dot(mine)
+            sums[2] += theirs.dot(theirs)
+            sums[3] += mine.dot(theirs)
+        return sums
+
+    def _judge(self, prep: Prepared, dist2: float, mine2: float, theirs2: float,
+               dot: float) -> float:
+        """The guard's verdict from the screen's sums (see :meth:`screen`)."""
+        assert self.guard is not None
+        fragment = prep.fragment
         root_n = math.sqrt(max(fragment.numel, 1))
         if (mine2 > 0) != (theirs2 > 0):  # no refusal on record: the peer may retry
             raise ValueError("one side has not moved from theta_0 yet: the direction of the "
                              "update cannot be judged")
+        base2 = self._base2_of(fragment)
         clip = self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
                                  math.sqrt(max(mine2, base2)) / root_n, prep.peer_id)
         if mine2 > 0:  # both moved: compare directions
@@ -193,45 +261,57 @@ class ExchangeEngine:
                                         fragment.numel)
         return clip
 
+    def _base2_of(self, fragment: Fragment) -> float:
+        """``||theta_0||^2`` over the fragment, once per fragment (theta_0 never changes)."""
+        if fragment.index not in self._base2:
+            total = torch.zeros((), dtype=torch.float64)
+            for start, length in fragment.ranges:
+                piece = self.theta0[start : start + length]
+                total += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
+            self._base2[fragment.index] = float(total)
+        return self._base2[fragment.index]
+
+    def screen(self, prep: Prepared, received: Encoded) -> float:
+        """ImplausibleUpdate if the two decoded messages (what each side will fold, computed
+        identically by the peer) are implausibly far apart, or their displacements from
+        ``theta_0`` point different ways; else the guard's factor on the weight (1, or below 1
+        to clip). Changes nothing. (:meth:`check` does this on the way.)"""
+        with self._on_stream():
+            sums = self._screen_sums(prep, prep.encoded.to(self.device, non_blocking=True),
+                                     received.to(self.device, non_blocking=True))
+        return self._judge(prep, *read(sums))
+
     def commit(self, prep: Prepared, received: Encoded, weight: float) -> float:
         """Fold both messages and apply the correction ``c = weight * clip * (D(theirs) -
-        D(mine))``; returns ``||c||_2``."""
+        D(mine))`` to the correction targets; returns ``||c||_2``. The lock is held while the
+        work is queued; one wait and one read follow."""
         fragment, sent = prep.fragment, prep.encoded
         if received.numel != fragment.numel or received.spec != sent.spec:
             raise ValueError(f"received {received.spec}/{received.numel}, sent "
                              f"{sent.spec}/{fragment.numel}")
-        codec, step = sent.spec.codec(), chunk_elems(sent.spec)
+        codec = sent.spec.codec()
+        step = chunk_elems(sent.spec, self.device, self.chunk)
         weight *= prep.clip
-        mine = torch.empty(min(step, fragment.numel), device=self.state.theta.device)
-        theirs = torch.empty_like(mine)
-        targets = self.state.correction_targets()
-        squares = []  # per chunk, read once at the end (no device sync per chunk)
-        with self.lock.urgent():
+        with self.lock.urgent(), self._on_stream():
+            mine_enc, theirs_enc = prep.on_device or (
+                sent.to(self.device, non_blocking=True),
+                received.to(self.device, non_blocking=True))
+            mine = torch.empty(min(step, fragment.numel), device=self.device)
+            theirs = torch.empty_like(mine)
+            square = torch.zeros((), device=self.device)
             for pos, n, pieces in fragment.chunks(step):
-                c = codec.decode(sent.view(pos, n), mine[:n])
-                torch.sub(codec.decode(received.view(pos, n), theirs[:n]), c, out=c)
+                c = codec.decode(mine_enc.view(pos, n), mine[:n])
+                torch.sub(codec.decode(theirs_enc.view(pos, n), theirs[:n]), c, out=c)
                 c.mul_(weight)
-                squares.append(torch.dot(c, c))
+                square += c.dot(c)
                 if weight > 0:
                     for start, length, o in pieces:
-                        for buf, scale in targets:
-                            buf[start : start + length].add_(c[o : o + length], alpha=scale)
-        # summed in float64 in chunk order, as one float per chunk always was
-        norm = math.sqrt(sum(torch.stack(squares).tolist()) if squares else 0.0)
+                        self.state.add_chunk(start, c[o : o + length])
+        prep.on_device = None
+        self._done()
+        self.state.sync()  # host-side targets (a host anchor) are written
+        norm = math.sqrt(read([square])[0])
         if self.guard is not None and weight > 0 and prep.clip == 1.0:  # distance without w
             self.guard.accept(fragment.index,
                               norm / (weight * math.sqrt(max(fragment.numel, 1))))
         return norm
-
-
-def stages_on_device(device: torch.device) -> bool:
-    """Whether ``prepare`` encodes each chunk into device memory and then copies its bytes to
-    the host payload (every device but the host itself, whose payload it writes directly)."""
-    return device.type != "cpu"
-
-
-def chunk_elems(spec: CodecSpec) -> int:
-    """Elements per chunk of the fused loops: about ``CHUNK_ELEMS``, whole blocks of the
-    message."""
-    block = spec.block_size or 1
-    return max(1, CHUNK_ELEMS // block) * block

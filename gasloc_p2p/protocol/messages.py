@@ -243,7 +243,7 @@ def check_reply_header(h: pb.Header, mine: pb.Header, me: Identity,
     return problem
 
 
-def chunks(payload: bytes | bytearray, size: int) -> Iterator[bytes]:
+def chunks(payload: bytes | bytearray | memoryview, size: int) -> Iterator[bytes]:
     """Consecutive slices of at most ``size`` (<= 1 MiB) bytes."""
     size = min(size, MAX_CHUNK_BYTES)
     view = memoryview(payload)

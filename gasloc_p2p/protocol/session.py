@@ -143,7 +143,8 @@ class ExchangeSession:
         self._mine: pb.Header | None = None
         self._peer: pb.Header | None = None
         self._await_header = False  # responder: the initiator re-sends its Header (its proof)
-        self._buf = bytearray()  # the peer's payload, allocated at its announced (checked) size
+        # the peer's payload, allocated at its announced (checked) size
+        self._buf: bytearray | memoryview = bytearray()
         self._filled = 0
         self._received: Encoded | None = None
         self._my_rounds: int | None = None
@@ -370,7 +371,8 @@ class ExchangeSession:
         if self._filled + len(data) > peer.payload_bytes:
             raise ProtocolError(f"payload exceeds the announced {peer.payload_bytes} B")
         if not self._filled:
-            self._buf = bytearray(peer.payload_bytes)  # check_header bounded it by our fragment
+            # check_header bounded the size by our fragment; pinned memory beside a GPU
+            self._buf = self.engine.payload_buffer(peer.payload_bytes)
         self._buf[self._filled : self._filled + len(data)] = data
         self._filled += len(data)
         if self._filled < peer.payload_bytes:

@@ -30,7 +30,7 @@ class AcidState(AsyncGaslocState):
             raise ValueError("momentum acid has no outer momentum: set gamma 0")
         if not (0.0 <= rate <= 100.0 and 0.0 < beta <= 100.0):
             raise ValueError(f"acid rate {rate} must be in [0, 100], beta {beta} in (0, 100]")
-        super().__init__(theta, theta0, cfg)
+        super().__init__(theta, theta0, cfg, keep_anchor=True)
         self.rate, self.beta = rate, beta
         self.memory = theta0.detach().to(theta.dtype, copy=True)  # x~
 
@@ -39,14 +39,14 @@ class AcidState(AsyncGaslocState):
         return [*super().correction_targets(), (self.memory, self.beta / self.cfg.w)]
 
     def round_end(self) -> None:
-        cfg, xt = self.cfg, self.memory
-        assert xt is not None
+        cfg, xt, anchor = self.cfg, self.memory, self.anchor
+        assert xt is not None and anchor is not None
         with torch.no_grad():
             # x~ takes the outer step too: x~ += eta (theta - a); x = p
-            xt.add_(self.theta, alpha=cfg.eta).sub_(self.anchor, alpha=cfg.eta)
-            x = self.anchor.lerp_(self.theta, cfg.eta)
+            xt.add_(self.theta, alpha=cfg.eta).sub_(anchor, alpha=cfg.eta)
+            x = anchor.lerp_(self.theta, cfg.eta)
             k = -0.5 * math.expm1(-2.0 * self.rate)  # (1 - exp(-2 r)) / 2
             torch.lerp(x, xt, k, out=self.theta)  # x + k (x~ - x)
             xt.lerp_(x, k)  # x~ + k (x - x~)
-            self.anchor.copy_(self.theta)
+            anchor.copy_(self.theta)
         self.rounds += 1

@@ -24,11 +24,11 @@ def evaluate(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> floa
     model.eval()
     device = next(model.parameters()).device
     try:
-        total, count = 0.0, 0
+        total, count = torch.zeros((), dtype=torch.float64, device=device), 0
         for x, y in batches:
             _, loss = model(x.to(device), y.to(device))
-            total += float(loss) * y.numel()
+            total += loss.double() * y.numel()  # summed on the device: one read at the end
             count += y.numel()
     finally:
         model.train(was_training)
-    return total / count
+    return float(total) / count

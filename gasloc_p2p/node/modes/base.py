@@ -68,6 +68,8 @@ class Mode(abc.ABC):
 
     #: the ``--algorithm`` value this mode implements (its key in the registry)
     name: ClassVar[str]
+    #: the mode reads the anchor even where the momentum form does not (DiLoCo's global copy)
+    keeps_anchor: ClassVar[bool] = False
 
     @staticmethod
     @abc.abstractmethod

@@ -71,6 +71,7 @@ class DilocoMode(Mode):
     forks."""
 
     name = "diloco"
+    keeps_anchor = True
 
     def __init__(self, algorithm: str = "diloco",
                  averagers: Sequence[Averager] | None = None) -> None:

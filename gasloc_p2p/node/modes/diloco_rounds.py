@@ -180,8 +180,8 @@ class DilocoRounds:
             self.land(f)
         frag, st = self.fragments[f], self.state
         with self.lock.urgent(), torch.no_grad():
-            own = fragment_outer_grad(frag, st.anchor, st.theta)
-            digest = state_digest([frag.gather(st.anchor), _gather(frag, st.memory)])
+            own = fragment_outer_grad(frag, self.anchor, st.theta)  # on the anchor's device
+            digest = state_digest([frag.gather(self.anchor), _gather(frag, st.memory)])
         epoch = self.epochs[f]
         future = self._pool.submit(self._average, f, own, digest, epoch, step)
         self.pending[f] = _Sync(step, own, digest, epoch, time.monotonic(), future)
@@ -204,7 +204,7 @@ class DilocoRounds:
         grad = result.averaged if result is not None and result.averaged is not None else sync.own
         frag, st = self.fragments[f], self.state
         with self.lock.urgent(), torch.no_grad():
-            new_global = fragment_outer_step(frag, st.anchor, st.memory, grad,
+            new_global = fragment_outer_step(frag, self.anchor, st.memory, grad,
                                              self.cfg.diloco_eta, self.cfg.diloco_gamma)
             merge_fragment(frag, st.theta, new_global, self.cfg.merge_alpha)
             self.epochs[f] = (int(reference[1]["epoch"]) + 1 if in_step and reference
@@ -223,6 +223,12 @@ class DilocoRounds:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def anchor(self) -> torch.Tensor:
+        """The global copies of every fragment (the state keeps them for a DiLoCo mode)."""
+        assert self.state.anchor is not None, "a DiLoCo state keeps its anchor"
+        return self.state.anchor
+
     def _averager(self, f: int) -> Averager:
         return self.averagers[0 if self.shared else f]
 
@@ -304,12 +310,12 @@ class DilocoRounds:
             s.resync_failures += 1
             log.warning("state download from %s failed: %s", ref["endpoint"], exc)
             return
-        if anchor.shape != st.anchor.shape or (buf is None) != (st.memory is None) or (
+        if anchor.shape != self.anchor.shape or (buf is None) != (st.memory is None) or (
                 buf is not None and buf.shape != anchor.shape):
             s.resync_failures += 1
             log.warning("state from %s does not fit this node (%d params, this model %d; a "
                         "momentum buffer: %s, here: %s)", ref["endpoint"], anchor.numel(),
-                        st.anchor.numel(), buf is not None, st.memory is not None)
+                        self.anchor.numel(), buf is not None, st.memory is not None)
             return
         if digests_match(state_digest([frag.gather(anchor), _gather(frag, buf)]),
                          ref["digest"]):
@@ -317,7 +323,7 @@ class DilocoRounds:
             fragment_outer_step(frag, anchor, buf, grad, self.cfg.diloco_eta,
                                 self.cfg.diloco_gamma)
         with self.lock.urgent(), torch.no_grad():
-            frag.copy_(st.anchor, frag.gather(anchor))
+            frag.copy_(self.anchor, frag.gather(anchor))
             if st.memory is not None and buf is not None:
                 frag.copy_(st.memory, frag.gather(buf))
             merge_fragment(frag, st.theta, frag.gather(anchor), self.cfg.merge_alpha)
@@ -342,7 +348,7 @@ class DilocoRounds:
         serves."""
         with self.lock.urgent():
             st = self.state
-            return (st.rounds, st.anchor.clone(),
+            return (st.rounds, self.anchor.clone(),
                     st.memory.clone() if st.memory is not None else None)
 
     def bytes_sent(self, f: int) -> int:

@@ -25,6 +25,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
+import torch
 
 from gasloc_p2p.core.async_state import MAX_STALENESS, AsyncConfig
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig, NodeConfig
@@ -325,13 +326,15 @@ class GossipMode(Mode):
         return self.book.candidates() if self.book is not None else super().candidates(peers)
 
     def snapshot(self) -> StateSnapshot:
-        """The public iterate and momentum memory, copied under the lock."""
+        """The public iterate and momentum memory, copied to the host under the lock (chunk by
+        chunk: no device-side copy of the model)."""
         assert self.ctx is not None
         state = self.ctx.trainer.state
         with self.ctx.lock.urgent():
-            memory = state.memory.clone() if state.memory is not None else None
+            memory = state.memory.to("cpu", copy=True) if state.memory is not None else None
+            public = state.public_iterate(out=torch.empty(state.theta.numel()))
             return StateSnapshot(self.ctx.train_stats.step, state.rounds, state.cfg.momentum,
-                                 state.public_iterate(), memory)
+                                 public, memory)
 
     def progress(self) -> str:
         assert self.ctx is not None

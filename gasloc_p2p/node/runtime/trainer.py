@@ -6,11 +6,18 @@ forward and the backward: it would change tensors autograd saved). Every ``H`` s
 update: GASLoC's ``AsyncGaslocState.round_end`` inside that step's lock hold, or the
 ``round_end`` callback a mode injects (DiLoCo: after the step, without the lock, which it takes
 itself around its network wait). The event loop never runs any of this.
+
+The training device holds what training needs: parameters, gradients, AdamW state and
+activations. Everything else model-sized lives in host memory, pinned beside a GPU (see
+:meth:`Trainer.placement`): the outer state (anchor, momentum memory), ``theta_0`` (bfloat16)
+and the rollback copy; checkpoints and state snapshots are copied to the host piece by piece,
+never deep-copied on the device. On CUDA the step's loss is read one step late (no host wait
+per step), batches go through pinned memory, AdamW is fused and float32 matrix products may
+use TF32.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import logging
@@ -22,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState, host_buffer, spans
 from gasloc_p2p.core.flat import FlatParams, Fragment, layer_fragments, whole
 from gasloc_p2p.data import BPETokenizer, TrainingData, load_training_data
 from gasloc_p2p.model import layer_index
@@ -75,16 +82,27 @@ def derive_seed(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """One model-sized buffer of a node: its name, bytes and where it lives ("device": the
+    training device; "host": host memory, pinned beside a GPU)."""
+
+    name: str
+    nbytes: int
+    where: str
+
+
 class Trainer:
     """Model, optimizer and outer state of one node; :meth:`run` is the worker-thread body."""
 
     def __init__(self, cfg: TrainConfig, outer: AsyncConfig, fragments: int,
                  lock: TrainingLock, stats: TrainStats,
-                 round_end: Callable[[], None] | None = None) -> None:
+                 round_end: Callable[[], None] | None = None, keep_anchor: bool = False) -> None:
         """``round_end``: the mode's outer update, called by :meth:`step` every
         ``inner_steps`` after the step, without the lock (it may wait on the network); None:
         the GASLoC update ``AsyncGaslocState.round_end``, inside the H-th step's lock hold (no
-        exchange or checkpoint can fall between a round's last step and its round end)."""
+        exchange or checkpoint can fall between a round's last step and its round end).
+        ``keep_anchor``: the mode reads the anchor even where the momentum form does not."""
         self.cfg = cfg
         self.lock = lock
         self.stats = stats
@@ -92,22 +110,30 @@ class Trainer:
         # steps that overlap none are "quiet" (TrainStats.quiet_steps, the utilization)
         self.exchange_work: ExchangeStats | None = None
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 where float32 products remain
+        self.host = torch.device("cpu")  # the outer state's home, pinned beside a GPU
         self.data = load_data(cfg, cfg.seed)  # first: the tokenizer sets the vocabulary
         built = build_node_model(cfg, self.data.tokenizer.vocab_size)
-        self.model = built.module.to(self.device)
         # Runs apart: architecture, theta_0 and the tokenizer (same ids must mean the same).
         self.fingerprint = hashlib.sha256(
             f"{built.fingerprint}/{self.data.tokenizer.name}".encode()).hexdigest()
         self.model_description = built.description
         self.validation_set = self.data.validation_set
-        self.flat = FlatParams(self.model)  # on the device: outer state and codecs follow it
-        theta0 = self.flat.buffer.detach().clone()
-        self.state = AsyncGaslocState(self.flat.buffer, theta0, outer)  # copies what it keeps
-        # theta_0 in bfloat16 (half a float32 model copy): it only anchors the plausibility
-        # screens (update guard, bootstrap agreement: displacements from it, whose bfloat16
-        # rounding is common to both sides compared)
-        self.theta0 = theta0.to(torch.bfloat16)
-        del theta0
+        # one flat buffer, built on the host, then moved: the device never holds two copies
+        self.flat = FlatParams(built.module).to(self.device)
+        self.model = built.module.to(self.device)  # the module's non-parameter buffers
+        set_activation_checkpointing(self.model, cfg.activation_checkpointing)
+        # the flat buffer holds theta_0 now: the state copies what it keeps to the host
+        self.state = AsyncGaslocState(self.flat.buffer, self.flat.buffer, outer, host=self.host,
+                                      keep_anchor=keep_anchor)
+        # theta_0 in bfloat16 on the host (a quarter of a float32 copy on the device's side:
+        # none): it only anchors the plausibility screens (update guard, bootstrap agreement:
+        # displacements from it, whose bfloat16 rounding is common to both sides compared)
+        self.theta0 = host_buffer(self.flat.numel, self.flat.buffer, self.host, torch.bfloat16)
+        for s, e in spans(self.flat.numel):
+            self.theta0[s:e].copy_(self.flat.buffer[s:e].to(torch.bfloat16), non_blocking=True)
+        self.state.sync()
         how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
         self.inner = InnerLoop(self.model, *inner_settings(cfg), how=how)
         self.optimizer = self.inner.optimizer
@@ -126,7 +152,41 @@ class Trainer:
         self.finished = threading.Event()
         self.round_end = round_end
         self.round_end_every_step = False  # a mode's callback after every step (DiLoCo)
-        self._good: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (anchor, memory)
+        # the last round end reached with finite values: (theta, memory) in host memory
+        self._good: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._late: tuple[torch.Tensor, int] | None = None  # CUDA: (loss, tokens) to read
+
+    def placement(self) -> list[Placed]:
+        """Every model-sized buffer this node holds and where: what ``plan`` and the memory
+        benchmarks count (parameters, gradients and AdamW moments on the device; the outer
+        state, theta_0 and the rollback copy on the host)."""
+        numel, out = self.flat.numel, []
+        out.append(Placed("parameters", self.flat.buffer.nbytes, _where(self.flat.buffer)))
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        out.append(Placed("gradients", sum(g.nbytes for g in grads) or 4 * numel, "device"))
+        moments = [t for st in self.optimizer.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor) and t.numel() > 1]
+        out.append(Placed("adamw moments", sum(t.nbytes for t in moments) or 8 * numel,
+                          "device"))
+        named = (("anchor", self.state.anchor), ("momentum memory", self.state.memory),
+                 ("theta_0 (bfloat16)", self.theta0),
+                 ("rollback copy", self._good[0] if self._good else None),
+                 ("rollback memory", self._good[1] if self._good else None))
+        out += [Placed(name, t.nbytes, _where(t)) for name, t in named if t is not None]
+        return out
+
+    def warm_up(self) -> None:
+        """With ``--compile``: compile forward and backward on one batch (parameters and
+        AdamW state untouched), so the first real step holds the lock no longer than any."""
+        if not self.cfg.compile or self.shard is None:
+            return
+        gen = torch.Generator().manual_seed(0)
+        x, y = self.shard.batch(self.cfg.batch_size, self.cfg.seq_len, gen)
+        with self.inner.autocast():
+            _, loss = self.inner.forward(x.to(self.device), y.to(self.device))
+        assert loss is not None
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def load_data(self, data_seed: int) -> None:
         """Start sampling this node's batches with ``data_seed`` (the data is loaded already)."""
@@ -160,12 +220,15 @@ class Trainer:
                     or (cfg.max_time_s and time.monotonic() - started >= cfg.max_time_s))
 
     def step(self) -> float:
-        """One inner AdamW step (and the round end every H steps); returns the loss."""
+        """One inner AdamW step (and the round end every H steps); returns the loss (on CUDA
+        the previous step's: read one step late, so the host never waits for the GPU)."""
         assert self.shard is not None, "call load_data first"
         cfg, st = self.cfg, self.stats
         x, y = self.shard.batch(cfg.batch_size * cfg.grad_accum, cfg.seq_len, self.generator)
         mark = self._data_mark()  # where the next step's batch comes from
         # Host-to-device copies before the lock: gossip commits wait only for the step itself.
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         work = self.exchange_work
         before = (work.work_started, work.work_active) if work is not None else None
@@ -178,9 +241,10 @@ class Trainer:
             if round_end and self.round_end is None:
                 self.state.round_end()
                 st.rounds = self.state.rounds
-        if not math.isfinite(float(loss.detach())):
-            self._roll_back(float(loss.detach()))
-            return float(loss.detach())
+        value = self._read_loss(loss.detach(), y.numel())
+        if not math.isfinite(value):
+            self._roll_back(value)
+            return value
         dt = time.perf_counter() - t0
         st.step_time_s = dt if st.step_time_s == 0 else _EMA * st.step_time_s + (1 - _EMA) * dt
         st.timed_steps += 1
@@ -190,25 +254,34 @@ class Trainer:
             st.quiet_s += dt
         st.tokens += y.numel()
         st.tokens_per_s = y.numel() / st.step_time_s
-        st.train_loss = float(loss.detach())
+        st.train_loss = value
         if self.round_end is not None and (round_end or self.round_end_every_step):
             self.round_end()  # after the timing: tokens/s stays compute throughput
         if round_end or self._good is None:
             self._keep_good()
         return st.train_loss
 
+    def _read_loss(self, loss: torch.Tensor, tokens: int) -> float:
+        """The loss as a float: at once on a CPU; on CUDA the previous step's (the GPU runs
+        one step ahead of the host; a non-finite loss is then caught one step later)."""
+        if self.device.type != "cuda":
+            return float(loss)
+        late, self._late = self._late, (loss, tokens)
+        return float(late[0] if late is not None else loss)  # the first step: at once
+
     # ------------------------------------------------------------------ rollback
     def _keep_good(self) -> None:
-        """Remember the anchor and outer memory of a round end reached with a finite loss."""
+        """Remember theta and the outer memory of a round end reached with finite values (in
+        host memory: a rollback copy on the device would cost 4 bytes per parameter)."""
         with self.lock.urgent():
             st = self.state
-            if not math.isfinite(float(st.anchor.sum())):
-                return  # never keep a bad anchor as the good one
+            if not bool(torch.isfinite(st.theta).all()):
+                return  # never keep a bad state as the good one
             if self._good is None:
-                self._good = (st.anchor.clone(), _clone(st.memory))
-            else:
-                self._good[0].copy_(st.anchor)
-                _copy(self._good[1], st.memory)
+                self._good = (host_buffer(st.theta.numel(), st.theta, self.host),
+                              _clone(st.memory))
+            st._copy(self._good[0], st.theta)
+            _copy(self._good[1], st.memory)
 
     def _roll_back(self, loss: float) -> None:
         """A non-finite loss: back to the last good anchor with fresh AdamW moments, at most
@@ -219,11 +292,13 @@ class Trainer:
                                      f"after {st.rollbacks} rollback(s); lower --lr or --gamma, "
                                      "or resume a checkpoint")
         with self.lock.urgent():
-            anchor, memory = self._good
-            self.state.theta.copy_(anchor)
-            self.state.anchor.copy_(anchor)
+            theta, memory = self._good
+            self.state._copy(self.state.theta, theta)
+            if self.state.anchor is not None:
+                self.state.anchor.copy_(theta)
             _copy(self.state.memory, memory)
             self.optimizer.state.clear()  # the moments may hold NaN too
+            self._late = None
         st.rollbacks += 1
         log.warning("loss %s at step %d: rolled back to the last good anchor (rollback %d of "
                     "at most %d)", loss, st.step, st.rollbacks, self.cfg.max_rollbacks)
@@ -240,17 +315,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state_for_checkpoint(self) -> dict[str, Any]:
-        """Copies of everything needed to resume (taken under the lock)."""
+        """Host copies of everything needed to resume (taken under the lock, tensor by
+        tensor: the device holds no second copy of anything meanwhile)."""
         with self.lock.urgent():
             st = self.state
             return {"fingerprint": self.fingerprint, "step": self.stats.step,
                     "rounds": st.rounds, "tokens": self.stats.tokens,
                     "theta": st.theta.to("cpu", copy=True),
-                    "anchor": st.anchor.to("cpu", copy=True),
-                    "memory": st.memory.to("cpu", copy=True) if st.memory is not None else None,
+                    "anchor": _host(st.anchor), "memory": _host(st.memory),
                     "momentum": st.cfg.momentum,
                     "train_config": dataclasses.asdict(self.cfg), "tokenizer": self._tok_doc(),
-                    "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                    "optimizer": _to_host(self.optimizer.state_dict()),
                     "generator": self._mark[0] if self._mark else self.generator.get_state(),
                     "data": self._mark[1] if self._mark else self._data_mark()[1],
                     "val_loss": self.stats.val_loss, "first_val_loss": self.stats.first_val_loss}
@@ -277,8 +352,10 @@ class Trainer:
             raise ValueError(f"checkpoint used the {ckpt.get('momentum')} momentum form")
         with self.lock.urgent():
             st = self.state
-            st.theta.copy_(ckpt["theta"])
-            st.anchor.copy_(ckpt["anchor"])
+            st._copy(st.theta, ckpt["theta"])
+            if st.anchor is not None:
+                st.anchor.copy_(ckpt["anchor"] if ckpt.get("anchor") is not None
+                                else ckpt["theta"])
             self._restore_memory(ckpt.get("memory"))
             st.rounds = int(ckpt["rounds"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
@@ -302,7 +379,7 @@ class Trainer:
         if memory is not None:
             st.memory.copy_(memory)
         elif st.cfg.momentum == "mixed":
-            st.memory.copy_(st.anchor)
+            st.public_iterate(out=st.memory)
         else:
             st.memory.zero_()
 
@@ -317,8 +394,9 @@ class Trainer:
             raise ValueError(f"peer state has {params.numel()} params, this model "
                              f"{self.state.theta.numel()}")
         with self.lock.urgent():
-            self.state.theta.copy_(params)
-            self.state.anchor.copy_(params)
+            self.state._copy(self.state.theta, params)
+            if self.state.anchor is not None:
+                self.state.anchor.copy_(params)
             self._restore_memory(memory)
             self._good = None
 
@@ -330,3 +408,37 @@ def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
 def _copy(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
     if dst is not None and src is not None:
         dst.copy_(src)
+
+
+def _where(t: torch.Tensor) -> str:
+    return "host" if t.device.type == "cpu" else "device"
+
+
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to("cpu", copy=True) if t is not None else None
+
+
+def _to_host(obj: Any) -> Any:
+    """A state dict with every tensor copied to the host, one at a time."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """Recompute each transformer layer's activations in the backward pass (``--activation-
+    checkpointing``): the built-in GPT's blocks, or transformers' gradient checkpointing."""
+    if not on:
+        return
+    hf_model = getattr(model, "hf", None)
+    if hf_model is not None:
+        hf_model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "checkpointing"):
+        setattr(model, "checkpointing", True)  # noqa: B010 (any module with the switch)
+    else:
+        raise ValueError("--activation-checkpointing: this model has no checkpointable layers")
