@@ -3,7 +3,7 @@
 ``transformers`` is an optional extra (``pip install 'gasloc_p2p[hf]'``), imported only inside
 these functions. A model built from a ``config.json`` gets the same ``theta_0`` on every node
 without any download: every weight matrix and embedding (>= 2-D) is redrawn from ``seed`` with
-the machine-independent :func:`gasloc_p2p.model.portable_normal` (std: the config's
+the machine-independent :func:`gasloc_p2p.model.fill_portable_normal_` (std: the config's
 ``initializer_range``), and the 1-D tensors (norm gains, biases) keep the constant values the
 architecture's own init gives them, drawn under a seeded, forked RNG.
 
@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from gasloc_p2p.model import GPT, GPTConfig, portable_normal
+from gasloc_p2p.model import GPT, GPTConfig, fill_portable_normal_
 
 EXTRA_HINT = "pip install 'gasloc_p2p[hf]'"
 
@@ -35,27 +36,65 @@ def transformers_module() -> Any:
     return transformers
 
 
+CHUNKED_LOSS_VOCAB = 32768  # from this vocabulary on, the loss is computed in token chunks
+LOSS_CHUNK_TOKENS = 1024
+
+
 class HFCausalLM(nn.Module):
     """Adapter giving a Hugging Face causal LM the :class:`GPT` ``forward`` signature.
 
     Parameter names are ``hf.<the model's names>`` (``hf.model.layers.{l}.…`` for Llama);
-    :func:`gasloc_p2p.model.layer_index` maps them to layers."""
+    :func:`gasloc_p2p.model.layer_index` maps them to layers. With a large vocabulary (at least
+    :data:`CHUNKED_LOSS_VOCAB`) the training loss never materialises the full logits: float32
+    logits of 4096 tokens over 128k entries are 2 GB, twice with their gradient; the head and
+    the cross-entropy run on :data:`LOSS_CHUNK_TOKENS` tokens at a time, each recomputed in
+    the backward pass (:func:`chunked_cross_entropy`)."""
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
-        self.hf = hf_model
+        self.hf: Any = hf_model
 
     @property
     def config(self) -> Any:
         return self.hf.config
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """idx, targets: LongTensor [B, T] (targets already shifted); logits [B, T, V]."""
-        logits: Tensor = self.hf(input_ids=idx, use_cache=False).logits
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
+        """idx, targets: LongTensor [B, T] (targets already shifted); logits [B, T, V] (empty
+        when the loss was computed in chunks: nothing reads them then)."""
+        hf: Any = self.hf
+        head = hf.get_output_embeddings()
+        chunked = (targets is not None and isinstance(head, nn.Linear)
+                   and head.out_features >= CHUNKED_LOSS_VOCAB
+                   and not getattr(self.config, "final_logit_softcapping", None))
+        if not chunked:
+            logits: Tensor = self.hf(input_ids=idx, use_cache=False).logits
+            if targets is None:
+                return logits, None
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                   targets.reshape(-1))
+            return logits, loss
+        assert targets is not None
+        hidden = hf.base_model(input_ids=idx, use_cache=False).last_hidden_state
+        loss = chunked_cross_entropy(hidden, head, targets, LOSS_CHUNK_TOKENS)
+        return hidden.new_empty(0), loss
+
+
+def chunked_cross_entropy(hidden: Tensor, head: nn.Linear, targets: Tensor,
+                          chunk: int) -> Tensor:
+    """Mean cross-entropy of ``head(hidden)`` against ``targets`` ([B, T, H], [B, T]), ``chunk``
+    tokens at a time; each chunk's logits are recomputed in the backward pass, so at most one
+    chunk of logits (and its gradient) exists at once."""
+    h = hidden.reshape(-1, hidden.size(-1))
+    t = targets.reshape(-1)
+    total = h.new_zeros((), dtype=torch.float32)
+    for s in range(0, t.numel(), chunk):
+        total = total + checkpoint(_loss_sum, h[s : s + chunk], head.weight, head.bias,
+                                   t[s : s + chunk], use_reentrant=False)
+    return total / t.numel()
+
+
+def _loss_sum(h: Tensor, weight: Tensor, bias: Tensor | None, t: Tensor) -> Tensor:
+    return F.cross_entropy(F.linear(h, weight, bias).float(), t, reduction="sum")
 
 
 def read_config(path: str | Path) -> Any:
@@ -79,8 +118,7 @@ def from_config(config: Any, seed: int) -> HFCausalLM:
     with torch.no_grad():
         for _, param in model.named_parameters():
             if param.dim() >= 2:
-                values = portable_normal(param.numel(), gen) * std
-                param.copy_(values.view(param.shape))
+                fill_portable_normal_(param, gen, std)
     return HFCausalLM(model)
 
 

@@ -179,16 +179,41 @@ def portable_normal(numel: int, gen: torch.Generator, terms: int = 12) -> Tensor
     """Approximately N(0, 1) float64 values [numel], independent of the CPU's vector kernels.
 
     ``torch.randn`` is not: its float32 kernel gives other bits on AVX2 than on generic CPUs
-    (checked with ATEN_CPU_CAPABILITY; ARM uses the generic path). Here the only random source is ``randint`` (integer Mersenne Twister draws); the
-    Irwin-Hall sum of ``terms`` uniforms is exact in int64 and then scaled with correctly
-    rounded float64 arithmetic. The result is bounded by +-6 (for 12 terms), like a
-    truncated normal.
+    (checked with ATEN_CPU_CAPABILITY; ARM uses the generic path). Here the only random source
+    is ``randint`` (integer Mersenne Twister draws); the Irwin-Hall sum of ``terms`` uniforms is
+    exact in integers and then scaled with correctly rounded float64 arithmetic. The result is
+    bounded by +-6 (for 12 terms), like a truncated normal. (:func:`fill_portable_normal_`
+    writes the same bits into a tensor in bounded memory.)
     """
-    bits = 24
-    draws = torch.randint(0, 1 << bits, (terms, numel), generator=gen, dtype=torch.int32)
-    total = draws.sum(0, dtype=torch.int64)
+    out = torch.empty(numel, dtype=torch.float64)
+    fill_portable_normal_(out, gen, 1.0, terms)
+    return out
+
+
+_INIT_CHUNK = 1 << 22  # elements per draw and per conversion (bounded host memory)
+
+
+def fill_portable_normal_(param: Tensor, gen: torch.Generator, std: float,
+                          terms: int = 12) -> None:
+    """``param`` (any shape, on the host) <- ``portable_normal(param.numel(), gen) * std``,
+    bit for bit, in about 4 bytes of extra host memory per element: the ``terms`` rows of
+    draws come one after the other from the generator (the order one ``(terms, numel)`` draw
+    fills them in), each in chunks, summed into an int32 total (``terms * 2^24`` fits), which
+    is scaled chunk by chunk into ``param``. (A single ``(terms, numel)`` draw in int64 took
+    152 bytes per element: 40 GB for a 128k-vocabulary embedding.)"""
+    bits, numel = 24, param.numel()
+    total = torch.zeros(numel, dtype=torch.int32)
+    for _ in range(terms):
+        for s in range(0, numel, _INIT_CHUNK):
+            e = min(numel, s + _INIT_CHUNK)
+            total[s:e] += torch.randint(0, 1 << bits, (e - s,), generator=gen,
+                                        dtype=torch.int32)
     mean = terms * ((1 << bits) - 1) / 2
-    return (total.double() - mean) / ((1 << bits) * math.sqrt(terms / 12))
+    scale = (1 << bits) * math.sqrt(terms / 12)
+    flat = param.view(-1)
+    for s in range(0, numel, _INIT_CHUNK):
+        e = min(numel, s + _INIT_CHUNK)
+        flat[s:e].copy_((total[s:e].double() - mean) / scale * std)
 
 
 def build_model(cfg: GPTConfig, seed: int, dtype: torch.dtype = torch.float32) -> GPT:
@@ -211,8 +236,7 @@ def build_model(cfg: GPTConfig, seed: int, dtype: torch.dtype = torch.float32) -
             if std is None:
                 param.fill_(1.0 if name.endswith(".weight") else 0.0)
             else:
-                values = portable_normal(param.numel(), gen) * std
-                param.copy_(values.view(param.shape))
+                fill_portable_normal_(param, gen, std)
     return model.to(dtype=dtype)
 
 

@@ -1,0 +1,95 @@
+"""Count one exchange's tensor operations and host synchronisations (``TorchDispatchMode``).
+
+Used by ``tests/test_engine_counts.py`` and ``benchmarks/bench_engine.py``: two engines over
+``numel`` float32 parameters (int8 payloads, the update guard on) run one whole exchange
+(prepare, check with the screen, commit, on both sides) under the counting mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.codecs import CodecSpec, _BlockCodec
+from gasloc_p2p.core.flat import whole
+from gasloc_p2p.protocol.engine import ON_CPU_CHUNK, ExchangeEngine, NoLock
+from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
+
+# operations that make the host wait for the device (on a GPU)
+SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal")
+
+
+class Counter(TorchDispatchMode):
+    """Counts non-view operations and host synchronisations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        full = str(getattr(func, "overloadpacket", func))
+        if full in SYNC_OPS or (full == "aten._to_copy" and _to_host(args, kwargs)):
+            self.syncs += 1
+        if not getattr(func, "is_view", False):
+            self.ops += 1
+        return func(*args, **kwargs)
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    """A copy whose destination is the host and whose source is a device tensor (on a CPU run:
+    the explicit reads, ``.to("cpu", copy=True)``)."""
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def engines(numel: int, chunk: int, device: str = "cpu") -> list[ExchangeEngine]:
+    """Two engines of ``numel`` parameters on ``device`` (their theta_0 on the host, as a
+    node keeps it); ``chunk`` 0: the device's default."""
+    out = []
+    theta0 = torch.randn(numel, generator=torch.Generator().manual_seed(9)) * 0.02
+    common = torch.randn(numel, generator=torch.Generator().manual_seed(8)) * 1e-3
+    for seed in (0, 1):
+        noise = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
+        theta = (theta0 + common + noise).to(device)
+        state = AsyncGaslocState(theta, theta, AsyncConfig(), host="cpu")
+        engine = ExchangeEngine(state, theta0.to(torch.bfloat16), [whole(numel)], NoLock(),
+                                chunk or None)
+        engine.guard = UpdateGuard(GuardRule(factor=1e30, warmup_factor=1e30))
+        out.append(engine)
+    return out
+
+
+@contextlib.contextmanager
+def device_passes(on: bool) -> Iterator[None]:
+    """The codecs' passes as on an accelerator (the whole input at once) while ``on``: on a
+    CPU they walk cache-sized pieces, which a GPU does not."""
+    if not on:
+        yield
+        return
+    original = _BlockCodec._blocks_per_pass
+    _BlockCodec._blocks_per_pass = lambda self, device: 1 << 62  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _BlockCodec._blocks_per_pass = original  # type: ignore[method-assign]
+
+
+def count_exchange(numel: int, chunk: int, spec: str = "int8") -> dict[str, int]:
+    """Operations and synchronisations of one exchange between two fresh engines whose chunks
+    are ``chunk`` elements (the codecs' passes as on a GPU when chunks are device-sized)."""
+    a, b = engines(numel, chunk)
+    codec = CodecSpec.parse(spec)
+    counter = Counter()
+    with device_passes(chunk > ON_CPU_CHUNK), counter:
+        pa, pb = a.prepare("B", 0, codec), b.prepare("A", 0, codec)
+        ra = b.check(codec, numel, bytearray(pa.payload), pa.crc32, pb)
+        rb = a.check(codec, numel, bytearray(pb.payload), pb.crc32, pa)
+        a.commit(pa, rb, 0.5)
+        b.commit(pb, ra, 0.5)
+    return {"ops": counter.ops, "syncs": counter.syncs}

@@ -1,0 +1,233 @@
+"""``gasloc-node plan``: the memory a node will need, per buffer, on the device and the host.
+
+The model is built on PyTorch's meta device (shapes, no storage), so a 1B-parameter plan takes
+a second. The model-sized buffers come from :func:`model_buffers`, which decides what exists by
+the rules the node allocates with (the outer state's :attr:`AsyncConfig.reads_anchor`, the
+mode's ``keeps_anchor``, ``gamma > 0``); ``tests/test_plan.py`` checks those figures against
+what a CPU node actually holds (:meth:`Trainer.placement`). Activations, the loss and the
+exchange's transient buffers are estimates, stated as such:
+
+- activations per layer and token, ``20 h + 6 f`` values (attention and MLP inputs and
+  intermediates, SDPA attention without the sequence-squared term), in the forward's precision;
+  with ``--activation-checkpointing`` only each layer's input is kept, plus one layer's full set
+  during its recomputation;
+- the loss: the logits of the whole micro-batch (bfloat16, their float32 upcast and gradient),
+  or of one 1024-token chunk where the loss is chunked (Hugging Face models, vocabulary >= 32k);
+- an exchange (gossip): both payloads on the device from the check to the commit, and the
+  engine's scratch (10 bytes per element of one chunk);
+- CUDA's context and the allocator's slack: 0.75 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from gasloc_p2p.core.async_state import AsyncConfig
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.node.config import NodeConfig
+from gasloc_p2p.node.runtime.trainer import Placed
+
+GiB = 1 << 30
+CUDA_OVERHEAD = int(0.75 * GiB)
+LOSS_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan needs of a model: parameters, the largest tensor, layers and widths."""
+
+    numel: int
+    largest: int
+    n_layer: int
+    hidden: int
+    ffn: int
+    vocab: int
+    chunked_loss: bool
+
+
+def model_shape(model: str, train: Any, vocab: int = 256) -> Shape:
+    """The shape of ``--model`` (a built-in GPT with the flags' sizes, or a Hugging Face
+    config), built on the meta device."""
+    from gasloc_p2p.model_spec import BUILTIN, ModelSource
+
+    if model in BUILTIN:
+        from gasloc_p2p.model import GPT
+
+        cfg = replace(train, model=model).gpt(vocab)
+        with torch.device("meta"):
+            module: torch.nn.Module = GPT(cfg)
+        return _shape(module, cfg.n_layer, cfg.n_embd, 4 * cfg.n_embd, vocab, False)
+    from gasloc_p2p import hf
+
+    source = ModelSource.parse(model)
+    if source.kind == "hub":
+        raise ValueError(f"--model {model}: plan needs a config.json or a local directory")
+    config = hf.read_config(source.where)
+    with torch.device("meta"):
+        module = hf.transformers_module().AutoModelForCausalLM.from_config(config)
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0))
+    ffn = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 1))
+    vocab = int(config.vocab_size)
+    return _shape(module, layers, hidden, ffn, vocab, vocab >= hf.CHUNKED_LOSS_VOCAB)
+
+
+def _shape(module: torch.nn.Module, layers: int, hidden: int, ffn: int, vocab: int,
+           chunked: bool) -> Shape:
+    sizes = [p.numel() for p in module.parameters() if p.requires_grad]
+    return Shape(sum(sizes), max(sizes), layers, hidden, ffn, vocab, chunked)
+
+
+def model_buffers(numel: int, outer: AsyncConfig, keep_anchor: bool,
+                  device: str) -> list[Placed]:
+    """Every model-sized buffer of a node and where it lives: the training state on the
+    device, the outer state, theta_0 and the rollback copy on the host (pinned beside a GPU).
+    The same rules the node allocates by (:class:`AsyncGaslocState`, :class:`Trainer`)."""
+    dev = "device" if device != "cpu" else "host"
+    out = [Placed("parameters", 4 * numel, dev), Placed("gradients", 4 * numel, dev),
+           Placed("adamw moments", 8 * numel, dev)]
+    if keep_anchor or outer.reads_anchor:
+        out.append(Placed("anchor", 4 * numel, "host"))
+    if outer.gamma > 0:
+        out.append(Placed("momentum memory", 4 * numel, "host"))
+    out.append(Placed("theta_0 (bfloat16)", 2 * numel, "host"))
+    out.append(Placed("rollback copy", 4 * numel, "host"))
+    if outer.gamma > 0:
+        out.append(Placed("rollback memory", 4 * numel, "host"))
+    return out
+
+
+def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
+    """Activations, loss, exchange buffers and overheads: estimates (module docstring)."""
+    t = cfg.train
+    width = 2 if t.precision == "bf16" else 4
+    tokens = t.batch_size * t.seq_len  # one micro-batch
+    per_layer = tokens * (20 * shape.hidden + 6 * shape.ffn) * width
+    if t.activation_checkpointing:
+        acts = shape.n_layer * tokens * shape.hidden * width + per_layer
+    else:
+        acts = shape.n_layer * per_layer
+    loss_tokens = min(tokens, LOSS_CHUNK) if shape.chunked_loss else tokens
+    logits = loss_tokens * shape.vocab * (width + 4 + 4)
+    dev = "device" if device != "cpu" else "host"
+    out = [Placed("activations (estimate)", acts, dev), Placed("logits and loss", logits, dev)]
+    if cfg.outer.algorithm == "gasloc":
+        spec = cfg.gossip.codec_spec
+        wire = spec.codec().wire_bytes(shape.numel)
+        chunk = min(shape.numel, 1 << (27 if device != "cpu" else 18))
+        out.append(Placed("exchange: both payloads + scratch", 2 * wire + 10 * chunk, dev))
+        out.append(Placed("exchange: payload buffers", 2 * wire, "host"))
+    if device != "cpu":
+        out.append(Placed("CUDA context, allocator slack", CUDA_OVERHEAD, "device"))
+    return out
+
+
+def transients(shape: Shape, buffers: list[Placed]) -> list[Placed]:
+    """Host memory that comes and goes: building the model (its parameters, the flat copy and
+    the seeded init's int32 sums of the largest tensor) and a checkpoint's host copies."""
+    numel = shape.numel
+    outer = sum(b.nbytes for b in buffers if b.name in ("anchor", "momentum memory"))
+    return [Placed("start-up: model + flat copy + init sums", 8 * numel + 4 * shape.largest,
+                   "host"),
+            Placed("checkpoint: parameters, AdamW, outer state", 12 * numel + outer, "host")]
+
+
+def plan(cfg: NodeConfig, device: str, shape: Shape, keep_anchor: bool = False
+         ) -> dict[str, Any]:
+    """The node's memory budget: buffers and their totals per place."""
+    outer = (cfg.diloco.async_config() if cfg.outer.algorithm != "gasloc"
+             else cfg.outer.async_config())
+    keep = keep_anchor or cfg.outer.algorithm != "gasloc"
+    buffers = model_buffers(shape.numel, outer, keep, device) + estimates(shape, cfg, device)
+    steady = {where: sum(b.nbytes for b in buffers if b.where == where)
+              for where in ("device", "host")}
+    peaks = transients(shape, buffers)
+    return {"shape": shape, "buffers": buffers, "steady": steady,
+            "host_peak": steady["host"] + max(p.nbytes for p in peaks), "transients": peaks}
+
+
+def parse_size(text: str) -> int:
+    """``24GiB``, ``24GB``, ``24000000000``: bytes."""
+    units = {"gib": GiB, "gb": 10**9, "mib": 1 << 20, "mb": 10**6, "": 1}
+    t = text.strip().lower()
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"--device-memory {text!r}: expected a size such as 24GiB or 80GB")
+    return int(float(number) * units[unit])
+
+
+def report(result: dict[str, Any], device_memory: int | None) -> str:
+    shape: Shape = result["shape"]
+    lines = [f"model: {shape.numel / 1e6:,.1f}M parameters, {shape.n_layer} layers, hidden "
+             f"{shape.hidden}, vocabulary {shape.vocab}", "",
+             f"{'buffer':<40} {'where':<7} {'GiB':>7} {'B/param':>8}"]
+    for b in result["buffers"]:
+        lines.append(f"{b.name:<40} {b.where:<7} {b.nbytes / GiB:7.2f} "
+                     f"{b.nbytes / max(shape.numel, 1):8.2f}")
+    dev, host = result["steady"]["device"], result["steady"]["host"]
+    lines += ["", f"device total {dev / GiB:.2f} GiB ({dev / shape.numel:.1f} B/param); "
+                  f"host total {host / GiB:.2f} GiB, at most {result['host_peak'] / GiB:.2f} "
+                  "GiB while building the model or writing a checkpoint"]
+    if device_memory:
+        verdict = "fits" if dev <= device_memory else "does NOT fit"
+        lines.append(f"{verdict} in {device_memory / GiB:.1f} GiB of device memory "
+                     f"({(device_memory - dev) / GiB:+.2f} GiB to spare)")
+    return "\n".join(lines)
+
+
+def add_plan_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="the memory a node will need, per buffer (no training)",
+                       description="Print the device and host memory a node needs for a model "
+                                   "and training shape, per buffer, and whether it fits. The "
+                                   "model is built on the meta device: no weights, seconds.")
+    p.add_argument("--model", required=True, help="gpt, a preset, a config.json or a directory")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
+    p.add_argument("--device-memory", default="", help="e.g. 24GiB: say whether it fits")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+                   default=True)
+    p.add_argument("--algorithm", default="gasloc", choices=("gasloc", "diloco",
+                                                             "streaming-diloco"))
+    p.add_argument("--gamma", type=float, default=0.0, help="outer momentum (a buffer if > 0)")
+    p.add_argument("--codec", default="int8")
+    p.add_argument("--cpu", action="store_true", help="plan a CPU node (everything on the host)")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        cfg = NodeConfig()
+        cfg = replace(cfg, train=replace(cfg.train, model=args.model, precision=args.precision,
+                                         batch_size=args.micro_batch, seq_len=args.seq_len,
+                                         activation_checkpointing=args.activation_checkpointing),
+                      outer=replace(cfg.outer, algorithm=args.algorithm, gamma=args.gamma),
+                      gossip=replace(cfg.gossip, codec=CodecSpec.parse(args.codec).name))
+        memory = parse_size(args.device_memory) if args.device_memory else None
+        shape = model_shape(args.model, cfg.train)
+    except (ValueError, ImportError, OSError) as exc:
+        print(f"gasloc-node plan: error: {exc}", file=sys.stderr)
+        return 2
+    result = plan(cfg, "cpu" if args.cpu else "cuda", shape)
+    print(report(result, memory))
+    if memory is not None and result["steady"]["device"] > memory:
+        return 1
+    return 0
+
+
+def bytes_per_param(result: dict[str, Any], where: str = "device",
+                    names: tuple[str, ...] = ()) -> float:
+    """Bytes per parameter at ``where`` (only the buffers in ``names``, if given)."""
+    numel = max(result["shape"].numel, 1)
+    return sum(b.nbytes for b in result["buffers"]
+               if b.where == where and (not names or b.name in names)) / numel
+
+
+__all__ = ["Shape", "bytes_per_param", "model_buffers", "model_shape", "plan", "math"]

@@ -1,0 +1,31 @@
+"""Kernel launches and host synchronisations per exchange do not grow with the model size.
+
+A ``TorchDispatchMode`` counts every tensor operation (views excluded) and every host
+synchronisation (``.item()``/``float()``/``bool()`` on a tensor, copies to the host) that one
+exchange's tensor work issues: prepare, check (with the guard's screen) and commit, on each
+side. With the engine's device-sized chunks (2^27 elements) the counts at 1M and 8M elements
+are equal; with the old cache-sized chunks they grew with the model, which is what a GPU paid
+for in launches and syncs (``benchmarks/bench_engine.py`` prints the figures to 100M).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.engine_counts import count_exchange
+
+
+def test_launches_and_syncs_per_exchange_do_not_grow_with_the_model():
+    small = count_exchange(1 << 20, chunk=1 << 27)
+    large = count_exchange(1 << 23, chunk=1 << 27)
+    assert small == large, (small, large)
+    assert small["syncs"] <= 12, small  # a few reads per phase, none per chunk
+    assert small["ops"] <= 400, small
+
+
+def test_the_count_bites_on_chunked_loops():
+    """The same exchange walked in 2^18-element chunks: launches grow with the size."""
+    small = count_exchange(1 << 20, chunk=1 << 18)
+    large = count_exchange(1 << 23, chunk=1 << 18)
+    assert large["ops"] > 4 * small["ops"]
+    assert torch.get_num_threads() >= 1
