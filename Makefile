@@ -11,7 +11,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
 	bench-chaos bench-poison bench-soak bench-external bench-external-1000 bench-projection reproduce \
-	proto clean
+	gpu-check proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -64,6 +64,10 @@ bench-scale: setup
 
 bench-swarm100m: setup
 	nice -n 10 $(PY) -m benchmarks.bench_swarm100m
+
+# On a machine with CUDA (no setup step: the machine's own torch may be the CUDA one; PYTHON=...)
+gpu-check:
+	bash scripts/gpu_check.sh
 
 bench-trainer-memory: setup
 	nice -n 10 $(PY) -m benchmarks.bench_trainer_memory

@@ -52,14 +52,17 @@ def engines(numel: int, chunk: int, device: str = "cpu") -> list[ExchangeEngine]
     """Two engines of ``numel`` parameters on ``device`` (their theta_0 on the host, as a
     node keeps it); ``chunk`` 0: the device's default."""
     out = []
-    theta0 = torch.randn(numel, generator=torch.Generator().manual_seed(9)) * 0.02
-    common = torch.randn(numel, generator=torch.Generator().manual_seed(8)) * 1e-3
+
+    def randn(seed: int, std: float) -> torch.Tensor:  # drawn where it is used (1B: seconds)
+        gen = torch.Generator(device).manual_seed(seed)
+        return torch.randn(numel, generator=gen, device=device).mul_(std)
+
+    theta0, common = randn(9, 0.02), randn(8, 1e-3)
+    host0 = theta0.to("cpu", torch.bfloat16)
     for seed in (0, 1):
-        noise = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
-        theta = (theta0 + common + noise).to(device)
+        theta = randn(seed, 1e-3).add_(theta0).add_(common)
         state = AsyncGaslocState(theta, theta, AsyncConfig(), host="cpu")
-        engine = ExchangeEngine(state, theta0.to(torch.bfloat16), [whole(numel)], NoLock(),
-                                chunk or None)
+        engine = ExchangeEngine(state, host0, [whole(numel)], NoLock(), chunk or None)
         engine.guard = UpdateGuard(GuardRule(factor=1e30, warmup_factor=1e30))
         out.append(engine)
     return out

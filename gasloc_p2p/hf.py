@@ -37,7 +37,7 @@ def transformers_module() -> Any:
 
 
 CHUNKED_LOSS_VOCAB = 32768  # from this vocabulary on, the loss is computed in token chunks
-LOSS_CHUNK_TOKENS = 1024
+LOSS_CHUNK_TOKENS = 512
 
 
 class HFCausalLM(nn.Module):
@@ -174,15 +174,19 @@ def as_hf_model(model: nn.Module) -> nn.Module:
     return hf.eval()
 
 
+SHARD_SIZE = "2GB"  # per safetensors file of an export
+
+
 def save(model: nn.Module, out: str | Path, tokenizer_json: str | None = None,
          eos_id: int | None = None) -> Path:
-    """Write ``model`` as a Hugging Face directory (config.json + model.safetensors, and
-    tokenizer files when ``tokenizer_json`` is given) that ``from_pretrained`` loads."""
+    """Write ``model`` as a Hugging Face directory (config.json + safetensors shards of at most
+    :data:`SHARD_SIZE`, written one after the other, and tokenizer files when
+    ``tokenizer_json`` is given) that ``from_pretrained`` loads."""
     tf = transformers_module()
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     hf_model: Any = as_hf_model(model)
-    hf_model.save_pretrained(target, safe_serialization=True)
+    hf_model.save_pretrained(target, safe_serialization=True, max_shard_size=SHARD_SIZE)
     if tokenizer_json is not None:
         from tokenizers import Tokenizer
 

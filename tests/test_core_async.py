@@ -145,7 +145,7 @@ def test_host_chunks_give_the_one_pass_bits(cfg, monkeypatch):
         gen = torch.Generator().manual_seed(0)
         theta0 = torch.randn(50, generator=gen, dtype=torch.float64)
         s = AsyncGaslocState(theta0.clone(), theta0, cfg)
-        for r in range(3):
+        for _ in range(3):
             s.theta.add_(torch.randn(50, generator=gen, dtype=torch.float64) * 0.1)
             s.apply_correction(torch.randn(50, generator=gen, dtype=torch.float64) * 0.01)
             s.round_end()

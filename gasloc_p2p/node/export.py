@@ -2,7 +2,7 @@
 
 The checkpoint records the node's training flags and tokenizer; the model is rebuilt from them
 (its fingerprint must equal the checkpoint's), its parameters are replaced by the checkpoint's,
-and it is written with ``save_pretrained`` (config.json + model.safetensors, plus
+and it is written with ``save_pretrained`` (config.json + safetensors shards, plus
 tokenizer.json when the node used a BPE or Hugging Face tokenizer). The built-in GPT is written
 as the equivalent ``GPT2LMHeadModel``. ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it.
 
@@ -99,8 +99,11 @@ def export(dirs: list[str], out: str, which: str = "local") -> Path:
         raise ExportError(f"--model {cfg.model} now builds another model than the checkpoint's "
                           "(its config or weights changed)")
     flat = FlatParams(built.module)
-    theta = torch.stack([c["theta"].float() for c in ckpts]).mean(0)
-    with torch.no_grad():
-        flat.buffer.copy_(theta)
+    with torch.no_grad():  # a running sum: one model-sized buffer, the checkpoints mapped
+        flat.buffer.copy_(ckpts[0]["theta"])
+        for c in ckpts[1:]:
+            flat.buffer.add_(c["theta"].float())
+        if len(ckpts) > 1:
+            flat.buffer.div_(len(ckpts))
     return hf.save(built.module, out, tok.to_json() if tok else None,
                    tok.eos_id if tok else None)

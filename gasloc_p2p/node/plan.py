@@ -12,7 +12,7 @@ exchange's transient buffers are estimates, stated as such:
   with ``--activation-checkpointing`` only each layer's input is kept, plus one layer's full set
   during its recomputation;
 - the loss: the logits of the whole micro-batch (bfloat16, their float32 upcast and gradient),
-  or of one 1024-token chunk where the loss is chunked (Hugging Face models, vocabulary >= 32k);
+  or of one chunk of ``hf.LOSS_CHUNK_TOKENS`` tokens where the loss is chunked (Hugging Face models, vocabulary >= 32k);
 - an exchange (gossip): both payloads on the device from the check to the commit, and the
   engine's scratch (10 bytes per element of one chunk);
 - CUDA's context and the allocator's slack: 0.75 GiB.
@@ -21,7 +21,6 @@ exchange's transient buffers are estimates, stated as such:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,7 +34,6 @@ from gasloc_p2p.node.runtime.trainer import Placed
 
 GiB = 1 << 30
 CUDA_OVERHEAD = int(0.75 * GiB)
-LOSS_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,7 @@ def model_buffers(numel: int, outer: AsyncConfig, keep_anchor: bool,
     """Every model-sized buffer of a node and where it lives: the training state on the
     device, the outer state, theta_0 and the rollback copy on the host (pinned beside a GPU).
     The same rules the node allocates by (:class:`AsyncGaslocState`, :class:`Trainer`)."""
-    dev = "device" if device != "cpu" else "host"
+    dev = "device"  # the training device, whichever it is (a CPU node's host)
     out = [Placed("parameters", 4 * numel, dev), Placed("gradients", 4 * numel, dev),
            Placed("adamw moments", 8 * numel, dev)]
     if keep_anchor or outer.reads_anchor:
@@ -113,9 +111,11 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
         acts = shape.n_layer * tokens * shape.hidden * width + per_layer
     else:
         acts = shape.n_layer * per_layer
-    loss_tokens = min(tokens, LOSS_CHUNK) if shape.chunked_loss else tokens
+    from gasloc_p2p.hf import LOSS_CHUNK_TOKENS
+
+    loss_tokens = min(tokens, LOSS_CHUNK_TOKENS) if shape.chunked_loss else tokens
     logits = loss_tokens * shape.vocab * (width + 4 + 4)
-    dev = "device" if device != "cpu" else "host"
+    dev = "device"
     out = [Placed("activations (estimate)", acts, dev), Placed("logits and loss", logits, dev)]
     if cfg.outer.algorithm == "gasloc":
         spec = cfg.gossip.codec_spec
@@ -230,4 +230,5 @@ def bytes_per_param(result: dict[str, Any], where: str = "device",
                if b.where == where and (not names or b.name in names)) / numel
 
 
-__all__ = ["Shape", "bytes_per_param", "model_buffers", "model_shape", "plan", "math"]
+__all__ = ["Shape", "add_plan_parser", "bytes_per_param", "model_buffers", "model_shape",
+           "plan", "report"]

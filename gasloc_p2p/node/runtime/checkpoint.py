@@ -105,12 +105,14 @@ def _optimizer_tensors(state_dict: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def load(directory: str | Path) -> dict[str, Any] | None:
-    """The checkpoint in ``directory``, or None if there is none."""
+    """The checkpoint in ``directory``, or None if there is none. Memory-mapped: a tensor's
+    bytes are read when used (an export of a 1B model never holds the file twice)."""
     path = checkpoint_path(directory)
     if not path.exists():
         return None
     try:
-        payload: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        payload: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True,
+                                               mmap=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read {path} ({exc}); move it away to start fresh") from exc
     return payload

@@ -158,10 +158,11 @@ class Trainer:
 
     def placement(self) -> list[Placed]:
         """Every model-sized buffer this node holds and where: what ``plan`` and the memory
-        benchmarks count (parameters, gradients and AdamW moments on the device; the outer
-        state, theta_0 and the rollback copy on the host)."""
+        benchmarks count (parameters, gradients and AdamW moments on the training device; the
+        outer state, theta_0 and the rollback copy on the host, "device" if a tensor of theirs
+        is found on a GPU). On a CPU node both places are the same memory; the roles stay."""
         numel, out = self.flat.numel, []
-        out.append(Placed("parameters", self.flat.buffer.nbytes, _where(self.flat.buffer)))
+        out.append(Placed("parameters", self.flat.buffer.nbytes, "device"))
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         out.append(Placed("gradients", sum(g.nbytes for g in grads) or 4 * numel, "device"))
         moments = [t for st in self.optimizer.state.values() for t in st.values()

@@ -1,0 +1,394 @@
+"""The GPU check (issue 22): ``make gpu-check`` (``scripts/gpu_check.sh``) on a machine with CUDA.
+
+Offline (byte tokenizer, a corpus of the standard library's sources written on the spot, Llama
+configs written here), about 10 minutes on one H100. Each part prints its figures and adds a
+JSON record to ``--records``; the last step writes ``docs/results/gpu.md`` from them.
+
+- ``tests``: the CUDA tests (tests/test_cuda.py, tests/test_device_paths.py);
+- ``memory``: a node training a 135M Llama (SmolLM-135M shape) in bf16: device bytes per
+  parameter at rest, a step's peak, what a checkpoint and a state snapshot add
+  (``torch.cuda.max_memory_allocated``), the plan's figure beside; the same for the
+  Llama-3.2-1B shape with activation checkpointing and micro-batch 1 x 2048, with one
+  exchange's buffers on top;
+- ``throughput``: tokens/s of the 135M node alone and with exchanges running at the daemon's
+  default rate (2 per 20-step round) and back to back;
+- ``engine``: one exchange's tensor work at 135M and 1.236B against a device-to-device copy of
+  the model's float32 bytes, alone and while the GPU is busy (``bench_engine``);
+- ``nodes``: two ``gasloc-node join`` processes on the GPU over loopback train the 135M Llama,
+  gossip, write checkpoints; ``gasloc-node export`` writes one and ``transformers`` loads it.
+
+Run: ``python -m benchmarks.gpu_check [--parts tests,memory,...] [--records R.jsonl]
+[--write docs/results/gpu.md]``. Without CUDA it says so in one line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+GiB = 1 << 30
+PARTS = ("tests", "memory", "throughput", "engine", "nodes")
+LLAMA_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+              "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+              "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048,
+              "tie_word_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-5}
+LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+            "max_position_embeddings": 131072, "tie_word_embeddings": True,
+            "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
+
+
+def inputs(root: Path) -> dict[str, Path]:
+    """Both configs and a corpus (the standard library's sources, about 8 MB)."""
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, cfg in (("135m", LLAMA_135M), ("1b", LLAMA_1B)):
+        (root / name).mkdir(exist_ok=True)
+        (root / name / "config.json").write_text(json.dumps(cfg))
+        out[name] = root / name / "config.json"
+    corpus = root / "corpus.txt"
+    if not corpus.exists():
+        texts, size = [], 0
+        for src in sorted(Path(os.__file__).parent.glob("*.py")):
+            texts.append(src.read_text(errors="replace"))
+            size += len(texts[-1])
+            if size > 8_000_000:
+                break
+        corpus.write_text("\n".join(texts))
+    out["corpus"] = corpus
+    return out
+
+
+def trainer(config: Path, corpus: Path, **kw: Any) -> Any:
+    from gasloc_p2p.core.async_state import AsyncConfig
+    from gasloc_p2p.node.config_train import TrainConfig
+    from gasloc_p2p.node.runtime.lock import TrainingLock
+    from gasloc_p2p.node.runtime.trainer import Trainer
+    from gasloc_p2p.node.stats import TrainStats
+
+    base = {"model": str(config), "data": str(corpus), "tokenizer": "byte", "device": "cuda",
+            "precision": "bf16", "seq_len": 512, "batch_size": 8, "eval_batches": 1,
+            "warmup_steps": 5, "inner_steps": 20}
+    node = Trainer(TrainConfig(**{**base, **kw}), AsyncConfig(), 1, TrainingLock(),
+                   TrainStats())
+    node.load_data(3)
+    return node
+
+
+def peak_of(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and the device bytes it added at its peak over what was allocated before."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+def snapshot(node: Any) -> Any:
+    """The gossip mode's state snapshot (what a late joiner downloads)."""
+    from gasloc_p2p.node.modes.gossip import GossipMode
+
+    mode = GossipMode()
+    mode.ctx = SimpleNamespace(trainer=node, lock=node.lock, train_stats=node.stats)  # type: ignore[assignment]
+    return mode.snapshot()
+
+
+def exchange_once(node: Any) -> None:
+    """One exchange's tensor work on this node against a payload of its own (the buffers an
+    exchange holds: both payloads on the device, the engine's scratch)."""
+    from gasloc_p2p.core.codecs import CodecSpec
+    from gasloc_p2p.protocol.engine import ExchangeEngine
+
+    spec = CodecSpec.parse("int8")
+    engine = ExchangeEngine(node.state, node.theta0, node.fragments, node.lock)
+    peer = engine.prepare("peer", 0, spec)
+    mine = engine.prepare("me", 0, spec)
+    got = engine.check(spec, node.flat.numel, peer.payload, peer.crc32, mine)
+    engine.commit(mine, got, 0.5)
+
+
+def part_memory(paths: dict[str, Path]) -> list[dict[str, Any]]:
+    from gasloc_p2p.node.config import NodeConfig
+    from gasloc_p2p.node.plan import model_shape, plan
+
+    rows = []
+    for name, kw in (("135m", {"seq_len": 512, "batch_size": 8}),
+                     ("1b", {"seq_len": 2048, "batch_size": 1,
+                             "activation_checkpointing": True})):
+        t0 = time.monotonic()
+        node = trainer(paths[name], paths["corpus"], **kw)
+        built_s = time.monotonic() - t0
+        n = node.flat.numel
+        _, step_peak = peak_of(lambda: [node.step() for _ in range(3)])
+        torch.cuda.synchronize()
+        rest = torch.cuda.memory_allocated()
+        peak_total = torch.cuda.max_memory_allocated()
+        _, ckpt = peak_of(node.state_for_checkpoint)
+        _, snap = peak_of(lambda: snapshot(node))
+        _, exch = peak_of(lambda: exchange_once(node))
+        # the plan of the same node: its device total (estimates included)
+        cfg = dataclasses.replace(NodeConfig(), train=node.cfg)
+        planned = plan(cfg, "cuda", model_shape(str(paths[name]), node.cfg))["steady"]["device"]
+        grads = sum(p.grad.nbytes for p in node.model.parameters() if p.grad is not None)
+        row = {"part": "memory", "model": name, "numel": n, "build_s": built_s,
+               "seq_len": node.cfg.seq_len, "batch": node.cfg.batch_size,
+               "act_ckpt": node.cfg.activation_checkpointing,
+               "rest_b_per_param": rest / n, "rest_grads_b_per_param": (rest + (0 if grads else
+                                                                               4 * n)) / n,
+               "step_peak_gib": peak_total / GiB, "checkpoint_extra_b_per_param": ckpt / n,
+               "snapshot_extra_b_per_param": snap / n, "exchange_extra_gib": exch / GiB,
+               "node_peak_gib": (peak_total + exch) / GiB, "plan_device_gib": planned / GiB}
+        print(f"memory {name}: {n / 1e6:.1f}M params (built in {built_s:.0f} s), at rest "
+              f"{row['rest_b_per_param']:.2f} B/param ({row['rest_grads_b_per_param']:.2f} with "
+              f"gradients), step peak {row['step_peak_gib']:.2f} GiB, checkpoint "
+              f"+{row['checkpoint_extra_b_per_param']:.3f} B/param, snapshot "
+              f"+{row['snapshot_extra_b_per_param']:.3f} B/param, exchange "
+              f"+{row['exchange_extra_gib']:.2f} GiB; peak with an exchange "
+              f"{row['node_peak_gib']:.2f} GiB (plan {row['plan_device_gib']:.2f} GiB)",
+              flush=True)
+        rows.append(row)
+        del node
+        torch.cuda.empty_cache()
+    return rows
+
+
+def part_throughput(paths: dict[str, Path]) -> list[dict[str, Any]]:
+    """Tokens/s alone, with exchanges at the daemon's rate and back to back (one process)."""
+    from gasloc_p2p.core.codecs import CodecSpec
+    from gasloc_p2p.protocol.engine import ExchangeEngine
+
+    node = trainer(paths["135m"], paths["corpus"])
+    spec = CodecSpec.parse("int8")
+    engine = ExchangeEngine(node.state, node.theta0, node.fragments, node.lock)
+    peer = engine.prepare("peer", 0, spec)
+    payload, crc = bytes(peer.payload), peer.crc32
+    for _ in range(5):
+        node.step()
+
+    def steps(count: int, every: int) -> tuple[float, int]:
+        """Tokens/s over ``count`` steps while exchanges start every ``every`` steps (0:
+        none, -1: back to back) in their own thread, as the daemon runs them."""
+        stop, done = threading.Event(), [0]
+
+        def exchanges() -> None:
+            last = node.stats.step
+            while not stop.is_set():
+                if every > 0 and node.stats.step - last < every:
+                    time.sleep(0.001)
+                    continue
+                last = node.stats.step
+                prep = engine.prepare("peer", 0, spec)
+                got = engine.check(spec, node.flat.numel, bytearray(payload), crc, prep)
+                engine.commit(prep, got, 0.0)  # weight 0: the parameters stay as they are
+                done[0] += 1
+
+        worker = threading.Thread(target=exchanges) if every else None
+        if worker is not None:
+            worker.start()
+        torch.cuda.synchronize()
+        t0, tokens0 = time.perf_counter(), node.stats.tokens
+        for _ in range(count):
+            node.step()
+        torch.cuda.synchronize()
+        rate = (node.stats.tokens - tokens0) / (time.perf_counter() - t0)
+        stop.set()
+        if worker is not None:
+            worker.join()
+        return rate, done[0]
+
+    rows = []
+    solo = [steps(40, 0)[0]]
+    for label, every in (("2 per 20-step round", 10), ("back to back", -1)):
+        rate, count = steps(40, every)
+        solo.append(steps(40, 0)[0])  # solo again, interleaved: drift cancels
+        ref = sum(solo[-2:]) / 2
+        rows.append({"part": "throughput", "label": label, "tokens_per_s": rate,
+                     "solo_tokens_per_s": ref, "ratio": rate / ref, "exchanges": count})
+        print(f"throughput 135M bf16, exchanges {label}: {rate:,.0f} tokens/s vs solo "
+              f"{ref:,.0f} = {rate / ref:.3f} ({count} exchanges in 40 steps)", flush=True)
+    return rows
+
+
+def part_engine() -> list[dict[str, Any]]:
+    from benchmarks.bench_engine import time_exchange
+
+    rows = []
+    for n in (135_000_000, 1_236_000_000):
+        for busy in (False, True):
+            r = time_exchange(n, "cuda", busy)
+            rows.append({"part": "engine", "numel": n, "busy": busy, **r})
+            print(f"engine {n / 1e6:.0f}M{' (GPU busy)' if busy else ''}: exchange "
+                  f"{r['exchange_s'] * 1e3:.1f} ms, device copy {r['copy_s'] * 1e3:.2f} ms = "
+                  f"{r['ratio']:.1f}x", flush=True)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def part_nodes(paths: dict[str, Path], root: Path) -> list[dict[str, Any]]:
+    """Two real nodes on the GPU over loopback: train, gossip, checkpoint; export; load."""
+    from gasloc_p2p.tools.nodes import NodeChild
+
+    flags = ["--model", str(paths["135m"]), "--data", str(paths["corpus"]), "--tokenizer",
+             "byte", "--device", "cuda", "--precision", "bf16", "--seq-len", "256",
+             "--batch-size", "8", "--inner-steps", "10", "--exchanges-per-round", "2",
+             "--max-steps", "150", "--host", "127.0.0.1", "--eval-batches", "2",
+             "--eval-interval-steps", "50", "--announce-interval-s", "1",
+             "--announce-ttl-s", "4", "--refresh-interval-s", "1", "--log-interval-s", "10",
+             "--no-init-from-swarm"]
+    nodes: list[NodeChild] = []
+    t0 = time.monotonic()
+    try:
+        seed = NodeChild("gpu0", root, [*flags, "--checkpoint-dir", str(root / "ckpt0")])
+        nodes.append(seed)
+        peers = seed.join_peers(180)
+        nodes.append(NodeChild("gpu1", root, [*flags, "--checkpoint-dir", str(root / "ckpt1"),
+                                              "--peers", *peers]))
+        for node in nodes:
+            node.wait_up(180)
+        infos: dict[str, Any] = {}
+        deadline = time.monotonic() + 420
+        while time.monotonic() < deadline and any(n.proc.poll() is None for n in nodes):
+            for node in nodes:
+                with contextlib.suppress(Exception):
+                    infos[node.name] = node.info()
+            time.sleep(2)
+        codes = [n.proc.wait(timeout=60) for n in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    took = time.monotonic() - t0
+    out = root / "export"
+    subprocess.run([sys.executable, "-m", "gasloc_p2p.cli", "export", "--checkpoint-dir",
+                    str(root / "ckpt0"), str(root / "ckpt1"), "--which", "average", "--out",
+                    str(out)], check=True)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).cuda().eval()
+    text = paths["corpus"].read_bytes()[:257]
+    ids = torch.tensor([list(text)], device="cuda")
+    with torch.no_grad():
+        loss = float(model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss)
+    row = {"part": "nodes", "exit_codes": codes, "seconds": took,
+           "steps": [int(i.step) for i in infos.values()],
+           "exchanges": [int(i.exchanges_ok_initiator + i.exchanges_ok_responder)
+                         for i in infos.values()],
+           "tokens_per_s": [float(i.tokens_per_s) for i in infos.values()],
+           "export_loss": loss, "shards": len(list(out.glob("*.safetensors")))}
+    print(f"nodes: exit {codes} after {took:.0f} s, steps {row['steps']}, exchanges "
+          f"{row['exchanges']}, tokens/s {[round(x) for x in row['tokens_per_s']]}; export "
+          f"({row['shards']} safetensors file(s)) loads in transformers, loss {loss:.3f}",
+          flush=True)
+    return [row]
+
+
+def part_tests() -> list[dict[str, Any]]:
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_cuda.py", "tests/test_device_paths.py"],
+                          capture_output=True, text=True, env=env)
+    summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+    print(f"CUDA tests: {summary}", flush=True)
+    if done.returncode:
+        print(done.stdout[-6000:], done.stderr[-2000:], sep="\n", flush=True)
+    return [{"part": "tests", "summary": summary, "returncode": done.returncode}]
+
+
+def write_table(records: list[dict[str, Any]], path: Path) -> None:
+    """docs/results/gpu.md from the records."""
+    gpu = next((r["gpu"] for r in records if "gpu" in r), "?")
+    lines = ["# The GPU check", "",
+             f"`make gpu-check` on {gpu} (issue 22). Rerun: `make gpu-check` (about 10 "
+             "minutes on one H100; offline). Targets from the issue in the last column.", "",
+             "| figure | measured | target |", "|---|---|---|"]
+    for r in records:
+        if r["part"] == "tests":
+            lines.append(f"| CUDA tests (test_cuda, test_device_paths) | {r['summary']} | "
+                         "all pass |")
+        elif r["part"] == "memory":
+            what = (f"{r['model']} Llama bf16, micro-batch {r['batch']} x {r['seq_len']}"
+                    + (", activation checkpointing" if r["act_ckpt"] else ""))
+            lines += [
+                f"| {what}: device B/param at rest (with gradients) | "
+                f"{r['rest_b_per_param']:.2f} ({r['rest_grads_b_per_param']:.2f}) | <= 16.5 |",
+                f"| {what}: a checkpoint / a state snapshot adds | "
+                f"{r['checkpoint_extra_b_per_param']:.3f} / {r['snapshot_extra_b_per_param']:.3f}"
+                " B/param | <= 17 in all |",
+                f"| {what}: peak (steps), with an exchange on top; `plan` | "
+                f"{r['step_peak_gib']:.2f} GiB, {r['node_peak_gib']:.2f} GiB; "
+                f"{r['plan_device_gib']:.2f} GiB | 1B: fits 24 GiB |"]
+        elif r["part"] == "throughput":
+            lines.append(f"| 135M tokens/s with exchanges {r['label']} / solo | "
+                         f"{r['tokens_per_s']:,.0f} / {r['solo_tokens_per_s']:,.0f} = "
+                         f"{r['ratio']:.3f} | >= 0.95 |")
+        elif r["part"] == "engine":
+            lines.append(f"| one exchange's tensor work at {r['numel'] / 1e6:,.0f}M"
+                         f"{' (GPU busy)' if r['busy'] else ''} / device copy of its fp32 "
+                         f"bytes | {r['exchange_s'] * 1e3:.1f} ms / {r['copy_s'] * 1e3:.2f} ms "
+                         f"= {r['ratio']:.1f}x | <= 5x |")
+        elif r["part"] == "nodes":
+            lines.append(f"| two `gasloc-node join` on one GPU, 135M bf16, 150 steps each | "
+                         f"exit {r['exit_codes']}, exchanges {r['exchanges']}, tokens/s "
+                         f"{[round(x) for x in r['tokens_per_s']]}; export of the average "
+                         f"loads in transformers (loss {r['export_loss']:.2f}) | train, gossip, "
+                         "export |")
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--records", default="", help="append JSON lines here (default: a temp file)")
+    p.add_argument("--write", default="docs/results/gpu.md", help="the table ('' : none)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device on this machine (torch.cuda.is_available() is False); "
+              "nothing to check")
+        return 0
+    root = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    records_path = Path(args.records or root / "records.jsonl")
+    paths = inputs(root / "inputs")
+    gpu = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    failed = False
+    for part in args.parts.split(","):
+        t0 = time.monotonic()
+        if part == "tests":
+            rows = part_tests()
+            failed |= rows[0]["returncode"] != 0
+        elif part == "memory":
+            rows = part_memory(paths)
+        elif part == "throughput":
+            rows = part_throughput(paths)
+        elif part == "engine":
+            rows = part_engine()
+        elif part == "nodes":
+            rows = part_nodes(paths, root / "nodes")
+        else:
+            raise SystemExit(f"--parts: unknown part {part!r} (choose from {PARTS})")
+        print(f"[{part}: {time.monotonic() - t0:.0f} s]", flush=True)
+        with records_path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({**row, "gpu": gpu}) + "\n")
+    if args.write:
+        records = [json.loads(line) for line in records_path.read_text().splitlines()]
+        write_table(records, Path(args.write))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``gasloc-node plan``: its model-sized buffers against what a CPU node actually holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gasloc_p2p.core.async_state import AsyncConfig
+from gasloc_p2p.node.config import NodeConfig
+from gasloc_p2p.node.config_train import TrainConfig
+from gasloc_p2p.node.plan import bytes_per_param, model_buffers, model_shape, plan
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.trainer import Trainer
+from gasloc_p2p.node.stats import TrainStats
+
+TINY = TrainConfig(n_layer=2, n_embd=16, n_head=2, seq_len=16, batch_size=2, inner_steps=2)
+
+
+@pytest.mark.parametrize(("outer", "keep_anchor"), [
+    (AsyncConfig(), False),                      # defaults: eta 1, gamma 0: no outer buffers
+    (AsyncConfig(eta=0.7, gamma=0.5), False),    # anchor and momentum memory
+    (AsyncConfig(), True),                       # a DiLoCo mode keeps the anchor
+])
+def test_plan_buffers_are_what_a_node_holds(outer, keep_anchor):
+    trainer = Trainer(TINY, outer, 1, TrainingLock(), TrainStats(), keep_anchor=keep_anchor)
+    trainer.load_data(0)
+    for _ in range(2):  # through a round end: gradients, moments, the rollback copy exist
+        trainer.step()
+    held = {(b.name, b.where): b.nbytes for b in trainer.placement()}
+    planned = {(b.name, b.where): b.nbytes
+               for b in model_buffers(trainer.flat.numel, outer, keep_anchor, "cpu")}
+    assert held == planned
+    # the built-in model's plan counts the parameters the node built
+    assert model_shape("gpt", TINY, trainer.data.tokenizer.vocab_size).numel == trainer.flat.numel
+
+
+def test_device_bytes_per_param_in_gossip_mode():
+    """The issue's target, by placement: 16 B/param at rest (parameters, gradients, AdamW)."""
+    shape = model_shape("gpt", TrainConfig(n_layer=2, n_embd=64, n_head=2), 256)
+    for gamma in (0.0, 0.5):
+        cfg = NodeConfig()
+        cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, gamma=gamma,
+                                                                 eta=0.7))
+        result = plan(cfg, "cuda", shape)
+        at_rest = bytes_per_param(result, "device", ("parameters", "gradients", "adamw moments",
+                                                     "anchor", "momentum memory",
+                                                     "theta_0 (bfloat16)", "rollback copy",
+                                                     "rollback memory"))
+        assert at_rest == 16.0
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gasloc_p2p.cli", "plan", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_llama_1b_fits_24gb(tmp_path):
+    """The Llama-3.2-1B shape, bf16, activation checkpointing, micro-batch 1 x 2048."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+              "vocab_size": 128256, "max_position_embeddings": 131072,
+              "tie_word_embeddings": True, "rope_theta": 500000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = run_plan("--model", str(tmp_path / "config.json"), "--precision", "bf16",
+                    "--device-memory", "24GiB", "--micro-batch", "1", "--seq-len", "2048")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1,235.8M parameters" in done.stdout
+    assert "fits in 24.0 GiB" in done.stdout
+    small = run_plan("--model", str(tmp_path / "config.json"), "--device-memory", "12GiB")
+    assert small.returncode == 1 and "does NOT fit" in small.stdout
+
+
+def test_plan_refuses_bad_input_in_one_line():
+    done = run_plan("--model", "gpt", "--device-memory", "24XB")
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "--device-memory" in done.stderr
