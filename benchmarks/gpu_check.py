@@ -123,48 +123,49 @@ def exchange_once(node: Any) -> None:
 
 
 def part_memory(paths: dict[str, Path]) -> list[dict[str, Any]]:
-    from gasloc_p2p.node.config import NodeConfig
-    from gasloc_p2p.node.plan import model_shape, plan
-
     rows = []
     for name, kw in (("135m", {"seq_len": 512, "batch_size": 8}),
                      ("1b", {"seq_len": 2048, "batch_size": 1,
                              "activation_checkpointing": True})):
-        t0 = time.monotonic()
-        node = trainer(paths[name], paths["corpus"], **kw)
-        built_s = time.monotonic() - t0
-        n = node.flat.numel
-        _, step_peak = peak_of(lambda: [node.step() for _ in range(3)])
-        torch.cuda.synchronize()
-        rest = torch.cuda.memory_allocated()
-        peak_total = torch.cuda.max_memory_allocated()
-        _, ckpt = peak_of(node.state_for_checkpoint)
-        _, snap = peak_of(lambda: snapshot(node))
-        _, exch = peak_of(lambda: exchange_once(node))
-        # the plan of the same node: its device total (estimates included)
-        cfg = dataclasses.replace(NodeConfig(), train=node.cfg)
-        planned = plan(cfg, "cuda", model_shape(str(paths[name]), node.cfg))["steady"]["device"]
-        grads = sum(p.grad.nbytes for p in node.model.parameters() if p.grad is not None)
-        row = {"part": "memory", "model": name, "numel": n, "build_s": built_s,
-               "seq_len": node.cfg.seq_len, "batch": node.cfg.batch_size,
-               "act_ckpt": node.cfg.activation_checkpointing,
-               "rest_b_per_param": rest / n, "rest_grads_b_per_param": (rest + (0 if grads else
-                                                                               4 * n)) / n,
-               "step_peak_gib": peak_total / GiB, "checkpoint_extra_b_per_param": ckpt / n,
-               "snapshot_extra_b_per_param": snap / n, "exchange_extra_gib": exch / GiB,
-               "node_peak_gib": (peak_total + exch) / GiB, "plan_device_gib": planned / GiB}
-        print(f"memory {name}: {n / 1e6:.1f}M params (built in {built_s:.0f} s), at rest "
-              f"{row['rest_b_per_param']:.2f} B/param ({row['rest_grads_b_per_param']:.2f} with "
-              f"gradients), step peak {row['step_peak_gib']:.2f} GiB, checkpoint "
-              f"+{row['checkpoint_extra_b_per_param']:.3f} B/param, snapshot "
-              f"+{row['snapshot_extra_b_per_param']:.3f} B/param, exchange "
-              f"+{row['exchange_extra_gib']:.2f} GiB; peak with an exchange "
-              f"{row['node_peak_gib']:.2f} GiB (plan {row['plan_device_gib']:.2f} GiB)",
-              flush=True)
-        rows.append(row)
-        del node
+        rows.append(measure_node(name, paths, kw))
         torch.cuda.empty_cache()
     return rows
+
+
+def measure_node(name: str, paths: dict[str, Path], kw: dict[str, Any]) -> dict[str, Any]:
+    from gasloc_p2p.node.config import NodeConfig
+    from gasloc_p2p.node.plan import model_shape, plan
+
+    t0 = time.monotonic()
+    node = trainer(paths[name], paths["corpus"], **kw)
+    built_s = time.monotonic() - t0
+    n = node.flat.numel
+    peak_of(lambda: [node.step() for _ in range(3)])
+    rest = torch.cuda.memory_allocated()
+    peak_total = torch.cuda.max_memory_allocated()
+    _, ckpt = peak_of(node.state_for_checkpoint)
+    _, snap = peak_of(lambda: snapshot(node))
+    _, exch = peak_of(lambda: exchange_once(node))
+    # the plan of the same node: its device total (estimates included)
+    cfg = dataclasses.replace(NodeConfig(), train=node.cfg)
+    planned = plan(cfg, "cuda", model_shape(str(paths[name]), node.cfg))["steady"]["device"]
+    grads = sum(p.grad.nbytes for p in node.model.parameters() if p.grad is not None)
+    row = {"part": "memory", "model": name, "numel": n, "build_s": built_s,
+           "seq_len": node.cfg.seq_len, "batch": node.cfg.batch_size,
+           "act_ckpt": node.cfg.activation_checkpointing,
+           "rest_b_per_param": rest / n,
+           "rest_grads_b_per_param": (rest + (0 if grads else 4 * n)) / n,
+           "step_peak_gib": peak_total / GiB, "checkpoint_extra_b_per_param": ckpt / n,
+           "snapshot_extra_b_per_param": snap / n, "exchange_extra_gib": exch / GiB,
+           "node_peak_gib": (peak_total + exch) / GiB, "plan_device_gib": planned / GiB}
+    print(f"memory {name}: {n / 1e6:.1f}M params (built in {built_s:.0f} s), at rest "
+          f"{row['rest_b_per_param']:.2f} B/param ({row['rest_grads_b_per_param']:.2f} with "
+          f"gradients), step peak {row['step_peak_gib']:.2f} GiB, checkpoint "
+          f"+{row['checkpoint_extra_b_per_param']:.3f} B/param, snapshot "
+          f"+{row['snapshot_extra_b_per_param']:.3f} B/param, exchange "
+          f"+{row['exchange_extra_gib']:.2f} GiB; peak with an exchange "
+          f"{row['node_peak_gib']:.2f} GiB (plan {row['plan_device_gib']:.2f} GiB)", flush=True)
+    return row
 
 
 def part_throughput(paths: dict[str, Path]) -> list[dict[str, Any]]:
