@@ -2,8 +2,9 @@
 
 Counts (any device; on a CPU through ``TorchDispatchMode``): tensor operations and host
 synchronisations of one whole exchange (prepare, check with the guard's screen, commit, both
-sides), with the engine's device chunks (2^27 elements) and with the old cache-sized ones
-(2^18): the first must not grow with the model. Times (``--device cuda`` on a GPU): one side's
+sides), with the engine's device chunks (``ON_DEVICE_CHUNK``, 2^26 elements) and with the old
+cache-sized ones (2^18): within a device chunk the first does not grow with the model; past
+it the syncs stay and the launches add one chunk's worth per 2^26 elements. Times (``--device cuda`` on a GPU): one side's
 prepare + check + commit against a device-to-device copy of the model's float32 bytes (goal:
 at most 5x), alone and while a training-like load keeps the GPU busy.
 
@@ -17,26 +18,39 @@ import json
 import sys
 import threading
 import time
+import zlib
 
 import torch
 
 from benchmarks.engine_counts import count_exchange, engines
 from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.protocol.engine import ON_DEVICE_CHUNK
 
 
 def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3) -> dict[str, float]:
-    """Seconds of one side's prepare + check + commit on ``device`` and of a device-to-device
-    copy of ``numel`` float32 values (best of ``reps``); ``busy``: while another thread keeps
-    the device multiplying matrices (training's load)."""
+    """One side's prepare + check + commit on ``device`` (best of ``reps``, wall clock), split
+    into its parts: the host CRC32s of both payloads, and on a GPU (one profiled exchange) the
+    kernels' and the host<->device copies' device time; against a device-to-device copy of
+    ``numel`` float32 values. The peer's payload sits in a pinned receive buffer, as the
+    session leaves it. ``busy``: while another thread keeps the device multiplying matrices
+    (training's load)."""
     a, b = engines(numel, 0, device=device)
     spec = CodecSpec.parse("int8")
+    pb = b.prepare("A", 0, spec)
+    received = a.payload_buffer(len(pb.payload))
+    received[:] = pb.payload
     stop = threading.Event()
     loader = threading.Thread(target=_load, args=(device, stop), daemon=True) if busy else None
     if loader is not None:
         loader.start()
+
+    def exchange() -> None:
+        pa = a.prepare("B", 0, spec)
+        got = a.check(spec, numel, received, pb.crc32, pa)
+        a.commit(pa, got, 0.5)
+
     try:
-        pb = b.prepare("A", 0, spec)
-        best, copy_s = float("inf"), float("inf")
+        best, copy_s, crc_s = float("inf"), float("inf"), float("inf")
         src = a.state.theta
         dst = torch.empty_like(src)
         for _ in range(reps):
@@ -46,15 +60,39 @@ def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3) ->
             _sync(device)
             copy_s = min(copy_s, time.perf_counter() - t0)
             t0 = time.perf_counter()
-            pa = a.prepare("B", 0, spec)
-            got = a.check(spec, numel, bytearray(pb.payload), pb.crc32, pa)
-            a.commit(pa, got, 0.5)
+            exchange()
             best = min(best, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            zlib.crc32(received)
+            zlib.crc32(pb.payload)
+            crc_s = min(crc_s, time.perf_counter() - t0)
+        kernels_s, copies_s = _device_times(exchange) if device.startswith("cuda") else (0, 0)
     finally:
         stop.set()
         if loader is not None:
             loader.join()
-    return {"numel": numel, "exchange_s": best, "copy_s": copy_s, "ratio": best / copy_s}
+    return {"numel": numel, "exchange_s": best, "copy_s": copy_s, "ratio": best / copy_s,
+            "crc_s": crc_s, "kernels_s": kernels_s, "copies_s": copies_s,
+            "kernel_ratio": kernels_s / copy_s, "payload_bytes": len(pb.payload)}
+
+
+def _device_times(fn: object) -> tuple[float, float]:
+    """Device seconds of ``fn``'s kernels and of its host<->device copies (the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()  # type: ignore[operator]
+        torch.cuda.synchronize()
+    kernels = copies = 0.0
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.device_time
+        if "Memcpy" in event.name or "Memset" in event.name:
+            copies += us
+        else:
+            kernels += us
+    return kernels / 1e6, copies / 1e6
 
 
 def _load(device: str, stop: threading.Event) -> None:
@@ -70,6 +108,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def describe(r: dict[str, float]) -> str:
+    return (f"exchange {r['exchange_s'] * 1e3:.1f} ms wall, of which CRC32 on the host "
+            f"{r['crc_s'] * 1e3:.1f} ms; kernels {r['kernels_s'] * 1e3:.2f} ms, payload copies "
+            f"over PCIe {r['copies_s'] * 1e3:.2f} ms ({r['payload_bytes'] / 2**20:.0f} MiB "
+            f"each); device copy of the fp32 model {r['copy_s'] * 1e3:.2f} ms: kernels "
+            f"{r['kernel_ratio']:.1f}x, wall {r['ratio']:.1f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1e6,1e7,1e8", help="parameter counts to count")
@@ -79,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="also write the figures here")
     args = p.parse_args(argv)
     rows = []
-    print("per exchange (both sides): tensor ops and host syncs; device chunks 2^27 vs the "
+    print("per exchange (both sides): tensor ops and host syncs; device chunks 2^26 vs the "
           "old 2^18")
     for n in (int(float(s)) for s in args.sizes.split(",")):
-        big, small = count_exchange(n, 1 << 27), count_exchange(n, 1 << 18)
+        big, small = count_exchange(n, ON_DEVICE_CHUNK), count_exchange(n, 1 << 18)
         rows.append({"numel": n, "ops": big["ops"], "syncs": big["syncs"],
                      "ops_small_chunks": small["ops"], "syncs_small_chunks": small["syncs"]})
         print(f"  {n / 1e6:7.0f}M  ops {big['ops']:5d}  syncs {big['syncs']:3d}   "
@@ -94,9 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             r = time_exchange(n, args.device, busy)
             r["busy"] = busy
             times.append(r)
-            print(f"  {n / 1e6:7.0f}M on {args.device}{' (busy)' if busy else ''}: exchange "
-                  f"{r['exchange_s'] * 1e3:.1f} ms, copy {r['copy_s'] * 1e3:.2f} ms, "
-                  f"{r['ratio']:.1f}x", flush=True)
+            print(f"  {n / 1e6:7.0f}M on {args.device}{' (busy)' if busy else ''}: "
+                  + describe(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"counts": rows, "times": times}, f, indent=1)

@@ -5,9 +5,11 @@ gpu-check`` runs them (with ``CUBLAS_WORKSPACE_CONFIG`` set, so cuBLAS repeats i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,14 +34,23 @@ OUTER = AsyncConfig(eta=0.7, gamma=0.5)  # every outer buffer exists
 SPEC = CodecSpec.parse("int8")
 
 
-def trainer() -> Trainer:
-    t = Trainer(CFG, OUTER, 1, TrainingLock(), TrainStats())
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A local text (offline): a few standard-library modules' source."""
+    path = tmp_path_factory.mktemp("cuda") / "corpus.txt"
+    path.write_text("\n".join(Path(m.__file__).read_text() for m in (contextlib, threading)))
+    return str(path)
+
+
+def trainer(corpus: str) -> Trainer:
+    t = Trainer(dataclasses.replace(CFG, data=corpus, tokenizer="byte"), OUTER, 1,
+                TrainingLock(), TrainStats())
     t.load_data(7)
     return t
 
 
-def test_outer_state_lives_pinned_on_the_host_and_the_plan_counts_it():
-    node = trainer()
+def test_outer_state_lives_pinned_on_the_host_and_the_plan_counts_it(corpus):
+    node = trainer(corpus)
     for _ in range(CFG.inner_steps):  # through a round end: every buffer exists
         node.step()
     torch.cuda.synchronize()
@@ -52,8 +63,9 @@ def test_outer_state_lives_pinned_on_the_host_and_the_plan_counts_it():
     held = {(b.name, b.where): b.nbytes for b in node.placement()}
     assert held == {(b.name, b.where): b.nbytes
                     for b in model_buffers(node.flat.numel, OUTER, False, "cuda")}
-    # what the GPU holds at rest: parameters, gradients, AdamW (16 B/param) and batches
-    assert torch.cuda.memory_allocated() <= 16.5 * node.flat.numel + (4 << 20)
+    # what the GPU holds at rest: parameters and AdamW (12 B/param; gradients are freed
+    # after each step), the validation batches and cuBLAS's workspace
+    assert torch.cuda.memory_allocated() <= 12.5 * node.flat.numel + (64 << 20)
     engine = ExchangeEngine(st, node.theta0, node.fragments, node.lock)
     prep = engine.prepare("peer", 0, SPEC)
     assert prep.encoded.data.is_pinned() and prep.encoded.scales.is_pinned()
@@ -99,14 +111,14 @@ def deterministic() -> Iterator[None]:
         torch.use_deterministic_algorithms(False)
 
 
-def test_an_exchange_committed_while_training_runs_equals_the_serial_sequence():
+def test_an_exchange_committed_while_training_runs_equals_the_serial_sequence(corpus):
     """Training queues kernels on the default stream from its thread while the exchange's run
     on the engine's stream (prepare and commit under the lock, the check outside it). The
     result must equal the same sequence done serially: the prepare and the commit land
     between the same steps, nothing else may leak across the streams."""
     steps = 12
     with deterministic():
-        live = trainer()
+        live = trainer(corpus)
         payload, crc = peer_payload(live)
         lock = RecordingLock(live)
         engine = ExchangeEngine(live.state, live.theta0, live.fragments, lock)
@@ -131,7 +143,7 @@ def test_an_exchange_committed_while_training_runs_equals_the_serial_sequence():
         at = lock.at
         assert len(at) == 2 and 2 <= at[0] <= at[1] <= steps
 
-        serial = trainer()
+        serial = trainer(corpus)
         engine = ExchangeEngine(serial.state, serial.theta0, serial.fragments, NoLock())
         while serial.stats.step < at[0]:
             serial.step()

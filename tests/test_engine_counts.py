@@ -3,9 +3,11 @@
 A ``TorchDispatchMode`` counts every tensor operation (views excluded) and every host
 synchronisation (``.item()``/``float()``/``bool()`` on a tensor, copies to the host) that one
 exchange's tensor work issues: prepare, check (with the guard's screen) and commit, on each
-side. With the engine's device-sized chunks (2^27 elements) the counts at 1M and 8M elements
-are equal; with the old cache-sized chunks they grew with the model, which is what a GPU paid
-for in launches and syncs (``benchmarks/bench_engine.py`` prints the figures to 100M).
+side. With the engine's device-sized chunks (``ON_DEVICE_CHUNK``, 2^26 elements) the counts at
+1M and 8M elements are equal, and the syncs stay equal beyond a chunk (the launches add one
+chunk's worth per 2^26 elements: 19 chunks for a 1B model); with the old cache-sized chunks
+they grew with the model, which is what a GPU paid for in launches and syncs
+(``benchmarks/bench_engine.py`` prints the figures to 100M).
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ from __future__ import annotations
 import torch
 
 from benchmarks.engine_counts import count_exchange
+from gasloc_p2p.protocol.engine import ON_DEVICE_CHUNK
 
 
 def test_launches_and_syncs_per_exchange_do_not_grow_with_the_model():
-    small = count_exchange(1 << 20, chunk=1 << 27)
-    large = count_exchange(1 << 23, chunk=1 << 27)
+    small = count_exchange(1 << 20, chunk=ON_DEVICE_CHUNK)
+    large = count_exchange(1 << 23, chunk=ON_DEVICE_CHUNK)
     assert small == large, (small, large)
     assert small["syncs"] <= 12, small  # a few reads per phase, none per chunk
     assert small["ops"] <= 400, small
+    # past one chunk: the syncs stay, the launches add a chunk's worth
+    two = count_exchange(1 << 20, chunk=1 << 19)
+    assert two["syncs"] == small["syncs"] and two["ops"] < 2 * small["ops"]
 
 
 def test_the_count_bites_on_chunked_loops():

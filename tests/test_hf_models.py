@@ -186,3 +186,27 @@ def test_a_resumed_trainer_continues_its_stream(hf_files, tmp_path):
     assert len(resumed.shard.buffer) == len(saved["data"]["buffer"]) > 0
     assert all(torch.equal(a, resumed.shard.batch(cfg.batch_size, cfg.seq_len,
                                                   resumed.generator)[0]) for a in ahead)
+
+
+@pytest.mark.parametrize("vocab", [320, 40_000])  # 40k: the loss in token chunks too
+def test_activation_checkpointing_recomputes_layers_with_equal_gradients(tmp_path, vocab):
+    """--activation-checkpointing wraps each decoder layer: fewer tensors are kept for the
+    backward pass and the gradients are the same, bit for bit."""
+    from gasloc_p2p.node.runtime.trainer import set_activation_checkpointing
+
+    config = write_llama_config(tmp_path / "cfg", vocab_size=vocab)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    grads, kept = [], []
+    for on in (False, True):
+        model = build(str(config), BASE, 0).module
+        set_activation_checkpointing(model, on)
+        saved: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                      lambda t: t):
+            _, loss = model(x, x)
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+        kept.append(sum(saved))
+    # (at 40k the kept tensors are mostly references to the head's weight, no new memory)
+    assert kept[1] < kept[0] * (0.5 if vocab < 1000 else 1), kept
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

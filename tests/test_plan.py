@@ -46,7 +46,8 @@ def test_device_bytes_per_param_in_gossip_mode():
         cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, gamma=gamma,
                                                                  eta=0.7))
         result = plan(cfg, "cuda", shape)
-        at_rest = bytes_per_param(result, "device", ("parameters", "gradients", "adamw moments",
+        at_rest = bytes_per_param(result, "device", ("parameters", "gradients (during a step)",
+                                                     "adamw moments",
                                                      "anchor", "momentum memory",
                                                      "theta_0 (bfloat16)", "rollback copy",
                                                      "rollback memory"))

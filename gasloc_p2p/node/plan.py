@@ -88,7 +88,7 @@ def model_buffers(numel: int, outer: AsyncConfig, keep_anchor: bool,
     device, the outer state, theta_0 and the rollback copy on the host (pinned beside a GPU).
     The same rules the node allocates by (:class:`AsyncGaslocState`, :class:`Trainer`)."""
     dev = "device"  # the training device, whichever it is (a CPU node's host)
-    out = [Placed("parameters", 4 * numel, dev), Placed("gradients", 4 * numel, dev),
+    out = [Placed("parameters", 4 * numel, dev), Placed("gradients (during a step)", 4 * numel, dev),
            Placed("adamw moments", 8 * numel, dev)]
     if keep_anchor or outer.reads_anchor:
         out.append(Placed("anchor", 4 * numel, "host"))

@@ -8,8 +8,8 @@ the trainer's optimizer steps and round ends.
 Built for the device the model trains on. On a GPU the tensor work runs on the engine's own
 CUDA stream, ordered against training by events (it waits for the training work queued before
 it; training waits for its writes): the lock is held only while kernels are queued. It walks
-the fragment in chunks of :func:`chunk_elems` elements (2^27 on a GPU: at most a few dozen
-chunks for a 1B model; 2^18 on a CPU, whose caches prefer small ones), keeps every reduction
+the fragment in chunks of :func:`chunk_elems` elements (2^26 on a GPU: 19 chunks for a 1B model,
+about 0.6 GiB of scratch; 2^18 on a CPU, whose caches prefer small ones), keeps every reduction
 (finiteness, magnitudes, the guard's distances and dot products, the correction's norm) on the
 device and reads them once per phase, copies the node's payload once into pinned host memory
 (one asynchronous copy per chunk, one event), and uploads each payload once for the check, the
@@ -46,7 +46,7 @@ from gasloc_p2p.core.wire import payload_buffer
 from gasloc_p2p.protocol.guard import UpdateGuard
 
 ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
-ON_DEVICE_CHUNK = 1 << 27  # elements per chunk on an accelerator: launches and syncs stay few
+ON_DEVICE_CHUNK = 1 << 26  # elements per chunk on an accelerator: launches and syncs stay few
 
 # No parameter or delta of a trained network is anywhere near this: a payload that decodes to
 # larger values (a finite fp32 offset of 1e30, an int8 block scale of 3e38) is rejected.

@@ -106,6 +106,7 @@ class InnerLoop:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)  # gradients live from backward to step
             return loss.detach()
         if x.shape[0] % k:
             raise ValueError(f"batch of {x.shape[0]} does not split into grad_accum={k} parts")
@@ -119,4 +120,5 @@ class InnerLoop:
             (loss / k).backward()
             total += loss.detach() / k
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return total

@@ -163,8 +163,8 @@ class Trainer:
         is found on a GPU). On a CPU node both places are the same memory; the roles stay."""
         numel, out = self.flat.numel, []
         out.append(Placed("parameters", self.flat.buffer.nbytes, "device"))
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        out.append(Placed("gradients", sum(g.nbytes for g in grads) or 4 * numel, "device"))
+        # gradients exist from a step's backward pass to its optimizer step (then freed)
+        out.append(Placed("gradients (during a step)", 4 * numel, "device"))
         moments = [t for st in self.optimizer.state.values() for t in st.values()
                    if isinstance(t, torch.Tensor) and t.numel() > 1]
         out.append(Placed("adamw moments", sum(t.nbytes for t in moments) or 8 * numel,
@@ -432,14 +432,31 @@ def _to_host(obj: Any) -> Any:
 
 def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
     """Recompute each transformer layer's activations in the backward pass (``--activation-
-    checkpointing``): the built-in GPT's blocks, or transformers' gradient checkpointing."""
+    checkpointing``): the built-in GPT's blocks, or a Hugging Face model's decoder layers
+    (the ``ModuleList`` of ``num_hidden_layers`` modules), each wrapped here in
+    ``torch.utils.checkpoint`` (non-reentrant). transformers' own switch is not used: its
+    name and behaviour changed between releases."""
     if not on:
         return
-    hf_model = getattr(model, "hf", None)
-    if hf_model is not None:
-        hf_model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(model, "checkpointing"):
+    if hasattr(model, "checkpointing"):
         setattr(model, "checkpointing", True)  # noqa: B010 (any module with the switch)
-    else:
+        return
+    hf_model = getattr(model, "hf", None)
+    count = getattr(getattr(hf_model, "config", None), "num_hidden_layers", None)
+    stacks = [m for m in (hf_model.modules() if hf_model is not None else ())
+              if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    if len(stacks) != 1:
         raise ValueError("--activation-checkpointing: this model has no checkpointable layers")
+    for layer in stacks[0]:
+        layer.forward = _checkpointed(layer.forward)
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
