@@ -149,18 +149,15 @@ def measure_node(name: str, paths: dict[str, Path], kw: dict[str, Any]) -> dict[
     # the plan of the same node: its device total (estimates included)
     cfg = dataclasses.replace(NodeConfig(), train=node.cfg)
     planned = plan(cfg, "cuda", model_shape(str(paths[name]), node.cfg))["steady"]["device"]
-    grads = sum(p.grad.nbytes for p in node.model.parameters() if p.grad is not None)
     row = {"part": "memory", "model": name, "numel": n, "build_s": built_s,
            "seq_len": node.cfg.seq_len, "batch": node.cfg.batch_size,
            "act_ckpt": node.cfg.activation_checkpointing,
            "rest_b_per_param": rest / n,
-           "rest_grads_b_per_param": (rest + (0 if grads else 4 * n)) / n,
            "step_peak_gib": peak_total / GiB, "checkpoint_extra_b_per_param": ckpt / n,
            "snapshot_extra_b_per_param": snap / n, "exchange_extra_gib": exch / GiB,
            "node_peak_gib": (peak_total + exch) / GiB, "plan_device_gib": planned / GiB}
     print(f"memory {name}: {n / 1e6:.1f}M params (built in {built_s:.0f} s), at rest "
-          f"{row['rest_b_per_param']:.2f} B/param ({row['rest_grads_b_per_param']:.2f} with "
-          f"gradients), step peak {row['step_peak_gib']:.2f} GiB, checkpoint "
+          f"{row['rest_b_per_param']:.2f} B/param (gradients freed after each step), step peak {row['step_peak_gib']:.2f} GiB, checkpoint "
           f"+{row['checkpoint_extra_b_per_param']:.3f} B/param, snapshot "
           f"+{row['snapshot_extra_b_per_param']:.3f} B/param, exchange "
           f"+{row['exchange_extra_gib']:.2f} GiB; peak with an exchange "
@@ -326,8 +323,8 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
             what = (f"{r['model']} Llama bf16, micro-batch {r['batch']} x {r['seq_len']}"
                     + (", activation checkpointing" if r["act_ckpt"] else ""))
             lines += [
-                f"| {what}: device B/param at rest (with gradients) | "
-                f"{r['rest_b_per_param']:.2f} ({r['rest_grads_b_per_param']:.2f}) | <= 16.5 |",
+                f"| {what}: device B/param at rest (`memory_allocated`) | "
+                f"{r['rest_b_per_param']:.2f} | <= 16.5 |",
                 f"| {what}: a checkpoint / a state snapshot adds | "
                 f"{r['checkpoint_extra_b_per_param']:.3f} / {r['snapshot_extra_b_per_param']:.3f}"
                 " B/param | <= 17 in all |",

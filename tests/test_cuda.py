@@ -18,11 +18,12 @@ from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import whole
 from gasloc_p2p.node.config_train import TrainConfig
-from gasloc_p2p.node.plan import model_buffers
+from gasloc_p2p.node.plan import model_buffers, model_shape
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.trainer import Trainer
 from gasloc_p2p.node.stats import TrainStats
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
+from gasloc_p2p.train.optim import gradients_at_once
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device on this machine (make gpu-check runs "
@@ -61,8 +62,10 @@ def test_outer_state_lives_pinned_on_the_host_and_the_plan_counts_it(corpus):
                     ("rollback memory", node._good[1] if node._good else None)):
         assert t is not None and t.device.type == "cpu" and t.is_pinned(), name
     held = {(b.name, b.where): b.nbytes for b in node.placement()}
+    shape = model_shape("gpt", node.cfg, node.data.tokenizer.vocab_size)
+    grads = gradients_at_once(shape.numel, shape.largest, shape.n_layer, True)
     assert held == {(b.name, b.where): b.nbytes
-                    for b in model_buffers(node.flat.numel, OUTER, False, "cuda")}
+                    for b in model_buffers(node.flat.numel, OUTER, False, "cuda", grads)}
     # what the GPU holds at rest: parameters and AdamW (12 B/param; gradients are freed
     # after each step), the validation batches and cuBLAS's workspace
     assert torch.cuda.memory_allocated() <= 12.5 * node.flat.numel + (64 << 20)

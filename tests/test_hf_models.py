@@ -201,8 +201,8 @@ def test_activation_checkpointing_recomputes_layers_with_equal_gradients(tmp_pat
         model = build(str(config), BASE, 0).module
         set_activation_checkpointing(model, on)
         saved: list[int] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
-                                                      lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, saved=saved: saved.append(t.numel()) or t, lambda t: t):
             _, loss = model(x, x)
         loss.backward()
         grads.append([p.grad for p in model.parameters()])

@@ -11,10 +11,12 @@ exchange's transient buffers are estimates, stated as such:
   intermediates, SDPA attention without the sequence-squared term), in the forward's precision;
   with ``--activation-checkpointing`` only each layer's input is kept, plus one layer's full set
   during its recomputation;
-- the loss: the logits of the whole micro-batch (bfloat16, their float32 upcast and gradient),
+- the loss: the logits of the whole micro-batch (in the forward's precision, their float32
+  upcast, log-softmax and gradients),
   or of one chunk of ``hf.LOSS_CHUNK_TOKENS`` tokens where the loss is chunked (Hugging Face models, vocabulary >= 32k);
 - an exchange (gossip): both payloads on the device from the check to the commit, and the
-  engine's scratch (10 bytes per element of one chunk);
+  engine's scratch (8 bytes per element of one chunk);
+- the vocabulary's gradients on their way into ``.grad`` (8 bytes per embedding entry);
 - CUDA's context and the allocator's slack: 0.75 GiB.
 """
 
@@ -31,6 +33,8 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.runtime.trainer import Placed
+from gasloc_p2p.protocol.engine import ON_CPU_CHUNK, ON_DEVICE_CHUNK
+from gasloc_p2p.train.optim import gradients_at_once
 
 GiB = 1 << 30
 CUDA_OVERHEAD = int(0.75 * GiB)
@@ -82,13 +86,16 @@ def _shape(module: torch.nn.Module, layers: int, hidden: int, ffn: int, vocab: i
     return Shape(sum(sizes), max(sizes), layers, hidden, ffn, vocab, chunked)
 
 
-def model_buffers(numel: int, outer: AsyncConfig, keep_anchor: bool,
-                  device: str) -> list[Placed]:
+def model_buffers(numel: int, outer: AsyncConfig, keep_anchor: bool, device: str,
+                  grad_numel: int | None = None) -> list[Placed]:
     """Every model-sized buffer of a node and where it lives: the training state on the
     device, the outer state, theta_0 and the rollback copy on the host (pinned beside a GPU).
-    The same rules the node allocates by (:class:`AsyncGaslocState`, :class:`Trainer`)."""
+    The same rules the node allocates by (:class:`AsyncGaslocState`, :class:`Trainer`).
+    ``grad_numel``: the gradient elements that exist at once (:func:`gradients_at_once`),
+    else all of them."""
     dev = "device"  # the training device, whichever it is (a CPU node's host)
-    out = [Placed("parameters", 4 * numel, dev), Placed("gradients (during a step)", 4 * numel, dev),
+    out = [Placed("parameters", 4 * numel, dev),
+           Placed("gradients (during a step)", 4 * (grad_numel or numel), dev),
            Placed("adamw moments", 8 * numel, dev)]
     if keep_anchor or outer.reads_anchor:
         out.append(Placed("anchor", 4 * numel, "host"))
@@ -114,14 +121,18 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
     from gasloc_p2p.hf import LOSS_CHUNK_TOKENS
 
     loss_tokens = min(tokens, LOSS_CHUNK_TOKENS) if shape.chunked_loss else tokens
-    logits = loss_tokens * shape.vocab * (width + 4 + 4)
+    # logits in the forward's precision, their float32 upcast, log-softmax, the gradients
+    logits = loss_tokens * shape.vocab * (width + 4 + 4 + 4 + width)
     dev = "device"
-    out = [Placed("activations (estimate)", acts, dev), Placed("logits and loss", logits, dev)]
+    out = [Placed("activations (estimate)", acts, dev), Placed("logits and loss", logits, dev),
+           # the head's and the embedding's gradients on their way into .grad: the
+           # bfloat16 product, its float32 cast and the embedding's dense gradient
+           Placed("vocabulary gradients in flight", 8 * shape.vocab * shape.hidden, dev)]
     if cfg.outer.algorithm == "gasloc":
         spec = cfg.gossip.codec_spec
         wire = spec.codec().wire_bytes(shape.numel)
-        chunk = min(shape.numel, 1 << (27 if device != "cpu" else 18))
-        out.append(Placed("exchange: both payloads + scratch", 2 * wire + 10 * chunk, dev))
+        chunk = min(shape.numel, ON_DEVICE_CHUNK if device != "cpu" else ON_CPU_CHUNK)
+        out.append(Placed("exchange: both payloads + scratch", 2 * wire + 8 * chunk, dev))
         out.append(Placed("exchange: payload buffers", 2 * wire, "host"))
     if device != "cpu":
         out.append(Placed("CUDA context, allocator slack", CUDA_OVERHEAD, "device"))
@@ -144,7 +155,11 @@ def plan(cfg: NodeConfig, device: str, shape: Shape, keep_anchor: bool = False
     outer = (cfg.diloco.async_config() if cfg.outer.algorithm != "gasloc"
              else cfg.outer.async_config())
     keep = keep_anchor or cfg.outer.algorithm != "gasloc"
-    buffers = model_buffers(shape.numel, outer, keep, device) + estimates(shape, cfg, device)
+    # AdamW steps in the backward pass on CUDA with one micro-batch a step (BackwardAdamW)
+    grads = gradients_at_once(shape.numel, shape.largest, shape.n_layer,
+                              device != "cpu" and cfg.train.grad_accum == 1)
+    buffers = (model_buffers(shape.numel, outer, keep, device, grads)
+               + estimates(shape, cfg, device))
     steady = {where: sum(b.nbytes for b in buffers if b.where == where)
               for where in ("device", "host")}
     peaks = transients(shape, buffers)

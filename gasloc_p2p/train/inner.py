@@ -71,7 +71,9 @@ class InnerLoop:
         self.schedule = schedule
         self.adamw = adamw if adamw is not None else AdamWConfig()
         self.how = how if how is not None else StepConfig()
-        self.optimizer = build_adamw(model, schedule.lr, self.adamw)
+        # on CUDA with one micro-batch: each parameter stepped in the backward pass
+        self.optimizer = build_adamw(model, schedule.lr, self.adamw,
+                                     in_backward=self.how.grad_accum == 1)
         self.device = model_device(model)
         # The compiled wrapper shares the model's parameters (and so the flat buffer).
         self.forward: Callable[..., tuple[Tensor, Tensor | None]] = (

@@ -46,10 +46,113 @@ def param_groups(model: nn.Module, cfg: AdamWConfig) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def build_adamw(model: nn.Module, lr: float, cfg: AdamWConfig) -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters, grouped by :func:`param_groups`; fused
-    (one kernel for all parameters) where they live on a CUDA device. On the CPU the default
-    for-each implementation: the simulator and the daemon take bit-identical steps there."""
-    fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(param_groups(model, cfg), lr=lr, betas=cfg.betas,
-                             fused=fused or None)
+def build_adamw(model: nn.Module, lr: float, cfg: AdamWConfig,
+                in_backward: bool = False) -> torch.optim.AdamW | BackwardAdamW:
+    """AdamW over ``model``'s trainable parameters, grouped by :func:`param_groups`. On a CUDA
+    device fused, and with ``in_backward`` a :class:`BackwardAdamW` (each parameter stepped
+    as its gradient completes). On the CPU the default for-each implementation: the simulator
+    and the daemon take bit-identical steps there."""
+    groups = param_groups(model, cfg)
+    if next(model.parameters()).device.type != "cuda":
+        return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas)
+    if in_backward:
+        return BackwardAdamW(groups, lr, cfg.betas)
+    return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, fused=True)
+
+
+def gradients_at_once(numel: int, largest: int, n_layer: int, in_backward: bool) -> int:
+    """Gradient elements that exist at once in a step: all of them, or with AdamW stepped in
+    the backward pass (:class:`BackwardAdamW`) about one layer's or the largest tensor's."""
+    return max(largest, numel // max(n_layer, 1)) if in_backward else numel
+
+
+class _States(dict):
+    """The per-parameter optimizers' states as one mapping; ``clear`` clears them all."""
+
+    def __init__(self, owner: BackwardAdamW) -> None:
+        super().__init__({p: st for o in owner.optimizers for p, st in o.state.items()})
+        self.owner = owner
+
+    def clear(self) -> None:
+        for o in self.owner.optimizers:
+            o.state.clear()
+        super().clear()
+
+
+class BackwardAdamW:
+    """AdamW stepping each parameter as soon as its gradient is complete (a hook after
+    gradient accumulation: one fused AdamW per parameter), then dropping that gradient: the
+    whole set of gradients never exists at once, which takes 4 bytes per parameter off the
+    backward pass's peak (the optimizer-in-backward of torchtune). The same update as one
+    AdamW over all parameters (AdamW is elementwise); for one micro-batch per step (gradient
+    accumulation needs the whole gradient). ``state_dict`` and ``load_state_dict`` use the
+    format of one ``torch.optim.AdamW`` over the same groups: checkpoints move between
+    devices."""
+
+    def __init__(self, groups: list[dict[str, Any]], lr: float,
+                 betas: tuple[float, float]) -> None:
+        self.groups = groups
+        self.lr, self.betas = lr, betas
+        self.optimizers: list[torch.optim.AdamW] = []
+        self.active = True  # False: backward passes leave the parameters alone (warm-up)
+        for group in groups:
+            for p in group["params"]:
+                opt = torch.optim.AdamW([p], lr=lr, betas=betas,
+                                        weight_decay=group["weight_decay"], fused=True)
+                self.optimizers.append(opt)
+                p.register_post_accumulate_grad_hook(self._hook(opt))
+
+    def _hook(self, opt: torch.optim.AdamW) -> Any:
+        def step(p: torch.Tensor) -> None:
+            if self.active:
+                opt.step()
+                p.grad = None
+        return step
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> _States:
+        return _States(self)
+
+    def step(self) -> None:
+        """Nothing left to do: every parameter was stepped during the backward pass."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def _whole(self) -> torch.optim.AdamW:
+        """One AdamW over the same groups holding (sharing) the per-parameter states."""
+        whole = torch.optim.AdamW([{**g} for g in self.groups], lr=self.lr, betas=self.betas)
+        for o in self.optimizers:
+            for p, st in o.state.items():
+                whole.state[p] = st
+        for g, o in zip(whole.param_groups, self._firsts(), strict=True):
+            g["lr"] = o.param_groups[0]["lr"]
+        return whole
+
+    def _firsts(self) -> list[torch.optim.AdamW]:
+        out, i = [], 0
+        for group in self.groups:
+            out.append(self.optimizers[i])
+            i += len(group["params"])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._whole().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        whole = self._whole()
+        whole.load_state_dict(state_dict)  # checks the groups, moves the state to the device
+        i = 0
+        for g, group in zip(whole.param_groups, self.groups, strict=True):
+            for p in group["params"]:
+                opt = self.optimizers[i]
+                opt.state.clear()
+                if p in whole.state:
+                    opt.state[p] = whole.state[p]
+                opt.param_groups[0]["lr"] = g["lr"]
+                i += 1

@@ -45,6 +45,7 @@ from gasloc_p2p.train import (
     evaluate,
     resolve_device,
 )
+from gasloc_p2p.train.optim import BackwardAdamW, gradients_at_once
 
 log = logging.getLogger(__name__)
 _EMA = 0.9  # smoothing of step time and throughput
@@ -137,6 +138,7 @@ class Trainer:
         how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
         self.inner = InnerLoop(self.model, *inner_settings(cfg), how=how)
         self.optimizer = self.inner.optimizer
+        self.n_layer = built.n_layer
         if fragments > built.n_layer:
             raise ValueError(f"--fragments={fragments} exceeds the model's {built.n_layer} "
                              "layers")
@@ -163,8 +165,11 @@ class Trainer:
         is found on a GPU). On a CPU node both places are the same memory; the roles stay."""
         numel, out = self.flat.numel, []
         out.append(Placed("parameters", self.flat.buffer.nbytes, "device"))
-        # gradients exist from a step's backward pass to its optimizer step (then freed)
-        out.append(Placed("gradients (during a step)", 4 * numel, "device"))
+        # gradients exist from a step's backward pass to its optimizer step (then freed); with
+        # AdamW stepped in the backward pass, about a layer's at once
+        grads = gradients_at_once(numel, max(p.numel() for p in self.model.parameters()),
+                                  self.n_layer, isinstance(self.optimizer, BackwardAdamW))
+        out.append(Placed("gradients (during a step)", 4 * grads, "device"))
         moments = [t for st in self.optimizer.state.values() for t in st.values()
                    if isinstance(t, torch.Tensor) and t.numel() > 1]
         out.append(Placed("adamw moments", sum(t.nbytes for t in moments) or 8 * numel,
@@ -186,7 +191,13 @@ class Trainer:
         with self.inner.autocast():
             _, loss = self.inner.forward(x.to(self.device), y.to(self.device))
         assert loss is not None
-        loss.backward()
+        if isinstance(self.optimizer, BackwardAdamW):
+            self.optimizer.active = False  # the parameters must not move
+        try:
+            loss.backward()
+        finally:
+            if isinstance(self.optimizer, BackwardAdamW):
+                self.optimizer.active = True
         self.optimizer.zero_grad(set_to_none=True)
 
     def load_data(self, data_seed: int) -> None:
