@@ -41,6 +41,7 @@ import torch
 
 GiB = 1 << 30
 PARTS = ("tests", "memory", "throughput", "engine", "nodes")
+EXTRA = ("trace",)  # diagnostics, on request
 LLAMA_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
               "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
               "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048,
@@ -245,13 +246,13 @@ def part_nodes(paths: dict[str, Path], root: Path) -> list[dict[str, Any]]:
     flags = ["--model", str(paths["135m"]), "--data", str(paths["corpus"]), "--tokenizer",
              "byte", "--device", "cuda", "--precision", "bf16", "--seq-len", "256",
              "--batch-size", "8", "--inner-steps", "10", "--exchanges-per-round", "2",
-             "--max-steps", "150", "--host", "127.0.0.1", "--eval-batches", "2",
-             "--eval-interval-steps", "50", "--announce-interval-s", "1",
-             "--announce-ttl-s", "4", "--refresh-interval-s", "1", "--log-interval-s", "10",
-             "--no-init-from-swarm"]
+             "--host", "127.0.0.1", "--eval-batches", "2", "--eval-interval-steps", "50",
+             "--announce-interval-s", "1", "--announce-ttl-s", "4", "--refresh-interval-s",
+             "1", "--log-interval-s", "10", "--no-init-from-swarm"]
     nodes: list[NodeChild] = []
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    infos: dict[str, Any] = {}
     try:
         seed = NodeChild("gpu0", root, [*flags, "--checkpoint-dir", str(root / "ckpt0")])
         nodes.append(seed)
@@ -260,14 +261,21 @@ def part_nodes(paths: dict[str, Path], root: Path) -> list[dict[str, Any]]:
                                               "--peers", *peers]))
         for node in nodes:
             node.wait_up(180)
-        infos: dict[str, Any] = {}
-        deadline = time.monotonic() + 420
-        while time.monotonic() < deadline and any(n.proc.poll() is None for n in nodes):
+        deadline = time.monotonic() + 150  # until both exchanged a few times, at most this
+
+        def exchanged(info: Any) -> int:
+            return int(info.exchanges_ok_initiator + info.exchanges_ok_responder)
+
+        while time.monotonic() < deadline:
             for node in nodes:
                 with contextlib.suppress(Exception):
                     infos[node.name] = node.info()
+            if len(infos) == 2 and all(exchanged(i) >= 6 for i in infos.values()):
+                break
             time.sleep(2)
-        codes = [n.proc.wait(timeout=60) for n in nodes]
+        for node in nodes:
+            node.terminate()  # SIGTERM: each writes its checkpoint and exits
+        codes = [n.proc.wait(timeout=120) for n in nodes]
     finally:
         for node in nodes:
             node.kill()
@@ -296,6 +304,59 @@ def part_nodes(paths: dict[str, Path], root: Path) -> list[dict[str, Any]]:
     return [row]
 
 
+def part_trace(paths: dict[str, Path], layers: int = 2) -> list[dict[str, Any]]:
+    """Where a step's device memory goes (the 1B shape cut to ``layers`` layers: the same
+    vocabulary and widths): the live allocations at rest and at the step's peak, largest
+    first, each with the innermost frames that made it; and whether every parameter's AdamW
+    took one step per training step."""
+    from collections import defaultdict
+
+    cfg = {**LLAMA_1B, "num_hidden_layers": layers}
+    (paths["1b"].parent.parent / "cut").mkdir(exist_ok=True)
+    config = paths["1b"].parent.parent / "cut" / "config.json"
+    config.write_text(json.dumps(cfg))
+    node = trainer(config, paths["corpus"], seq_len=2048, batch_size=1,
+                   activation_checkpointing=True)
+    node.step()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500_000)
+    node.step()
+    node.step()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, tuple[int, str]] = {}
+    peak, at_peak = 0, {}
+    for event in snap["device_traces"][0]:
+        if event["action"] == "alloc":
+            frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
+                      for f in event.get("frames", [])
+                      if "gasloc_p2p" in f["filename"] or "transformers" in f["filename"]]
+            live[event["addr"]] = (event["size"], " < ".join(frames[:3]))
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+        total = sum(size for size, _ in live.values())
+        if total > peak:
+            peak, at_peak = total, dict(live)
+
+    def top(blocks: dict[int, tuple[int, str]]) -> list[str]:
+        by: dict[str, int] = defaultdict(int)
+        for size, where in blocks.values():
+            by[where] += size
+        return [f"{n / GiB:.2f} GiB {w or '(no project frame)'}"
+                for w, n in sorted(by.items(), key=lambda kv: -kv[1])[:12]]
+
+    steps = {int(st["step"]) for st in node.optimizer.state.values() if "step" in st}
+    n = node.flat.numel
+    print(f"trace: {n / 1e6:.0f}M parameters ({layers} layers), allocated at rest "
+          f"{torch.cuda.memory_allocated() / GiB:.2f} GiB, traced peak above the trace's "
+          f"start {peak / GiB:.2f} GiB; AdamW steps per parameter {sorted(steps)} (3 wanted)")
+    print("  at the peak:\n    " + "\n    ".join(top(at_peak)))
+    print("  left at the end:\n    " + "\n    ".join(top(live)))
+    return [{"part": "trace", "numel": n, "peak_gib": peak / GiB, "steps": sorted(steps),
+             "at_peak": top(at_peak), "left": top(live)}]
+
+
 def part_tests() -> list[dict[str, Any]]:
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -316,6 +377,8 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
              "minutes on one H100; offline). Targets from the issue in the last column.", "",
              "| figure | measured | target |", "|---|---|---|"]
     for r in records:
+        if r["part"] == "trace":
+            continue  # a diagnostic: printed, not tabled
         if r["part"] == "tests":
             lines.append(f"| CUDA tests (test_cuda, test_device_paths) | {r['summary']} | "
                          "all pass |")
@@ -343,7 +406,7 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
                          f"PCIe copies {r['copies_s'] * 1e3:.0f} ms, host CRC32 "
                          f"{r['crc_s'] * 1e3:.0f} ms) | <= 5x |")
         elif r["part"] == "nodes":
-            lines.append(f"| two `gasloc-node join` on one GPU, 135M bf16, 150 steps each | "
+            lines.append(f"| two `gasloc-node join` on one GPU, 135M bf16, steps {r['steps']} | "
                          f"exit {r['exit_codes']}, exchanges {r['exchanges']}, tokens/s "
                          f"{[round(x) for x in r['tokens_per_s']]}; export of the average "
                          f"loads in transformers (loss {r['export_loss']:.2f}) | train, gossip, "
@@ -380,8 +443,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = part_engine()
         elif part == "nodes":
             rows = part_nodes(paths, root / "nodes")
+        elif part == "trace":
+            rows = part_trace(paths)
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (choose from {PARTS})")
+            raise SystemExit(f"--parts: unknown part {part!r} (choose from {PARTS + EXTRA})")
         print(f"[{part}: {time.monotonic() - t0:.0f} s]", flush=True)
         with records_path.open("a") as f:
             for row in rows:

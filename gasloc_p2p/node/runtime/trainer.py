@@ -290,8 +290,10 @@ class Trainer:
             if not bool(torch.isfinite(st.theta).all()):
                 return  # never keep a bad state as the good one
             if self._good is None:
+                memory = st.memory
                 self._good = (host_buffer(st.theta.numel(), st.theta, self.host),
-                              _clone(st.memory))
+                              None if memory is None
+                              else host_buffer(memory.numel(), st.theta, self.host))
             st._copy(self._good[0], st.theta)
             _copy(self._good[1], st.memory)
 
@@ -411,10 +413,6 @@ class Trainer:
                 self.state.anchor.copy_(params)
             self._restore_memory(memory)
             self._good = None
-
-
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.clone() if t is not None else None
 
 
 def _copy(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
