@@ -319,12 +319,23 @@ def part_trace(paths: dict[str, Path], layers: int = 2) -> list[dict[str, Any]]:
                    activation_checkpointing=True)
     node.step()
     torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=500_000)
-    node.step()
-    node.step()
-    torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    snap: dict[str, Any] = {}
+    for stacks in ("python", None):  # Python frames, else sizes only
+        try:
+            if stacks is None:
+                torch.cuda.memory._record_memory_history(max_entries=500_000, context=None)
+            else:
+                torch.cuda.memory._record_memory_history(max_entries=500_000, stacks=stacks)
+            node.step()
+            node.step()
+            torch.cuda.synchronize()
+            snap = torch.cuda.memory._snapshot()
+            break
+        except Exception as exc:  # noqa: BLE001 (a diagnostic: say what failed, go on)
+            print(f"trace: recording with stacks={stacks} failed ({type(exc).__name__}: "
+                  f"{exc}); again without", flush=True)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
     live: dict[int, tuple[int, str]] = {}
     peak, at_peak = 0, {}
     for event in snap["device_traces"][0]:
@@ -332,7 +343,8 @@ def part_trace(paths: dict[str, Path], layers: int = 2) -> list[dict[str, Any]]:
             frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
                       for f in event.get("frames", [])
                       if "gasloc_p2p" in f["filename"] or "transformers" in f["filename"]]
-            live[event["addr"]] = (event["size"], " < ".join(frames[:3]))
+            live[event["addr"]] = (event["size"], " < ".join(frames[:3])
+                                   or f"{event['size'] / 2**20:.0f} MiB block")
         elif event["action"] == "free_completed":
             live.pop(event["addr"], None)
         total = sum(size for size, _ in live.values())
