@@ -67,9 +67,10 @@ def test_outer_state_lives_pinned_on_the_host_and_the_plan_counts_it(corpus):
     assert held == {(b.name, b.where): b.nbytes
                     for b in model_buffers(node.flat.numel, OUTER, False, "cuda", grads)}
     # what the GPU holds at rest: parameters and AdamW (12 B/param; gradients are freed
-    # after each step), the validation batches and cuBLAS's workspace
+    # after each step) and a constant (cuBLAS workspaces, batches: 68 MB on an H100)
     held_now = torch.cuda.memory_allocated()
-    assert held_now <= 12.5 * node.flat.numel + (64 << 20), (held_now, node.flat.numel)
+    assert 12 * node.flat.numel <= held_now <= 12.5 * node.flat.numel + (96 << 20), \
+        (held_now, node.flat.numel)
     engine = ExchangeEngine(st, node.theta0, node.fragments, node.lock)
     prep = engine.prepare("peer", 0, SPEC)
     assert prep.encoded.data.is_pinned() and prep.encoded.scales.is_pinned()
