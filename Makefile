@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
-	bench-chaos bench-poison bench-soak bench-external bench-external-1000 bench-projection reproduce \
+	bench-chaos bench-poison bench-soak bench-external bench-external-1000 bench-projection bench-engine reproduce \
 	gpu-check proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
@@ -68,6 +68,10 @@ bench-swarm100m: setup
 # On a machine with CUDA (no setup step: the machine's own torch may be the CUDA one; PYTHON=...)
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# one exchange's operations and syncs (1M-100M, CPU), and its timing on a GPU if present
+bench-engine: setup
+	$(PY) -m benchmarks.bench_engine
 
 bench-trainer-memory: setup
 	nice -n 10 $(PY) -m benchmarks.bench_trainer_memory
@@ -134,7 +138,7 @@ bench-projection: setup
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
 	bench-byzantine bench-direction bench-chaos bench-poison bench-soak bench-external \
-	bench-external-1000 bench-projection
+	bench-external-1000 bench-projection bench-engine
 
 reproduce: setup
 	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16

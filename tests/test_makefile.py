@@ -26,6 +26,8 @@ EXPECTED = {
     "bench-scale": ["benchmarks.bench_scale"],
     "bench-swarm100m": ["benchmarks.bench_swarm100m"],
     "bench-trainer-memory": ["benchmarks.bench_trainer_memory"],
+    "bench-engine": ["benchmarks.bench_engine"],
+    "gpu-check": ["scripts/gpu_check.sh"],
     "bench-downloads": ["benchmarks.bench_downloads"],
     "bench-data": ["benchmarks.bench_data"],
     "bench-streaming": ["benchmarks.bench_streaming"],

@@ -57,21 +57,24 @@ def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_plan_llama_1b_fits_24gb(tmp_path):
-    """The Llama-3.2-1B shape, bf16, activation checkpointing, micro-batch 1 x 2048."""
+def test_plan_llama_1b_on_a_24gb_card(tmp_path):
+    """The Llama-3.2-1B shape, bf16, activation checkpointing: at micro-batch 1 x 2048 the
+    plan (26.4 GiB measured on an H100 with an exchange, docs/results/gpu.md) does not fit
+    24 GiB; at 1 x 1024 with 4-bit payloads it does."""
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
               "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
               "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
               "vocab_size": 128256, "max_position_embeddings": 131072,
               "tie_word_embeddings": True, "rope_theta": 500000.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    done = run_plan("--model", str(tmp_path / "config.json"), "--precision", "bf16",
-                    "--device-memory", "24GiB", "--micro-batch", "1", "--seq-len", "2048")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "1,235.8M parameters" in done.stdout
-    assert "fits in 24.0 GiB" in done.stdout
-    small = run_plan("--model", str(tmp_path / "config.json"), "--device-memory", "12GiB")
-    assert small.returncode == 1 and "does NOT fit" in small.stdout
+    model = ("--model", str(tmp_path / "config.json"), "--device-memory", "24GiB")
+    full = run_plan(*model, "--precision", "bf16", "--micro-batch", "1", "--seq-len", "2048")
+    assert full.returncode == 1, full.stdout + full.stderr
+    assert "1,235.8M parameters" in full.stdout and "does NOT fit in 24.0 GiB" in full.stdout
+    total = float(full.stdout.split("device total ")[1].split(" GiB")[0])
+    assert 26.37 <= total <= 28.5  # at least what the H100 measured, not far above
+    half = run_plan(*model, "--seq-len", "1024", "--codec", "int4")
+    assert half.returncode == 0 and "fits in 24.0 GiB" in half.stdout, half.stdout
 
 
 def test_plan_refuses_bad_input_in_one_line():

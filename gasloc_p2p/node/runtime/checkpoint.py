@@ -79,7 +79,7 @@ def validate(payload: dict[str, Any], fingerprint: str, numel: int, path: str | 
                   "flags and --seed, or another --checkpoint-dir")
     for name in _TENSORS:
         t = payload[name]
-        if t is None and name == "memory":  # a node without an outer momentum buffer
+        if t is None and name in ("memory", "anchor"):  # outer buffers a node may not keep
             continue
         if not isinstance(t, torch.Tensor) or t.shape != (numel,):
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
