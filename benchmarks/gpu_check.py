@@ -194,7 +194,7 @@ def part_throughput(paths: dict[str, Path]) -> list[dict[str, Any]]:
                     continue
                 last = node.stats.step
                 prep = engine.prepare("peer", 0, spec)
-                got = engine.check(spec, node.flat.numel, received, crc, prep)
+                got = engine.check(spec, node.flat.numel, received, crc, prep, crc)
                 engine.commit(prep, got, 0.0)  # weight 0: the parameters stay as they are
                 done[0] += 1
 
@@ -415,7 +415,7 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
                          f"{' (GPU busy)' if r['busy'] else ''}: kernels / device copy of the "
                          f"fp32 model | {r['kernels_s'] * 1e3:.2f} ms / {r['copy_s'] * 1e3:.2f} "
                          f"ms = {r['kernel_ratio']:.1f}x (wall {r['exchange_s'] * 1e3:.0f} ms: "
-                         f"PCIe copies {r['copies_s'] * 1e3:.0f} ms, host CRC32 "
+                         f"PCIe copies {r['copies_s'] * 1e3:.0f} ms, CRC32 of our payload "
                          f"{r['crc_s'] * 1e3:.0f} ms) | <= 5x |")
         elif r["part"] == "nodes":
             lines.append(f"| two `gasloc-node join` on one GPU, 135M bf16, steps {r['steps']} | "

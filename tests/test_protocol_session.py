@@ -159,3 +159,26 @@ def test_fuzzed_messages_raise_protocol_errors_and_change_nothing():
     after = snapshot(eb)
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
     assert math.isfinite(float(eb.state.theta.sum()))
+
+
+def test_a_byte_changed_in_transit_fails_the_crc_and_changes_nothing(monkeypatch):
+    """The receiver checksums each chunk as it arrives (not the whole payload again after):
+    one flipped byte in the first chunk sent fails the exchange before anything commits."""
+    from gasloc_p2p.protocol import memory
+
+    a, b = node("A", 1), node("B", 2)
+    theta_a, theta_b = a[1].state.theta.clone(), b[1].state.theta.clone()
+    original, flipped = memory.chunks, []
+
+    def corrupt(payload, size):
+        for piece in original(payload, size):
+            if not flipped:
+                piece = bytes([piece[0] ^ 1]) + bytes(piece[1:])
+                flipped.append(True)
+            yield piece
+
+    monkeypatch.setattr(memory, "chunks", corrupt)
+    with pytest.raises(Exception, match="CRC32"):
+        MemoryExchange(a, b, 1).run()
+    assert flipped
+    assert torch.equal(a[1].state.theta, theta_a) and torch.equal(b[1].state.theta, theta_b)

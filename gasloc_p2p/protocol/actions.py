@@ -67,6 +67,7 @@ class Check:
     payload: bytearray | memoryview
     crc32: int
     prep: Prepared | None = None  # our half, for the guard
+    seen_crc32: int | None = None  # the CRC32 of the bytes as they arrived (None: compute)
 
 
 @dataclass(frozen=True)

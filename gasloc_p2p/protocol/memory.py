@@ -106,7 +106,7 @@ class MemoryExchange:
         if isinstance(act, Check):
             try:
                 received = me.engine.check(act.codec, act.numel, act.payload, act.crc32,
-                                            act.prep)
+                                            act.prep, act.seen_crc32)
             except ValueError as exc:
                 return s.check_failed(exc)
             return s.checked(received)
