@@ -78,6 +78,8 @@ def test_plan_llama_1b_on_a_24gb_card(tmp_path):
 
 
 def test_plan_refuses_bad_input_in_one_line():
-    done = run_plan("--model", "gpt", "--device-memory", "24XB")
-    assert done.returncode == 2
-    assert done.stderr.strip().count("\n") == 0 and "--device-memory" in done.stderr
+    for flag, value in (("--device-memory", "24XB"), ("--micro-batch", "0"),
+                        ("--seq-len", "x")):
+        done = run_plan("--model", "gpt", flag, value)
+        assert done.returncode == 2
+        assert done.stderr.strip().count("\n") == 0 and flag in done.stderr, done.stderr

@@ -216,8 +216,8 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--model", required=True, help="gpt, a preset, a config.json or a directory")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
     p.add_argument("--device-memory", default="", help="e.g. 24GiB: say whether it fits")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=_positive, default=2048, help="tokens per sequence")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    default=True)
     p.add_argument("--algorithm", default="gasloc", choices=("gasloc", "diloco",
@@ -226,6 +226,13 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--codec", default="int8")
     p.add_argument("--cpu", action="store_true", help="plan a CPU node (everything on the host)")
     p.set_defaults(func=run_plan)
+
+
+def _positive(text: str) -> int:
+    value = int(text) if text.strip().lstrip("-").isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 def run_plan(args: argparse.Namespace) -> int:
