@@ -145,3 +145,20 @@ def test_state_downloads_serve_host_copies(device):
     assert snap.params.device.type == "cpu" and snap.memory.device.type == "cpu"
     assert bytes(views[0]) == params.cpu().numpy().tobytes()
     assert bytes(views[1]) == (params.cpu() * 2).numpy().tobytes()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp4", "fp16", "fp32"])
+def test_a_staging_area_on_the_device_encodes_like_the_payload(device, codec):
+    """The engine's per-chunk staging (Encoded.empty_on: one allocation on the device) holds
+    what encoding straight into the payload's memory writes."""
+    spec = CodecSpec.of(codec, 256)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(4))
+    payload, direct = Encoded.empty(spec.name, x.numel(), spec.block_size)
+    spec.codec().encode_into(x, direct)
+    staged = Encoded.empty_on(spec.name, x.numel(), spec.block_size, device)
+    assert staged.data.device.type == device
+    spec.codec().encode_into(x.to(device), staged)
+    decode = spec.codec().decode
+    torch.testing.assert_close(decode(staged).cpu(), decode(direct), rtol=0, atol=0.02 * (
+        codec in ("int4", "fp4")) + 0.01 * (codec == "int8"))

@@ -145,6 +145,16 @@ class Encoded:
         return payload, cls._over(codec, numel, block_size, payload, n_scales)
 
     @classmethod
+    def empty_on(cls, codec: str, numel: int, block_size: int,
+                 device: torch.device | str) -> Encoded:
+        """An uninitialised Encoded on ``device`` (one allocation there, nothing on the
+        host): the engine's staging area for a chunk before it is copied to the host."""
+        n_scales, n_data = layout(codec, numel, block_size)
+        raw = torch.empty(4 * n_scales + n_data, dtype=torch.uint8, device=device)
+        return cls(codec, numel, block_size, raw[4 * n_scales :],
+                   raw[: 4 * n_scales].view(torch.float32))
+
+    @classmethod
     def _over(cls, codec: str, numel: int, block_size: int, buf: bytearray | memoryview,
               n_scales: int) -> Encoded:
         raw = (torch.frombuffer(buf, dtype=torch.uint8) if len(buf)

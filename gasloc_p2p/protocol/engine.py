@@ -165,7 +165,7 @@ class ExchangeEngine:
             finite = torch.ones((), dtype=torch.bool, device=self.device)
             n0 = min(step, fragment.numel)
             work = torch.empty(n0, device=self.device)
-            staged = (Encoded.empty(spec.name, n0, spec.block_size)[1].to(self.device)
+            staged = (Encoded.empty_on(spec.name, n0, spec.block_size, self.device)
                       if self.device.type != "cpu" else None)
             for pos, n, pieces in fragment.chunks(step):
                 x = work[:n]
