@@ -114,7 +114,7 @@ class AsyncGaslocState:
         self.anchor: torch.Tensor | None = None
         if keep_anchor or cfg.reads_anchor:
             self.anchor = host_buffer(theta.numel(), theta, self.host)
-            self._copy(self.anchor, theta)
+            self.transfer(self.anchor, theta)
         self.memory: torch.Tensor | None = self.initial_memory(theta0)
         self.rounds = 0  # round ends so far; an exchange records how many happen during it
 
@@ -124,7 +124,7 @@ class AsyncGaslocState:
         """Whether the outer state lives on another device than theta (copies are chunked)."""
         return self.host != self.theta.device
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def transfer(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` across devices in chunks, then one synchronisation."""
         if dst.device == src.device:
             dst.copy_(src)

@@ -310,8 +310,7 @@ class ExchangeEngine:
                     for start, length, o in pieces:
                         self.state.add_chunk(start, c[o : o + length])
         prep.on_device = None
-        self._done()
-        self.state.sync()  # host-side targets (a host anchor) are written
+        self._done()  # the copies back to host-side targets (a host anchor) ran on our stream
         norm = math.sqrt(read([square])[0])
         if self.guard is not None and weight > 0 and prep.clip == 1.0:  # distance without w
             self.guard.accept(fragment.index,

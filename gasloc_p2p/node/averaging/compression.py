@@ -17,6 +17,7 @@ each send itself.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 from typing import Any
 
@@ -26,14 +27,11 @@ from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.wire import Encoded
 
 SLOT = "QUANTILE_8BIT"  # the CompressionType value CodecCompression takes over
-_CLASS: Any = None
 
 
+@functools.cache
 def compression_class() -> Any:
     """:class:`CodecCompression`: built lazily (importing hivemind takes a second)."""
-    global _CLASS
-    if _CLASS is not None:
-        return _CLASS
     from hivemind.compression import CompressionBase, CompressionInfo
     from hivemind.proto import runtime_pb2
 
@@ -91,8 +89,7 @@ def compression_class() -> Any:
         def __repr__(self) -> str:
             return f"CodecCompression({self.spec})"
 
-    _CLASS = CodecCompression
-    return _CLASS
+    return CodecCompression
 
 
 def _add(counter: Any, nbytes: int) -> None:

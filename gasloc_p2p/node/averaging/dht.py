@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -29,9 +30,7 @@ _WATCHDOG_PERIOD_S = 1.0  # the averager process checks this often that the node
 _LOCKED = "averaged buffer locked"
 
 
-_AVERAGER_CLASS: Any = None
-
-
+@functools.cache
 def _averager_class() -> Any:
     """``DecentralizedAverager`` with the uniform all-reduce (:mod:`.uniform`: every member
     keeps the same result, bit for bit) plus two control messages for its background process.
@@ -42,31 +41,28 @@ def _averager_class() -> Any:
     exits the process if the node dies, even by SIGKILL (it holds no p2pd of its own, but would
     otherwise linger as an orphan). Built lazily: importing hivemind takes a second.
     """
-    global _AVERAGER_CLASS
-    if _AVERAGER_CLASS is None:
-        from hivemind.averaging import DecentralizedAverager
+    from hivemind.averaging import DecentralizedAverager
 
-        class GaslocAverager(DecentralizedAverager):
-            def run(self) -> None:  # in the averager's own (forked) process
-                compression = self.allreduce_kwargs.get("compression")
-                if isinstance(compression, compression_class()):
-                    install(compression)
-                super().run()
+    class GaslocAverager(DecentralizedAverager):
+        def run(self) -> None:  # in the averager's own (forked) process
+            compression = self.allreduce_kwargs.get("compression")
+            if isinstance(compression, compression_class()):
+                install(compression)
+            super().run()
 
-            async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any,
-                                              group_id: Any = None, **kwargs: Any) -> None:
-                await run_uniform_allreduce(self, tensors, group_info, group_id, **kwargs)
+        async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any,
+                                          group_id: Any = None, **kwargs: Any) -> None:
+            await run_uniform_allreduce(self, tensors, group_info, group_id, **kwargs)
 
-            async def _gasloc_set_target(self, size: int | None) -> None:
-                self._matchmaking.target_group_size = size
+        async def _gasloc_set_target(self, size: int | None) -> None:
+            self._matchmaking.target_group_size = size
 
-            async def _gasloc_watch_parent(self, parent_pid: int, period_s: float) -> None:
-                while os.getppid() == parent_pid:
-                    await asyncio.sleep(period_s)
-                os._exit(0)
+        async def _gasloc_watch_parent(self, parent_pid: int, period_s: float) -> None:
+            while os.getppid() == parent_pid:
+                await asyncio.sleep(period_s)
+            os._exit(0)
 
-        _AVERAGER_CLASS = GaslocAverager
-    return _AVERAGER_CLASS
+    return GaslocAverager
 
 
 def averaging_prefix(run_id: str, fingerprint: str, codec: str = "",

@@ -36,20 +36,18 @@ this one: :func:`~gasloc_p2p.node.averaging.averaging_prefix` carries
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
 
 GROUP_TAG = "u1"  # in the group key: the uniform all-reduce, version 1
-_RUNNER: Any = None
 
 
+@functools.cache
 def runner_class() -> Any:
     """:class:`UniformAllReduceRunner`, built lazily (importing hivemind takes a second)."""
-    global _RUNNER
-    if _RUNNER is not None:
-        return _RUNNER
     from hivemind.averaging.allreduce import AllReduceRunner
     from hivemind.averaging.partition import AllreduceException, BannedException
     from hivemind.proto import averaging_pb2
@@ -129,8 +127,7 @@ def runner_class() -> Any:
                 raise AllreduceException(f"part {index} has weight {weight}")
             return index, self.codec.extract(part), weight
 
-    _RUNNER = UniformAllReduceRunner
-    return _RUNNER
+    return UniformAllReduceRunner
 
 
 async def _numbered(stream: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:

@@ -287,14 +287,15 @@ class Trainer:
         host memory: a rollback copy on the device would cost 4 bytes per parameter)."""
         with self.lock.urgent():
             st = self.state
-            if not bool(torch.isfinite(st.theta).all()):
+            # one scalar (float64: no overflow), not a model-sized boolean tensor on the device
+            if not bool(torch.isfinite(st.theta.sum(dtype=torch.float64))):
                 return  # never keep a bad state as the good one
             if self._good is None:
                 memory = st.memory
                 self._good = (host_buffer(st.theta.numel(), st.theta, self.host),
                               None if memory is None
                               else host_buffer(memory.numel(), st.theta, self.host))
-            st._copy(self._good[0], st.theta)
+            st.transfer(self._good[0], st.theta)
             _copy(self._good[1], st.memory)
 
     def _roll_back(self, loss: float) -> None:
@@ -307,7 +308,7 @@ class Trainer:
                                      "or resume a checkpoint")
         with self.lock.urgent():
             theta, memory = self._good
-            self.state._copy(self.state.theta, theta)
+            self.state.transfer(self.state.theta, theta)
             if self.state.anchor is not None:
                 self.state.anchor.copy_(theta)
             _copy(self.state.memory, memory)
@@ -366,7 +367,7 @@ class Trainer:
             raise ValueError(f"checkpoint used the {ckpt.get('momentum')} momentum form")
         with self.lock.urgent():
             st = self.state
-            st._copy(st.theta, ckpt["theta"])
+            st.transfer(st.theta, ckpt["theta"])
             if st.anchor is not None:
                 st.anchor.copy_(ckpt["anchor"] if ckpt.get("anchor") is not None
                                 else ckpt["theta"])
@@ -408,7 +409,7 @@ class Trainer:
             raise ValueError(f"peer state has {params.numel()} params, this model "
                              f"{self.state.theta.numel()}")
         with self.lock.urgent():
-            self.state._copy(self.state.theta, params)
+            self.state.transfer(self.state.theta, params)
             if self.state.anchor is not None:
                 self.state.anchor.copy_(params)
             self._restore_memory(memory)
