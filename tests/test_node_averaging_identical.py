@@ -152,14 +152,33 @@ def _check_identical(members: list[Member], codec: str) -> None:
 
 @pytest.mark.parametrize("codec", ["fp4", "int8", "fp32"])
 def test_one_average_equals_the_mean_up_to_the_codec_error(dhts, codec):
-    prefix = averaging_prefix("mean", "f" * 64, codec, "diloco")
-    cfg = cfg_for(codec)
-    averagers = [HivemindAverager(dht, NUMEL, prefix, cfg) for dht in dhts]
+    inputs = [noise(1, i) for i in range(N)]
+    for attempt in range(3):  # a hivemind deadline missed under load: start over
+        results = _average_once(dhts, codec, inputs, f"mean{attempt}")
+        if all(r is not None and r.ok and r.group_size == N for r in results):
+            break
+    else:
+        pytest.fail(f"hivemind failed the average in each of 3 attempts: {results}")
+    for r in results[1:]:
+        assert torch.equal(r.averaged, results[0].averaged)
+    mean = torch.stack(inputs).mean(0)
+    err = float((results[0].averaged - mean).abs().max() / mean.abs().max())
+    bound = {"fp32": 1e-6, "int8": 0.02, "fp4": 0.6}[codec]  # fp4: one binade per value
+    assert err < bound, err
+    if codec == "fp32":
+        torch.testing.assert_close(results[0].averaged, mean, rtol=0, atol=1e-6)
+
+
+def _average_once(dhts: list, codec: str, inputs: list[torch.Tensor], run_id: str) -> list:
+    """One all-reduce of ``inputs`` by three fresh averagers; each member's result (None if
+    its thread did not finish). On a loaded machine a groupmate's part can miss its deadline
+    ("averaged values did not arrive"); the caller then starts over under a new prefix."""
+    prefix = averaging_prefix(run_id, "f" * 64, codec, "diloco")
+    averagers = [HivemindAverager(dht, NUMEL, prefix, cfg_for(codec)) for dht in dhts]
+    results: list = [None] * N
     try:
         for a in averagers:
             a.start()
-        inputs = [noise(1, i) for i in range(N)]
-        results: list = [None] * N
         stop = threading.Event()
 
         def run(i: int) -> None:
@@ -170,18 +189,10 @@ def test_one_average_equals_the_mean_up_to_the_codec_error(dhts, codec):
             t.start()
         for t in threads:
             t.join(scaled(120))
-        assert all(r is not None and r.ok and r.group_size == N for r in results), results
-        for r in results[1:]:
-            assert torch.equal(r.averaged, results[0].averaged)
-        mean = torch.stack(inputs).mean(0)
-        err = float((results[0].averaged - mean).abs().max() / mean.abs().max())
-        bound = {"fp32": 1e-6, "int8": 0.02, "fp4": 0.6}[codec]  # fp4: one binade per value
-        assert err < bound, err
-        if codec == "fp32":
-            torch.testing.assert_close(results[0].averaged, mean, rtol=0, atol=1e-6)
     finally:
         for a in averagers:
             a.close()
+    return results
 
 
 def test_a_reducer_accepts_only_parts_of_its_codec_size_and_weight():
