@@ -131,7 +131,9 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
     theta0 = theta0.to(torch.bfloat16)  # as the Trainer keeps it: the float32 copy is freed
     engine = ExchangeEngine(state, theta0, [whole(numel)], NoLock())
     if guarded:  # the daemon's default: check screens the pair (thresholds never hit here)
-        engine.guard = UpdateGuard(GuardRule(factor=1e30, warmup_factor=1e30, min_cosine=-1))
+        engine.guard = UpdateGuard(GuardRule(trust_after=1, round_budget=1e30,
+                                             block_budget=1e30))
+        engine.guard.round_end({0: 1.0})
     spec = CodecSpec.parse(codec)
     drift = torch.randn(numel, device=dev, generator=gen).mul_(1e-3)
     theta.add_(drift)  # a local drift

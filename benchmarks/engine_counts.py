@@ -63,7 +63,9 @@ def engines(numel: int, chunk: int, device: str = "cpu") -> list[ExchangeEngine]
         theta = randn(seed, 1e-3).add_(theta0).add_(common)
         state = AsyncGaslocState(theta, theta, AsyncConfig(), host="cpu")
         engine = ExchangeEngine(state, host0, [whole(numel)], NoLock(), chunk or None)
-        engine.guard = UpdateGuard(GuardRule(factor=1e30, warmup_factor=1e30))
+        engine.guard = UpdateGuard(GuardRule(trust_after=1, round_budget=1e30,
+                                             block_budget=1e30))
+        engine.guard.round_end({0: 1.0})  # a drift that admits these nodes' distance
         out.append(engine)
     return out
 

@@ -23,7 +23,14 @@ from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
-from gasloc_p2p.protocol.guard import GuardRule, ImplausibleUpdate, UpdateGuard
+from gasloc_p2p.protocol.guard import (
+    GuardRule,
+    ImplausibleUpdate,
+    LossWatch,
+    NotNow,
+    UpdateGuard,
+    address_block,
+)
 from gasloc_p2p.protocol.memory import MemoryExchange
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, ExchangeError, Identity
 from gasloc_p2p.protocol.session import Rules
@@ -31,57 +38,177 @@ from tests.daemon_helpers import tiny_config
 from tests.node_helpers import run, scaled, wait_until
 from tests.session_helpers import OUTER, TIMEOUTS, node
 
+D = 0.02  # the guarded nodes' own drift per round in these tests (what ``drift`` moves)
 
-def test_guard_rule_clips_between_the_soft_and_hard_limits_and_refuses_beyond():
-    guard = UpdateGuard(GuardRule(factor=8, window=4, warmup=3, warmup_factor=4, floor=0.05,
-                                  hard_factor=64))
-    assert guard.limits(0, own_scale=2.0) == (8.0, 128.0)  # warm-up: soft 4x own scale
-    assert guard.screen(0, 3.9, own_scale=1.0) == 1.0
-    assert guard.screen(0, 8.0, own_scale=1.0) == pytest.approx(0.5)  # clipped to 4
-    assert guard.screen(0, 64.0, own_scale=1.0) == pytest.approx(4 / 64)
-    with pytest.raises(ImplausibleUpdate, match="exceeds the limit 64"):
-        guard.screen(0, 64.1, own_scale=1.0)  # hard: 64x own scale
-    for d in (0.1, 0.2, 0.1):
-        guard.accept(0, d)
-    assert guard.screen(0, 0.8, own_scale=1.0) == 1.0  # 8 x median 0.1
-    assert guard.screen(0, 1.6, own_scale=1.0) == pytest.approx(0.5)
+
+def rule_only(**kw) -> UpdateGuard:
+    """A guard whose rule is under test alone: full trust at once, budgets out of the way."""
+    base = dict(trust_after=1, round_budget=1e9, block_budget=1e9)
+    return UpdateGuard(GuardRule(**{**base, **kw}), w=0.5)
+
+
+def test_limits_are_multiples_of_the_node_own_drift_and_refuse_beyond():
+    guard = rule_only(factor=4, hard_factor=16, window=5)
+    with pytest.raises(NotNow, match="not finished a round"):
+        guard.screen(0, 0.01)  # no drift of its own yet: nothing to judge by
+    for d in (0.1, 0.2, 0.1, 0.1):
+        guard.round_end({0: d})
+    assert guard.limits(0) == pytest.approx((0.4, 1.6))  # 4x and 16x the median drift 0.1
+    assert guard.screen(0, 0.39)[0] == 1.0
+    assert guard.screen(0, 0.8)[0] == pytest.approx(0.5)  # clipped to the soft limit
+    with pytest.raises(ImplausibleUpdate, match="beyond the limit"):
+        guard.screen(0, 1.61)
     with pytest.raises(ImplausibleUpdate):
-        guard.screen(0, math.nan, own_scale=1.0)
-    assert guard.screen(1, 3.0, own_scale=1.0) == 1.0  # per fragment: 1 is still warming up
-    for _ in range(4):
-        guard.accept(0, 0.0)  # a swarm in perfect consensus: the floor still admits a little
-    assert guard.screen(0, 0.05, own_scale=1.0) == 1.0
-    assert guard.screen(0, 0.1, own_scale=1.0) == pytest.approx(0.5)
-    assert UpdateGuard(GuardRule(factor=0)).screen(0, 1e30, own_scale=1.0) == 1.0  # off
+        guard.screen(0, math.nan)
+    with pytest.raises(NotNow):
+        guard.screen(1, 0.01)  # per fragment
+    guard.round_end({0: 1.0})
+    # the median: one round moves the soft limit little; the hard one is twice the node's
+    # own path (1.5) now that it exceeds 16 drifts: honest nodes that trained apart are at
+    # most their two paths apart
+    assert guard.limits(0) == pytest.approx((0.4, 3.0))
+    assert guard.limits(0, base=1.0) == pytest.approx((0.4, 4.0))  # 4 x RMS(theta_0)
+    assert UpdateGuard(GuardRule(factor=0)).rule.enabled is False
 
 
-def test_a_peer_clipped_too_often_in_a_row_is_refused_and_starts_over():
-    guard = UpdateGuard(GuardRule(warmup=0, factor=8, max_clips=3))
-    guard.accept(0, 0.1)  # soft limit 0.8
-    for _ in range(3):
-        assert guard.screen(0, 1.6, own_scale=1.0, peer="far") < 1
-    assert guard.screen(0, 1.6, own_scale=1.0, peer="other") < 1  # streaks are per peer
-    with pytest.raises(ImplausibleUpdate, match="4 exchanges in a row"):
-        guard.screen(0, 1.6, own_scale=1.0, peer="far")
-    assert guard.screen(0, 1.6, own_scale=1.0, peer="far") < 1  # after the backoff: anew
-    assert guard.screen(0, 0.5, own_scale=1.0, peer="far") == 1.0  # within: the streak ends
-    for _ in range(3):
-        assert guard.screen(0, 1.6, own_scale=1.0, peer="far") < 1
+def test_what_peers_send_never_moves_the_limits():
+    """The attack on the old rule: accepted distances just under the limit ratcheted the
+    median up. Now the limits follow this node's own drift only."""
+    guard = rule_only()
+    guard.round_end({0: D})
+    before = guard.limits(0)
+    for i in range(500):
+        factor, ticket = guard.screen(0, 0.99 * before[0] * (1 + i % 3), f"k{i}")
+        guard.committed(ticket)
+    assert guard.limits(0) == before
+
+
+def test_the_round_budget_caps_what_all_peers_move_this_node_by():
+    guard = UpdateGuard(GuardRule(factor=4, round_budget=4, block_budget=4, trust_after=1),
+                        w=0.5)
+    guard.round_end({0: 1.0})
+    tickets = []
+    for block in ("a", "b"):  # each moves w x 4 = 2 drifts: the budget of 4 is full
+        factor, t = guard.screen(0, 4.0, "k" + block, block)
+        assert factor == 1.0
+        tickets.append(t)
+    with pytest.raises(NotNow, match="budget"):
+        guard.screen(0, 4.0, "kc", "c")
+    guard.release(tickets[0])  # that one did not commit: its share comes back
+    factor, t = guard.screen(0, 4.0, "kc", "c")
+    assert factor == 1.0
+    guard.committed(t)
+    guard.release(t)  # a committed exchange's share does not come back
+    with pytest.raises(NotNow):
+        guard.screen(0, 1.0, "kd", "d")
+    guard.round_end({0: 1.0})  # a new round, a new budget
+    assert guard.screen(0, 4.0, "kd", "d")[0] == 1.0
+    assert guard.spent(0) == pytest.approx(2.0)
+
+
+def test_a_partly_spent_budget_scales_the_weight_to_fit():
+    guard = UpdateGuard(GuardRule(factor=4, round_budget=3, block_budget=3, trust_after=1),
+                        w=0.5)
+    guard.round_end({0: 1.0})
+    guard.screen(0, 4.0, "a", "a")  # 2 of 3 spent
+    factor, _ = guard.screen(0, 4.0, "b", "b")
+    assert factor == pytest.approx(0.5)  # 1 drift left of the 2 it would move
+    assert guard.spent(0) == pytest.approx(3.0)
+
+
+def test_one_address_block_moves_this_node_by_its_block_budget_at_most_with_new_keys():
+    guard = UpdateGuard(GuardRule(factor=4, round_budget=8, block_budget=1, trust_after=2),
+                        w=0.5)
+    guard.round_end({0: 1.0})
+    guard.screen(0, 4.0, "k1", "10.0.0.0/24")  # newcomer: half weight, 1 drift: the block's
+    with pytest.raises(NotNow):
+        guard.screen(0, 4.0, "k2", "10.0.0.0/24")  # another new key, the same block
+    assert guard.screen(0, 4.0, "k3", "10.0.1.0/24")[0] == 0.5  # another block
+    for _ in range(2):
+        guard.round_end({0: 1.0})
+        guard.committed(guard.screen(0, 0.1, "old", "10.0.0.0/24")[1])
+    guard.screen(0, 4.0, "k4", "10.0.0.0/24")  # the block's newcomers' budget spent again
+    assert guard.screen(0, 4.0, "old", "10.0.0.0/24")[0] == 1.0  # trusted: the round's only
+
+
+def test_a_new_key_earns_its_weight_over_its_first_exchanges():
+    guard = rule_only(trust_after=4)
+    guard.round_end({0: 1.0})
+    factors = []
+    for _ in range(6):
+        factor, ticket = guard.screen(0, 1.0, "newcomer")
+        factors.append(factor)
+        guard.committed(ticket)
+    assert factors == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    assert guard.trusted("newcomer") and not guard.trusted("other")
+    factor, ticket = guard.screen(0, 1.0, "other")
+    guard.release(ticket)  # refused or failed exchanges earn nothing
+    assert guard.screen(0, 1.0, "other")[0] == 0.25
+
+
+def test_address_blocks():
+    assert address_block("1.2.3.4") == "1.2.3.0/24"
+    assert address_block("ipv4:1.2.3.99") == "1.2.3.0/24"
+    assert address_block("[2001:db8:1:2::5]") == "2001:db8:1::/48"
+    assert address_block("ipv6:[::ffff:1.2.3.4]") == "1.2.3.0/24"
+    assert address_block("node.example") == "node.example"
+
+
+@pytest.mark.parametrize("blocks", [1, 64])
+def test_a_member_with_a_fresh_key_per_exchange_moves_a_node_by_at_most_the_budget(blocks):
+    """The attack of issue 23 against the rule: a fresh key for every exchange, a distance
+    just under the soft limit, one fixed direction, as many exchanges as it likes (here 200
+    per round), from one address block or from 64. What it moves the node by in 50 rounds is
+    at most the block budget (one block) or the round budget (many) per round: 2 or 4 own
+    drifts, against the 196 per round it pushed for (the old rule accepted all of it and
+    ratcheted its median up: 1.6 -> 2.2e9 val loss in 4 minutes)."""
+    rule = GuardRule()
+    guard = UpdateGuard(rule, w=0.5)
+    moved, pushed = 0.0, 0.0
+    for r in range(50):
+        guard.round_end({0: D})
+        soft = guard.limits(0)[0]
+        for i in range(200):
+            pushed += 0.5 * 0.99 * soft
+            try:
+                factor, ticket = guard.screen(0, 0.99 * soft, f"sybil{r}.{i}",
+                                              f"6.6.{i % blocks}.0/24")
+            except NotNow:
+                continue
+            guard.committed(ticket)
+            moved += 0.5 * factor * 0.99 * soft  # all along one direction: lengths add up
+    cap = rule.block_budget if blocks == 1 else rule.round_budget
+    assert moved <= 50 * cap * D * (1 + 1e-9)
+    assert moved >= 0.9 * 50 * cap * D  # the bound is what it gets, no more
+    assert pushed > 20 * moved
+
+
+def test_an_implausible_loss_jump_is_caught_like_a_non_finite_one():
+    watch = LossWatch(jump=2.0, window=8, warmup=4)
+    assert not watch.implausible(9.0)  # no history yet: only NaN/Inf are caught
+    for loss in (4.0, 4.2, 3.9, 4.1):
+        assert not watch.implausible(loss)
+    assert watch.limit() == pytest.approx(2 * 4.1)
+    assert watch.implausible(1e9)
+    assert watch.implausible(math.nan) and watch.implausible(math.inf)
+    assert watch.limit() == pytest.approx(2 * 4.1)  # the jumps were not remembered
+    assert not watch.implausible(4.5)  # training goes on
 
 
 def guarded(name: str, seed: int, rule: GuardRule | None = None, codec: str = "int8"):
     rules, engine = node(name, seed, codec)
-    engine.guard = UpdateGuard(rule or GuardRule())
+    engine.guard = UpdateGuard(rule or GuardRule(trust_after=1), OUTER.w)
+    engine.guard.round_end({0: D})
     return rules, engine
 
 
-def drift(engine, seed: int, scale: float = 0.02) -> None:
+def drift(engine, seed: int, scale: float = D) -> None:
     g = torch.Generator().manual_seed(seed)
     engine.state.theta.add_(scale * torch.randn(engine.state.theta.shape, generator=g))
 
 
 @pytest.mark.parametrize("attacker_initiates", [True, False])
-@pytest.mark.parametrize("offset", [1e4, 100.0])  # theta_0 here has RMS 1: hard limit 64
+@pytest.mark.parametrize("offset", [1e4, 10.0])  # hard limit: 4 x RMS(theta_0) = 4
 def test_a_large_offset_is_refused_before_commit_on_both_sides(attacker_initiates, offset):
     honest, evil = guarded("H", 1), node("E", 2, codec="fp32")
     evil[1].state.theta.add_(offset)
@@ -92,74 +219,55 @@ def test_a_large_offset_is_refused_before_commit_on_both_sides(attacker_initiate
         MemoryExchange(*pair, 0).run()
     after = [t for e in (honest[1], evil[1]) for t in (e.state.theta, e.state.anchor)]
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    assert honest[1].guard.spent(0) == 0  # the reservation came back
 
 
 def rms_move(before: torch.Tensor, after: torch.Tensor, fragment: Fragment) -> float:
     return float(fragment.gather(after - before).pow(2).mean().sqrt())
 
 
+def twin(of, name: str, offset: float, codec: str = "fp32"):
+    """A node at ``of``'s exact state plus ``offset`` everywhere (aligned with it)."""
+    rules, engine = node(name, 9, codec)
+    for mine, theirs in ((engine.state.theta, of[1].state.theta),
+                         (engine.state.anchor, of[1].state.anchor)):
+        mine.copy_(theirs + offset)
+    return rules, engine
+
+
 @pytest.mark.parametrize("attacker_initiates", [True, False])
 def test_an_offset_between_the_limits_is_clipped_to_the_soft_limit(attacker_initiates):
-    """An offset of 10 (soft limit 4x the own scale, about theta_0's RMS of 1; hard 64x): it
-    commits, but the guarded side moves by about w x 4 in RMS instead of w x 10, the unguarded
-    side by its full w x 10, and the guard's history does not take the clipped distance in."""
-    honest, evil = guarded("H", 1), node("E", 2, codec="fp32")
-    evil[1].state.theta.add_(10.0)
-    evil[1].state.anchor.add_(10.0)
+    """An offset of 0.2 (soft limit 4 x D = 0.08, hard 0.32): it commits, but the guarded side
+    moves by w x 0.08 in RMS instead of w x 0.2; the unguarded side by its full w x 0.2."""
+    honest = guarded("H", 1, codec="fp32")
+    evil = twin(honest, "E", 0.2)
     before = honest[1].state.theta.clone(), evil[1].state.theta.clone()
     pair = (evil, honest) if attacker_initiates else (honest, evil)
     outcomes = MemoryExchange(*pair, 0).run()
     mine = outcomes[1] if attacker_initiates else outcomes[0]
     frag = honest[1].fragments[0]
-    assert mine.clip < 0.5 and mine.weight == pytest.approx(OUTER.w * mine.clip)
+    assert mine.clipped and mine.clip == pytest.approx(0.4, rel=0.01)
+    assert mine.weight == pytest.approx(OUTER.w * mine.clip)
     moved = rms_move(before[0], honest[1].state.theta, frag)
-    assert 0.8 * OUTER.w * 4 < moved <= 1.25 * OUTER.w * 4
-    assert rms_move(before[1], evil[1].state.theta, frag) > 2 * moved  # not clipped there
-    assert honest[1].guard.accepted(0) == 0
+    assert moved == pytest.approx(OUTER.w * 4 * D, rel=0.02)
+    assert rms_move(before[1], evil[1].state.theta, frag) == pytest.approx(OUTER.w * 0.2,
+                                                                           rel=0.02)
 
 
-def test_a_late_joiner_far_beyond_the_median_is_pulled_in_not_refused():
-    """The false positive a 3-process swarm showed: two nodes near consensus (a small median)
-    and a third that trained alone, many medians away; its exchanges commit, clipped on the
-    guarded side, and after a few the joiner is within the median rule."""
-    # fp32: these nodes move 0.002 RMS per round from a theta_0 of RMS 1, less than int8's
-    # rounding of the iterates themselves (about absmax / 254); the rules, not the codec, are
-    # under test (real models start at RMS ~0.02 and move by ~lr per step)
-    a = guarded("A", 1, GuardRule(warmup=4), "fp32")
-    b = guarded("B", 2, GuardRule(warmup=4), "fp32")
-    for i in range(12):
-        drift(a[1], 100 + i, 0.002)
-        drift(b[1], 200 + i, 0.002)
-        MemoryExchange(a, b, i % 2).run()
-    late = guarded("L", 3, GuardRule(warmup=4), "fp32")
-    clips = [MemoryExchange(late, a, 0).run()[1].clip for _ in range(8)]
-    assert clips[0] < 0.5, clips  # far beyond A's soft limit at first, and not refused
-    assert clips[-1] == 1.0, clips  # then within it
-    assert late[1].guard.accepted(0) >= 4
-
-
-def test_a_peer_that_keeps_pulling_towards_theta0_is_refused_after_a_few_clips():
-    """An attacker that always sends ``theta_0 + 0.01 (p - theta_0)`` (aligned with us, so the
-    direction test passes; far beyond the median, within the hard limit) is clipped
-    ``max_clips`` times, then refused (and backed off by the node)."""
-    a = guarded("A", 1, GuardRule(warmup=4), "fp32")
-    b = guarded("B", 2, GuardRule(warmup=4), "fp32")
-    drift(a[1], 42, 0.5)  # far from theta_0 together (the same move), then near consensus
-    drift(b[1], 42, 0.5)
-    for i in range(12):
-        drift(a[1], 100 + i, 0.002)
-        drift(b[1], 200 + i, 0.002)
-        MemoryExchange(a, b, i % 2).run()
-    evil = node("E", 3, "fp32")
-    rule = a[1].guard.rule
-    for i in range(rule.max_clips + 1):
-        for t in (evil[1].state.theta, evil[1].state.anchor):
-            t.copy_(a[1].theta0 + 0.01 * (a[1].state.theta - a[1].theta0))
-        if i < rule.max_clips:
-            assert MemoryExchange(evil, a, 0).run()[1].clip < 1
-        else:
-            with pytest.raises(ExchangeError, match="in a row"):
-                MemoryExchange(evil, a, 0).run()
+def test_a_far_honest_node_is_pulled_in_over_a_few_rounds_not_refused():
+    """A node back from a partition, 10 drifts away (between the limits): its exchanges
+    commit clipped, each round's budget pulls it in a little more, and it is never refused."""
+    a = guarded("A", 1, codec="fp32")
+    far = guarded("L", 3, codec="fp32")
+    for t, src in ((far[1].state.theta, a[1].state.theta),
+                   (far[1].state.anchor, a[1].state.anchor)):
+        t.copy_(src + 10 * D)
+    outcomes = []
+    for _ in range(8):
+        outcomes.append(MemoryExchange(far, a, 0).run()[1])
+        for e in (a[1], far[1]):
+            e.guard.round_end({0: D})
+    assert outcomes[0].clipped and not outcomes[-1].clipped, [o.clip for o in outcomes]
 
 
 def test_a_node_still_at_theta0_neither_judges_nor_is_judged_by_direction():
@@ -172,32 +280,19 @@ def test_a_node_still_at_theta0_neither_judges_nor_is_judged_by_direction():
         with pytest.raises(ExchangeError, match="not moved from theta_0") as err:
             MemoryExchange(*pair, 0).run()
         assert "implausible" not in str(err.value)
-    fresh[1].state.theta.add_(0.05)  # trained: moved the way the other node did
+    for t, src in ((fresh[1].state.theta, moved[1].state.theta),
+                   (fresh[1].state.anchor, moved[1].state.anchor)):
+        t.copy_(src + D)  # trained: moved the way the other node did
     MemoryExchange(fresh, moved, 0).run()
 
 
-def test_after_warmup_the_median_rule_clips_scaled_deltas_and_refuses_absurd_ones():
-    a, b = guarded("A", 1, GuardRule(warmup=4)), guarded("B", 2, GuardRule(warmup=4))
-    for i in range(12):  # honest history: both drift, then average
-        drift(a[1], 100 + i)
-        drift(b[1], 200 + i)
-        MemoryExchange(a, b, i % 2).run()
-    assert a[1].guard.accepted(0) == b[1].guard.accepted(0) == 6
-    soft, _ = a[1].guard.limits(0, own_scale=1.0)
-    evil = node("E", 3)
-    for t in (evil[1].state.theta, evil[1].state.anchor):  # a copy of A with 30x its drift
-        t.copy_(a[1].theta0 + 30 * (a[1].state.theta - a[1].theta0))
-    before = a[1].state.theta.clone()
-    outcome = MemoryExchange(evil, a, 0).run()[1]
-    assert outcome.clip < 1
-    assert rms_move(before, a[1].state.theta, a[1].fragments[0]) <= OUTER.w * soft * 1.01
-    assert a[1].guard.accepted(0) == 6  # a clipped distance is not history
-    for t in (evil[1].state.theta, evil[1].state.anchor):  # 10^4x: beyond 64x the own scale
-        t.copy_(a[1].theta0 + 1e4 * (a[1].state.theta - a[1].theta0))
-    with pytest.raises(ExchangeError, match="implausible"):
-        MemoryExchange(evil, a, 0).run()
-    drift(b[1], 999)
-    MemoryExchange(b, a, 0).run()  # an honest peer still gets through
+def test_a_node_without_a_round_of_its_own_answers_busy_not_implausible():
+    rules, engine = node("N", 1, "fp32")
+    engine.guard = UpdateGuard(GuardRule(), OUTER.w)  # no round end yet
+    other = guarded("O", 2, codec="fp32")
+    with pytest.raises(ExchangeError, match="not finished a round") as err:
+        MemoryExchange(other, (rules, engine), 0).run()
+    assert "implausible" not in str(err.value)
 
 
 def test_a_bfloat16_theta0_serves_the_guard():
@@ -214,7 +309,9 @@ def test_a_bfloat16_theta0_serves_the_guard():
         t0 = linked.theta0.to(torch.bfloat16)
         state = AsyncGaslocState(linked.state.theta.clone(), linked.theta0, OUTER)
         engine = ExchangeEngine(state, t0, linked.fragments, NoLock())
-        engine.guard = UpdateGuard(GuardRule(warmup=2))
+        engine.guard = UpdateGuard(GuardRule(trust_after=1, round_budget=1e9,
+                                             block_budget=1e9), OUTER.w)
+        engine.guard.round_end({0: 0.1})
         pair.append((rules, engine))
     a, b = pair
     for i in range(6):
@@ -225,12 +322,10 @@ def test_a_bfloat16_theta0_serves_the_guard():
         moved = [e.state.theta - x for (_, e), x in zip(pair, before, strict=True)]
         assert moved[0].abs().sum() > 0  # c_i = -c_j (up to the rounding of theta + c)
         assert torch.allclose(moved[0], -moved[1], rtol=0, atol=1e-6)
-    assert a[1].guard.accepted(0) == 6
     evil = (b[0], b[1])
-    moved = b[1].state.theta - b[1].theta0.float()
-    b[1].state.theta.copy_(b[1].theta0.float() + 40 * moved)  # clipped by A's median rule
-    assert MemoryExchange(evil, a, 0).run()[1].clip < 1
-    b[1].state.theta.copy_(b[1].theta0.float() + 1e5 * moved)  # beyond A's hard limit
+    b[1].state.theta.copy_(a[1].state.theta + 0.8)  # clipped by A (soft 0.4, hard 1.6)
+    assert MemoryExchange(evil, a, 0).run()[1].clipped
+    b[1].state.theta.copy_(a[1].state.theta + 10.0)  # beyond A's hard limit (4)
     with pytest.raises(ExchangeError, match="implausible"):
         MemoryExchange(evil, a, 0).run()
 
@@ -274,6 +369,8 @@ async def _inject(node: Node, payload: bytes, codec: str, block: int, peer_id: s
     proof.CopyFrom(header)
     await call.write(sign_header(header, signer, nonce, b""))
     reply = await call.read()
+    if reply.WhichOneof("kind") == "reject":
+        return "reject"
     assert reply.WhichOneof("kind") == "header", reply
     await call.write(sign_header(proof, signer, nonce, reply.header.nonce))  # proof of key
     for start in range(0, len(payload), 1 << 20):
@@ -306,12 +403,15 @@ def test_outsider_offsets_are_rejected_and_the_node_keeps_training(corpus):
             numel = node.trainer.flat.numel
             nblocks = -(-numel // 1024)
             int8 = struct.pack(f"<{nblocks}f", *([3e38] * nblocks)) + bytes([1] * numel)
-            attacks = [(struct.pack(f"<{numel}f", *([1e4] * numel)), "fp32", 0),
-                       (struct.pack(f"<{numel}f", *([1e30] * numel)), "fp32", 0),
-                       (int8, "int8", 1024)]
+            attacks = [(struct.pack(f"<{numel}f", *([1e30] * numel)), "fp32", 0),
+                       (int8, "int8", 1024),
+                       (struct.pack(f"<{numel}f", *([1e4] * numel)), "fp32", 0)]
             for i, (payload, codec, block) in enumerate(attacks):
                 answer = await _inject(node, payload, codec, block, f"evil-{i}\nINFO forged")
                 assert answer.endswith("abort"), (i, answer)
+            # the last was implausible: a new key from the same address block is refused
+            # at once (a key that earned trust here would not be)
+            assert await _inject(node, attacks[0][0], "fp32", 0, "evil-3") == "reject"
             step = node.train_stats.step
             await wait_until(lambda: node.train_stats.step >= step + 30, timeout_s=60,
                              what="training goes on")
@@ -334,18 +434,22 @@ def test_an_in_swarm_peer_with_scaled_deltas_is_clipped_then_refused(corpus):
                     InMemoryDiscovery(reg, "gasloc", "evil"))
         async with honest, evil:
             guard = honest.mode.exchanger.engine.guard
-            await wait_until(lambda: guard.accepted(0) >= 8, timeout_s=90, what="warm-up")
+            await wait_until(lambda: guard.trusted(evil.me.peer_id), timeout_s=90,
+                             what="the evil node's trust")
             st, t0 = evil.trainer.state, evil.trainer.theta0
+            evil.trainer.losses = LossWatch(jump=0)  # it would roll its own attack back
 
-            def scale(factor: float) -> None:  # from now on: its real delta x factor
+            def scale(drifts: float) -> None:  # its delta made longer by ``drifts`` of A's
                 with evil.lock.urgent():  # the default node keeps no anchor (eta 1)
-                    st.theta.copy_(t0 + factor * (st.theta - t0))
+                    delta = st.theta - t0
+                    rms = float(delta.norm()) / delta.numel() ** 0.5
+                    st.theta.add_(delta, alpha=drifts * guard.drift(0) / rms)
 
-            scale(50)  # beyond 8x the median, within 64x the own scale: clipped
+            scale(14)  # beyond 4 drifts of A, within 16: clipped (twice, halving each time)
             await wait_until(lambda: honest.stats.clipped >= 2, timeout_s=60,
                              what="clipped exchanges")
             assert honest.stats.implausible == 0
-            scale(1e4)  # beyond the hard limit: refused
+            scale(1e3)  # beyond the hard limit: refused
             await wait_until(lambda: honest.stats.implausible >= 1, timeout_s=60,
                              what="a refused exchange")
             theta = honest.trainer.state.theta
@@ -390,7 +494,8 @@ def big_node(name: str, t0: torch.Tensor, move: torch.Tensor):
     """A guarded node of BIG parameters at ``t0 + move`` (live == anchor), one fragment."""
     state = AsyncGaslocState(t0 + move, t0, OUTER)
     engine = ExchangeEngine(state, t0, [Fragment(0, [(0, BIG)])], NoLock())
-    engine.guard = UpdateGuard(GuardRule())
+    engine.guard = UpdateGuard(GuardRule(trust_after=1), OUTER.w)
+    engine.guard.round_end({0: 1e-2})  # what each move is made of per element
     return Rules.build(Identity("run", "f" * 64, name), CodecSpec.of("int8"), OUTER.w,
                        TIMEOUTS), engine
 

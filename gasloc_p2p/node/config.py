@@ -101,21 +101,24 @@ class GossipConfig:
     init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any",
                                 group="training")
     download_timeout_s: float = opt(60.0, "deadline of a state download", advanced=True)
-    guard_factor: float = opt(8.0, "clip a peer's update whose RMS distance exceeds this many "
-                              "times the median of recent accepted ones (0: no guard)",
+    guard_factor: float = opt(4.0, "clip a peer's update whose RMS distance exceeds this many "
+                              "times this node's own drift per round (0: no guard)",
                               advanced=True)
-    guard_window: int = opt(32, "accepted exchanges per fragment the guard's median covers",
+    guard_window: int = opt(16, "rounds of this node's own drift the guard's median covers",
                             advanced=True)
-    guard_warmup: int = opt(8, "accepted exchanges per fragment before the median rule applies",
-                            advanced=True)
-    guard_warmup_factor: float = opt(4.0, "warm-up limit: this many times the node's own scale "
-                                     "(RMS of p - theta_0, at least RMS of theta_0)",
-                                     advanced=True)
-    guard_hard_factor: float = opt(64.0, "refuse (and back off) a peer whose RMS distance "
-                                   "exceeds this many times the node's own scale",
-                                   advanced=True)
-    guard_max_clips: int = opt(8, "refuse (and back off) a peer clipped more than this many "
-                               "times in a row", advanced=True)
+    guard_hard_factor: float = opt(16.0, "refuse (and back off) a peer whose RMS distance "
+                                   "exceeds this many times this node's own drift (and twice "
+                                   "its own path, and guard_hard_base times the RMS of "
+                                   "theta_0)", advanced=True)
+    guard_hard_base: float = opt(4.0, "the hard limit is at least this many times the RMS of "
+                                 "theta_0", advanced=True)
+    guard_round_budget: float = opt(4.0, "all exchanges of a round together move this node by "
+                                    "at most this many own drifts", advanced=True)
+    guard_block_budget: float = opt(2.0, "exchanges with one address block (/24, /48) move this "
+                                    "node by at most this many own drifts per round",
+                                    advanced=True)
+    guard_trust_after: int = opt(8, "a key's weight ramps to full over its first this many "
+                                 "committed exchanges with this node", advanced=True)
     guard_min_z: float = opt(4.0, "reject a peer whose displacement from theta_0 has a cosine "
                              "below this / sqrt(fragment size) with this node's (<0: off)",
                              advanced=True)
@@ -131,10 +134,11 @@ class GossipConfig:
 
     def guard_rule(self) -> GuardRule:
         """The bounded-update guard's thresholds (factor 0: off)."""
-        return GuardRule(self.guard_factor, self.guard_window, self.guard_warmup,
-                         self.guard_warmup_factor, min_z=self.guard_min_z,
-                         min_cosine=self.guard_min_cosine, hard_factor=self.guard_hard_factor,
-                         max_clips=self.guard_max_clips)
+        return GuardRule(self.guard_factor, self.guard_hard_factor, self.guard_hard_base,
+                         self.guard_window,
+                         self.guard_round_budget, self.guard_block_budget,
+                         self.guard_trust_after, self.guard_min_z,
+                         self.guard_min_cosine)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -159,16 +163,19 @@ class GossipConfig:
               "must be >= 0 (0: no minimum)")
         need(self.transfer_grace_s >= 0, "transfer_grace_s", self.transfer_grace_s,
               "must be >= 0")
-        need(self.guard_factor == 0 or self.guard_factor >= 2, "guard_factor", self.guard_factor,
-             "must be 0 (off) or >= 2 (honest distances vary by about 2x)")
-        need(self.guard_window >= 1 and 0 <= self.guard_warmup <= self.guard_window,
-             "guard_warmup", self.guard_warmup, f"must be in [0, guard_window="
-             f"{self.guard_window}]")
-        need(self.guard_max_clips >= 0, "guard_max_clips", self.guard_max_clips, "must be >= 0")
-        need(self.guard_hard_factor > 0, "guard_hard_factor", self.guard_hard_factor,
+        need(self.guard_factor == 0 or self.guard_factor >= 1, "guard_factor", self.guard_factor,
+             "must be 0 (off) or >= 1 (honest peers are about one drift apart)")
+        need(self.guard_hard_factor >= self.guard_factor, "guard_hard_factor",
+             self.guard_hard_factor, "must be >= guard_factor")
+        need(self.guard_window >= 1, "guard_window", self.guard_window, "must be >= 1")
+        need(self.guard_hard_base >= 0, "guard_hard_base", self.guard_hard_base,
+             "must be >= 0")
+        need(self.guard_trust_after >= 1, "guard_trust_after", self.guard_trust_after,
+             "must be >= 1")
+        need(self.guard_round_budget > 0, "guard_round_budget", self.guard_round_budget,
              "must be > 0")
-        need(self.guard_warmup_factor > 0, "guard_warmup_factor", self.guard_warmup_factor,
-             "must be > 0")
+        need(0 < self.guard_block_budget <= self.guard_round_budget, "guard_block_budget",
+             self.guard_block_budget, "must be in (0, guard_round_budget]")
         need(-1 <= self.guard_min_cosine < 1, "guard_min_cosine", self.guard_min_cosine,
              "must be in [-1, 1) (-1: off)")
         need(math.isfinite(self.guard_min_z), "guard_min_z", self.guard_min_z,

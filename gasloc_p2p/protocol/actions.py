@@ -25,7 +25,8 @@ class Outcome:
     bytes_sent: int
     bytes_received: int
     numel: int  # elements of the fragment
-    clip: float = 1.0  # the guard's factor already in ``weight`` (below 1: clipped)
+    clip: float = 1.0  # the guard's factor already in ``weight`` (1: as is)
+    clipped: bool = False  # the distance was beyond the guard's soft limit
 
 
 @dataclass(frozen=True)

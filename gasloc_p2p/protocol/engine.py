@@ -43,7 +43,7 @@ from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.wire import payload_buffer
-from gasloc_p2p.protocol.guard import UpdateGuard
+from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
 
 ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
 ON_DEVICE_CHUNK = 1 << 26  # elements per chunk on an accelerator: launches and syncs stay few
@@ -63,7 +63,9 @@ class Prepared:
     encoded: Encoded  # views of payload (host)
     payload: bytearray | memoryview
     crc32: int
-    clip: float = 1.0  # the guard's factor on the weight, set by ``check`` (1: not clipped)
+    block: str = ""  # the peer's address block (protocol.guard.address_block)
+    clip: float = 1.0  # the guard's factor on the weight, set by ``check`` (1: as is)
+    ticket: Ticket | None = None  # the movement the guard reserved for this exchange
     # both payloads on the device, from the check to the commit (each uploaded once)
     on_device: tuple[Encoded, Encoded] | None = None
 
@@ -148,8 +150,10 @@ class ExchangeEngine:
             self.stream.synchronize()
 
     # ------------------------------------------------------------------ phases
-    def prepare(self, peer_id: str, fragment_index: int, spec: CodecSpec) -> Prepared:
-        """Snapshot the public iterate of one fragment and encode it into a fresh payload.
+    def prepare(self, peer_id: str, fragment_index: int, spec: CodecSpec,
+                block: str = "") -> Prepared:
+        """Snapshot the public iterate of one fragment and encode it into a fresh payload
+        (``block``: the peer's address block, for the guard).
 
         Under the training lock, per chunk: ``p`` into scratch (the anchor's chunk uploaded
         from host memory if the state keeps one there), the codec writing into the payload's
@@ -183,7 +187,7 @@ class ExchangeEngine:
         if not read([finite])[0]:
             raise NonFiniteError("this node's public iterate holds NaN or Inf (or values out of "
                                  f"{spec.name}'s range): nothing is sent")
-        return Prepared(peer_id, fragment, rounds0, encoded, payload, zlib.crc32(payload))
+        return Prepared(peer_id, fragment, rounds0, encoded, payload, zlib.crc32(payload), block)
 
     def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray | memoryview,
               crc32: int, prep: Prepared | None = None,
@@ -247,20 +251,22 @@ class ExchangeEngine:
 
     def _judge(self, prep: Prepared, dist2: float, mine2: float, theirs2: float,
                dot: float) -> float:
-        """The guard's verdict from the screen's sums (see :meth:`screen`)."""
+        """The guard's verdict from the screen's sums (see :meth:`screen`); reserves the
+        exchange's movement in ``prep.ticket``."""
         assert self.guard is not None
         fragment = prep.fragment
-        root_n = math.sqrt(max(fragment.numel, 1))
         if (mine2 > 0) != (theirs2 > 0):  # no refusal on record: the peer may retry
             raise ValueError("one side has not moved from theta_0 yet: the direction of the "
                              "update cannot be judged")
-        base2 = self._base2_of(fragment)
-        clip = self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
-                                 math.sqrt(max(mine2, base2)) / root_n, prep.peer_id)
         if mine2 > 0:  # both moved: compare directions
             self.guard.screen_direction(fragment.index,
                                         dot / (math.sqrt(mine2) * math.sqrt(theirs2)),
                                         fragment.numel)
+        root_n = math.sqrt(max(fragment.numel, 1))
+        self.release(prep)
+        clip, prep.ticket = self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
+                                              prep.peer_id, prep.block,
+                                              math.sqrt(self._base2_of(fragment)) / root_n)
         return clip
 
     def _base2_of(self, fragment: Fragment) -> float:
@@ -272,6 +278,12 @@ class ExchangeEngine:
                 total += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
             self._base2[fragment.index] = float(total)
         return self._base2[fragment.index]
+
+    def release(self, prep: Prepared) -> None:
+        """The exchange of ``prep`` will not commit: the guard gets its reservation back
+        (a no-op after the commit, or without a reservation)."""
+        if self.guard is not None and prep.ticket is not None:
+            self.guard.release(prep.ticket)
 
     def screen(self, prep: Prepared, received: Encoded) -> float:
         """ImplausibleUpdate if the two decoded messages (what each side will fold, computed
@@ -311,8 +323,6 @@ class ExchangeEngine:
                         self.state.add_chunk(start, c[o : o + length])
         prep.on_device = None
         self._done()  # the copies back to host-side targets (a host anchor) ran on our stream
-        norm = math.sqrt(read([square])[0])
-        if self.guard is not None and weight > 0 and prep.clip == 1.0:  # distance without w
-            self.guard.accept(fragment.index,
-                              norm / (weight * math.sqrt(max(fragment.numel, 1))))
-        return norm
+        if self.guard is not None and prep.ticket is not None:
+            self.guard.committed(prep.ticket)
+        return math.sqrt(read([square])[0])

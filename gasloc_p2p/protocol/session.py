@@ -51,7 +51,7 @@ from gasloc_p2p.protocol.actions import (
 )
 from gasloc_p2p.protocol.auth import new_nonce
 from gasloc_p2p.protocol.engine import ExchangeEngine, Prepared
-from gasloc_p2p.protocol.guard import ImplausibleUpdate
+from gasloc_p2p.protocol.guard import ImplausibleUpdate, NotNow
 from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
     BUSY,
@@ -262,11 +262,18 @@ class ExchangeSession:
         ready = pb.ExchangeMsg(ready=pb.Ready(rounds_since_snapshot=self._my_rounds))
         return [Send(ready), *self._maybe_flush()]
 
+    @property
+    def prep(self) -> Prepared | None:
+        """This side's half once prepared (the guard's reservation rides on it)."""
+        return self._prep
+
     def check_failed(self, exc: Exception) -> list[Action]:
         """Abort (before Ready, so the peer cannot commit either): a bad or implausible
         payload."""
         if isinstance(exc, ImplausibleUpdate):
             raise ImplausiblePayload(str(exc))
+        if isinstance(exc, NotNow):  # our state, not the peer's payload: it may come back
+            raise ExchangeError(BUSY, str(exc))
         raise ProtocolError(f"bad payload: {exc}")
 
     def payload_sent(self) -> list[Action]:
@@ -291,7 +298,7 @@ class ExchangeSession:
         return [Done(Outcome(prep.peer_id, prep.fragment.index, self._staleness,
                              self.rules.weight(self._staleness) * prep.clip, correction_norm,
                              len(prep.payload), self._received.nbytes, prep.fragment.numel,
-                             prep.clip))]
+                             prep.clip, prep.ticket is not None and prep.ticket.clipped))]
 
     def fail(self, exc: BaseException, transport_lost: bool = False) -> list[Action]:
         """The exchange failed with ``exc`` (nothing applied): what to tell the peer.

@@ -28,6 +28,7 @@ import grpc
 import torch
 
 from gasloc_p2p.core.async_state import MAX_STALENESS, AsyncConfig
+from gasloc_p2p.core.drift import DriftProbe
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig, NodeConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.node.modes.base import Mode, ModeContext, ModeTask
@@ -231,7 +232,8 @@ class GossipLoop:
         await connect(channel, peer.endpoint, self.net.connect_timeout_s)
         deadline = self.cfg.exchange_timeout_s + self.cfg.commit_timeout_s
         return await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
-                                             peer.peer_id, fragment)
+                                             peer.peer_id, fragment,
+                                             peer.endpoint.rsplit(":", 1)[0])
 
     def _failed(self, peer: PeerInfo, exc: BaseException) -> None:
         self.exchanger.stats.failed += 1
@@ -290,6 +292,9 @@ class GossipMode(Mode):
         self._exchanger = GossipTransport(ctx.me, engine, cfg.gossip, cfg.outer.async_config(),
                                     stats=ctx.exchange_stats)
         trainer.exchange_work = ctx.exchange_stats  # quiet steps, for the utilization
+        if engine.guard is not None:  # the guard's unit: this node's own drift per round
+            trainer.probe = DriftProbe(trainer.state.theta, trainer.fragments)
+            trainer.on_drift = engine.guard.round_end
         self.book = PeerBook(ctx.me.peer_id, ctx.clock)
         self.book.update(ctx.peers())
         self.loop = GossipLoop(self._exchanger, self.book, ctx.channels, cfg.gossip, cfg.network,
@@ -342,7 +347,15 @@ class GossipMode(Mode):
         stale = sum(n for k, n in x.staleness.items() if k > MAX_STALENESS)
         return (f"exchanges ok {x.ok} (init {x.ok_initiator} resp {x.ok_responder}) failed "
                 f"{x.failed} busy {x.busy} stale {stale} | sent {x.bytes_sent / 1e6:.2f} MB "
-                f"recv {x.bytes_received / 1e6:.2f} MB | util {x.utilization:.3f}")
+                f"recv {x.bytes_received / 1e6:.2f} MB | util {x.utilization:.3f}{self._guard()}")
+
+    def _guard(self) -> str:
+        """The guard's unit (this node's own drift per round) and the share of this round's
+        movement budget spent, on fragment 0."""
+        guard = self._exchanger.engine.guard if self._exchanger is not None else None
+        if guard is None:
+            return ""
+        return f" | guard drift {guard.drift(0):.4g} spent {guard.spent(0):.2f}"
 
     async def stop(self) -> None:
         if self._exchanger is not None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState, host_buffer, spans
+from gasloc_p2p.core.drift import DriftProbe
 from gasloc_p2p.core.flat import FlatParams, Fragment, layer_fragments, whole
 from gasloc_p2p.data import BPETokenizer, TrainingData, load_training_data
 from gasloc_p2p.model import layer_index
@@ -37,6 +38,7 @@ from gasloc_p2p.model_spec import BuiltModel, build
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
+from gasloc_p2p.protocol.guard import LossWatch
 from gasloc_p2p.train import (
     AdamWConfig,
     InnerLoop,
@@ -154,6 +156,10 @@ class Trainer:
         self.finished = threading.Event()
         self.round_end = round_end
         self.round_end_every_step = False  # a mode's callback after every step (DiLoCo)
+        # the gossip mode's measure of this node's own drift, and who learns it per round
+        self.probe: DriftProbe | None = None
+        self.on_drift: Callable[[dict[int, float]], None] | None = None
+        self.losses = LossWatch()  # a finite loss jump rolls back like NaN
         # the last round end reached with finite values: (theta, memory) in host memory
         self._good: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._late: tuple[torch.Tensor, int] | None = None  # CUDA: (loss, tokens) to read
@@ -246,15 +252,21 @@ class Trainer:
         before = (work.work_started, work.work_active) if work is not None else None
         t0 = time.perf_counter()
         with self.lock.step():
+            if self.probe is not None:
+                self.probe.before_step()
             loss = self.inner.step(x, y, st.step)
+            if self.probe is not None:
+                self.probe.after_step()
             st.step += 1
             self._mark = mark
             round_end = st.step % cfg.inner_steps == 0
             if round_end and self.round_end is None:
                 self.state.round_end()
                 st.rounds = self.state.rounds
+        if round_end and self.probe is not None and self.on_drift is not None:
+            self.on_drift(self.probe.round_end())
         value = self._read_loss(loss.detach(), y.numel())
-        if not math.isfinite(value):
+        if self.losses.implausible(value):
             self._roll_back(value)
             return value
         dt = time.perf_counter() - t0
@@ -299,8 +311,9 @@ class Trainer:
             _copy(self._good[1], st.memory)
 
     def _roll_back(self, loss: float) -> None:
-        """A non-finite loss: back to the last good anchor with fresh AdamW moments, at most
-        ``max_rollbacks`` times (then FloatingPointError: the node stops)."""
+        """A non-finite loss, or one far above the recent ones (:class:`LossWatch`): back to
+        the last good anchor with fresh AdamW moments, at most ``max_rollbacks`` times (then
+        FloatingPointError: the node stops)."""
         st = self.stats
         if self._good is None or st.rollbacks >= self.cfg.max_rollbacks:
             raise FloatingPointError(f"training diverged: loss {loss} at step {st.step} "
@@ -315,8 +328,9 @@ class Trainer:
             self.optimizer.state.clear()  # the moments may hold NaN too
             self._late = None
         st.rollbacks += 1
-        log.warning("loss %s at step %d: rolled back to the last good anchor (rollback %d of "
-                    "at most %d)", loss, st.step, st.rollbacks, self.cfg.max_rollbacks)
+        log.warning("loss %s at step %d (limit %.4g): rolled back to the last good anchor "
+                    "(rollback %d of at most %d)", loss, st.step, self.losses.limit(),
+                    st.rollbacks, self.cfg.max_rollbacks)
 
     def _evaluate(self) -> None:
         with self.inner.autocast():

@@ -44,7 +44,7 @@ from gasloc_p2p.protocol.actions import (
     SendPayload,
 )
 from gasloc_p2p.protocol.engine import ExchangeEngine
-from gasloc_p2p.protocol.guard import UpdateGuard
+from gasloc_p2p.protocol.guard import UpdateGuard, address_block
 from gasloc_p2p.protocol.messages import (
     BUSY,
     MAX_CHUNK_BYTES,
@@ -67,6 +67,15 @@ T = TypeVar("T")
 _MAX_PENALIZED = 1024  # peers remembered as penalized (bounded memory)
 
 
+def remote_address(context: Any) -> str:
+    """The caller's IP address (gRPC's ``ipv4:1.2.3.4:5678`` without the port)."""
+    try:
+        peer = str(context.peer())
+    except Exception:  # noqa: BLE001 - a test double or a closed call
+        return "?"
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
 class GossipTransport:
     """Runs exchanges of one node; owns admission (in-flight peers, inbound limit) and stats."""
 
@@ -83,10 +92,26 @@ class GossipTransport:
         self.inbound = 0
         self.accepting = True
         self._guards: dict[int, RateGuard] = {}  # minimum-rate state of the running sessions
-        engine.guard = UpdateGuard(gossip.guard_rule()) if gossip.guard_factor > 0 else None
+        engine.guard = (UpdateGuard(gossip.guard_rule(), outer.w) if gossip.guard_factor > 0
+                        else None)
         self._penalized: dict[str, float] = {}  # peer -> monotonic time its penalty ends
+        # address block -> end of its penalty for keys without full trust here (a refused
+        # peer's next fresh identity from the same block is not a stranger)
+        self._penalized_blocks: dict[str, float] = {}
         # called with every committed exchange and its wall time, either role
         self.on_commit: Callable[[Outcome, float], None] | None = None
+
+    def block_penalized(self, peer_id: str, block: str) -> bool:
+        """Whether ``peer_id`` from ``block`` is refused: a key without full trust here from
+        a block whose peer sent an implausible update lately."""
+        until = self._penalized_blocks.get(block)
+        if until is None:
+            return False
+        if until <= time.monotonic():
+            del self._penalized_blocks[block]
+            return False
+        guard = self.engine.guard
+        return guard is None or not guard.trusted(peer_id)
 
     def penalized(self) -> list[str]:
         """Peers left alone (both directions) after an implausible update."""
@@ -95,12 +120,15 @@ class GossipTransport:
             del self._penalized[peer]
         return list(self._penalized)
 
-    def _implausible(self, peer_id: str, exc: BaseException) -> None:
-        """Our guard rejected ``peer_id``'s update: back it off in both directions."""
+    def _implausible(self, peer_id: str, block: str, exc: BaseException) -> None:
+        """Our guard rejected ``peer_id``'s update: back it off in both directions, and its
+        address block's keys that have not earned full trust here."""
         self.stats.implausible += 1
-        if len(self._penalized) >= _MAX_PENALIZED:  # bounded: forget the oldest
-            self._penalized.pop(next(iter(self._penalized)))
-        self._penalized[peer_id] = time.monotonic() + self.cfg.guard_backoff_s
+        until = time.monotonic() + self.cfg.guard_backoff_s
+        for table, who in ((self._penalized, peer_id), (self._penalized_blocks, block)):
+            if len(table) >= _MAX_PENALIZED:  # bounded: forget the oldest
+                table.pop(next(iter(table)))
+            table[who] = until
         log.warning("peer %s sent an implausible update (%s); leaving it alone for %g s",
                     safe(peer_id), exc, self.cfg.guard_backoff_s)
 
@@ -116,30 +144,37 @@ class GossipTransport:
             gossip.header_timeout_s, gossip.chunk_timeout_s, gossip.commit_timeout_s))
 
     # ----------------------------------------------------------------- initiator
-    async def initiate(self, open_call: CallFactory, peer_id: str, fragment_index: int) -> Outcome:
-        """One exchange with ``peer_id`` as initiator; raises :class:`ExchangeError` (or
-        ``TimeoutError``/``grpc.RpcError``) on failure, with nothing applied."""
+    async def initiate(self, open_call: CallFactory, peer_id: str, fragment_index: int,
+                       host: str = "") -> Outcome:
+        """One exchange with ``peer_id`` (at ``host``) as initiator; raises
+        :class:`ExchangeError` (or ``TimeoutError``/``grpc.RpcError``) on failure, with
+        nothing applied."""
         if peer_id in self.inflight:
             raise ExchangeError(BUSY, f"already exchanging with {peer_id}")
+        block = address_block(host)
+        if self.block_penalized(peer_id, block):
+            raise ExchangeError(BUSY, f"{block} is backed off")
         self.inflight.add(peer_id)
         try:
-            return await self._initiate(open_call, peer_id, fragment_index)
+            return await self._initiate(open_call, peer_id, fragment_index, block)
         finally:
             self.inflight.discard(peer_id)
 
-    async def _initiate(self, open_call: CallFactory, peer_id: str, fragment: int) -> Outcome:
+    async def _initiate(self, open_call: CallFactory, peer_id: str, fragment: int,
+                        block: str) -> Outcome:
         started = time.monotonic()
         session = ExchangeSession.initiator(self.rules, self.engine, peer_id, fragment)
         (prepare,) = session.start()
         assert isinstance(prepare, Prepare)
-        first = session.prepared(await self._prepare(prepare))
+        first = session.prepared(await self._prepare(prepare, block))
         call = open_call()
         try:
             async with asyncio.timeout(self.cfg.exchange_timeout_s):
-                apply = await self._pump(call, session, first)
+                apply = await self._pump(call, session, first, block)
         except BaseException as exc:
+            self._release(session)
             if isinstance(exc, ImplausiblePayload):
-                self._implausible(peer_id, exc)
+                self._implausible(peer_id, block, exc)
             lost = isinstance(exc, grpc.RpcError | asyncio.CancelledError)
             for act in session.fail(exc, transport_lost=lost):
                 await self._try_write(call, _message(act))
@@ -165,6 +200,7 @@ class GossipTransport:
     async def respond(self, stream: MessageStream) -> None:
         """Serve one inbound exchange on ``stream``; never raises for peer errors."""
         session = ExchangeSession.responder(self.rules, self.engine)
+        block = address_block(remote_address(stream))
         try:
             actions = session.receive(await self._read(stream, session))
         except (ExchangeError, TimeoutError) as exc:
@@ -173,7 +209,8 @@ class GossipTransport:
         if actions and isinstance(actions[0], Admit):
             peer = actions[0].peer_id
             if (not self.accepting or self.inbound >= self.cfg.max_inbound
-                    or peer in self.inflight or peer in self.penalized()):
+                    or peer in self.inflight or peer in self.penalized()
+                    or self.block_penalized(peer, block)):
                 actions = session.refused()
         if session.stage is Stage.REJECTED:
             self.stats.rejected_inbound += 1
@@ -183,15 +220,17 @@ class GossipTransport:
         self.inflight.add(session.peer_id)
         self.inbound += 1
         try:
-            await self._respond(stream, session)
+            await self._respond(stream, session, block)
         except asyncio.CancelledError as exc:  # the initiator vanished, or we are stopping
+            self._release(session)
             session.fail(exc, transport_lost=True)
             self._fail("inbound-cancelled", exc)
             raise
         except Exception as exc:  # peer errors, timeouts, our own failures: nothing applied
+            self._release(session)
             self._fail("inbound", exc)
             if isinstance(exc, ImplausiblePayload):
-                self._implausible(session.peer_id, exc)
+                self._implausible(session.peer_id, block, exc)
             if not isinstance(exc, ExchangeError | TimeoutError | grpc.RpcError):
                 log.warning("inbound exchange from %s failed on this side: %r",
                             safe(session.peer_id), exc)
@@ -201,16 +240,22 @@ class GossipTransport:
             self.inbound -= 1
             self.inflight.discard(session.peer_id)
 
-    async def _respond(self, stream: MessageStream, session: ExchangeSession) -> None:
+    def _release(self, session: ExchangeSession) -> None:
+        """A failed exchange: the guard's reservation for it returns to the budget."""
+        if session.prep is not None:
+            self.engine.release(session.prep)
+
+    async def _respond(self, stream: MessageStream, session: ExchangeSession,
+                       block: str) -> None:
         started = time.monotonic()
         async with asyncio.timeout(self.cfg.exchange_timeout_s):
-            apply = await self._pump(stream, session, session.admitted())
+            apply = await self._pump(stream, session, session.admitted(), block)
         outcome = await self._apply(session, apply)
         self._record(False, outcome, started)
 
     # ----------------------------------------------------------------- the pump
     async def _pump(self, stream: MessageStream, session: ExchangeSession,
-                    actions: list[Action]) -> Apply:
+                    actions: list[Action], block: str) -> Apply:
         """Run the session's actions and feed it the stream's messages until it decides to
         apply; our payload goes out concurrently, one writer at a time."""
         write_lock = asyncio.Lock()
@@ -222,7 +267,8 @@ class GossipTransport:
 
         todo: deque[Action] = deque(actions)
         try:
-            return await self._pump_loop(stream, session, todo, write, lambda t: tasks.append(t))
+            return await self._pump_loop(stream, session, todo, write,
+                                         lambda t: tasks.append(t), block)
         finally:
             self._guards.pop(id(session), None)
             for sender in tasks:
@@ -232,7 +278,7 @@ class GossipTransport:
 
     async def _pump_loop(self, stream: MessageStream, session: ExchangeSession,
                          todo: deque[Action], write: Write,
-                         started: Callable[[asyncio.Task[None]], None]) -> Apply:
+                         started: Callable[[asyncio.Task[None]], None], block: str) -> Apply:
         """The body of :meth:`_pump`; ``started`` learns the payload sender task."""
         sender: asyncio.Task[None] | None = None
         while True:
@@ -249,19 +295,20 @@ class GossipTransport:
                     await asyncio.wait_for(sender, act.timeout_s)
                     todo.extend(session.payload_sent())
                 else:
-                    todo.extend(await self._run(act, session, write))
+                    todo.extend(await self._run(act, session, write, block))
             msg = await self._read(stream, session)
             todo.extend(session.receive(msg))
             if msg.WhichOneof("kind") == "chunk":
                 self.stats.add_received(session.peer_codec, len(msg.chunk.data))
 
-    async def _run(self, act: Action, session: ExchangeSession, write: Write) -> list[Action]:
+    async def _run(self, act: Action, session: ExchangeSession, write: Write,
+                   block: str) -> list[Action]:
         """One action that yields the session's next actions (never Apply/payload ones)."""
         if isinstance(act, Send):
             await write(act.msg)
             return []
         if isinstance(act, Prepare):
-            return session.prepared(await self._prepare(act))
+            return session.prepared(await self._prepare(act, block))
         if isinstance(act, Check):
             try:
                 received = await self._work(self.engine.check, act.codec, act.numel,
@@ -271,8 +318,9 @@ class GossipTransport:
             return session.checked(received)
         raise AssertionError(f"unexpected action {act!r}")
 
-    async def _prepare(self, act: Prepare) -> Any:
-        return await self._work(self.engine.prepare, act.peer_id, act.fragment, act.codec)
+    async def _prepare(self, act: Prepare, block: str) -> Any:
+        return await self._work(self.engine.prepare, act.peer_id, act.fragment, act.codec,
+                                block)
 
     async def _work(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread, marked as exchange work for the trainer's timing
@@ -340,7 +388,7 @@ class GossipTransport:
             st.ok_responder += 1
         st.staleness[outcome.staleness] += 1
         st.last_correction_norm = outcome.correction_norm
-        if outcome.clip < 1.0:
+        if outcome.clipped:
             st.clipped += 1
             log.info("exchange %s %s clipped: its distance exceeds this node's soft limit, "
                      "weight x%.3g", "to" if initiator else "from", safe(outcome.peer_id[:12]),

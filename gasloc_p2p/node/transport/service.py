@@ -22,7 +22,7 @@ import torch
 
 from gasloc_p2p import __version__
 from gasloc_p2p.node.config import NetworkConfig
-from gasloc_p2p.node.transport.exchange import GossipTransport
+from gasloc_p2p.node.transport.exchange import GossipTransport, remote_address
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
@@ -149,15 +149,6 @@ class ServeLimits:
     max_streams_per_address: int = 3
     max_downloads: int = 2
     auth_skew_s: float = 120.0
-
-
-def remote_address(context: Any) -> str:
-    """The caller's IP address (gRPC's ``ipv4:1.2.3.4:5678`` without the port)."""
-    try:
-        peer = str(context.peer())
-    except Exception:  # noqa: BLE001 - a test double or a closed call
-        return "?"
-    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
 class GossipServicer(pb_grpc.GossipServicer):
