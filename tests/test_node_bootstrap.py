@@ -9,6 +9,7 @@ from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.node.runtime import bootstrap
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.guard import LossWatch
 from tests.daemon_helpers import tiny_config
 from tests.node_helpers import run, wait_until
 
@@ -48,6 +49,7 @@ def test_a_joining_node_ignores_a_poisoned_donor_with_a_huge_step(corpus):
             await wait_until(lambda: min(a.stats.ok, b.stats.ok) >= 6 and evil.peers,
                              timeout_s=90, what="a and b in consensus")
             st, t0 = evil.trainer.state, evil.trainer.theta0
+            evil.trainer.losses = LossWatch(jump=0)  # it would roll its own poison back
             with evil.lock.urgent():
                 st.theta.copy_(t0 + 50 * torch.randn(t0.shape))  # eta 1: p is theta
             evil.train_stats.step = 10**9  # announced at its next announcement
