@@ -31,7 +31,6 @@ import resource
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Callable
 
 import torch
@@ -40,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import whole
+from gasloc_p2p.core.wire import payload_digest
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
 
@@ -100,14 +100,14 @@ class PassCounter(TorchDispatchMode):
 
 
 def count_passes(engine: ExchangeEngine, spec: CodecSpec, numel: int, raw: bytearray,
-                 crc: int) -> dict[str, float]:
+                 digest: bytes) -> dict[str, float]:
     """Full-size passes of one exchange per phase (and, for the report, per kernel)."""
     result: dict[str, float] = {}
     with PassCounter() as c:
         prep = engine.prepare("peer0", 0, spec)
     result["prepare_passes"], ops = c.elems / numel, dict(c.by_op)
     with PassCounter() as c:
-        received = engine.check(spec, numel, raw, crc, prep)
+        received = engine.check(spec, numel, raw, digest, prep)
     result["check_passes"], checks = c.elems / numel, dict(c.by_op)
     with PassCounter() as c:
         engine.commit(prep, received, 0.5)
@@ -145,16 +145,16 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
     peer_payload = spec.codec().encode(peer)
     del drift, peer
     raw = bytearray(peer_payload.to_bytes())  # the peer's payload, as the session's buffer
-    crc = zlib.crc32(raw)
+    digest = payload_digest(raw)
     del peer_payload
     prep = engine.prepare("warm-up", 0, spec)
-    engine.commit(prep, engine.check(spec, numel, raw, crc, prep),
+    engine.commit(prep, engine.check(spec, numel, raw, digest, prep),
                   0.5)  # page in torch's kernels: a fixed ~20 MB of code, not the algorithm's
     del prep
     reset_peak()  # from here: the node's state plus what exchanges allocate
     for k in range(peers):  # memory: one exchange with each peer
         prep = engine.prepare(f"peer{k}", 0, spec)
-        engine.commit(prep, engine.check(spec, numel, raw, crc, prep), 0.5)
+        engine.commit(prep, engine.check(spec, numel, raw, digest, prep), 0.5)
         del prep  # as the session drops it: never two of our payloads at once
     peak = peak_bytes()
     model_bytes = numel * 4
@@ -168,7 +168,7 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
         t0 = time.perf_counter()
         prep = engine.prepare(f"peer{k % peers}", 0, spec)
         t1 = time.perf_counter()
-        received = engine.check(spec, numel, raw, crc, prep)
+        received = engine.check(spec, numel, raw, digest, prep)
         t2 = time.perf_counter()
         engine.commit(prep, received, 0.5)
         t3 = time.perf_counter()
@@ -182,7 +182,7 @@ def child(numel: int, scheme: str, peers: int, codec: str, device: str) -> dict[
            "copy_s": copy_s, "clone_s": clone_s}
     for name, ts in times.items():
         out[f"{name}_s"] = min(ts)
-    out.update(count_passes(engine, spec, numel, raw, crc))
+    out.update(count_passes(engine, spec, numel, raw, digest))
     return out
 
 

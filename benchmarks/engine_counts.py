@@ -93,8 +93,8 @@ def count_exchange(numel: int, chunk: int, spec: str = "int8") -> dict[str, int]
     counter = Counter()
     with device_passes(chunk > ON_CPU_CHUNK), counter:
         pa, pb = a.prepare("B", 0, codec), b.prepare("A", 0, codec)
-        ra = b.check(codec, numel, bytearray(pa.payload), pa.crc32, pb)
-        rb = a.check(codec, numel, bytearray(pb.payload), pb.crc32, pa)
+        ra = b.check(codec, numel, bytearray(pa.payload), pa.digest, pb)
+        rb = a.check(codec, numel, bytearray(pb.payload), pb.digest, pa)
         a.commit(pa, rb, 0.5)
         b.commit(pb, ra, 0.5)
     return {"ops": counter.ops, "syncs": counter.syncs}

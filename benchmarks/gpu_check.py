@@ -119,7 +119,7 @@ def exchange_once(node: Any) -> None:
     engine = ExchangeEngine(node.state, node.theta0, node.fragments, node.lock)
     peer = engine.prepare("peer", 0, spec)
     mine = engine.prepare("me", 0, spec)
-    got = engine.check(spec, node.flat.numel, peer.payload, peer.crc32, mine)
+    got = engine.check(spec, node.flat.numel, peer.payload, peer.digest, mine)
     engine.commit(mine, got, 0.5)
 
 
@@ -177,7 +177,7 @@ def part_throughput(paths: dict[str, Path]) -> list[dict[str, Any]]:
     peer = engine.prepare("peer", 0, spec)
     received = engine.payload_buffer(len(peer.payload))  # as the session receives it
     received[:] = peer.payload
-    crc = peer.crc32
+    digest = peer.digest
     for _ in range(5):
         node.step()
 
@@ -194,7 +194,7 @@ def part_throughput(paths: dict[str, Path]) -> list[dict[str, Any]]:
                     continue
                 last = node.stats.step
                 prep = engine.prepare("peer", 0, spec)
-                got = engine.check(spec, node.flat.numel, received, crc, prep, crc)
+                got = engine.check(spec, node.flat.numel, received, digest, prep, digest)
                 engine.commit(prep, got, 0.0)  # weight 0: the parameters stay as they are
                 done[0] += 1
 
@@ -416,7 +416,7 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
                          f"fp32 model | {r['kernels_s'] * 1e3:.2f} ms / {r['copy_s'] * 1e3:.2f} "
                          f"ms = {r['kernel_ratio']:.1f}x (wall {r['exchange_s'] * 1e3:.0f} ms: "
                          f"PCIe copies {r['copies_s'] * 1e3:.0f} ms, CRC32 of our payload "
-                         f"{r['crc_s'] * 1e3:.0f} ms) | <= 5x |")
+                         f"{r['digest_s'] * 1e3:.0f} ms) | <= 5x |")
         elif r["part"] == "nodes":
             lines.append(f"| two `gasloc-node join` on one GPU, 135M bf16, steps {r['steps']} | "
                          f"exit {r['exit_codes']}, exchanges {r['exchanges']}, tokens/s "

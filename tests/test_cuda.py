@@ -97,7 +97,7 @@ def peer_payload(node: Trainer) -> tuple[bytes, int]:
     peer = ExchangeEngine(AsyncGaslocState(theta, theta, AsyncConfig()), node.theta0,
                           [whole(node.flat.numel)], NoLock())
     prep = peer.prepare("me", 0, SPEC)
-    return bytes(prep.payload), prep.crc32
+    return bytes(prep.payload), prep.digest
 
 
 @contextlib.contextmanager
@@ -124,7 +124,7 @@ def test_an_exchange_committed_while_training_runs_equals_the_serial_sequence(co
     steps = 12
     with deterministic():
         live = trainer(corpus)
-        payload, crc = peer_payload(live)
+        payload, digest = peer_payload(live)
         lock = RecordingLock(live)
         engine = ExchangeEngine(live.state, live.theta0, live.fragments, lock)
         done = threading.Event()
@@ -140,7 +140,7 @@ def test_an_exchange_committed_while_training_runs_equals_the_serial_sequence(co
         while live.stats.step < 2 and time.monotonic() < deadline:
             time.sleep(0.001)
         prep = engine.prepare("peer", 0, SPEC)
-        got = engine.check(SPEC, live.flat.numel, bytearray(payload), crc, prep)
+        got = engine.check(SPEC, live.flat.numel, bytearray(payload), digest, prep)
         engine.commit(prep, got, 0.5)
         worker.join(timeout=300)
         assert done.is_set()
@@ -155,7 +155,7 @@ def test_an_exchange_committed_while_training_runs_equals_the_serial_sequence(co
         prep = engine.prepare("peer", 0, SPEC)
         while serial.stats.step < at[1]:
             serial.step()
-        engine.commit(prep, engine.check(SPEC, serial.flat.numel, bytearray(payload), crc,
+        engine.commit(prep, engine.check(SPEC, serial.flat.numel, bytearray(payload), digest,
                                          prep), 0.5)
         while serial.stats.step < steps:
             serial.step()

@@ -51,8 +51,8 @@ def _exchanges(engines: list[ExchangeEngine], spec: CodecSpec,
         a = engines[0].prepare("B", 0, spec)
         b = engines[1].prepare("A", 0, spec)
         sent += [bytes(a.payload), bytes(b.payload)]
-        got_b = engines[0].check(spec, NUMEL, bytearray(b.payload), b.crc32, a)
-        got_a = engines[1].check(spec, NUMEL, bytearray(a.payload), a.crc32, b)
+        got_b = engines[0].check(spec, NUMEL, bytearray(b.payload), b.digest, a)
+        got_a = engines[1].check(spec, NUMEL, bytearray(a.payload), a.digest, b)
         norms = engines[0].commit(a, got_b, 0.5), engines[1].commit(b, got_a, 0.5)
         assert norms[0] == norms[1] > 0  # c_i = -c_j bit for bit
     states = [t.cpu() for e in engines for t in (e.state.theta, e.state.anchor)

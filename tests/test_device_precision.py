@@ -113,8 +113,8 @@ def test_two_node_exchange_on_device_is_antisymmetric(device):
     before = [s.theta.clone() for s in states]
     a = engines[0].prepare("B", 0, spec)
     b = engines[1].prepare("A", 0, spec)
-    got_b = engines[0].check(spec, b.encoded.numel, b.payload, b.crc32)
-    got_a = engines[1].check(spec, a.encoded.numel, a.payload, a.crc32)
+    got_b = engines[0].check(spec, b.encoded.numel, b.payload, b.digest)
+    got_a = engines[1].check(spec, a.encoded.numel, a.payload, a.digest)
     norms = engines[0].commit(a, got_b, 0.5), engines[1].commit(b, got_a, 0.5)
     assert norms[0] == norms[1] > 0  # c_i = -c_j, bit for bit
     da, db = states[0].theta - before[0], states[1].theta - before[1]

@@ -60,7 +60,7 @@ def test_downloads_share_one_snapshot_stream_in_chunks_and_stop_at_the_limit() -
             # really stays open on the server (loopback would otherwise take it all at once)
             slow = grpc.aio.insecure_channel(endpoint, options=[("grpc.http2.bdp_probe", 0)])
             held = [pb_grpc.GossipStub(slow).DownloadState(
-                state_request(RUN, FINGERPRINT, ME.signer), timeout=scaled(20))
+                state_request(RUN, FINGERPRINT, ME.signer, "donor"), timeout=scaled(20))
                     for _ in range(2)]
             for call in held:  # both admitted and holding the stream open
                 assert (await call.read()).WhichOneof("kind") == "meta"
@@ -102,6 +102,54 @@ def test_concurrent_downloads_are_exact_or_busy() -> None:
                 assert torch.equal(memory, state().memory)
             assert servicer.downloads.active == 0
             assert servicer.downloads.taken <= len(ok)
+        finally:
+            await channels.close()
+            await server.stop(0)
+
+    run(main())
+
+
+def test_a_recorded_state_request_replayed_gets_nothing_from_any_node() -> None:
+    """A DownloadState request is signed for one node (its peer id) with a fresh nonce: sent
+    again to that node, or to another node of the swarm, it is refused (an on-path observer
+    without a key got the full state back before protocol 6)."""
+    async def main() -> None:
+        donor = await serve(limit=2)
+        other = await serve(limit=2)  # another node of the same swarm
+        other[1].me = Identity(RUN, FINGERPRINT, "other")
+        try:
+            recorded = state_request(RUN, FINGERPRINT, ME.signer, "donor")
+
+            async def send(endpoint: str) -> str:
+                call = donor[3].stub(endpoint).DownloadState(recorded, timeout=scaled(10))
+                first = await call.read()
+                call.cancel()
+                kind = first.WhichOneof("kind")
+                return kind if kind != "reject" else f"reject: {first.reject.message}"
+
+            assert await send(donor[2]) == "meta"  # the original: served
+            assert await send(donor[2]) == "reject: replayed request"
+            assert await send(other[2]) == "reject: request for another node"
+            fresh = await download_state(donor[3].stub(other[2]), ME, scaled(10))
+            assert torch.equal(fresh[1], state().params)  # a fresh request is served
+        finally:
+            for server, _, _, channels in (donor, other):
+                await channels.close()
+                await server.stop(0)
+
+    run(main())
+
+
+def test_a_state_announced_for_another_model_size_is_refused_before_any_byte() -> None:
+    async def main() -> None:
+        server, servicer, endpoint, channels = await serve(limit=2)
+        try:
+            with pytest.raises(ExchangeError, match="announced"):
+                await download_state(channels.stub(endpoint), ME, scaled(10), numel=NUMEL - 1)
+            assert servicer.downloads.taken == 1  # it was served: the joiner refused the meta
+            meta, params, _ = await download_state(channels.stub(endpoint), ME, scaled(10),
+                                                   numel=NUMEL)
+            assert params.numel() == NUMEL
         finally:
             await channels.close()
             await server.stop(0)

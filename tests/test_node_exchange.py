@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import zlib
 
 import grpc
 import pytest
 import torch
 
 from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.wire import payload_digest
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import new_nonce
@@ -153,7 +153,7 @@ def test_misbehaving_initiator_changes_nothing_and_server_keeps_serving(how):
             if how == "garbage":  # right length, wrong bytes: the CRC catches it
                 payload = bytes(len(payload))
             elif how == "too-long":
-                header.header.payload_crc32 = zlib.crc32(payload)
+                header.header.payload_digest = payload_digest(payload)
                 payload = payload + b"\x00" * 10
             wide = _wide_channel(b) if how == "huge-message" else None
             call = pb_grpc.GossipStub(wide).Exchange() if wide else a.open_call(b)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 
 import pytest
 import torch
@@ -161,24 +162,61 @@ def test_fuzzed_messages_raise_protocol_errors_and_change_nothing():
     assert math.isfinite(float(eb.state.theta.sum()))
 
 
-def test_a_byte_changed_in_transit_fails_the_crc_and_changes_nothing(monkeypatch):
-    """The receiver checksums each chunk as it arrives (not the whole payload again after):
-    one flipped byte in the first chunk sent fails the exchange before anything commits."""
+def keep_crc32(data: bytes, at: int, target: int) -> bytes:
+    """``data`` with the 4 bytes at ``at`` re-chosen so its CRC32 is ``target``'s: CRC32 is
+    affine over GF(2), so the 32 bits that cancel a change solve a 32 x 32 linear system (what
+    an on-path proxy without any key did to the CRC-only protocol)."""
+    base = bytearray(data)
+    base[at:at + 4] = bytes(4)
+    want = zlib.crc32(base) ^ target
+    cols = []
+    for bit in range(32):  # the CRC change of each bit of the 4 bytes
+        probe = bytearray(base)
+        probe[at + bit // 8] ^= 1 << (bit % 8)
+        cols.append(zlib.crc32(probe) ^ zlib.crc32(base))
+    rows = [(cols[b], 1 << b) for b in range(32)]  # Gaussian elimination over GF(2)
+    basis: dict[int, tuple[int, int]] = {}
+    for value, combo in rows:
+        for top in sorted(basis, reverse=True):
+            if value >> top & 1:
+                value, combo = value ^ basis[top][0], combo ^ basis[top][1]
+        if value:
+            basis[value.bit_length() - 1] = (value, combo)
+    pick = 0
+    for top in sorted(basis, reverse=True):
+        if want >> top & 1:
+            want, pick = want ^ basis[top][0], pick ^ basis[top][1]
+    assert want == 0
+    base[at:at + 4] = pick.to_bytes(4, "little")
+    return bytes(base)
+
+
+@pytest.mark.parametrize("keep_the_crc", [False, True])
+def test_a_payload_changed_in_transit_fails_its_signed_digest(monkeypatch, keep_the_crc):
+    """The receiver hashes each chunk as it arrives (not the whole payload again after) and
+    compares with the SHA-256 in the sender's signed Header: one flipped byte fails the
+    exchange before anything commits, and so do 4 KB changed with the CRC32 kept."""
     from gasloc_p2p.protocol import memory
 
     a, b = node("A", 1), node("B", 2)
     theta_a, theta_b = a[1].state.theta.clone(), b[1].state.theta.clone()
-    original, flipped = memory.chunks, []
+    original, tampered = memory.chunks, []
 
-    def corrupt(payload, size):
-        for piece in original(payload, size):
-            if not flipped:
-                piece = bytes([piece[0] ^ 1]) + bytes(piece[1:])
-                flipped.append(True)
-            yield piece
+    def tamper(payload, size):
+        data = bytearray(payload)
+        if not tampered:
+            if keep_the_crc:
+                target = zlib.crc32(data)
+                data[100:4196] = bytes(4096)  # 4 KB of the payload zeroed
+                data = bytearray(keep_crc32(bytes(data), 4196, target))
+                assert zlib.crc32(data) == target and data != payload
+            else:
+                data[0] ^= 1
+            tampered.append(True)
+        yield from original(bytes(data), size)
 
-    monkeypatch.setattr(memory, "chunks", corrupt)
-    with pytest.raises(Exception, match="CRC32"):
+    monkeypatch.setattr(memory, "chunks", tamper)
+    with pytest.raises(Exception, match="SHA-256"):
         MemoryExchange(a, b, 1).run()
-    assert flipped
+    assert tampered
     assert torch.equal(a[1].state.theta, theta_a) and torch.equal(b[1].state.theta, theta_b)

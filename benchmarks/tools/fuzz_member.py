@@ -133,8 +133,10 @@ async def member_stream(channel: grpc.aio.Channel, rng: random.Random, t: Target
     else:
         payload = make_payload(codec, block, t.numel, kind, rng)
     first = t.header(signer.peer_id, codec, block, payload)
-    if kind == "crc":
-        first.header.payload_crc32 ^= 1 << rng.randrange(32)
+    if kind == "digest":  # one bit of the announced SHA-256 flipped
+        digest = bytearray(first.header.payload_digest)
+        digest[rng.randrange(len(digest))] ^= 1 << rng.randrange(8)
+        first.header.payload_digest = bytes(digest)
     if mutation == "signed_header_mutated":
         before = first.header.SerializeToString()
         mutate_header(first.header, rng)

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import random
 import struct
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -28,7 +27,7 @@ import grpc
 import torch
 
 from gasloc_p2p.core.codecs import CodecSpec
-from gasloc_p2p.core.wire import BLOCK_CODECS, layout
+from gasloc_p2p.core.wire import BLOCK_CODECS, layout, payload_digest
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.messages import (
@@ -40,9 +39,9 @@ from gasloc_p2p.protocol.messages import (
 
 EXCHANGE = "/gasloc.v1.Gossip/Exchange"
 CODECS = ("fp32", "fp16", "int8", "int4", "fp4")
-# payloads the node must refuse (CRC, non-finite, |x| > 1e6); "offset1e4" is finite and only
+# payloads the node must refuse (digest, non-finite, |x| > 1e6); "offset1e4" is finite and only
 # the bounded-update guard can refuse it, so a Ready to it is counted apart
-BAD_PAYLOADS = ("crc", "nan", "inf", "huge")
+BAD_PAYLOADS = ("digest", "nan", "inf", "huge")
 PAYLOADS = (*BAD_PAYLOADS, "offset1e4", "negscale", "zero")
 FRAMING = ("truncate_close", "truncate_silent", "oversize", "empty_chunk", "big_chunk",
            "no_proof", "proof_bad_nonce", "proof_changed", "proof_other_key", "dup_proof",
@@ -87,7 +86,7 @@ class Target:
             protocol_version=PROTOCOL_VERSION, run_id=self.run_id,
             model_fingerprint=self.fingerprint, peer_id=peer_id, codec=codec, block_size=block,
             fragment_index=0, fragment_count=1, fragment_numel=self.numel,
-            payload_bytes=len(payload), payload_crc32=zlib.crc32(payload), rounds=0))
+            payload_bytes=len(payload), payload_digest=payload_digest(payload), rounds=0))
 
 
 def make_payload(codec: str, block: int, numel: int, kind: str,

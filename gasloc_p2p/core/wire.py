@@ -14,6 +14,7 @@ The value of each code is documented in :mod:`gasloc_p2p.core.codecs`.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,15 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     t = t.contiguous().cpu()
     n = t.numel() * t.element_size()
     return ctypes.string_at(t.data_ptr(), n) if n else b""
+
+
+DIGEST_BYTES = 32  # SHA-256
+
+
+def payload_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """The SHA-256 of a payload: what a sender signs in its Header, so a payload changed on the
+    path (a CRC can be kept by re-choosing 4 bytes) never matches."""
+    return hashlib.sha256(data).digest()
 
 
 def payload_buffer(nbytes: int, pin: bool = False) -> bytearray | memoryview:

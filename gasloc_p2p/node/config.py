@@ -114,8 +114,10 @@ class GossipConfig:
                                  "theta_0", advanced=True)
     guard_round_budget: float = opt(4.0, "all exchanges of a round together move this node by "
                                     "at most this many own drifts", advanced=True)
-    guard_block_budget: float = opt(2.0, "exchanges with one address block (/24, /48) move this "
-                                    "node by at most this many own drifts per round",
+    guard_newcomer_budget: float = opt(0.5, "exchanges with keys still earning their trust "
+                                       "move this node by at most this many own drifts per "
+                                       "round", advanced=True)
+    guard_block_budget: float = opt(0.25, "of which those from one address block (/24, /48)",
                                     advanced=True)
     guard_trust_after: int = opt(8, "a key's weight ramps to full over its first this many "
                                  "committed exchanges with this node", advanced=True)
@@ -136,7 +138,8 @@ class GossipConfig:
         """The bounded-update guard's thresholds (factor 0: off)."""
         return GuardRule(self.guard_factor, self.guard_hard_factor, self.guard_hard_base,
                          self.guard_window,
-                         self.guard_round_budget, self.guard_block_budget,
+                         self.guard_round_budget, self.guard_newcomer_budget,
+                         self.guard_block_budget,
                          self.guard_trust_after, self.guard_min_z,
                          self.guard_min_cosine)
 
@@ -174,8 +177,11 @@ class GossipConfig:
              "must be >= 1")
         need(self.guard_round_budget > 0, "guard_round_budget", self.guard_round_budget,
              "must be > 0")
-        need(0 < self.guard_block_budget <= self.guard_round_budget, "guard_block_budget",
-             self.guard_block_budget, "must be in (0, guard_round_budget]")
+        need(0 < self.guard_newcomer_budget <= self.guard_round_budget,
+             "guard_newcomer_budget", self.guard_newcomer_budget,
+             "must be in (0, guard_round_budget]")
+        need(0 < self.guard_block_budget <= self.guard_newcomer_budget, "guard_block_budget",
+             self.guard_block_budget, "must be in (0, guard_newcomer_budget]")
         need(-1 <= self.guard_min_cosine < 1, "guard_min_cosine", self.guard_min_cosine,
              "must be in [-1, 1) (-1: off)")
         need(math.isfinite(self.guard_min_z), "guard_min_z", self.guard_min_z,

@@ -210,7 +210,8 @@ class Node:
     async def _download(self, peer: PeerInfo, numel: int) -> bootstrap.Candidate | None:
         try:
             meta, params, memory = await download_state(
-                self.channels.stub(peer.endpoint), self.me, self.cfg.gossip.download_timeout_s)
+                self.channels.stub(peer.endpoint), self.me, self.cfg.gossip.download_timeout_s,
+                numel)
         except Exception as exc:  # any failure: try the next donor
             log.warning("state download from %s failed: %s", safe(peer.peer_id), exc)
             return None
@@ -323,7 +324,7 @@ class Node:
         """``peer``'s dial-back verdict on our endpoint, or None if it did not answer."""
         try:
             reply = await self.channels.stub(peer.endpoint).Info(
-                info_request(self.signer, self.endpoint),
+                info_request(self.signer, self.endpoint, peer.peer_id),
                 timeout=self.cfg.network.info_timeout_s + self.cfg.network.connect_timeout_s)
         except (grpc.RpcError, OSError) as exc:
             log.debug("reachability check via %s failed: %s", safe(peer.peer_id), exc)

@@ -66,9 +66,9 @@ class Check:
     codec: CodecSpec
     numel: int
     payload: bytearray | memoryview
-    crc32: int
+    digest: bytes  # the SHA-256 the peer's signed Header announced
     prep: Prepared | None = None  # our half, for the guard
-    seen_crc32: int | None = None  # the CRC32 of the bytes as they arrived (None: compute)
+    seen_digest: bytes | None = None  # the SHA-256 of the bytes as they arrived (None: compute)
 
 
 @dataclass(frozen=True)

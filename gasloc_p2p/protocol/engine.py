@@ -30,8 +30,8 @@ messages and adds the correction to the anchor and live parameters.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import math
-import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -42,7 +42,7 @@ import torch
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.wire import payload_buffer
+from gasloc_p2p.core.wire import payload_buffer, payload_digest
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
 
 ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
@@ -62,7 +62,7 @@ class Prepared:
     rounds0: int  # round ends at the snapshot
     encoded: Encoded  # views of payload (host)
     payload: bytearray | memoryview
-    crc32: int
+    digest: bytes  # SHA-256 of the payload (in the signed Header)
     block: str = ""  # the peer's address block (protocol.guard.address_block)
     clip: float = 1.0  # the guard's factor on the weight, set by ``check`` (1: as is)
     ticket: Ticket | None = None  # the movement the guard reserved for this exchange
@@ -187,11 +187,11 @@ class ExchangeEngine:
         if not read([finite])[0]:
             raise NonFiniteError("this node's public iterate holds NaN or Inf (or values out of "
                                  f"{spec.name}'s range): nothing is sent")
-        return Prepared(peer_id, fragment, rounds0, encoded, payload, zlib.crc32(payload), block)
+        return Prepared(peer_id, fragment, rounds0, encoded, payload, payload_digest(payload), block)
 
     def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray | memoryview,
-              crc32: int, prep: Prepared | None = None,
-              seen_crc32: int | None = None) -> Encoded:
+              digest: bytes, prep: Prepared | None = None,
+              seen_digest: bytes | None = None) -> Encoded:
         """Parse the peer's payload; ValueError if it is corrupt or would decode to NaN/Inf or
         to values beyond ``MAX_ABS_VALUE``; with ``prep`` (our half) and a guard,
         :class:`ImplausibleUpdate` if the correction it implies is implausibly large (and
@@ -202,8 +202,9 @@ class ExchangeEngine:
         its receive buffer). ``seen_crc32``: the CRC32 the session computed chunk by chunk as
         the bytes arrived (not recomputed here: 0.7 s for a 1B model's int8 payload).
         """
-        if (zlib.crc32(payload) if seen_crc32 is None else seen_crc32) != crc32:
-            raise ValueError("payload CRC32 mismatch")
+        seen = payload_digest(payload) if seen_digest is None else seen_digest
+        if not hmac.compare_digest(seen, digest):
+            raise ValueError("payload does not match the SHA-256 its sender signed")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
         with self._on_stream():
             theirs = received.to(self.device, non_blocking=True)

@@ -30,14 +30,17 @@ Per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance, without `
 - a key's weight ramps from ``1 / trust_after`` to 1 over its first ``trust_after`` committed
   exchanges with this node: a fresh identity (they are free) moves it little;
 - **the movement budget**: all committed exchanges of one round together move this node by at
-  most ``round_budget`` drifts (the sum of their ``w * factor * distance``), and those with
-  keys still earning their trust from one address block (``/24`` for IPv4, ``/48`` for IPv6)
-  by at most ``block_budget`` drifts. An exchange beyond what is left is scaled to fit, or
-  refused without penalty when almost nothing is left. Whatever number of identities and
-  exchanges an attacker uses, what it can move a node by per round is bounded by a multiple of
-  the node's own progress: ``block_budget`` drifts with a fresh key per exchange from one
-  block, ``round_budget`` drifts at most. Honest peers on one network (a LAN, a
-  docker-compose swarm, one host) share a block only until they are trusted.
+  most ``round_budget`` drifts (the sum of their ``w * factor * distance``); those with keys
+  still earning their trust by at most ``newcomer_budget`` drifts, and those of one address
+  block (``/24`` for IPv4, ``/48`` for IPv6) among them by ``block_budget``. An exchange
+  beyond what is left is scaled to fit, or refused without penalty when almost nothing is
+  left. Whatever number of identities and exchanges an attacker uses, what it can move a node
+  by per round is bounded by a multiple of the node's own progress: ``block_budget`` drifts
+  with a fresh key per exchange from one block, ``newcomer_budget`` from many, and
+  ``round_budget`` for keys that earned trust. Honest peers on one network (a LAN, a
+  docker-compose swarm, one host) share a block only until they are trusted. A bound per
+  round is not a bound in time: a member pushing one direction for hundreds of rounds moves a
+  node by the budget times the rounds, less what training undoes (``make bench-byzantine``).
 
 Independently of the size, the peer's displacement from ``theta_0`` must be *significantly*
 positively correlated with this node's: its cosine with ours must be at least ``min_z /
@@ -63,6 +66,7 @@ import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+NEWCOMERS = "*"  # the budget all keys still earning their trust share (not an address block)
 MAX_PEERS = 4096  # keys whose trust is remembered; the least recently set forgotten first
 
 
@@ -98,7 +102,8 @@ class GuardRule:
     hard_base: float = 4.0  # and this many times the RMS of theta_0, whichever is most
     window: int = 16  # rounds of own drift the median covers
     round_budget: float = 4.0  # movement per round, all peers together
-    block_budget: float = 2.0  # movement per round from one address block
+    newcomer_budget: float = 0.5  # of which keys still earning their trust, all together
+    block_budget: float = 0.25  # of which such keys from one address block
     trust_after: int = 8  # committed exchanges before a key has its full weight
     min_z: float = 4.0  # the cosine must be >= min_z / sqrt(n) (negative: no such test)
     min_cosine: float = -1.0  # and >= this fixed value (-1: off)
@@ -208,9 +213,10 @@ class UpdateGuard:
             factor *= min(1.0, earned)
             movement = self.w * factor * distance
             left = r.round_budget * d - self._spent.get(fragment, 0.0)
-            if earned < 1:  # a newcomer: its address block's newcomers share a budget
-                block_left = r.block_budget * d - self._spent_block.get((fragment, block), 0.0)
-                left = min(left, block_left)
+            if earned < 1:  # a newcomer: newcomers share a budget, and per address block
+                left = min(left, r.newcomer_budget * d - self._spent_block.get(
+                    (fragment, NEWCOMERS), 0.0), r.block_budget * d - self._spent_block.get(
+                    (fragment, block), 0.0))
             else:
                 block = ""  # trusted keys spend the round's budget only
             if movement > left:
@@ -219,9 +225,9 @@ class UpdateGuard:
                 factor *= left / movement
                 movement = left
             self._spent[fragment] = self._spent.get(fragment, 0.0) + movement
-            if block:
-                self._spent_block[(fragment, block)] = (
-                    self._spent_block.get((fragment, block), 0.0) + movement)
+            for b in (block, NEWCOMERS) if block else ():
+                self._spent_block[(fragment, b)] = (
+                    self._spent_block.get((fragment, b), 0.0) + movement)
             return factor, Ticket(fragment, key, block, movement, self._round, clipped)
 
     def release(self, ticket: Ticket) -> None:
@@ -229,9 +235,9 @@ class UpdateGuard:
         with self._lock:
             if ticket.round != self._round or ticket.movement == 0:
                 return
-            f, b = ticket.fragment, (ticket.fragment, ticket.block)
+            f = ticket.fragment
             self._spent[f] = max(0.0, self._spent.get(f, 0.0) - ticket.movement)
-            if ticket.block:
+            for b in ((f, ticket.block), (f, NEWCOMERS)) if ticket.block else ():
                 self._spent_block[b] = max(0.0, self._spent_block.get(b, 0.0) - ticket.movement)
             ticket.movement = 0.0
 

@@ -105,8 +105,8 @@ class MemoryExchange:
             return []
         if isinstance(act, Check):
             try:
-                received = me.engine.check(act.codec, act.numel, act.payload, act.crc32,
-                                            act.prep, act.seen_crc32)
+                received = me.engine.check(act.codec, act.numel, act.payload, act.digest,
+                                            act.prep, act.seen_digest)
             except ValueError as exc:
                 return s.check_failed(exc)
             return s.checked(received)

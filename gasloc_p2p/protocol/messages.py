@@ -12,15 +12,16 @@ from typing import Any, Protocol, cast
 
 from gasloc_p2p.core.codecs import BLOCK_CODECS, CODEC_NAMES, CodecSpec
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.wire import DIGEST_BYTES
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
+from gasloc_p2p.protocol.auth import Signer, Verifier, new_nonce, peer_id_of
 from gasloc_p2p.protocol.engine import Prepared
 from gasloc_p2p.safelog import safe
 
 # 3: signed headers, commits and requests (protocol/auth.py); 4: the responder's payload waits
 # for the initiator's proof of key; 5: payloads are Q(p) (no per-peer references, no link
 # versions)
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 # Block sizes a responder accepts besides its own: a peer's header never picks another one, so
 # it cannot make this node allocate (or cache codecs for) sizes of its choosing.
@@ -103,7 +104,7 @@ def make_header(me: Identity, prep: Prepared, fragment_count: int) -> pb.Exchang
         peer_id=me.peer_id, codec=enc.codec, block_size=enc.block_size,
         fragment_index=prep.fragment.index, fragment_count=fragment_count,
         fragment_numel=prep.fragment.numel, payload_bytes=len(prep.payload),
-        payload_crc32=prep.crc32, rounds=prep.rounds0))
+        payload_digest=prep.digest, rounds=prep.rounds0))
 
 
 HEADER_DOMAIN = "gasloc/header"
@@ -115,7 +116,7 @@ def header_fields(h: pb.Header, peer_nonce: bytes) -> list[object]:
     nonce."""
     return [h.protocol_version, h.run_id, h.model_fingerprint, h.peer_id, h.codec,
             h.block_size, h.fragment_index, h.fragment_count, h.fragment_numel,
-            h.payload_bytes, h.payload_crc32, h.rounds, h.public_key, h.nonce, peer_nonce]
+            h.payload_bytes, h.payload_digest, h.rounds, h.public_key, h.nonce, peer_nonce]
 
 
 def sign_header(msg: pb.ExchangeMsg, signer: Signer, nonce: bytes,
@@ -137,7 +138,7 @@ def check_header_auth(h: pb.Header, verifier: Verifier, peer_nonce: bytes) -> Ex
 
 
 def commit_fields(initiator: pb.Header, responder: pb.Header) -> list[object]:
-    return [initiator.nonce, responder.nonce, initiator.payload_crc32, responder.payload_crc32,
+    return [initiator.nonce, responder.nonce, initiator.payload_digest, responder.payload_digest,
             initiator.peer_id, responder.peer_id]
 
 
@@ -146,35 +147,77 @@ STATE_DOMAIN = "gasloc/state"
 
 
 def info_fields(r: pb.InfoRequest) -> list[object]:
-    return [r.probe_endpoint, r.auth.timestamp]
+    return [r.probe_endpoint, r.auth.timestamp, r.auth.target, r.auth.nonce]
 
 
 def state_fields(r: pb.StateRequest) -> list[object]:
-    return [r.protocol_version, r.run_id, r.model_fingerprint, r.auth.timestamp]
+    return [r.protocol_version, r.run_id, r.model_fingerprint, r.auth.timestamp, r.auth.target,
+            r.auth.nonce]
 
 
-def sign_info_request(r: pb.InfoRequest, signer: Signer, now: float) -> pb.InfoRequest:
-    r.auth.public_key, r.auth.timestamp = signer.public_key, now
+def _stamp(auth: pb.Auth, signer: Signer, now: float, target: str) -> None:
+    auth.public_key, auth.timestamp = signer.public_key, now
+    auth.target, auth.nonce = target, new_nonce()
+
+
+def sign_info_request(r: pb.InfoRequest, signer: Signer, now: float,
+                      target: str) -> pb.InfoRequest:
+    """``r`` signed for the node whose peer id is ``target``, with a fresh nonce."""
+    _stamp(r.auth, signer, now, target)
     r.auth.signature = signer.sign(INFO_DOMAIN, info_fields(r))
     return r
 
 
-def sign_state_request(r: pb.StateRequest, signer: Signer, now: float) -> pb.StateRequest:
-    r.auth.public_key, r.auth.timestamp = signer.public_key, now
+def sign_state_request(r: pb.StateRequest, signer: Signer, now: float,
+                       target: str) -> pb.StateRequest:
+    """``r`` signed for the node whose peer id is ``target``, with a fresh nonce."""
+    _stamp(r.auth, signer, now, target)
     r.auth.signature = signer.sign(STATE_DOMAIN, state_fields(r))
     return r
 
 
+class ReplayCache:
+    """Nonces of requests accepted within the last ``window_s`` (bounded: when ``limit`` are
+    held, new requests are refused until old ones expire, never forgotten early)."""
+
+    def __init__(self, window_s: float, limit: int = 1 << 16) -> None:
+        self.window_s, self.limit = window_s, limit
+        self._seen: dict[bytes, float] = {}  # nonce -> time it expires (insertion order)
+
+    def fresh(self, nonce: bytes, now: float) -> str | None:
+        """Why ``nonce`` is refused (None: it is new, and now remembered)."""
+        for old, until in list(self._seen.items()):
+            if until > now:
+                break
+            del self._seen[old]
+        if nonce in self._seen:
+            return "replayed request"
+        if len(self._seen) >= self.limit:
+            return "too many requests; retry later"
+        self._seen[nonce] = now + self.window_s
+        return None
+
+
 def check_request_auth(auth: pb.Auth, verifier: Verifier, domain: str, fields: list[object],
-                       now: float, skew_s: float) -> str | None:
-    """Why a unary request's ``auth`` is not acceptable (None: it is). The caller's peer id is
-    ``peer_id_of(auth.public_key)``: any key is acceptable, unless the swarm has a key."""
+                       now: float, skew_s: float, me: str,
+                       seen: ReplayCache | None = None) -> str | None:
+    """Why a unary request's ``auth`` is not acceptable (None: it is): it must be signed, for
+    ``me`` (this node's peer id), within ``skew_s`` of ``now``, with a nonce ``seen`` has not
+    had. The caller's peer id is ``peer_id_of(auth.public_key)``: any key is acceptable, unless
+    the swarm has a key."""
     if not auth.public_key:
         return "unauthenticated request"
     if not abs(auth.timestamp - now) <= skew_s:  # also rejects NaN
         return f"request time {auth.timestamp:.0f} is more than {skew_s:g} s off"
-    return verifier.verify(peer_id_of(auth.public_key), auth.public_key, auth.signature, domain,
-                           fields)
+    if auth.target != me:
+        return "request for another node"
+    if len(auth.nonce) != 16:
+        return "request without a 16-byte nonce"
+    why = verifier.verify(peer_id_of(auth.public_key), auth.public_key, auth.signature, domain,
+                          fields)
+    if why is None and seen is not None:  # only signed requests take room in the cache
+        why = seen.fresh(auth.nonce, now)
+    return why
 
 
 def reject(code: int, message: str) -> pb.ExchangeMsg:
@@ -226,6 +269,9 @@ def check_header(h: pb.Header, me: Identity, fragments: Sequence[Fragment],
         return ExchangeError(BAD_REQUEST, f"codec {spec} not accepted (block sizes "
                                           f"{', '.join(map(str, STANDARD_BLOCK_SIZES))} or ours)")
     codec = spec.codec()
+    if len(h.payload_digest) != DIGEST_BYTES:
+        return ExchangeError(BAD_REQUEST, f"payload digest of {len(h.payload_digest)} bytes, "
+                                          f"not {DIGEST_BYTES}")
     if h.payload_bytes != codec.wire_bytes(h.fragment_numel):
         return ExchangeError(BAD_REQUEST, f"payload {h.payload_bytes} B, {h.codec} needs "
                                           f"{codec.wire_bytes(h.fragment_numel)} B")

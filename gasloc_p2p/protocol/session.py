@@ -31,7 +31,7 @@ there is no second Header, and the responder's payload follows its Header at onc
 from __future__ import annotations
 
 import enum
-import zlib
+import hashlib
 from dataclasses import dataclass
 
 from gasloc_p2p.core.async_state import exchange_weight
@@ -147,7 +147,7 @@ class ExchangeSession:
         # the peer's payload, allocated at its announced (checked) size
         self._buf: bytearray | memoryview = bytearray()
         self._filled = 0
-        self._crc = 0  # CRC32 of the payload bytes received so far (as they arrive)
+        self._hash = hashlib.sha256()  # of the payload bytes received so far (as they arrive)
         self._received: Encoded | None = None
         self._my_rounds: int | None = None
         self._peer_rounds: int | None = None
@@ -384,11 +384,11 @@ class ExchangeSession:
             self._buf = self.engine.payload_buffer(peer.payload_bytes)
         self._buf[self._filled : self._filled + len(data)] = data
         self._filled += len(data)
-        self._crc = zlib.crc32(data, self._crc)  # while the rest is on the wire
+        self._hash.update(data)  # while the rest is on the wire
         if self._filled < peer.payload_bytes:
             return []
-        return [Check(header_codec(peer), peer.fragment_numel, self._buf, peer.payload_crc32,
-                      self._prep, self._crc)]
+        return [Check(header_codec(peer), peer.fragment_numel, self._buf, peer.payload_digest,
+                      self._prep, self._hash.digest())]
 
     def _replacement_header(self, new: pb.Header, old: pb.Header) -> pb.Header:
         problem = check_header(new, self.rules.me, self.engine.fragments, self.rules.accepted)

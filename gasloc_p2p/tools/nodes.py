@@ -96,17 +96,21 @@ class NodeChild(Child):
         return self.endpoint
 
     def info(self, timeout_s: float = 5.0) -> pb.InfoReply:
+        """The node's full Info (a signed request, bound to the peer id it answers with)."""
         with grpc.insecure_channel(self.endpoint) as channel:
-            request = sign_info_request(pb.InfoRequest(), self.signer, time.time())
-            reply: pb.InfoReply = pb_grpc.GossipStub(channel).Info(request, timeout=timeout_s)
+            stub = pb_grpc.GossipStub(channel)
+            target = stub.Info(pb.InfoRequest(), timeout=timeout_s).peer_id
+            request = sign_info_request(pb.InfoRequest(), self.signer, time.time(), target)
+            reply: pb.InfoReply = stub.Info(request, timeout=timeout_s)
             return reply
 
     def download_state(self, run_id: str, timeout_s: float = 20.0
                        ) -> tuple[pb.StateMeta, torch.Tensor]:
         """The node's published state: its metadata and parameters (float32, flat)."""
+        info = self.info()
         request = sign_state_request(pb.StateRequest(
             protocol_version=PROTOCOL_VERSION, run_id=run_id,
-            model_fingerprint=self.info().model_fingerprint), self.signer, time.time())
+            model_fingerprint=info.model_fingerprint), self.signer, time.time(), info.peer_id)
         body, meta = bytearray(), pb.StateMeta()
         with grpc.insecure_channel(self.endpoint) as channel:
             for msg in pb_grpc.GossipStub(channel).DownloadState(request, timeout=timeout_s):

@@ -112,7 +112,7 @@ class DilocoMode(Mode):
 
         async def download(peer_endpoint: str) -> Any:
             return await download_state(ctx.channels.stub(peer_endpoint), ctx.me,
-                                        cfg.gossip.download_timeout_s)
+                                        cfg.gossip.download_timeout_s, trainer.state.theta.numel())
 
         self.rounds = DilocoRounds(
             trainer.state, fragments, cfg.train.inner_steps, tau, ctx.lock, self.averagers,

@@ -312,7 +312,7 @@ class GossipTransport:
         if isinstance(act, Check):
             try:
                 received = await self._work(self.engine.check, act.codec, act.numel,
-                                            act.payload, act.crc32, act.prep, act.seen_crc32)
+                                            act.payload, act.digest, act.prep, act.seen_digest)
             except ValueError as exc:
                 return session.check_failed(exc)
             return session.checked(received)

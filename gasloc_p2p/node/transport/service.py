@@ -39,6 +39,7 @@ from gasloc_p2p.protocol.messages import (
     VERSION_MISMATCH,
     ExchangeError,
     Identity,
+    ReplayCache,
     check_request_auth,
     info_fields,
     reject,
@@ -174,6 +175,8 @@ class GossipServicer(pb_grpc.GossipServicer):
         self.limits = limits or ServeLimits()
         self.downloads = SharedSnapshot(snapshot, self.limits.max_downloads)
         self.verifier: Verifier = me.signer or Verifier()
+        # nonces of signed requests accepted lately: a replayed Info or DownloadState is refused
+        self.seen = ReplayCache(2 * self.limits.auth_skew_s)
         # probe(endpoint, peer_id): does the node at endpoint answer as peer_id (set by the node)
         self.probe: Callable[[str, str], Awaitable[bool]] | None = None
         self.dht_peer_id = ""  # for bootstrap multiaddrs, in every Info reply (set by the node)
@@ -215,7 +218,8 @@ class GossipServicer(pb_grpc.GossipServicer):
 
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoReply:
         why = check_request_auth(request.auth, self.verifier, INFO_DOMAIN,
-                                 info_fields(request), time.time(), self.limits.auth_skew_s)
+                                 info_fields(request), time.time(), self.limits.auth_skew_s,
+                                 self.me.peer_id, self.seen)
         if why is not None:  # health only; never a dial-back for a stranger
             return pb.InfoReply(protocol_version=PROTOCOL_VERSION, run_id=self.me.run_id,
                                 peer_id=self.me.peer_id, software_version=__version__, ok=True,
@@ -272,7 +276,8 @@ class GossipServicer(pb_grpc.GossipServicer):
         if r.model_fingerprint != self.me.fingerprint:
             return ExchangeError(FINGERPRINT_MISMATCH, "another model")
         why = check_request_auth(r.auth, self.verifier, STATE_DOMAIN, state_fields(r),
-                                 time.time(), self.limits.auth_skew_s)
+                                 time.time(), self.limits.auth_skew_s, self.me.peer_id,
+                                 self.seen)
         if why is not None:
             return ExchangeError(UNAUTHENTICATED, why)
         return None
@@ -363,30 +368,50 @@ class PeerChannels:
         self._closing = []
 
 
-def info_request(signer: Signer | None, probe_endpoint: str = "") -> pb.InfoRequest:
-    """An Info request, signed if ``signer`` is given (else the node answers health only)."""
+def info_request(signer: Signer | None, probe_endpoint: str = "",
+                 target: str = "") -> pb.InfoRequest:
+    """An Info request, signed for ``target`` if ``signer`` is given (else the node answers
+    health only)."""
     request = pb.InfoRequest(probe_endpoint=probe_endpoint)
-    return request if signer is None else sign_info_request(request, signer, time.time())
+    return request if signer is None else sign_info_request(request, signer, time.time(),
+                                                              target)
+
+
+async def target_of(stub: pb_grpc.GossipStub, timeout_s: float) -> str:
+    """The peer id a node answers with to an unsigned Info (what a signed request is bound
+    to; a node that lies about it refuses the request it gets)."""
+    health: pb.InfoReply = await stub.Info(pb.InfoRequest(), timeout=timeout_s)
+    return health.peer_id
 
 
 async def fetch_info(stub: pb_grpc.GossipStub, timeout_s: float,
                      signer: Signer | None = None) -> pb.InfoReply:
-    reply: pb.InfoReply = await stub.Info(info_request(signer), timeout=timeout_s)
+    """A node's Info: health only without ``signer``; signed, one round trip more (the
+    node's peer id, which the request is bound to)."""
+    if signer is None:
+        health: pb.InfoReply = await stub.Info(pb.InfoRequest(), timeout=timeout_s)
+        return health
+    target = await target_of(stub, timeout_s)
+    reply: pb.InfoReply = await stub.Info(info_request(signer, target=target), timeout=timeout_s)
     return reply
 
 
-def state_request(run_id: str, fingerprint: str, signer: Signer) -> pb.StateRequest:
+def state_request(run_id: str, fingerprint: str, signer: Signer,
+                  target: str) -> pb.StateRequest:
     request = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id,
                               model_fingerprint=fingerprint)
-    return sign_state_request(request, signer, time.time())
+    return sign_state_request(request, signer, time.time(), target)
 
 
-async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: float
+async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: float,
+                         numel: int | None = None
                          ) -> tuple[pb.StateMeta, torch.Tensor, torch.Tensor | None]:
     """A peer's public iterate and momentum memory (float32 ``[numel]`` each; None when the
-    peer keeps none) and its meta."""
+    peer keeps none) and its meta. With ``numel`` (this node's model), a state announced for
+    another size is refused before any byte of it is buffered."""
     assert me.signer is not None, "state requests are signed"
-    request = state_request(me.run_id, me.fingerprint, me.signer)
+    request = state_request(me.run_id, me.fingerprint, me.signer,
+                            await target_of(stub, timeout_s))
     meta: pb.StateMeta | None = None
     body = bytearray()
     async with asyncio.timeout(timeout_s):
@@ -396,6 +421,10 @@ async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: floa
                 raise ExchangeError(msg.reject.code, msg.reject.message)
             if kind == "meta" and meta is None:
                 meta = msg.meta
+                if (numel is not None and meta.numel != numel) or not meta.numel or (
+                        meta.total_bytes not in (4 * meta.numel, 8 * meta.numel)):
+                    raise ExchangeError(BAD_REQUEST, f"state of {meta.total_bytes} B for "
+                                                     f"{meta.numel} params announced")
             elif kind == "data" and meta is not None:
                 body += msg.data
                 if len(body) > meta.total_bytes:
@@ -404,8 +433,6 @@ async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: floa
                 raise ExchangeError(BAD_REQUEST, f"unexpected {kind} in the state stream")
     if meta is None or len(body) != meta.total_bytes or zlib.crc32(body) != meta.body_crc32:
         raise ExchangeError(BAD_REQUEST, "state stream incomplete or corrupt")
-    if meta.total_bytes not in (4 * meta.numel, 8 * meta.numel) or not meta.numel:
-        raise ExchangeError(BAD_REQUEST, f"state of {meta.total_bytes} B for {meta.numel} params")
     flat = torch.frombuffer(body, dtype=torch.float32)
     memory = flat[meta.numel :].clone() if meta.total_bytes == 8 * meta.numel else None
     return meta, flat[: meta.numel].clone(), memory
