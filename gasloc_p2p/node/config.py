@@ -119,6 +119,11 @@ class GossipConfig:
                                        "round", advanced=True)
     guard_block_budget: float = opt(0.25, "of which those from one address block (/24, /48)",
                                     advanced=True)
+    guard_newcomer_total: float = opt(1.0, "exchanges with keys still earning their trust move "
+                                      "this node by at most this many own drifts over about "
+                                      "guard_newcomer_rounds rounds", advanced=True)
+    guard_newcomer_rounds: int = opt(64, "the window of guard_newcomer_total (a sum decaying by "
+                                     "1/this per round)", advanced=True)
     guard_trust_after: int = opt(8, "a key's weight ramps to full over its first this many "
                                  "committed exchanges with this node", advanced=True)
     guard_min_z: float = opt(4.0, "reject a peer whose displacement from theta_0 has a cosine "
@@ -136,12 +141,13 @@ class GossipConfig:
 
     def guard_rule(self) -> GuardRule:
         """The bounded-update guard's thresholds (factor 0: off)."""
-        return GuardRule(self.guard_factor, self.guard_hard_factor, self.guard_hard_base,
-                         self.guard_window,
-                         self.guard_round_budget, self.guard_newcomer_budget,
-                         self.guard_block_budget,
-                         self.guard_trust_after, self.guard_min_z,
-                         self.guard_min_cosine)
+        return GuardRule(
+            factor=self.guard_factor, hard_factor=self.guard_hard_factor,
+            hard_base=self.guard_hard_base, window=self.guard_window,
+            round_budget=self.guard_round_budget, newcomer_budget=self.guard_newcomer_budget,
+            newcomer_total=self.guard_newcomer_total, newcomer_rounds=self.guard_newcomer_rounds,
+            block_budget=self.guard_block_budget, trust_after=self.guard_trust_after,
+            min_z=self.guard_min_z, min_cosine=self.guard_min_cosine)
 
     def validate(self) -> None:
         need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
@@ -182,6 +188,10 @@ class GossipConfig:
              "must be in (0, guard_round_budget]")
         need(0 < self.guard_block_budget <= self.guard_newcomer_budget, "guard_block_budget",
              self.guard_block_budget, "must be in (0, guard_newcomer_budget]")
+        need(self.guard_newcomer_total > 0, "guard_newcomer_total", self.guard_newcomer_total,
+             "must be > 0")
+        need(self.guard_newcomer_rounds >= 1, "guard_newcomer_rounds",
+             self.guard_newcomer_rounds, "must be >= 1")
         need(-1 <= self.guard_min_cosine < 1, "guard_min_cosine", self.guard_min_cosine,
              "must be in [-1, 1) (-1: off)")
         need(math.isfinite(self.guard_min_z), "guard_min_z", self.guard_min_z,

@@ -37,10 +37,11 @@ Per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance, without `
   left. Whatever number of identities and exchanges an attacker uses, what it can move a node
   by per round is bounded by a multiple of the node's own progress: ``block_budget`` drifts
   with a fresh key per exchange from one block, ``newcomer_budget`` from many, and
-  ``round_budget`` for keys that earned trust. Honest peers on one network (a LAN, a
-  docker-compose swarm, one host) share a block only until they are trusted. A bound per
-  round is not a bound in time: a member pushing one direction for hundreds of rounds moves a
-  node by the budget times the rounds, less what training undoes (``make bench-byzantine``).
+  ``round_budget`` for keys that earned trust. Newcomers together also move it by at most
+  ``newcomer_total`` drifts over about ``newcomer_rounds`` rounds (a sum that decays by
+  ``1 / newcomer_rounds`` per round): a bound per round is not a bound in time, and a push in
+  one fixed direction adds up. Honest peers on one network (a LAN, a
+  docker-compose swarm, one host) share a block only until they are trusted.
 
 Independently of the size, the peer's displacement from ``theta_0`` must be *significantly*
 positively correlated with this node's: its cosine with ours must be at least ``min_z /
@@ -103,6 +104,8 @@ class GuardRule:
     window: int = 16  # rounds of own drift the median covers
     round_budget: float = 4.0  # movement per round, all peers together
     newcomer_budget: float = 0.5  # of which keys still earning their trust, all together
+    newcomer_total: float = 1.0  # and over the last ``newcomer_rounds`` (decaying sum)
+    newcomer_rounds: int = 64
     block_budget: float = 0.25  # of which such keys from one address block
     trust_after: int = 8  # committed exchanges before a key has its full weight
     min_z: float = 4.0  # the cosine must be >= min_z / sqrt(n) (negative: no such test)
@@ -157,6 +160,7 @@ class UpdateGuard:
         self._round = 0
         self._spent: dict[int, float] = {}  # fragment -> movement reserved this round
         self._spent_block: dict[tuple[int, str], float] = {}
+        self._long: dict[int, float] = {}  # fragment -> newcomers' movement, decaying per round
         self._trust = _Recent()  # key -> committed exchanges (capped at trust_after)
         self._lock = threading.Lock()
 
@@ -173,6 +177,9 @@ class UpdateGuard:
             self._round += 1
             self._spent.clear()
             self._spent_block.clear()
+            keep = 1 - 1 / max(self.rule.newcomer_rounds, 1)
+            for fragment in self._long:
+                self._long[fragment] *= keep
 
     def drift(self, fragment: int) -> float:
         """The median of this node's own recent drifts of ``fragment`` (0: none measured)."""
@@ -216,7 +223,7 @@ class UpdateGuard:
             if earned < 1:  # a newcomer: newcomers share a budget, and per address block
                 left = min(left, r.newcomer_budget * d - self._spent_block.get(
                     (fragment, NEWCOMERS), 0.0), r.block_budget * d - self._spent_block.get(
-                    (fragment, block), 0.0))
+                    (fragment, block), 0.0), r.newcomer_total * d - self._long.get(fragment, 0.0))
             else:
                 block = ""  # trusted keys spend the round's budget only
             if movement > left:
@@ -228,6 +235,8 @@ class UpdateGuard:
             for b in (block, NEWCOMERS) if block else ():
                 self._spent_block[(fragment, b)] = (
                     self._spent_block.get((fragment, b), 0.0) + movement)
+            if block:
+                self._long[fragment] = self._long.get(fragment, 0.0) + movement
             return factor, Ticket(fragment, key, block, movement, self._round, clipped)
 
     def release(self, ticket: Ticket) -> None:
@@ -239,6 +248,8 @@ class UpdateGuard:
             self._spent[f] = max(0.0, self._spent.get(f, 0.0) - ticket.movement)
             for b in ((f, ticket.block), (f, NEWCOMERS)) if ticket.block else ():
                 self._spent_block[b] = max(0.0, self._spent_block.get(b, 0.0) - ticket.movement)
+            if ticket.block:
+                self._long[f] = max(0.0, self._long.get(f, 0.0) - ticket.movement)
             ticket.movement = 0.0
 
     def committed(self, ticket: Ticket) -> None:
