@@ -122,8 +122,10 @@ def test_one_address_block_moves_this_node_by_its_block_budget_at_most_with_new_
                                   trust_after=2), w=0.5)
     guard.round_end({0: 1.0})
     guard.screen(0, 4.0, "k1", "10.0.0.0/24")  # newcomer: half weight, 1 drift: the block's
-    with pytest.raises(NotNow):
-        guard.screen(0, 4.0, "k2", "10.0.0.0/24")  # another new key, the same block
+    factor, ticket = guard.screen(0, 4.0, "k2", "10.0.0.0/24")  # a new key, the same block:
+    assert factor == 0.0  # it commits at weight 0, moving nothing
+    guard.committed(ticket)
+    assert guard.trusted("k2")  # but it earned its trust (1 commit of the 2 asked)
     assert guard.screen(0, 4.0, "k3", "10.0.1.0/24")[0] == 0.5  # another block
     for _ in range(2):
         guard.round_end({0: 1.0})
@@ -158,11 +160,11 @@ def test_address_blocks():
 @pytest.mark.parametrize("blocks", [1, 64])
 def test_a_member_with_a_fresh_key_per_exchange_moves_a_node_by_at_most_the_budget(blocks):
     """The attack of issue 23 against the rule: a fresh key for every exchange, a distance
-    just under the soft limit, one fixed direction, as many exchanges as it likes (here 200
+    just under the soft limit, one fixed direction, as many exchanges as it likes (here 50
     per round), from one address block or from 64. Per round it moves the node by at most the
     newcomers' budget of one block (0.25 own drifts) or of all of them (0.5); over the 200
     rounds, by at most the newcomers' total (1 drift, a sum decaying by 1/64 per round: about
-    1 + 200/64 drifts in all), not the 396 drifts per round it pushed for (the old rule
+    1 + 200/64 drifts in all), not the 99 drifts per round it pushed for (the old rule
     accepted all of it and ratcheted its median up: 1.6 -> 2.2e9 val loss in 4 minutes)."""
     rule = GuardRule()
     guard = UpdateGuard(rule, w=0.5)
@@ -171,7 +173,7 @@ def test_a_member_with_a_fresh_key_per_exchange_moves_a_node_by_at_most_the_budg
         guard.round_end({0: D})
         soft = guard.limits(0)[0]
         before = moved
-        for i in range(200):
+        for i in range(50):
             pushed += 0.5 * 0.99 * soft
             try:
                 factor, ticket = guard.screen(0, 0.99 * soft, f"sybil{r}.{i}",
@@ -187,7 +189,7 @@ def test_a_member_with_a_fresh_key_per_exchange_moves_a_node_by_at_most_the_budg
     total = rule.newcomer_total * (1 + 200 / rule.newcomer_rounds)
     assert moved <= total * D * (1 + 1e-9)
     assert moved >= 0.8 * total * D  # the bound is what it gets, not much less
-    assert pushed > 1e4 * moved
+    assert pushed > 1e3 * moved
 
 
 def test_an_implausible_loss_jump_is_caught_like_a_non_finite_one():

@@ -34,7 +34,10 @@ Per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance, without `
   still earning their trust by at most ``newcomer_budget`` drifts, and those of one address
   block (``/24`` for IPv4, ``/48`` for IPv6) among them by ``block_budget``. An exchange
   beyond what is left is scaled to fit, or refused without penalty when almost nothing is
-  left. Whatever number of identities and exchanges an attacker uses, what it can move a node
+  left; a newcomer's then commits at weight 0 (it earns its key trust without moving this
+  node: an attacker spending the newcomers' budget must not keep honest peers from ever
+  earning theirs; one that earns trust for its own keys this way is bounded by
+  ``round_budget``). Whatever number of identities and exchanges an attacker uses, what it can move a node
   by per round is bounded by a multiple of the node's own progress: ``block_budget`` drifts
   with a fresh key per exchange from one block, ``newcomer_budget`` from many, and
   ``round_budget`` for keys that earned trust. Newcomers together also move it by at most
@@ -227,8 +230,12 @@ class UpdateGuard:
             else:
                 block = ""  # trusted keys spend the round's budget only
             if movement > left:
-                if left <= 0.1 * movement:
+                if left <= 0.1 * movement and earned >= 1:
                     raise NotNow("this node's gossip budget for the round is spent")
+                # a newcomer's exchange commits even when nothing is left, at weight 0: it
+                # earns the key trust without moving this node (an attacker spending the
+                # newcomers' budget must not keep honest peers from ever earning theirs)
+                left = max(left, 0.0) if left > 0.1 * movement else 0.0
                 factor *= left / movement
                 movement = left
             self._spent[fragment] = self._spent.get(fragment, 0.0) + movement
