@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import statistics
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from gasloc_p2p.protocol.guard import GuardRule
 from gasloc_p2p.tools.nodes import NodeChild
 
 RUN_ID = "gasloc"
+EXCHANGES = re.compile(r"exchanges ok \d+ \(init (\d+) resp")
 
 
 def start_swarm(tag: str, tmp: Path, keys: list[Path], extra: dict[str, object]
@@ -87,8 +89,8 @@ def main() -> None:
                 node.wait_up(300)
             asyncio.run(attack(swarms["attacked"], RUN_ID, theta0, args.k,
                                time.monotonic() + seconds, tally))
-            codes = {n.name: n.proc.wait(timeout=seconds + 600)
-                     for ns in swarms.values() for n in ns}
+            codes: dict[str, int | None] = {n.name: n.proc.wait(timeout=seconds + 600)
+                                            for ns in swarms.values() for n in ns}
         finally:
             for nodes in swarms.values():
                 for node in nodes:
@@ -103,7 +105,9 @@ def _node_row(tmp: Path, node: NodeChild, theta0: torch.Tensor,
               u: torch.Tensor) -> dict[str, float]:
     final = torch.load(tmp / f"{node.name}.ckpt" / "node.pt", weights_only=True)
     drifts = read_drift_log(node.err)
+    counts = EXCHANGES.findall(node.err.read_text(errors="replace"))
     return {"theta": final["theta"], "rounds": final["rounds"], "steps": final["step"],
+            "initiated": int(counts[-1]) if counts else 0,
             "along": along(final["theta"], theta0, u),
             "drift": statistics.median(drifts) if drifts else float("nan"),
             "finite": bool(torch.isfinite(final["theta"]).all())}
@@ -124,7 +128,8 @@ def _report(args: argparse.Namespace, evaluator: Evaluator, took: float,
         mean = torch.stack([r["theta"] for r in nodes]).mean(0)  # type: ignore[misc]
         losses[name] = evaluator.loss(mean)
         print(f"{name:>9}: network-average val loss {losses[name]:.4f}; steps "
-              f"{[r['steps'] for r in nodes]}; all finite {all(r['finite'] for r in nodes)}")
+              f"{[r['steps'] for r in nodes]}; exchanges started by the honest nodes "
+              f"{[r['initiated'] for r in nodes]}; all finite {all(r['finite'] for r in nodes)}")
     print("push left along the attack's direction (RMS units), per honest node:")
     for i, r in enumerate(rows["attacked"]):
         name = f"a{i}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +60,8 @@ class Tally:
     """What the attacker's exchanges met, per outcome; and each victim's pushes committed."""
 
     outcomes: Counter[str] = field(default_factory=Counter)
-    pushed: Counter[str] = field(default_factory=Counter)  # victim -> sum of w * offset sent
+    pushed: defaultdict[str, float] = field(  # victim -> sum of w * offset committed
+        default_factory=lambda: defaultdict(float))
 
 
 async def exchange(channel: grpc.aio.Channel, target: Target, payload: bytes) -> str:
