@@ -202,6 +202,8 @@ def test_an_implausible_loss_jump_is_caught_like_a_non_finite_one():
     assert watch.implausible(math.nan) and watch.implausible(math.inf)
     assert watch.limit() == pytest.approx(2 * 4.1)  # the jumps were not remembered
     assert not watch.implausible(4.5)  # training goes on
+    watch.reset()  # after a rollback: a loss that stays high is accepted once warmed up
+    assert watch.limit() == math.inf and not watch.implausible(9.0)
 
 
 def guarded(name: str, seed: int, rule: GuardRule | None = None, codec: str = "int8"):

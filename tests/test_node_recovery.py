@@ -91,6 +91,27 @@ def test_a_non_finite_loss_rolls_back_then_gives_up(corpus):
     assert "diverged" in node.error and node.train_stats.rollbacks == 0
 
 
+def test_a_finite_loss_jump_rolls_back_and_never_stops_the_node(corpus):
+    """A push that doubles the loss (here: Gaussian noise of RMS 1 on every parameter) is
+    rolled back at once, like NaN; with max_rollbacks 0 too: a jump never stops the node."""
+    async def main():
+        node = solo(tiny_config(corpus, max_rollbacks=0))
+        async with node:
+            await wait_until(lambda: node.train_stats.rounds >= 2, timeout_s=60, what="rounds")
+            with node.lock.urgent():
+                theta = node.trainer.state.theta
+                theta.add_(torch.randn(theta.shape, generator=torch.Generator().manual_seed(0)))
+            await wait_until(lambda: node.train_stats.rollbacks >= 1, timeout_s=60,
+                             what="a rollback")
+            step = node.train_stats.step
+            await wait_until(lambda: node.train_stats.step >= step + 15, timeout_s=60,
+                             what="training after the rollback")
+            assert not node.error
+            assert node.train_stats.train_loss < node.train_stats.first_val_loss
+
+    run(main(), timeout_s=120)
+
+
 def test_peer_strings_cannot_forge_log_lines():
     assert safe("node-a") == "node-a"
     assert "\n" not in safe("evil\nINFO forged") and "\x1b" not in safe("\x1b[2J")

@@ -315,6 +315,11 @@ class LossWatch:
         self._recent.append(loss)
         return False
 
+    def reset(self) -> None:
+        """Forget the recent losses (after a rollback: a loss that stays high is then
+        accepted once the watch has warmed up again)."""
+        self._recent.clear()
+
     def limit(self) -> float:
         """The loss beyond which a step is rolled back now (inf while warming up)."""
         if self.jump <= 0 or len(self._recent) < self.warmup:

@@ -160,6 +160,7 @@ class Trainer:
         self.probe: DriftProbe | None = None
         self.on_drift: Callable[[dict[int, float]], None] | None = None
         self.losses = LossWatch()  # a finite loss jump rolls back like NaN
+        self._nonfinite = 0  # non-finite losses rolled back (max_rollbacks of them, then stop)
         # the last round end reached with finite values: (theta, memory) in host memory
         self._good: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._late: tuple[torch.Tensor, int] | None = None  # CUDA: (loss, tokens) to read
@@ -267,7 +268,7 @@ class Trainer:
             self.on_drift(self.probe.round_end())
         value = self._read_loss(loss.detach(), y.numel())
         if self.losses.implausible(value):
-            self._roll_back(value)
+            self._roll_back(value, jump=math.isfinite(value))
             return value
         dt = time.perf_counter() - t0
         st.step_time_s = dt if st.step_time_s == 0 else _EMA * st.step_time_s + (1 - _EMA) * dt
@@ -310,15 +311,23 @@ class Trainer:
             st.transfer(self._good[0], st.theta)
             _copy(self._good[1], st.memory)
 
-    def _roll_back(self, loss: float) -> None:
-        """A non-finite loss, or one far above the recent ones (:class:`LossWatch`): back to
-        the last good anchor with fresh AdamW moments, at most ``max_rollbacks`` times (then
-        FloatingPointError: the node stops)."""
-        st = self.stats
-        if self._good is None or st.rollbacks >= self.cfg.max_rollbacks:
+    def _roll_back(self, loss: float, jump: bool = False) -> None:
+        """A non-finite loss, or (``jump``) a finite one far above the recent ones
+        (:class:`LossWatch`): back to the last good anchor with fresh AdamW moments. Non-finite
+        losses at most ``max_rollbacks`` times (then FloatingPointError: the node stops); a
+        jump never stops the node, and the watch starts over after it, so a loss that stays
+        high (harder data, not a push) is accepted after one rollback."""
+        st, limit = self.stats, self.losses.limit()
+        if jump:
+            self.losses.reset()
+            if self._good is None:
+                return
+        elif self._good is None or self._nonfinite >= self.cfg.max_rollbacks:
             raise FloatingPointError(f"training diverged: loss {loss} at step {st.step} "
-                                     f"after {st.rollbacks} rollback(s); lower --lr or --gamma, "
-                                     "or resume a checkpoint")
+                                     f"after {self._nonfinite} rollback(s); lower --lr or "
+                                     "--gamma, or resume a checkpoint")
+        else:
+            self._nonfinite += 1
         with self.lock.urgent():
             theta, memory = self._good
             self.state.transfer(self.state.theta, theta)
@@ -329,8 +338,8 @@ class Trainer:
             self._late = None
         st.rollbacks += 1
         log.warning("loss %s at step %d (limit %.4g): rolled back to the last good anchor "
-                    "(rollback %d of at most %d)", loss, st.step, self.losses.limit(),
-                    st.rollbacks, self.cfg.max_rollbacks)
+                    "(rollbacks %d; non-finite %d of at most %d)", loss, st.step, limit,
+                    st.rollbacks, self._nonfinite, self.cfg.max_rollbacks)
 
     def _evaluate(self) -> None:
         with self.inner.autocast():
