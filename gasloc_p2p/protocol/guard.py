@@ -235,7 +235,7 @@ class UpdateGuard:
                 # a newcomer's exchange commits even when nothing is left, at weight 0: it
                 # earns the key trust without moving this node (an attacker spending the
                 # newcomers' budget must not keep honest peers from ever earning theirs)
-                left = max(left, 0.0) if left > 0.1 * movement else 0.0
+                left = left if left > 0.1 * movement else 0.0
                 factor *= left / movement
                 movement = left
             self._spent[fragment] = self._spent.get(fragment, 0.0) + movement
