@@ -50,7 +50,7 @@ def _require_little_endian() -> None:
         raise RuntimeError("the codec wire format is little-endian; big-endian hosts unsupported")
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
+def raw_bytes(t: torch.Tensor) -> bytes:
     """Copy the memory of a contiguous CPU tensor into ``bytes``, without numpy."""
     t = t.contiguous().cpu()
     n = t.numel() * t.element_size()
@@ -122,7 +122,7 @@ class Encoded:
     def to_bytes(self) -> bytes:
         """Serialize as scales bytes then data bytes (``nbytes`` long)."""
         _require_little_endian()
-        return _raw_bytes(self.scales) + _raw_bytes(self.data)
+        return raw_bytes(self.scales) + raw_bytes(self.data)
 
     def view(self, start: int, numel: int) -> Encoded:
         """Elements ``[start, start + numel)`` as an Encoded over the same memory (no copy).
