@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from gasloc_p2p.core.async_state import host_buffer, spans
-from gasloc_p2p.core.codecs import parse_optional
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.compress import ErrorFeedback, mean_of, parse_codec
 from gasloc_p2p.core.diloco import NesterovOuter
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.options import check_outer_step
@@ -35,7 +36,8 @@ from gasloc_p2p.core.options import check_outer_step
 class StreamingConfig:
     """H: steps between syncs of one fragment; tau: overlap in inner steps (0 = blocking);
     alpha: weight of the local copy in the merge; codec: codec of outer gradients ("none" sends
-    them unquantized in the buffer's dtype)."""
+    them unquantized in the buffer's dtype; a sparse codec such as ``topk2:41`` is all-gathered
+    with SparseLoCo's error feedback, decay ``ef_beta``)."""
 
     H: int = 10
     tau: int = 1
@@ -43,11 +45,14 @@ class StreamingConfig:
     eta: float = 0.7
     gamma: float = 0.9
     codec: str = "fp4"
+    ef_beta: float = 1.0
 
     def validate(self) -> None:
         check_schedule(self.H, self.tau, self.alpha)
         check_outer_step(self.eta, self.gamma)
-        parse_optional(self.codec)  # ValueError for an unknown codec
+        parse_codec(self.codec)  # ValueError for an unknown codec
+        if not 0.0 <= self.ef_beta <= 1.0:
+            raise ValueError(f"ef_beta={self.ef_beta} must be in [0, 1]")
 
 
 def check_schedule(H: int, tau: int, alpha: float) -> None:
@@ -160,9 +165,18 @@ class StreamingDiloco:
         self.global_params = theta0.detach().clone()
         # Nesterov buffers, flat layout (none at gamma 0)
         self.memory = torch.zeros_like(self.global_params) if cfg.gamma else None
-        spec = parse_optional(cfg.codec)
-        self.codec = spec.codec() if spec is not None else None
+        spec = parse_codec(cfg.codec)
+        self.codec = spec.codec() if isinstance(spec, CodecSpec) else None
+        self.sparse = spec if spec is not None and not isinstance(spec, CodecSpec) else None
+        # sparse codecs: one error-feedback accumulator per (worker, fragment), on first use
+        self.feedback: dict[tuple[int, int], ErrorFeedback] = {}
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (land step, global)
+
+    @property
+    def allgather(self) -> bool:
+        """Whether syncs are all-gathers of per-worker messages (sparse codecs: each worker
+        sends its message to every other) rather than all-reduces."""
+        return self.sparse is not None
 
     def offset(self, f: int) -> int:
         """Staggered phase of fragment ``f`` within the period ``H``."""
@@ -177,6 +191,8 @@ class StreamingDiloco:
         frag = self.fragments[f]
         grads = torch.zeros(frag.numel, dtype=self.global_params.dtype,
                             device=self.global_params.device)
+        if self.sparse is not None:
+            return self._begin_sparse(f, step, thetas)
         nbytes = 0
         for row in thetas:  # each worker quantizes its own outer gradient, the sum is in fp32
             delta = fragment_outer_grad(frag, self.global_params, row)
@@ -192,6 +208,24 @@ class StreamingDiloco:
                                          self.cfg.eta, self.cfg.gamma)
         self.pending[f] = (self.schedule.lands_at(step), new_global)
         return nbytes
+
+    def _begin_sparse(self, f: int, step: int, thetas: torch.Tensor) -> int:
+        """A sparse sync: every worker feeds its outer gradient to its accumulator and sends
+        the message; all apply the mean of the decoded messages (SparseLoCo)."""
+        frag, spec = self.fragments[f], self.sparse
+        assert spec is not None
+        messages = []
+        for w, row in enumerate(thetas):
+            ef = self.feedback.get((w, f))
+            if ef is None:
+                ef = self.feedback[(w, f)] = ErrorFeedback(spec, frag.numel, self.cfg.ef_beta,
+                                                           self.global_params.device)
+            messages.append(ef.compress(fragment_outer_grad(frag, self.global_params, row)))
+        mean = mean_of(messages).to(self.global_params.dtype)
+        new_global = fragment_outer_step(frag, self.global_params, self.memory, mean,
+                                         self.cfg.eta, self.cfg.gamma)
+        self.pending[f] = (self.schedule.lands_at(step), new_global)
+        return messages[0].nbytes
 
     def land(self, step: int, thetas: torch.Tensor) -> list[int]:
         """Merge every sync whose overlap ends at ``step`` into ``thetas`` in place."""

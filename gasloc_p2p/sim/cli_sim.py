@@ -42,7 +42,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 # Flags that only some algorithms or modes read. In a comparison (--algorithms gasloc,diloco)
 # each run takes the ones that apply to it; a single run is refused a flag it would ignore.
 ASYNC_ONLY = ("participations_per_round", "starts_per_round")
-GOSSIP_ONLY = ("w", "graph", "matching", "momentum")
+GOSSIP_ONLY = ("w", "graph", "matching", "momentum", "reference")
 
 
 def applicable(flags: dict[str, Any], algo: str, mode: str) -> dict[str, Any]:
@@ -50,6 +50,8 @@ def applicable(flags: dict[str, Any], algo: str, mode: str) -> dict[str, Any]:
     drop = set(ASYNC_ONLY) if mode == "sync" else {"matching"}
     if algo not in ("gasloc", "gossip-sgd"):
         drop |= set(GOSSIP_ONLY)
+    if algo not in ("diloco", "streaming-diloco"):
+        drop.add("ef_beta")
     if algo != "streaming-diloco":
         drop |= {"tau", "alpha"}
         if not (algo == "gasloc" and mode == "async"):

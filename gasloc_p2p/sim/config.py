@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gasloc_p2p.core.async_state import MOMENTUM_FORMS as NODE_MOMENTUM_FORMS
-from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec, parse_optional
+from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec
+from gasloc_p2p.core.compress import REFERENCES, PayloadSpec, parse_codec
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
+from gasloc_p2p.core.sparse import SparseSpec
 from gasloc_p2p.core.topology import GRAPHS, MATCHINGS, acid_parameters
 
 TASKS = ("lm", "consensus")
@@ -61,8 +63,16 @@ class SimConfig:
     starts_per_round: float | None = opt(
         None, "async: mean exchanges a worker starts per own round (the old "
               "--exchanges-per-round; overrides --participations-per-round, about half of it)")
-    codec: str = opt("int8", "payload codec: none (exact), fp32, fp16, int8, int4, fp4; "
-                             "block size: int8:256")
+    codec: str = opt("int8", "payload codec: none (exact), fp32, fp16, int8, int4, fp4 "
+                             "(block size: int8:256), or sparse: topkB:K (top-K of every 4096 "
+                             "elements, B-bit values: topk2:41), randkB:K (shared-seed "
+                             "positions), denseB (B-bit dense); B in 1, 2, 4, 8")
+    reference: str = opt("theta0", "gossip with a sparse codec: what messages are taken "
+                                   "against: theta0 (no state) or link (one copy per pair of "
+                                   "peers, CHOCO-style)")
+    ef_beta: float = opt(1.0, "diloco and streaming-diloco with a sparse codec: decay of the "
+                              "error-feedback accumulator (SparseLoCo's beta; 1: plain error "
+                              "feedback)")
     fragments: int = opt(1, "parameter fragments (strided layers); one fragment per exchange or "
                             "sync")
     tau: int = opt(1, "streaming-diloco: inner steps a sync overlaps")
@@ -111,8 +121,19 @@ class SimConfig:
 
     @property
     def codec_spec(self) -> CodecSpec | None:
-        """The exchanges' codec; None for "none" (exact float exchange, no references)."""
-        return parse_optional(self.codec)
+        """The exchanges' block codec; None for "none" (exact float exchange) and for sparse
+        codecs (see :attr:`payload_spec`)."""
+        spec = parse_codec(self.codec)
+        return spec if isinstance(spec, CodecSpec) else None
+
+    @property
+    def payload_spec(self) -> PayloadSpec | None:
+        """The exchanges' codec, block or sparse; None for "none"."""
+        return parse_codec(self.codec)
+
+    @property
+    def sparse(self) -> bool:
+        return isinstance(parse_codec(self.codec), SparseSpec)
 
     @property
     def start_rate(self) -> float:
@@ -162,7 +183,16 @@ class SimConfig:
             (self.graph in GRAPHS, f"unknown graph {self.graph!r}; choose from {GRAPHS}"),
             (self.matching in MATCHINGS, f"unknown matching {self.matching!r}; {MATCHINGS}"),
             (_parses(self.codec),
-             f"unknown codec {self.codec!r}; choose none or one of {CODEC_NAMES}"),
+             f"unknown codec {self.codec!r}; choose none, one of {CODEC_NAMES}, or a sparse "
+             "codec such as topk2:41, randk8:123, dense2"),
+            (self.reference in REFERENCES, f"--reference must be one of {REFERENCES}"),
+            (self.reference == "theta0" or (_parses(self.codec) and self.sparse
+                                            and self.algorithm in ("gasloc", "gossip-sgd")),
+             "--reference applies to gasloc and gossip-sgd with a sparse codec"),
+            (0.0 <= self.ef_beta <= 1.0, "--ef-beta must be in [0, 1]"),
+            (self.ef_beta == 1.0 or (_parses(self.codec) and self.sparse
+                                     and self.algorithm in ("diloco", "streaming-diloco")),
+             "--ef-beta applies to diloco and streaming-diloco with a sparse codec"),
             (self.dtype in ("float32", "float64"), "--dtype must be float32 or float64"),
             (self.tokenizer in ("byte", "bpe"), "--tokenizer must be byte or bpe"),
             (self.dtype == "float32" or self.codec == "none",
@@ -227,7 +257,7 @@ class SimConfig:
 
 def _parses(codec: str) -> bool:
     try:
-        parse_optional(codec)
+        parse_codec(codec)
     except ValueError:
         return False
     return True

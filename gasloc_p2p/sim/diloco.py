@@ -13,7 +13,13 @@ from __future__ import annotations
 from gasloc_p2p.core.flat import layer_fragments, whole
 from gasloc_p2p.core.streaming import StreamingConfig, StreamingDiloco
 from gasloc_p2p.model import layer_index
-from gasloc_p2p.sim.clock import Clock, Record, allreduce_seconds, compute_seconds
+from gasloc_p2p.sim.clock import (
+    Clock,
+    Record,
+    allgather_seconds,
+    allreduce_seconds,
+    compute_seconds,
+)
 from gasloc_p2p.sim.workers import SimWorkers
 
 
@@ -23,7 +29,8 @@ def run_diloco(sim: SimWorkers, clock: Clock, record: Record) -> None:
     frags = ([whole(sim.theta0.numel())] if one
              else layer_fragments(sim.spans, layer_index, cfg.fragments, "strided"))
     scfg = StreamingConfig(H=cfg.H, tau=0 if one else min(cfg.tau, cfg.H - 1), alpha=cfg.alpha,
-                           eta=cfg.outer_eta, gamma=cfg.outer_gamma, codec=cfg.codec)
+                           eta=cfg.outer_eta, gamma=cfg.outer_gamma, codec=cfg.codec,
+                           ef_beta=cfg.ef_beta)
     sd = StreamingDiloco(sim.theta0, frags, scfg)
     if one:
         _rounds(sim, sd, clock, record)
@@ -61,12 +68,14 @@ def _rounds(sim: SimWorkers, sd: StreamingDiloco, clock: Clock, record: Record) 
 
 
 def _sync(sim: SimWorkers, sd: StreamingDiloco, f: int, step: int, clock: Clock) -> float:
-    """Start fragment ``f``'s sync; count its bytes; returns the all-reduce's seconds."""
+    """Start fragment ``f``'s sync; count its bytes; returns the all-reduce's (or, for sparse
+    codecs, the ring all-gather's: each worker sends its message and forwards the n - 2 others)
+    seconds."""
     n = sim.cfg.workers
     nbytes = sd.begin(f, step, sim.thetas)
     for i in range(n):
-        clock.bytes_sent[i] += int(2 * (n - 1) / n * nbytes)
-    return allreduce_seconds(sim, nbytes)
+        clock.bytes_sent[i] += (n - 1) * nbytes if sd.allgather else int(2 * (n - 1) / n * nbytes)
+    return allgather_seconds(sim, nbytes) if sd.allgather else allreduce_seconds(sim, nbytes)
 
 
 def run_local(sim: SimWorkers, clock: Clock, record: Record) -> None:

@@ -26,11 +26,13 @@ import random
 
 from gasloc_p2p.core.async_state import MAX_STALENESS, AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import Fragment, layer_fragments, whole
+from gasloc_p2p.core.sparse import SparseSpec
 from gasloc_p2p.core.topology import default_weight, graph_edges, round_edges
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.sim.acid import AcidState
 from gasloc_p2p.sim.clock import Clock, Record, compute_seconds
 from gasloc_p2p.sim.exchange import ExactExchanger, Exchanger, Pending, ProtocolExchanger
+from gasloc_p2p.sim.sparse_exchange import SparseExchanger
 from gasloc_p2p.sim.workers import SimWorkers
 
 
@@ -61,9 +63,11 @@ class GossipSim:
         self.whole = len(self.fragments) - 1 if cfg.fragments == 1 else len(self.fragments)
         known = self.fragments + ([] if cfg.fragments == 1
                                   else [Fragment(self.whole, whole(numel).ranges)])
-        spec = cfg.codec_spec
+        spec = cfg.payload_spec
         self.exchanger: Exchanger = (
             ExactExchanger(self.states, known, w) if spec is None
+            else SparseExchanger(self.states, sim.theta0, known, spec, w, cfg.reference,
+                                 cfg.seed) if isinstance(spec, SparseSpec)
             else ProtocolExchanger(self.states, sim.theta0, known, spec, w))
         self.edges = graph_edges(cfg.graph, n)
         self.neighbours: list[list[int]] = [[] for _ in range(n)]

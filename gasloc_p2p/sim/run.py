@@ -91,6 +91,10 @@ def label(cfg: SimConfig) -> str:
         parts.append(f"{cfg.graph}")
     if cfg.algorithm != "local":
         parts.append(cfg.codec)
+    if cfg.reference != "theta0":
+        parts.append(f"ref {cfg.reference}")
+    if cfg.ef_beta != 1.0:
+        parts.append(f"ef beta {cfg.ef_beta:g}")
     return " ".join(parts)
 
 
