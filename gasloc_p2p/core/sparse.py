@@ -23,6 +23,11 @@ float32 rounding, so every peer decodes the same bits.
 - 2: code c in 0..3, level 2c - 3; the encoder fits s by least squares (``_quantize2``).
 - 1: code c in 0..1, level 2c - 1; s = mean |value| (the least-squares scale for signs).
 
+Stochastic rounding (``stochastic``, text ``randk2s:512``): the encoder scales by the absmax
+(8: /127, 4: /7, 2: /3, 1: /1) and rounds up or down with a uniform drawn from the seed and
+the coordinate's position, so the decoded value is unbiased and two peers holding close values
+round them alike. Decoding is unchanged.
+
 Chunks whose absmax is below 2^-100 send scale 0 (they decode to zeros).
 
 Wire layout (``SparsePayload.to_bytes``): scales (float32, little-endian, one per chunk), then
@@ -51,6 +56,7 @@ _MIN_ABSMAX = 2.0**-100  # levels / absmax would overflow float32 below this
 _F32_MAX = torch.finfo(torch.float32).max
 _LEVELS = {8: 127.0, 4: 7.0}  # encoder: scale = absmax / levels
 _MAX_LEVEL = {8: 128.0, 4: 8.0, 2: 3.0, 1: 1.0}  # largest |level| a peer's code can carry
+_DITHER_SALT = 0x5EED_D17E  # stochastic rounding draws from another stream than positions
 # Elements per encoding pass on a CPU: cache-sized, as the block codecs (core/codecs.py).
 _PASS_ELEMS = 1 << 20
 
@@ -68,6 +74,7 @@ class SparseSpec:
     bits: int
     k: int
     chunk: int = DEFAULT_CHUNK
+    stochastic: bool = False
 
     def __post_init__(self) -> None:
         if self.select not in SELECTIONS:
@@ -87,6 +94,8 @@ class SparseSpec:
     def parse(cls, text: str) -> SparseSpec:
         """``topk2:41``, ``randk8:123:2048``, ``dense2``, ``dense2:256``; ValueError else."""
         head, _, rest = text.partition(":")
+        stochastic = head.endswith("s") and head[-2:-1].isdigit()
+        head = head[:-1] if stochastic else head
         select = head.rstrip("0123456789")
         try:
             bits = int(head[len(select):])
@@ -98,16 +107,18 @@ class SparseSpec:
             if len(nums) > 1:
                 raise ValueError(f"bad sparse codec {text!r}: dense takes one chunk size")
             chunk = nums[0] if nums else DEFAULT_CHUNK
-            return cls("dense", bits, chunk, chunk)
+            return cls("dense", bits, chunk, chunk, stochastic)
         if len(nums) not in (1, 2):
             raise ValueError(f"bad sparse codec {text!r}: {select} needs k (and a chunk)")
-        return cls(select, bits, nums[0], nums[1] if len(nums) == 2 else DEFAULT_CHUNK)
+        return cls(select, bits, nums[0], nums[1] if len(nums) == 2 else DEFAULT_CHUNK,
+                   stochastic)
 
     def __str__(self) -> str:
+        head = f"{self.select}{self.bits}" + ("s" if self.stochastic else "")
         if self.select == "dense":
-            return f"dense{self.bits}" + ("" if self.chunk == DEFAULT_CHUNK else f":{self.chunk}")
+            return head + ("" if self.chunk == DEFAULT_CHUNK else f":{self.chunk}")
         tail = "" if self.chunk == DEFAULT_CHUNK else f":{self.chunk}"
-        return f"{self.select}{self.bits}:{self.k}{tail}"
+        return f"{head}:{self.k}{tail}"
 
     @property
     def density(self) -> float:
@@ -226,11 +237,13 @@ def _positions_in_chunks(spec: SparseSpec, rows: int, length: int, k: int, first
 
 def _topk_rows(a: torch.Tensor, k: int) -> torch.Tensor:
     """Positions (int64 [rows, k], unsorted) of the k largest values of each row of ``a``
-    (non-negative, [rows, length]). Exact: every top-k entry lies in one of the k strided
-    groups with the largest maxima, so the top-k of those groups' members is the row's top-k
-    (ties broken arbitrarily); two small top-k calls cost less than one over the row."""
+    ([rows, length], int32 bit patterns of non-negative floats: same order, and integer topk
+    ran 1.3-1.7x faster than float topk here). Exact: every top-k entry lies in one of the k
+    strided groups with the largest maxima, so the top-k of those groups' members is the
+    row's top-k (ties broken arbitrarily); two small top-k calls cost less than one over the
+    row (measured 1.4x at k = 41 and 1.5x at k = 123 of 4096)."""
     rows, length = a.shape
-    groups = 1 << max(0, (4 * k - 1).bit_length())  # a power of two >= 4k
+    groups = max(512, 1 << max(0, (4 * k - 1).bit_length()))  # a power of two >= 4k
     if groups * 2 > length or length % groups:
         return a.topk(k, dim=1, sorted=False).indices
     size = length // groups  # members per group: g, g + groups, g + 2 groups, ...
@@ -241,8 +254,13 @@ def _topk_rows(a: torch.Tensor, k: int) -> torch.Tensor:
     return members.gather(1, pick)
 
 
-def _quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (uint8 [rows, k]) and scales (float32 [rows]) of the values ``v`` [rows, k]."""
+def _quantize(v: torch.Tensor, bits: int,
+              dither: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8 [rows, k]) and scales (float32 [rows]) of the values ``v`` [rows, k].
+    ``dither`` (float32 [rows, k] in [0, 1)): stochastic rounding between the two levels
+    around each value, unbiased (absmax scales: no value is clipped)."""
+    if dither is not None:
+        return _quantize_stochastic(v, bits, dither)
     if bits == 1:
         scale = v.abs().mean(dim=1)
         return (v >= 0).to(torch.uint8), torch.where(scale >= _MIN_ABSMAX, scale, 0.0)
@@ -255,6 +273,25 @@ def _quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     y = v * torch.where(ok, levels / absmax, 0.0)[:, None]  # in [-levels, levels]
     q = y.round_().to(torch.int8)  # round half to even
     return (q.view(torch.uint8) & 0xF if bits == 4 else q.view(torch.uint8)), scale
+
+
+def _quantize_stochastic(v: torch.Tensor, bits: int,
+                         dither: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unbiased rounding: 8 and 4 bits ``floor(y + u)`` on the integer grid (scale absmax/127,
+    absmax/7); 2 and 1 bits ``floor((y + top) / 2 + u)`` on the odd grid (scale absmax/3,
+    absmax), so E[level] = y. With the same ``u`` on both sides of an exchange, two close values
+    round alike (their difference is kept in expectation, with variance about step * gap)."""
+    top = {8: 127.0, 4: 7.0, 2: 3.0, 1: 1.0}[bits]
+    absmax = v.abs().amax(dim=1)
+    ok = absmax >= _MIN_ABSMAX
+    levels = torch.full_like(absmax, top)
+    scale = torch.where(ok, absmax / levels, 0.0)
+    y = v * torch.where(ok, levels / absmax, 0.0)[:, None]  # in [-top, top]
+    if bits in (8, 4):
+        q = y.add_(dither).floor_().clamp_(-top, top).to(torch.int8).view(torch.uint8)
+        return (q & 0xF if bits == 4 else q), scale
+    c = y.add_(top).mul_(0.5).add_(dither).floor_().clamp_(0, (1 << bits) - 1)
+    return c.to(torch.uint8), scale
 
 
 def _codes2(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -292,17 +329,33 @@ def encode(spec: SparseSpec, x: torch.Tensor, seed: int = 0) -> SparsePayload:
     passes = [(c0, min(c0 + per, full), spec.chunk, k) for c0 in range(0, full, per)]
     if last:
         passes.append((full, full + 1, last, min(k, last)))
+    work = None  # |x| of a pass (topk), reused: cache-sized passes stay in cache
     for c0, c1, length, kk in passes:
         xb = x[c0 * spec.chunk: c0 * spec.chunk + (c1 - c0) * length].view(c1 - c0, length)
         xb = xb.float()
         finite &= torch.isfinite(xb.amax()) & torch.isfinite(xb.amin())
-        if spec.select == "topk":
-            pos = _topk_rows(xb.abs(), kk).sort(dim=1).values
-            index[c0 * k: c0 * k + (c1 - c0) * kk] = pos.view(-1)
+        lo, hi = c0 * k, c0 * k + (c1 - c0) * kk
+        if spec.select == "dense":
+            pos = None
+            vals = xb
         else:
-            pos = _positions_in_chunks(spec, c1 - c0, length, kk, c0, seed, dev)
-        q, s = _quantize(xb.gather(1, pos), spec.bits)
-        codes[c0 * k: c0 * k + (c1 - c0) * kk] = q.view(-1)
+            if spec.select == "topk":
+                if work is None or work.numel() < xb.numel():
+                    work = torch.empty(xb.numel(), dtype=torch.float32, device=dev)
+                a = torch.abs(xb, out=work[:xb.numel()].view_as(xb)).view(torch.int32)
+                pos = _topk_rows(a, kk).sort(dim=1).values
+                index[lo:hi] = pos.view(-1)
+            else:
+                pos = _positions_in_chunks(spec, c1 - c0, length, kk, c0, seed, dev)
+            vals = xb.gather(1, pos)
+        dither = None
+        if spec.stochastic:  # one uniform per coordinate (not per entry): shared by a pair
+            where = (torch.arange(length, device=dev).expand(c1 - c0, length) if pos is None
+                     else pos)
+            where = where + (torch.arange(c0, c1, device=dev) * spec.chunk)[:, None]
+            dither = bitpack.uniform_at(seed ^ _DITHER_SALT, where)
+        q, s = _quantize(vals, spec.bits, dither)
+        codes[lo:hi] = q.view(-1)
         scales[c0:c1] = s
     if not bool(finite):
         raise ValueError(f"{spec}: input has non-finite values (NaN or Inf)")
@@ -316,6 +369,8 @@ def positions(payload: SparsePayload) -> torch.Tensor:
     spec = payload.spec
     _, full, last, entries = spec.counts(payload.numel)
     dev, k = payload.scales.device, spec.k
+    if spec.select == "dense":
+        return torch.arange(payload.numel, device=dev)
     if spec.select == "topk":
         local = bitpack.unpack_indices(payload.index, entries)
     else:
@@ -332,11 +387,23 @@ def values(payload: SparsePayload) -> torch.Tensor:
     """Decoded values of the payload's entries, in the order of :func:`positions`: float32 [K]
     (level * chunk scale, one rounding: the same bits on every peer)."""
     spec = payload.spec
-    _, _, _, entries = spec.counts(payload.numel)
-    codes = bitpack.unpack_codes(payload.codes, spec.bits, entries)
-    levels = _level_table(spec.bits, payload.codes.device).index_select(0, codes.to(torch.int32))
-    chunk_of = torch.arange(entries, device=codes.device) // spec.k
-    return levels.mul_(payload.scales.index_select(0, chunk_of))
+    _, full, last, entries = spec.counts(payload.numel)
+    dev = payload.codes.device
+    table = _byte_levels(spec.bits, dev)  # float32 [256, per]: the levels of each byte
+    out = table.index_select(0, payload.codes.to(torch.int32)).view(-1)[:entries]
+    body = out[: full * spec.k].view(full, spec.k)
+    body.mul_(payload.scales[:full, None])
+    if last:
+        out[full * spec.k:].mul_(payload.scales[full])
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _byte_levels(bits: int, device: torch.device) -> torch.Tensor:
+    """float32 [256, 8 // bits]: the levels of the codes each byte value holds."""
+    codes = bitpack.unpack_codes(torch.arange(256, dtype=torch.uint8), bits, 256 * 8 // bits)
+    levels = _level_table(bits, torch.device("cpu"))[codes.to(torch.int64)]
+    return levels.view(256, 8 // bits).to(device)
 
 
 def decode(payload: SparsePayload, out: torch.Tensor | None = None) -> torch.Tensor:
