@@ -31,7 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks import repro_consensus
+from benchmarks import repro_codecs, repro_consensus
 from gasloc_p2p.sim.analysis import mean_ci, paired_ci, time_to_target, value_at
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.consensus import DIM
@@ -194,6 +194,7 @@ TITLES: dict[str, str] = {  # as published (a table keeps the title it was measu
                       "step",
     "gamma-graphs-16": "n = 16, ring and exponential graph: outer momentum at equal effective "
                        "step",
+    **repro_codecs.TITLES,
     # archived: their options were retired after commit db57895 (rebuilt from their JSON only)
     "staleness": "Async at the slow-link profile: staleness policies",
     "capacity": "n = 12, complete graph: per-peer reference capacity against per-node "
@@ -217,6 +218,8 @@ PARTS: dict[str, list[Row]] = {
     "acid": _acid(),
     "gamma-graphs-8": _gamma_graphs(8, (0.0, 0.3, 0.5, 0.7, 0.9)),
     "gamma-graphs-16": _gamma_graphs(16, (0.0, 0.5, 0.9)),
+    "codecs-8": repro_codecs.rows(BASE, 8),
+    "codecs-16": repro_codecs.rows(BASE, 16),
 }
 ARCHIVED = [p for p in TITLES if p not in PARTS]
 CONSENSUS_PARTS = ("consensus", "acid-consensus")  # they publish every 25th round only
@@ -353,6 +356,14 @@ def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
     cfg = runs[0]["config"]
     if part in CONSENSUS_PARTS:
         write_consensus(part, group, out, seeds, wall, len(runs))
+        return
+    if part in repro_codecs.TITLES:
+        lines = [*repro_codecs.describe(part, group, ",".join(map(str, seeds)), wall), "",
+                 *repro_codecs.table(group), "", f"![{part}]({part}.png)", ""]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{part}.md").write_text("\n".join(lines))
+        write_results(runs, out, part)
+        print("\n".join(lines), flush=True)
         return
     lines = [f"## {part}: {title}", "",
              f"`python -m benchmarks.reproduce --only {part} --seeds "

@@ -1,0 +1,133 @@
+"""The codec study of issue 24 ("100x fewer bytes"): parts ``codecs-8`` and ``codecs-16`` of
+benchmarks/reproduce.py.
+
+Every row runs the same 1000 inner steps per worker (equal steps and tokens), H = 10, sync
+rounds, 1-peer random matchings on the complete graph (gossip) or an all-reduce / all-gather
+(DiLoCo, eta 1 gamma 0: the outer step this project found best at this scale). Gossip rows
+differ only in the payload: int8 plain (the default), sparse codecs against theta_0 (no state)
+or per-pair references (``link``), dense low-bit; DiLoCo rows in the outer-gradient payload
+(uncompressed fp32; sparse and dense low-bit with SparseLoCo's error feedback). ``local`` (no
+communication) is the control: what zero bytes buy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.sim.analysis import mean_ci, paired_ci
+from gasloc_p2p.sim.config import SimConfig
+
+Row = tuple[str, SimConfig]
+REFERENCE = "gossip int8 plain (default)"
+DILOCO_REFERENCE = "diloco fp32 (uncompressed)"
+TITLES = {
+    "codecs-8": "n = 8: sparse and low-bit payloads in gossip and DiLoCo at equal steps",
+    "codecs-16": "n = 16: sparse and low-bit payloads in gossip and DiLoCo at equal steps",
+}
+
+
+def rows(base: SimConfig, n: int) -> list[Row]:
+    """The study's rows at ``n`` workers, reference first (n = 16: the rows that decide)."""
+    b = dataclasses.replace(base, workers=n, H=10, graph="complete")
+    g = dataclasses.replace(b, algorithm="gasloc")
+    d = dataclasses.replace(b, algorithm="diloco", eta=1.0, gamma=0.0)
+    r = dataclasses.replace
+    every: list[Row] = [
+        (REFERENCE, r(g, codec="int8")),
+        ("gossip randk2 12.5%, theta0", r(g, codec="randk2:512")),
+        ("gossip randk1 25%, theta0", r(g, codec="randk1:1024")),
+        ("gossip randk2 4%, theta0", r(g, codec="randk2:160")),
+        ("gossip topk2 1%, link references", r(g, codec="topk2:41", reference="link")),
+        ("gossip dense2, theta0", r(g, codec="dense2")),
+        ("gossip int4 plain", r(g, codec="int4")),
+        ("local (no communication)", r(b, algorithm="local")),
+        (DILOCO_REFERENCE, r(d, codec="none")),
+        ("diloco topk1 1%, error feedback", r(d, codec="topk1:41")),
+        ("diloco topk2 3%, error feedback", r(d, codec="topk2:123")),
+        ("diloco dense2, error feedback", r(d, codec="dense2")),
+    ]
+    if n <= 8:
+        return every
+    keep = (REFERENCE, "gossip randk2 12.5%, theta0", "local (no communication)",
+            DILOCO_REFERENCE, "diloco topk1 1%, error feedback")
+    return [row for row in every if row[0] in keep]
+
+
+def _final(res: dict[str, Any]) -> float:
+    return float(res["final"]["val_loss"])
+
+
+def _tokens_per_worker(res: dict[str, Any]) -> float:
+    c = res["config"]
+    return float(c["steps"] * c["batch_size"] * c["seq_len"])
+
+
+def _versus(runs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str:
+    by_seed = {r["config"]["seed"]: r for r in ref}
+    paired = [r for r in runs if r["config"]["seed"] in by_seed]
+    if len(paired) < 2:
+        return "n/a"
+    mean, half = paired_ci([_final(r) for r in paired],
+                           [_final(by_seed[r["config"]["seed"]]) for r in paired])
+    return f"{mean:+.3f} ± {half:.3f}"
+
+
+def table(group: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Markdown rows: final loss, paired differences, consensus distance, bytes."""
+    head = ["config", "codec", "seeds", "final loss", "Δ vs int8 plain (paired)",
+            "Δ vs uncompressed DiLoCo (paired)", "consensus", "bytes/node/token",
+            "fewer bytes than int8 plain", "than fp32 plain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ref = group.get(REFERENCE, [])
+    ref_bpt = (mean_ci([r["final"]["bytes_per_worker"] / _tokens_per_worker(r) for r in ref])[0]
+               if ref else math.nan)
+    params = next(iter(group.values()))[0]["params"]
+    fp32_over_int8 = 4 * params / CodecSpec.of("int8").codec().wire_bytes(params)
+    for name, runs in group.items():
+        runs = sorted(runs, key=lambda r: r["config"]["seed"])
+        loss, half = mean_ci([_final(r) for r in runs])
+        bpt = mean_ci([r["final"]["bytes_per_worker"] / _tokens_per_worker(r) for r in runs])[0]
+        diloco = runs[0]["config"]["algorithm"] == "diloco"
+        cells = [name, runs[0]["config"]["codec"] if runs[0]["config"]["algorithm"] != "local"
+                 else "-", str(len(runs)),
+                 f"{loss:.3f}" + ("" if math.isnan(half) else f" ± {half:.3f}"),
+                 "(reference)" if name == REFERENCE else _versus(runs, ref),
+                 ("(reference)" if name == DILOCO_REFERENCE
+                  else _versus(runs, group.get(DILOCO_REFERENCE, [])) if diloco else ""),
+                 f"{mean_ci([r['final']['consensus'] for r in runs])[0]:.3g}",
+                 f"{bpt:.3g}",
+                 f"{ref_bpt / bpt:.1f}x" if bpt else "(none sent)",
+                 f"{ref_bpt * fp32_over_int8 / bpt:.0f}x" if bpt else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def describe(part: str, group: dict[str, list[dict[str, Any]]], seeds: str,
+             cpu_minutes: float) -> list[str]:
+    """The page's header: command, regime, how to read the table."""
+    runs = [r for rs in group.values() for r in rs]
+    cfg = runs[0]["config"]
+    return [f"## {part}: {TITLES[part]}", "",
+            f"`python -m benchmarks.reproduce --only {part} --seeds {seeds} --jobs 1`: "
+            f"{len(runs)} runs of n = {cfg['workers']} workers x {cfg['steps']} inner steps "
+            f"(H = {cfg['H']}, {cfg['batch_size'] * cfg['seq_len']} tokens per step), "
+            f"{runs[0]['params']:,} parameters, {cpu_minutes:.0f} CPU-minutes (1 thread per "
+            "run).", "",
+            "Gossip: sync rounds, a fresh random 1-peer matching of the complete graph every "
+            "round, w = 1/2, eta 1, gamma 0. DiLoCo: an all-reduce (fp32) or, for sparse "
+            "codecs, an all-gather of each worker's message with SparseLoCo's error feedback "
+            "(beta 1), eta 1, gamma 0. Codecs: `randkB:K` sends K of every 4096 coordinates, "
+            "drawn from a seed both sides share (no indices), at B bits; `topkB:K` the K "
+            "largest of every 4096 with 12-bit indices; `denseB` every coordinate at B bits; "
+            "a float32 scale per 4096. theta0: messages are the public iterate minus theta_0 "
+            "(no state); link: minus a reference each pair of workers keeps (one model copy "
+            "per pair).", "",
+            "Final loss: the network-average model on 65,536 validation tokens (nats/byte), "
+            "mean ± 95% t half-width over seeds; Δ: paired by seed (negative = better). "
+            "Consensus: mean_i ||theta_i - mean(theta)||^2 at the end, mean over seeds. "
+            "Bytes/node/token: bytes each worker sent over the run / tokens it trained on; "
+            "the last two columns divide int8 plain's (and fp32 plain gossip's, 3.98x int8's) "
+            "by the row's."]
