@@ -29,7 +29,7 @@ import torch
 from gasloc_p2p.core import sparse
 from gasloc_p2p.core.codecs import CODEC_NAMES, get_codec
 
-SPARSE = ("topk2:41", "topk2:123", "topk1:41", "randk8:123", "randk8:41", "dense2")
+SPARSE = ("topk2:41", "topk2:123", "topk1:41", "randk2:512", "randk1:1024", "randk8:123", "dense2")
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

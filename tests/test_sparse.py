@@ -21,8 +21,7 @@ from gasloc_p2p.core.sparse import (
 )
 
 SPECS = ("topk2:41", "topk8:123", "topk1:41", "topk4:7:64", "randk8:41", "randk2:410",
-         "randk4:5:100", "dense2", "dense2:256", "dense8:64", "dense1:64", "randk2s:512",
-         "dense1s:64", "topk8s:41")
+         "randk4:5:100", "dense2", "dense2:256", "dense8:64", "dense1:64")
 SIZES = (0, 1, 5, 63, 64, 65, 4095, 4096, 4097, 3 * 4096 + 17)
 
 
@@ -120,33 +119,6 @@ def test_dense_relative_error_on_gaussian_data(text: str, lo: float, hi: float) 
     x = gaussian(100_000)
     err = float((decode(encode(SparseSpec.parse(text), x)) - x).norm() / x.norm())
     assert lo <= err <= hi
-
-
-@pytest.mark.parametrize("text", ("randk8s:64:256", "randk4s:64:256", "dense2s:256",
-                                  "dense1s:256"))
-def test_stochastic_rounding_is_unbiased(text: str) -> None:
-    spec = SparseSpec.parse(text)
-    x = gaussian(1024)
-    total, count = torch.zeros(1024), torch.zeros(1024)
-    for seed in range(400):
-        msg = encode(spec, x, seed=seed)
-        total[positions(msg)] += values(msg)
-        count[positions(msg)] += 1
-    # deterministic rounding of 2 bits is off by 0.2 on average; unbiased rounding averages out
-    bias = (total / count - x).abs().mean()
-    assert float(bias) < {8: 0.003, 4: 0.03, 2: 0.08, 1: 0.25}[spec.bits]
-
-
-def test_stochastic_rounding_rounds_close_values_alike() -> None:
-    spec = SparseSpec.parse("dense2s:256")
-    x = gaussian(4096)
-    y = x + 1e-3 * gaussian(4096, seed=9)
-    # the two chunk scales differ slightly: the same level means values within 1%
-    same_seed = torch.isclose(decode(encode(spec, x, seed=1)), decode(encode(spec, y, seed=1)),
-                              rtol=0.01)
-    other_seed = torch.isclose(decode(encode(spec, x, seed=1)),
-                               decode(encode(spec, y, seed=2)), rtol=0.01)
-    assert float(same_seed.float().mean()) > 0.99 > 0.7 > float(other_seed.float().mean())
 
 
 def test_two_bit_top_k_values_are_close() -> None:

@@ -100,9 +100,3 @@ def hash_at(seed: int, idx: torch.Tensor) -> torch.Tensor:
     s = ((folded ^ (folded >> 32)) & _MASK32)
     s = int(mix32(torch.tensor([s], dtype=torch.int64))[0])
     return mix32((idx * 0x9E3779B1 + s) & _MASK32)
-
-
-def uniform_at(seed: int, idx: torch.Tensor) -> torch.Tensor:
-    """A float32 in [0, 1) for each index of ``idx`` (int64), from :func:`hash_at`: 24 bits,
-    exact in float32."""
-    return (hash_at(seed, idx) >> 8).to(torch.float32).mul_(2.0**-24)
