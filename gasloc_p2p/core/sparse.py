@@ -334,14 +334,15 @@ def positions(payload: SparsePayload) -> torch.Tensor:
         return torch.arange(payload.numel, device=dev)
     if spec.select == "topk":
         local = bitpack.unpack_indices(payload.index, entries)
-    else:
-        parts = [_positions_in_chunks(spec, full, spec.chunk, k, 0, payload.seed, dev).reshape(-1)]
-        if last:
-            parts.append(_positions_in_chunks(spec, 1, last, min(k, last), full, payload.seed,
-                                              dev).reshape(-1))
-        local = torch.cat(parts)
-    chunk_of = torch.arange(entries, device=dev) // k  # the last chunk's entries: // k too
-    return local + chunk_of * spec.chunk
+        chunk_of = torch.arange(entries, device=dev) // k  # the last chunk's entries: // k too
+        return local + chunk_of * spec.chunk
+    # randk: offsets broadcast per chunk row (no division per entry)
+    rows = _positions_in_chunks(spec, full, spec.chunk, k, 0, payload.seed, dev)
+    parts = [rows.add_(torch.arange(full, device=dev)[:, None] * spec.chunk).view(-1)]
+    if last:
+        tail = _positions_in_chunks(spec, 1, last, min(k, last), full, payload.seed, dev)
+        parts.append(tail.view(-1) + full * spec.chunk)
+    return torch.cat(parts)
 
 
 def values(payload: SparsePayload) -> torch.Tensor:
