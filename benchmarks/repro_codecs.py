@@ -37,12 +37,14 @@ def rows(base: SimConfig, n: int) -> list[Row]:
     r = dataclasses.replace
     every: list[Row] = [
         (REFERENCE, r(g, codec="int8")),
+        ("gossip int4 plain", r(g, codec="int4")),
+        ("gossip dense2, theta0", r(g, codec="dense2")),
+        ("gossip randk2 50%, theta0", r(g, codec="randk2:2048")),
+        ("gossip randk2 25%, theta0", r(g, codec="randk2:1024")),
         ("gossip randk2 12.5%, theta0", r(g, codec="randk2:512")),
         ("gossip randk1 25%, theta0", r(g, codec="randk1:1024")),
         ("gossip randk2 4%, theta0", r(g, codec="randk2:160")),
         ("gossip topk2 1%, link references", r(g, codec="topk2:41", reference="link")),
-        ("gossip dense2, theta0", r(g, codec="dense2")),
-        ("gossip int4 plain", r(g, codec="int4")),
         ("local (no communication)", r(b, algorithm="local")),
         (DILOCO_REFERENCE, r(d, codec="none")),
         ("diloco topk1 1%, error feedback", r(d, codec="topk1:41")),
@@ -51,7 +53,7 @@ def rows(base: SimConfig, n: int) -> list[Row]:
     ]
     if n <= 8:
         return every
-    keep = (REFERENCE, "gossip randk2 12.5%, theta0", "local (no communication)",
+    keep = (REFERENCE, "gossip dense2, theta0", "gossip randk2 12.5%, theta0",
             DILOCO_REFERENCE, "diloco topk1 1%, error feedback")
     return [row for row in every if row[0] in keep]
 
@@ -75,21 +77,34 @@ def _versus(runs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str:
     return f"{mean:+.3f} ± {half:.3f}"
 
 
+def _ratio(base: float, mine: float) -> str:
+    if not mine:
+        return "(none sent)"
+    ratio = base / mine
+    return f"{ratio:.1f}x" if ratio < 100 else f"{ratio:.0f}x"
+
+
 def table(group: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Markdown rows: final loss, paired differences, consensus distance, bytes."""
     head = ["config", "codec", "seeds", "final loss", "Δ vs int8 plain (paired)",
             "Δ vs uncompressed DiLoCo (paired)", "consensus", "bytes/node/token",
-            "fewer bytes than int8 plain", "than fp32 plain"]
+            "fewer bytes than int8 plain gossip", "than fp32 plain gossip",
+            "than fp32 DiLoCo"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ref = group.get(REFERENCE, [])
-    ref_bpt = (mean_ci([r["final"]["bytes_per_worker"] / _tokens_per_worker(r) for r in ref])[0]
-               if ref else math.nan)
+
+    def bytes_per_token(runs: list[dict[str, Any]]) -> float:
+        return mean_ci([r["final"]["bytes_per_worker"] / _tokens_per_worker(r)
+                        for r in runs])[0] if runs else math.nan
+
+    ref_bpt = bytes_per_token(ref)
+    diloco_bpt = bytes_per_token(group.get(DILOCO_REFERENCE, []))
     params = next(iter(group.values()))[0]["params"]
     fp32_over_int8 = 4 * params / CodecSpec.of("int8").codec().wire_bytes(params)
     for name, runs in group.items():
         runs = sorted(runs, key=lambda r: r["config"]["seed"])
         loss, half = mean_ci([_final(r) for r in runs])
-        bpt = mean_ci([r["final"]["bytes_per_worker"] / _tokens_per_worker(r) for r in runs])[0]
+        bpt = bytes_per_token(runs)
         diloco = runs[0]["config"]["algorithm"] == "diloco"
         cells = [name, runs[0]["config"]["codec"] if runs[0]["config"]["algorithm"] != "local"
                  else "-", str(len(runs)),
@@ -98,9 +113,8 @@ def table(group: dict[str, list[dict[str, Any]]]) -> list[str]:
                  ("(reference)" if name == DILOCO_REFERENCE
                   else _versus(runs, group.get(DILOCO_REFERENCE, [])) if diloco else ""),
                  f"{mean_ci([r['final']['consensus'] for r in runs])[0]:.3g}",
-                 f"{bpt:.3g}",
-                 f"{ref_bpt / bpt:.1f}x" if bpt else "(none sent)",
-                 f"{ref_bpt * fp32_over_int8 / bpt:.0f}x" if bpt else ""]
+                 f"{bpt:.3g}", _ratio(ref_bpt, bpt), _ratio(ref_bpt * fp32_over_int8, bpt),
+                 _ratio(diloco_bpt, bpt) if diloco else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -129,5 +143,5 @@ def describe(part: str, group: dict[str, list[dict[str, Any]]], seeds: str,
             "mean ± 95% t half-width over seeds; Δ: paired by seed (negative = better). "
             "Consensus: mean_i ||theta_i - mean(theta)||^2 at the end, mean over seeds. "
             "Bytes/node/token: bytes each worker sent over the run / tokens it trained on; "
-            "the last two columns divide int8 plain's (and fp32 plain gossip's, 3.98x int8's) "
-            "by the row's."]
+            "the last three columns divide int8 plain gossip's (fp32 plain gossip's: 3.98x "
+            "int8's; uncompressed DiLoCo's all-reduce) by the row's."]
