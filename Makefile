@@ -141,7 +141,7 @@ bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale ben
 	bench-external-1000 bench-projection bench-engine
 
 reproduce: setup
-	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16
+	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,codecs-8,codecs-16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
