@@ -54,7 +54,8 @@ def rows(base: SimConfig, n: int) -> list[Row]:
     if n <= 8:
         return every
     keep = (REFERENCE, "gossip dense2, theta0", "gossip randk2 12.5%, theta0",
-            DILOCO_REFERENCE, "diloco topk1 1%, error feedback")
+            DILOCO_REFERENCE, "diloco topk1 1%, error feedback",
+            "diloco topk2 3%, error feedback")
     return [row for row in every if row[0] in keep]
 
 
