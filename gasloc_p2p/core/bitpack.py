@@ -90,13 +90,8 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 def seeded_hash(seed: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``count`` pseudo-random 32-bit values (int64 [count]) determined by ``seed`` alone (any
     Python int): the same on every peer, device and torch version."""
-    return hash_at(seed, torch.arange(count, dtype=torch.int64, device=device))
-
-
-def hash_at(seed: int, idx: torch.Tensor) -> torch.Tensor:
-    """A 32-bit value (int64, same shape) for each non-negative index of ``idx`` (int64, below
-    2**31), determined by ``seed`` and the index alone."""
     folded = seed & ((1 << 64) - 1)
     s = ((folded ^ (folded >> 32)) & _MASK32)
     s = int(mix32(torch.tensor([s], dtype=torch.int64))[0])
-    return mix32((idx * 0x9E3779B1 + s) & _MASK32)
+    i = torch.arange(count, dtype=torch.int64, device=device)
+    return mix32((i * 0x9E3779B1 + s) & _MASK32)

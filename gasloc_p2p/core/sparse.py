@@ -104,11 +104,10 @@ class SparseSpec:
         return cls(select, bits, nums[0], nums[1] if len(nums) == 2 else DEFAULT_CHUNK)
 
     def __str__(self) -> str:
-        head = f"{self.select}{self.bits}"
         if self.select == "dense":
-            return head + ("" if self.chunk == DEFAULT_CHUNK else f":{self.chunk}")
+            return f"dense{self.bits}" + ("" if self.chunk == DEFAULT_CHUNK else f":{self.chunk}")
         tail = "" if self.chunk == DEFAULT_CHUNK else f":{self.chunk}"
-        return f"{head}:{self.k}{tail}"
+        return f"{self.select}{self.bits}:{self.k}{tail}"
 
     @property
     def density(self) -> float:
