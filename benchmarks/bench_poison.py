@@ -38,6 +38,7 @@ from benchmarks.swarm_eval import flags
 from gasloc_p2p.node.discovery.base import PeerInfo, run_key
 from gasloc_p2p.node.discovery.records import signed_value
 from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env
 from gasloc_p2p.tools.procs import Child
 
@@ -84,6 +85,8 @@ class Attacker:
         self.dht = hivemind.DHT(initial_peers=initial_peers,
                                 host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         self.fakes = [Signer() for _ in range(fakes)]
+        # a fake record must name a certificate for its own id to be accepted at all
+        self.certs = {s.peer_id: TlsIdentity.generate(s.peer_id).cert_der for s in self.fakes}
         self.ports = [closed_port() for _ in range(fakes)]
         self.stop = threading.Event()
         self.published = 0
@@ -106,7 +109,7 @@ class Attacker:
         for signer, port in zip(self.fakes, self.ports, strict=True):
             info = PeerInfo(signer.peer_id, f"127.0.0.1:{port}", template.protocol_version,
                             template.fingerprint, 10**9, 1e6, True, template.codecs,
-                            template.algorithm)
+                            template.algorithm, self.certs[signer.peer_id])
             expires = now + 0.9 * MAX_TTL_S  # the longest a node accepts
             stores.append(self.dht.store(KEY, signed_value(KEY, info, signer, expires),
                                          expires, subkey=signer.peer_id, return_future=True))

@@ -30,12 +30,11 @@ RETRY_S = 2.0
 def fetch_peer_id(endpoint: str, timeout_s: float) -> str:
     """The DHT peer id a node reports in ``Info`` (health-level: no signature needed); raises
     ``grpc.RpcError`` if it does not answer."""
-    import grpc
-
+    from gasloc_p2p.node.transport.tls import unpinned_channel
     from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
     from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(endpoint) as channel:
+    with unpinned_channel(endpoint, timeout_s) as channel:
         reply = pb_grpc.GossipStub(channel).Info(pb.InfoRequest(), timeout=timeout_s)
     return str(reply.dht_peer_id or reply.peer_id)
 
@@ -48,6 +47,9 @@ def health(args: argparse.Namespace) -> int:
         peer_id = fetch_peer_id(endpoint, args.timeout_s)
     except grpc.RpcError as exc:
         print(f"unhealthy: Info on {endpoint}: {exc.code().name}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # no TLS answer: nothing listens, or not a node
+        print(f"unhealthy: no TLS answer on {endpoint}: {exc}", file=sys.stderr)
         return 1
     print(f"healthy: {peer_id} at {endpoint}")
     return 0

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+
+# gRPC's C core logs every failed TLS handshake (a peer that is gone, a wrong certificate, a
+# port scan) at INFO on stderr, outside Python's logging; the node reports what matters itself.
+# Set before grpc is first imported, which reads it once.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from collections.abc import Sequence
 from typing import NoReturn
 

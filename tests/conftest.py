@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # as the CLI: no C-core INFO lines per handshake
 
 from tests.daemon_helpers import write_corpus
 

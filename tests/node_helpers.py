@@ -7,6 +7,7 @@ a slow machine needs one knob.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, replace
@@ -23,12 +24,14 @@ from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
+    PreauthPool,
     StateSnapshot,
     start_server,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import Identity
 
@@ -62,6 +65,12 @@ def gossip_config(**kw: Any) -> GossipConfig:
     return replace(base, **kw)
 
 
+@functools.cache
+def cert_for(peer_id: str) -> bytes:
+    """A TLS certificate naming ``peer_id`` (what a signed record must announce)."""
+    return TlsIdentity.generate(peer_id).cert_der
+
+
 def theta0(numel: int = NUMEL) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(0))
 
@@ -83,9 +92,23 @@ class Peer:
     server: grpc.aio.Server
     endpoint: str
     channels: PeerChannels
+    tls: TlsIdentity
+    servicer: GossipServicer
+
+    @property
+    def preauth(self) -> PreauthPool:
+        return self.servicer.preauth
+
+    @property
+    def cert(self) -> bytes:
+        return self.tls.cert_der
+
+    def stub(self, other: Peer) -> Any:
+        """A stub on this peer's TLS channel to ``other``, trusting ``other``'s certificate."""
+        return self.channels.stub(other.endpoint, other.cert)
 
     def open_call(self, other: Peer) -> Any:
-        return self.channels.stub(other.endpoint).Exchange(timeout=scaled(20))
+        return self.stub(other).Exchange(timeout=scaled(20))
 
     async def exchange(self, other: Peer, fragment: int = 0) -> Outcome:
         return await self.exchanger.initiate(lambda: self.open_call(other), other.me.peer_id,
@@ -123,8 +146,10 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
 
     servicer = GossipServicer(me, exchanger, info, snapshot)
     net = NetworkConfig()
-    server, port = await start_server(servicer, "127.0.0.1", 0, net, gossip.max_inbound)
-    return Peer(me, state, engine, exchanger, server, f"127.0.0.1:{port}", PeerChannels(net))
+    tls = TlsIdentity.generate(me.peer_id)
+    server, port = await start_server(servicer, "127.0.0.1", 0, net, gossip.max_inbound, tls)
+    return Peer(me, state, engine, exchanger, server, f"127.0.0.1:{port}", PeerChannels(net),
+                tls, servicer)
 
 
 def full_state(peer: Peer) -> dict[str, Any]:

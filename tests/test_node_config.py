@@ -61,7 +61,6 @@ def test_bad_toml_is_reported(tmp_path, text, match):
      r"header_timeout_s=500.0 \(\[gossip\] in --config, or GASLOC_HEADER_TIMEOUT_S\): must be "
      "shorter than"),
     ({"GASLOC_ANNOUNCE_TTL_S": "1"}, "announce_ttl_s=1.0 .*: must exceed --announce-interval-s"),
-    ({"GASLOC_MAX_INBOUND": "12"}, "max_streams=12 .*: must exceed max_inbound=12"),
     ({"GASLOC_FRAGMENTS": "9"}, "--fragments=9: cannot exceed the model's --n-layer=4"),
     ({"GASLOC_KEEPALIVE_TIMEOUT_S": "30"}, "must be shorter than --keepalive-time-s"),
     ({"GASLOC_CODEC": "int9"}, "--codec='int9': choose one of"),

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.wire import payload_digest
+from gasloc_p2p.node.transport.tls import secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import new_nonce
@@ -182,7 +182,7 @@ def test_misbehaving_initiator_changes_nothing_and_server_keeps_serving(how):
 def _wide_channel(b):
     """A channel whose own send limit would let a 4 MiB message out."""
     big = 16 * MAX_CHUNK_BYTES
-    return grpc.aio.insecure_channel(b.endpoint, options=[
+    return secure_channel(b.endpoint, b.cert, [
         ("grpc.max_send_message_length", big), ("grpc.max_receive_message_length", big)])
 
 

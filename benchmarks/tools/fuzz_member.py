@@ -30,6 +30,7 @@ from benchmarks.tools.fuzz_streams import (
     outsider_stream,
 )
 from gasloc_p2p.core.wire import BLOCK_CODECS
+from gasloc_p2p.node.transport.tls import fetch_certificate, secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer, new_nonce
@@ -183,7 +184,8 @@ async def run_fuzz(endpoint: str, target: Target, streams: int, concurrency: int
     """Send ``streams`` generated streams (``member_share`` of them authenticated) with
     ``concurrency`` in flight; the counts of where they were stopped."""
     counts = Counts()
-    async with grpc.aio.insecure_channel(endpoint, options=[
+    cert = await asyncio.to_thread(fetch_certificate, endpoint)
+    async with secure_channel(endpoint, cert, [
             ("grpc.max_send_message_length", 8 << 20)]) as channel:
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(streams):

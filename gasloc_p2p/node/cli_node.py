@@ -286,7 +286,7 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
     from gasloc_p2p.protocol.auth import Signer, read_swarm_key
 
     report: dict[str, Any] = {"swarm": [], "info": None}
-    endpoint = args.endpoint
+    endpoint, cert = args.endpoint, b""
     # a throwaway key: enough for an open swarm; a keyed swarm also needs its secret
     signer = Signer(swarm_key=read_swarm_key(args.swarm_key) if args.swarm_key else b"")
     if args.peers:
@@ -298,16 +298,24 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
             peers = await dht.peers()
         finally:
             await dht.stop()
-        report["swarm"] = [vars(p) | {"codecs": list(p.codecs)} for p in peers]
+        report["swarm"] = [{k: v for k, v in vars(p).items() if k != "cert"}
+                           | {"codecs": list(p.codecs)} for p in peers]
         wanted = getattr(args, "node_id", None)
         if wanted:  # the multiaddr names the node's DHT id: ask each listed node for its own
-            endpoint = await _endpoint_of_dht_id(peers, wanted, signer, args)
+            endpoint, cert = await _endpoint_of_dht_id(peers, wanted, signer, args)
         elif endpoint is None and peers:
-            endpoint = max(peers, key=lambda p: p.step).endpoint
+            best = max(peers, key=lambda p: p.step)
+            endpoint, cert = best.endpoint, best.cert
+        else:
+            cert = next((p.cert for p in peers if p.endpoint == endpoint), b"")
     if endpoint:
+        from gasloc_p2p.node.transport.tls import fetch_certificate
+
+        if not cert:  # --endpoint alone: trust the certificate the node presents
+            cert = await asyncio.to_thread(fetch_certificate, endpoint, args.timeout_s / 2)
         channels = PeerChannels(NetworkConfig())
         try:
-            info = await fetch_info(channels.stub(endpoint), args.timeout_s / 2, signer)
+            info = await fetch_info(channels.stub(endpoint, cert), args.timeout_s / 2, signer)
         finally:
             await channels.close()
         from google.protobuf.json_format import MessageToDict
@@ -319,19 +327,20 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
-                              args: argparse.Namespace) -> str:
-    """The gRPC endpoint of the listed node whose DHT id is ``wanted``."""
+                              args: argparse.Namespace) -> tuple[str, bytes]:
+    """The gRPC endpoint and certificate of the listed node whose DHT id is ``wanted``."""
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
 
     channels = PeerChannels(NetworkConfig())
     try:
         for p in peers:
             try:
-                info = await fetch_info(channels.stub(p.endpoint), args.timeout_s / 4, signer)
+                info = await fetch_info(channels.stub(p.endpoint, p.cert), args.timeout_s / 4,
+                                        signer)
             except Exception:  # noqa: BLE001 - an unreachable node is simply not the one
                 continue
             if info.dht_peer_id == wanted:
-                return str(p.endpoint)
+                return str(p.endpoint), p.cert
     finally:
         await channels.close()
     raise LookupError(f"no node with DHT id {wanted} announces itself in run {args.run_id!r} "

@@ -40,9 +40,11 @@ class NetworkConfig:
                                  "its peer id survives restarts (empty: a new key at each start)",
                              group="security")
     auth_skew_s: float = opt(120.0, "accept signed requests whose time is this close to ours", advanced=True)
-    max_streams: int = opt(12, "open Exchange streams served at once (before their Header "
-                               "too); more get BUSY at once", advanced=True)
-    max_streams_per_address: int = opt(3, "open Exchange streams from one IP address", advanced=True)
+    preauth_streams: int = opt(8, "Exchange streams waiting to show a valid Header; a new "
+                                  "one displaces the oldest of the address block holding the "
+                                  "most", advanced=True)
+    preauth_timeout_s: float = opt(3.0, "a new Exchange stream must show a valid Header within "
+                                        "this", advanced=True)
     max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY", advanced=True)
 
     def validate(self) -> None:
@@ -50,7 +52,7 @@ class NetworkConfig:
         need(self.max_message_bytes >= MAX_CHUNK_BYTES + 1024, "max_message_bytes",
               self.max_message_bytes, f"must be >= 1 MiB + 1 KiB = {MAX_CHUNK_BYTES + 1024}")
         for name in ("keepalive_time_s", "keepalive_timeout_s", "connect_timeout_s",
-                     "info_timeout_s", "stop_grace_s"):
+                     "info_timeout_s", "stop_grace_s", "preauth_timeout_s"):
             need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
         need(self.keepalive_timeout_s < self.keepalive_time_s, "keepalive_timeout_s",
               self.keepalive_timeout_s,
@@ -61,8 +63,7 @@ class NetworkConfig:
         need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
         need(self.reachability_interval_s >= 0, "reachability_interval_s",
               self.reachability_interval_s, "must be >= 0 seconds (0: no checks)")
-        for name in ("reachability_probes", "max_streams", "max_streams_per_address",
-                     "max_downloads"):
+        for name in ("reachability_probes", "preauth_streams", "max_downloads"):
             need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         need(self.auth_skew_s > 0, "auth_skew_s", self.auth_skew_s, "must be > 0 seconds")
         if self.swarm_key:

@@ -46,9 +46,11 @@ from gasloc_p2p.node.transport.service import (
     download_state,
     info_request,
     start_server,
+    target_of,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.auth import Signer, load_or_create_identity
+from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
 from gasloc_p2p.safelog import safe
 
@@ -79,6 +81,7 @@ class Node:
         self.signer = (load_or_create_identity(cfg.network.identity_file, secret)
                        if cfg.network.identity_file else Signer(swarm_key=secret))
         self.discovery.use_identity(self.signer, 2 * d.announce_ttl_s)
+        self.tls = TlsIdentity.generate(self.signer.peer_id)  # announced in the signed record
         self.lock = TrainingLock()
         self.train_stats = TrainStats()
         self.stats = ExchangeStats()
@@ -210,7 +213,8 @@ class Node:
     async def _download(self, peer: PeerInfo, numel: int) -> bootstrap.Candidate | None:
         try:
             meta, params, memory = await download_state(
-                self.channels.stub(peer.endpoint), self.me, self.cfg.gossip.download_timeout_s,
+                self.channels.stub(peer.endpoint, peer.cert), self.me,
+                self.cfg.gossip.download_timeout_s,
                 numel)
         except Exception as exc:  # any failure: try the next donor
             log.warning("state download from %s failed: %s", safe(peer.peer_id), exc)
@@ -232,14 +236,14 @@ class Node:
     async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
         net = self.cfg.network
         host = "127.0.0.1" if net.client_mode else net.host
-        limits = ServeLimits(net.max_streams, net.max_streams_per_address, net.max_downloads,
+        limits = ServeLimits(net.preauth_streams, net.preauth_timeout_s, net.max_downloads,
                              net.auth_skew_s)
         servicer = GossipServicer(self.me, self.mode.exchanger, self.info, self.mode.snapshot,
-                                  self.cfg.gossip.header_timeout_s, limits)
+                                  limits)
         servicer.probe = self._probe_endpoint
         servicer.dht_peer_id = self.discovery.dht_peer_id
         server, self.port = await start_server(servicer, host, net.port, net,
-                                               self.cfg.gossip.max_inbound)
+                                               self.cfg.gossip.max_inbound, self.tls)
 
         async def stop_server() -> None:
             servicer.drain()  # new exchanges get BUSY during the grace
@@ -302,11 +306,12 @@ class Node:
                          cfg.network.reachability_interval_s, False))
         return jobs
 
-    async def _probe_endpoint(self, endpoint: str, peer_id: str) -> bool:
-        """True if one Info call to ``endpoint`` is answered by ``peer_id`` (a peer's
-        dial-back request: its announced endpoint must reach that very peer)."""
+    async def _probe_endpoint(self, endpoint: str, cert: bytes, peer_id: str) -> bool:
+        """True if one Info call to ``endpoint``, trusting only ``cert``, is answered by
+        ``peer_id`` (a peer's dial-back request: its announced endpoint must reach that very
+        peer)."""
         try:
-            reply = await self.channels.stub(endpoint).Info(
+            reply = await self.channels.stub(endpoint, cert).Info(
                 pb.InfoRequest(), timeout=self.cfg.network.connect_timeout_s)
         except (grpc.RpcError, OSError, ValueError) as exc:
             log.debug("dial-back to %s failed: %s", safe(endpoint), exc)
@@ -322,11 +327,14 @@ class Node:
 
     async def _ask_dial_back(self, peer: PeerInfo) -> bool | None:
         """``peer``'s dial-back verdict on our endpoint, or None if it did not answer."""
+        net = self.cfg.network
         try:
-            reply = await self.channels.stub(peer.endpoint).Info(
-                info_request(self.signer, self.endpoint, peer.peer_id),
-                timeout=self.cfg.network.info_timeout_s + self.cfg.network.connect_timeout_s)
-        except (grpc.RpcError, OSError) as exc:
+            stub = self.channels.stub(peer.endpoint, peer.cert)
+            target, challenge = await target_of(stub, net.info_timeout_s + net.connect_timeout_s)
+            reply = await stub.Info(
+                info_request(self.signer, target, challenge, self.endpoint, self.tls.cert_der),
+                timeout=net.info_timeout_s + net.connect_timeout_s)
+        except (grpc.RpcError, OSError, ValueError) as exc:
             log.debug("reachability check via %s failed: %s", safe(peer.peer_id), exc)
             return None
         return bool(reply.probe_ok) if reply.authenticated else None
@@ -384,7 +392,7 @@ class Node:
         assert self.trainer is not None
         return PeerInfo(self.me.peer_id, self.endpoint, PROTOCOL_VERSION, self.trainer.fingerprint,
                         self.train_stats.step, self.train_stats.tokens_per_s, self.reachable,
-                        CODEC_NAMES, self.cfg.outer.algorithm)
+                        CODEC_NAMES, self.cfg.outer.algorithm, self.tls.cert_der)
 
     def info(self) -> pb.InfoReply:
         t, x = self.train_stats, self.stats

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from gasloc_p2p.node.transport.tls import unpinned_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
@@ -95,12 +96,18 @@ class NodeChild(Child):
         self.endpoint = self.wait_for(UP_LINE, timeout_s, stdout=False).group(1)
         return self.endpoint
 
+    def channel(self, timeout_s: float = 5.0) -> grpc.Channel:
+        """A TLS channel to the node, trusting the certificate it presents (we started it)."""
+        return unpinned_channel(self.endpoint, timeout_s)
+
     def info(self, timeout_s: float = 5.0) -> pb.InfoReply:
-        """The node's full Info (a signed request, bound to the peer id it answers with)."""
-        with grpc.insecure_channel(self.endpoint) as channel:
+        """The node's full Info (a signed request, bound to the peer id it answers with and
+        the challenge it issued)."""
+        with self.channel(timeout_s) as channel:
             stub = pb_grpc.GossipStub(channel)
-            target = stub.Info(pb.InfoRequest(), timeout=timeout_s).peer_id
-            request = sign_info_request(pb.InfoRequest(), self.signer, time.time(), target)
+            health = stub.Info(pb.InfoRequest(), timeout=timeout_s)
+            request = sign_info_request(pb.InfoRequest(), self.signer, time.time(),
+                                        health.peer_id, health.challenge)
             reply: pb.InfoReply = stub.Info(request, timeout=timeout_s)
             return reply
 
@@ -110,9 +117,10 @@ class NodeChild(Child):
         info = self.info()
         request = sign_state_request(pb.StateRequest(
             protocol_version=PROTOCOL_VERSION, run_id=run_id,
-            model_fingerprint=info.model_fingerprint), self.signer, time.time(), info.peer_id)
+            model_fingerprint=info.model_fingerprint), self.signer, time.time(), info.peer_id,
+            info.challenge)
         body, meta = bytearray(), pb.StateMeta()
-        with grpc.insecure_channel(self.endpoint) as channel:
+        with self.channel() as channel:
             for msg in pb_grpc.GossipStub(channel).DownloadState(request, timeout=timeout_s):
                 kind = msg.WhichOneof("kind")
                 if kind == "meta":

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gasloc_p2p.protocol.auth import Signer, Verifier
+from gasloc_p2p.protocol.certs import MAX_CERT_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ def run_key(run_id: str) -> str:
 
 @dataclass(frozen=True)
 class PeerInfo:
-    """What a node announces. ``endpoint`` is its gRPC ``host:port``."""
+    """What a node announces. ``endpoint`` is its gRPC ``host:port``, ``cert`` the TLS
+    certificate (DER) it serves there, which names its peer id."""
 
     peer_id: str
     endpoint: str
@@ -40,6 +42,7 @@ class PeerInfo:
     reachable: bool = True
     codecs: tuple[str, ...] = field(default_factory=tuple)
     algorithm: str = "gasloc"  # --algorithm: gasloc and diloco nodes never train together
+    cert: bytes = field(default=b"", repr=False)
 
     def to_value(self) -> dict[str, Any]:
         """The DHT value (msgpack-friendly; the peer id is the subkey)."""
@@ -58,9 +61,16 @@ class PeerInfo:
                        tokens_per_s=float(value["tokens_per_s"]),
                        reachable=bool(value["reachable"]),
                        codecs=tuple(str(c) for c in value["codecs"]),
-                       algorithm=str(value.get("algorithm", "gasloc")))
+                       algorithm=str(value.get("algorithm", "gasloc")),
+                       cert=_cert(value.get("cert", b"")))
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def _cert(value: Any) -> bytes:
+    if not isinstance(value, bytes) or len(value) > MAX_CERT_BYTES:
+        raise ValueError("malformed certificate")
+    return value
 
 
 class Discovery(abc.ABC):

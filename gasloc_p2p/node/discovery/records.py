@@ -4,8 +4,9 @@ A record about peer X sits under the run key with X's peer id as subkey. Its val
 ed25519 public key, the record's expiration and X's signature over the run key, the subkey,
 every announced field and that expiration (keyed by the swarm secret, if any). A reader accepts
 it only if the public key hashes to the subkey, the signature verifies, the signed expiration
-is the one the DHT stores, and it lies at most ``max_ttl_s`` ahead: nobody but X can write a
-record for X, nor make a captured one live longer than X asked.
+is the one the DHT stores, it lies at most ``max_ttl_s`` ahead, and the TLS certificate it
+announces names X: nobody but X can write a record for X, nor make a captured one live longer
+than X asked, and a client that dials X trusts only the certificate X signed.
 
 The same checks run as a hivemind record validator inside the DHT process
 (:class:`RecordValidator`), so honest DHT nodes refuse to store a forged or overwriting record
@@ -20,6 +21,7 @@ from typing import Any
 
 from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.protocol.auth import Signer, Verifier
+from gasloc_p2p.protocol.certs import cert_name
 
 log = logging.getLogger(__name__)
 RECORD_DOMAIN = "gasloc/record"
@@ -29,7 +31,7 @@ SIGNED_KEYS = ("public_key", "expires", "signature")
 def _fields(key: str, info: PeerInfo, public_key: bytes, expires: float) -> list[object]:
     return [key, info.peer_id, info.endpoint, info.protocol_version, info.fingerprint,
             info.step, float(info.tokens_per_s), info.reachable, ",".join(info.codecs),
-            info.algorithm, public_key, float(expires)]
+            info.algorithm, info.cert, public_key, float(expires)]
 
 
 def signed_value(key: str, info: PeerInfo, signer: Signer, expires: float) -> dict[str, Any]:
@@ -65,13 +67,22 @@ def verify_record(key: str, subkey: Any, value: Any, expiration: float | None,
         why = "its expiration is not the signed one"
     elif not math.isfinite(expires) or expires > now + max_ttl_s:
         why = f"expires more than {max_ttl_s:g} s ahead"
-    else:
+    elif (why := _cert_problem(info)) is None:
         why = verifier.verify(subkey, public_key, signature, RECORD_DOMAIN,
                               _fields(key, info, public_key, expires))
     if why is not None:
         log.debug("dropping the record for %r: %s", subkey[:64], why)
         return None
     return info
+
+
+def _cert_problem(info: PeerInfo) -> str | None:
+    """Why the record's TLS certificate cannot stand for its peer (None: it names it)."""
+    try:
+        name = cert_name(info.cert)
+    except ValueError as exc:
+        return str(exc)
+    return None if name == info.peer_id else "its certificate names another peer"
 
 
 def make_validator(key: str, verifier: Verifier, max_ttl_s: float) -> Any:
