@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_node.add_join_parser(sub)
     cli_node.add_status_parser(sub)
+    from gasloc_p2p.node import cli_members
+
+    cli_members.add_member_parsers(sub)
     from gasloc_p2p.node import export
 
     export.add_export_parser(sub)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # as the CLI: no C-core INFO lines per handshake
+# owner keys of nodes that start a closed swarm go here, not into the user's home (children too)
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="gasloc-test-data-")
 
 from tests.daemon_helpers import write_corpus
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import time
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import Fragment
@@ -33,6 +35,7 @@ from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.engine import ExchangeEngine
+from gasloc_p2p.protocol.membership import Admission, Invitation, public_bytes
 from gasloc_p2p.protocol.messages import Identity
 
 SCALE = float(os.environ.get("GASLOC_TEST_TIMEOUT_SCALE", "1"))
@@ -63,6 +66,16 @@ def gossip_config(**kw: Any) -> GossipConfig:
                         commit_timeout_s=scaled(3), exchange_timeout_s=scaled(10),
                         chunk_bytes=64 * 1024, guard_factor=0)
     return replace(base, **kw)
+
+
+def member_signer(owner: Ed25519PrivateKey, days: float = 1.0,
+                  admission: Admission | None = None) -> Signer:
+    """A fresh key invited by ``owner`` for ``days``, checking others against ``owner`` (or
+    ``admission``, e.g. a shared one holding revocations)."""
+    key = Ed25519PrivateKey.generate()
+    invitation = Invitation.issue(owner, public_bytes(key), time.time() + days * 86400)
+    return Signer(key, admission=admission or Admission(public_bytes(owner)),
+                  invitation=invitation.to_bytes())
 
 
 @functools.cache
@@ -121,11 +134,12 @@ class Peer:
 
 async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
                     fingerprint: str = FINGERPRINT, outer: AsyncConfig | None = None,
-                    swarm_key: bytes = b"") -> Peer:
+                    swarm_key: bytes = b"", signer: Signer | None = None) -> Peer:
     """A peer whose live parameters are ``theta0`` plus seeded noise (a different drift).
 
     Its peer id is derived from a fresh ed25519 key (``name`` only names it in the Info
-    reply); ``swarm_key``: the shared secret its signatures are keyed with."""
+    reply); ``swarm_key``: the shared secret its signatures are keyed with; ``signer``: its
+    key and membership instead (a closed swarm's member: :func:`member_signer`)."""
     t0 = theta0()
     outer = outer or AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
     theta = t0 + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
@@ -134,7 +148,7 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
     lock = TrainingLock()
     gossip = gossip or gossip_config()
     engine = ExchangeEngine(state, t0, fragments(), lock)
-    me = Identity.keyed(RUN, fingerprint, Signer(swarm_key=swarm_key))
+    me = Identity.keyed(RUN, fingerprint, signer or Signer(swarm_key=swarm_key))
     exchanger = GossipTransport(me, engine, gossip, outer)
 
     def snapshot() -> StateSnapshot:

@@ -34,7 +34,7 @@ def test_status_of_a_dead_endpoint_is_one_line():
     assert result.returncode == 1
     line = one_line(result)
     assert line.startswith("gasloc-node status: error: no gasloc node answered at 127.0.0.1:1")
-    assert "--endpoint" in line and "UNAVAILABLE" in line
+    assert "--endpoint" in line and "Connection refused" in line
 
 
 @pytest.mark.parametrize("peer, problem", [
@@ -44,7 +44,7 @@ def test_status_of_a_dead_endpoint_is_one_line():
 ])
 @pytest.mark.parametrize("command", ["join", "status"])
 def test_a_malformed_bootstrap_peer_fails_at_once(command, peer, problem):
-    result, _ = run_cli(command, "--peers", peer)
+    result, _ = run_cli(command, "--peers", peer, *(["--open"] if command == "join" else []))
     assert result.returncode == 2
     line = one_line(result)
     assert line.startswith(f"gasloc-node {command}: error: --peers='{peer}'") and problem in line
@@ -63,3 +63,20 @@ def test_a_port_in_use_names_its_flag(flag, what):
     assert line == (f"gasloc-node join: error: cannot listen on 127.0.0.1:{port} for {what} "
                     f"(Address already in use): choose another {flag} (0: any free port)")
     assert seconds < 30, "the check must come before the DHT starts"
+
+
+GOOD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmXpQZ5i5WGi6pgc3yXfELRRtZmkXo8Nqkp1UG3ziodZxX"
+
+
+@pytest.mark.parametrize("flags, problem", [
+    ((), "the swarm is closed: pass --invitation FILE"),
+    (("--open", "--owner-key", "o.key"), "--open contradicts --invitation/--owner-key"),
+])
+def test_joining_without_a_credential_is_refused_in_one_line(flags, problem):
+    """Swarms are closed by default: a node that joins one needs an invitation from its owner
+    (or the swarm key), and says so before it starts anything."""
+    result, seconds = run_cli("join", "--peers", GOOD_PEER, *flags)
+    assert result.returncode == 2
+    line = one_line(result)
+    assert line.startswith(f"gasloc-node join: error: {problem}"), line
+    assert seconds < 30

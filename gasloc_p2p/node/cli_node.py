@@ -59,6 +59,11 @@ def add_status_parser(sub: Any) -> None:
     p.add_argument("--swarm-key", default="", metavar="FILE",
                    help="the swarm's secret (--swarm-key of its nodes): without it a keyed "
                         "swarm shows health only and no peer list")
+    p.add_argument("--invitation", default="", metavar="FILE",
+                   help="a closed swarm: your invitation (without it or --owner-key, nodes "
+                        "answer health only)")
+    p.add_argument("--owner-key", default="", metavar="FILE",
+                   help="a closed swarm: its owner key")
     p.set_defaults(func=run_status)
 
 
@@ -124,8 +129,19 @@ def check_summary(cfg: NodeConfig) -> str:
         f"  network   {cfg.network.host}:{cfg.network.port or 'any'}, DHT port "
         f"{cfg.discovery.dht_port or 'any'}" + (", client mode" if cfg.network.client_mode
                                                 else ""),
-        f"  security  swarm key {'set' if cfg.network.swarm_key else 'none (an open swarm)'}, "
-        f"identity {cfg.network.identity_file or 'new at each start'}"])
+        f"  security  {_membership_summary(cfg)}, identity "
+        f"{cfg.network.identity_file or 'new at each start'}"])
+
+
+def _membership_summary(cfg: NodeConfig) -> str:
+    net = cfg.network
+    if net.invitation:
+        return f"closed swarm, member by {net.invitation}"
+    if net.owner_key or not (net.swarm_key or cfg.discovery.peers or net.open_swarm):
+        from gasloc_p2p.node.runtime.identity import default_owner_key_path
+
+        return f"closed swarm owned by {net.owner_key or default_owner_key_path()}"
+    return "keyed swarm (--swarm-key)" if net.swarm_key else "OPEN swarm (--open)"
 
 
 class BoundedExecutor(ThreadPoolExecutor):
@@ -227,7 +243,8 @@ def startup_block(node: Any, addrs: list[str]) -> str:
              f"  grpc     {node.endpoint}",
              *[f"  dht      {a}" for a in addrs[:3]],
              f"  metrics  {node.metrics.url or 'off (--metrics-port -1)'}",
-             f"  status   gasloc-node status --endpoint {node.endpoint}"]
+             f"  status   gasloc-node status --endpoint {node.endpoint}",
+             *node.membership_lines()]
     if not node.cfg.discovery.peers:
         lines += ["new swarm; other nodes join with:", f"  {hint}"]
     else:
@@ -247,6 +264,10 @@ def run_status(args: argparse.Namespace) -> int:
         args.endpoint = None
     try:
         check_bootstrap_peers(tuple(args.peers))
+        NetworkConfig(swarm_key=args.swarm_key, invitation=args.invitation,
+                      owner_key=args.owner_key).validate()
+        if args.owner_key and not os.path.exists(args.owner_key):
+            raise ConfigError(f"--owner-key={args.owner_key}: no such file")
     except ConfigError as exc:
         return _fail_config("status", exc)
     import uvloop
@@ -274,6 +295,9 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
     if isinstance(exc, TimeoutError):
         return (f"no answer within --timeout-s={args.timeout_s:g}; check --endpoint/--peers "
                 "and that the node is running")
+    if isinstance(exc, OSError):  # no TLS answer (the node's certificate is fetched first)
+        return (f"no gasloc node answered at {args.endpoint} ({exc.strerror or exc}); check "
+                "--endpoint: the node's gRPC host:port, printed when it starts")
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, LookupError):
         return exc.args[0] if exc.args else text
@@ -282,13 +306,16 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
 
 async def _status(args: argparse.Namespace) -> dict[str, Any]:
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery
+    from gasloc_p2p.node.runtime.identity import build_membership
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
-    from gasloc_p2p.protocol.auth import Signer, read_swarm_key
 
     report: dict[str, Any] = {"swarm": [], "info": None}
     endpoint, cert = args.endpoint, b""
-    # a throwaway key: enough for an open swarm; a keyed swarm also needs its secret
-    signer = Signer(swarm_key=read_swarm_key(args.swarm_key) if args.swarm_key else b"")
+    # a throwaway key: enough for an open swarm; a keyed swarm also needs its secret, a closed
+    # one an invitation (or the owner key, which invites the throwaway key)
+    signer = build_membership(NetworkConfig(
+        swarm_key=args.swarm_key, invitation=args.invitation, owner_key=args.owner_key),
+        joining=True).signer
     if args.peers:
         dht = HivemindDiscovery(args.run_id, "127.0.0.1", 0, args.peers, args.timeout_s / 2,
                                 args.timeout_s, client_mode=True)

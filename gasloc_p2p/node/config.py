@@ -340,6 +340,9 @@ class NodeConfig:
         need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
               "connect_timeout_s", self.network.connect_timeout_s,
               f"must be shorter than exchange_timeout_s={self.gossip.exchange_timeout_s}")
+        problem = self.network.admission_problem(joining=bool(self.discovery.peers))
+        if problem is not None:
+            raise ConfigError(problem)
         return self
 
 

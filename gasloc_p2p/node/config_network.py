@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gasloc_p2p.core.options import ConfigError, need, opt
 from gasloc_p2p.protocol.auth import read_swarm_key
+from gasloc_p2p.protocol.membership import read_invitation, read_key_file
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 
@@ -36,6 +37,16 @@ class NetworkConfig:
     swarm_key: str = opt("", "file with the swarm's shared secret (>= 16 bytes): without it "
                              "nobody can exchange, download state or publish accepted records",
                          group="security")
+    invitation: str = opt("", "invitation file from the swarm's owner (`gasloc-node invite`): "
+                              "this node's membership, and its key if the owner made it",
+                          group="security")
+    owner_key: str = opt("", "this node owns the swarm: file with the owner's ed25519 key "
+                             "(created if missing; `gasloc-node invite` signs invitations with "
+                             "it). Default for a node that starts a closed swarm: "
+                             "$XDG_DATA_HOME/gasloc_p2p/owner.key", group="security")
+    open_swarm: bool = opt(False, "an open swarm: any key may join (no invitation or swarm "
+                                  "key); strangers can then exchange and download the model",
+                           flag="--open", group="security")
     identity_file: str = opt("", "file with this node's ed25519 key, created if missing, so "
                                  "its peer id survives restarts (empty: a new key at each start)",
                              group="security")
@@ -71,12 +82,38 @@ class NetworkConfig:
                 read_swarm_key(self.swarm_key)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"--swarm-key={self.swarm_key}: {exc}") from None
+        if self.invitation:
+            try:
+                read_invitation(self.invitation)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--invitation={self.invitation}: {exc}") from None
+        if self.owner_key and Path(self.owner_key).exists():
+            try:
+                read_key_file(self.owner_key)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--owner-key={self.owner_key}: {exc}") from None
         if self.identity_file:
             path = Path(self.identity_file)
             size = path.stat().st_size if path.is_file() else None
             need(size in (None, 32) and path.parent.is_dir() and not path.is_dir(),
                  "identity_file", self.identity_file, "must be a 32-byte key file, or a new "
                  "file in an existing directory (it is then created)")
+
+    def admission_problem(self, joining: bool) -> str | None:
+        """Why this node cannot take part as configured (None: it can). A node that joins
+        (``joining``: bootstrap peers given) needs a credential of the swarm unless
+        ``--open``; a node that starts a swarm owns it."""
+        creds = [f for f in ("swarm_key", "invitation", "owner_key") if getattr(self, f)]
+        if self.open_swarm and (self.invitation or self.owner_key):
+            return ("--open contradicts --invitation/--owner-key (an open swarm has no "
+                    "members list)")
+        if self.invitation and self.owner_key:
+            return "give --invitation (a member) or --owner-key (the owner), not both"
+        if joining and not creds and not self.open_swarm:
+            return ("the swarm is closed: pass --invitation FILE from its owner (they run "
+                    "`gasloc-node invite --out FILE` and send it to you privately), or "
+                    "--swarm-key FILE, or --open if the swarm is open")
+        return None
 
     def swarm_secret(self) -> bytes:
         """The shared secret of --swarm-key (empty: an open swarm)."""

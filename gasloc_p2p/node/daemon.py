@@ -35,6 +35,7 @@ from gasloc_p2p.node.observability.metrics import NodeMetrics
 from gasloc_p2p.node.runtime import bootstrap
 from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.clock import Clock, WallClock, every
+from gasloc_p2p.node.runtime.identity import build_membership
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
@@ -49,13 +50,13 @@ from gasloc_p2p.node.transport.service import (
     target_of,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.protocol.auth import Signer, load_or_create_identity
 from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
 from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
 MAX_DONORS = 4  # state downloads tried at start-up before starting from theta_0
+REVOCATION_REFRESH_S = 10.0  # a revoked member is refused within about this long
 
 
 class Node:
@@ -75,11 +76,10 @@ class Node:
         self.discovery = discovery or HivemindDiscovery(
             d.run_id, cfg.network.host, d.dht_port, d.peers, d.dht_timeout_s,
             d.dht_start_timeout_s, client_mode=cfg.network.client_mode)
-        # the node's identity: an ed25519 key (--identity-file, else new at each start); its
-        # peer id derives from it
-        secret = cfg.network.swarm_secret()
-        self.signer = (load_or_create_identity(cfg.network.identity_file, secret)
-                       if cfg.network.identity_file else Signer(swarm_key=secret))
+        # the node's identity: an ed25519 key (--identity-file or its invitation, else new at
+        # each start; its peer id derives from it) and its membership of the swarm
+        self.membership = build_membership(cfg.network, joining=bool(d.peers))
+        self.signer = self.membership.signer
         self.discovery.use_identity(self.signer, 2 * d.announce_ttl_s)
         self.tls = TlsIdentity.generate(self.signer.peer_id)  # announced in the signed record
         self.lock = TrainingLock()
@@ -154,6 +154,9 @@ class Node:
         tasks.append(tg.create_task(self._watch_trainer(), name="watch-trainer"))
 
         stack.push_async_callback(_cancel_all, tasks)  # runs before the TaskGroup exits
+        if self.membership.role == "open":
+            log.warning("this swarm is open (--open): any key can join it, exchange with this "
+                        "node and download the model; drop --open for a closed swarm")
         log.info("node %s up: gRPC %s, model %d params (%s), %d fragment(s), codec %s, "
                  "metrics %s", me_id, self.endpoint, trainer.flat.numel, trainer.fingerprint[:12],
                  len(trainer.fragments), cfg.gossip.codec, self.metrics.url or "off")
@@ -301,6 +304,8 @@ class Node:
         if cfg.checkpoint.checkpoint_dir:
             jobs.append(("checkpoint", self._checkpoint, cfg.checkpoint.checkpoint_interval_s,
                          False))
+        if self.signer.admission is not None:  # a closed swarm: its owner's revocations
+            jobs.append(("revocations", self._refresh_revocations, REVOCATION_REFRESH_S, True))
         if cfg.network.reachability_interval_s > 0 and not cfg.network.client_mode:
             jobs.append(("reachability", self._check_reachability,
                          cfg.network.reachability_interval_s, False))
@@ -341,6 +346,19 @@ class Node:
 
     async def _announce(self) -> None:
         await self.discovery.announce(self.peer_info(), self.cfg.discovery.announce_ttl_s)
+
+    async def _refresh_revocations(self) -> None:
+        """Adopt the owner's newest revocation list from the DHT; keep the newest one known
+        stored there (a list outlives the nodes that stored it first)."""
+        admission = self.signer.admission
+        assert admission is not None
+        found = await self.discovery.revocations()
+        if found is not None and admission.revocations.update(found):
+            log.info("the owner revoked %d peer(s) (list of %s)", len(found.entries),
+                     time.strftime("%Y-%m-%d %H:%M", time.localtime(found.issued)))
+        latest = admission.revocations.latest
+        if latest is not None and (found is None or found.issued < latest.issued):
+            await self.discovery.publish_revocations(latest)
 
     async def _refresh_peers(self) -> None:
         peers = self.filter(await self.discovery.peers())
@@ -423,7 +441,22 @@ class Node:
             value = getattr(self.cfg.train, name)
             if value != getattr(defaults, name):
                 extra.append(f"--{name.replace('_', '-')} {value}")
+        extra += {"owner": ["--invitation", "FILE"], "member": ["--invitation", "FILE"],
+                  "keyed": ["--swarm-key", "FILE"], "open": ["--open"]}[self.membership.role]
         return " ".join(["gasloc-node join", *extra, "--peers", *addrs])
+
+    def membership_lines(self) -> list[str]:
+        """How this node takes part and how others may, for the start-up block."""
+        m, owner = self.membership, self.membership.owner_id[:16]
+        if m.role == "owner":
+            return [f"  swarm    closed, owned by {m.owner_key_path} (owner {owner}); invite a "
+                    f"member: gasloc-node invite --owner-key {m.owner_key_path} --out "
+                    "member.invite (send the file privately: it holds the member's key)"]
+        if m.role == "member":
+            return [f"  swarm    closed, member by invitation of owner {owner}"]
+        if m.role == "keyed":
+            return ["  swarm    keyed: members hold the --swarm-key secret"]
+        return ["  swarm    OPEN (--open): any key can join, exchange and download the model"]
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]], recheck_s: float = 1.0) -> None:

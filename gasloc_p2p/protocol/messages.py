@@ -122,24 +122,28 @@ def header_fields(h: pb.Header, peer_nonce: bytes) -> list[object]:
     nonce."""
     return [h.protocol_version, h.run_id, h.model_fingerprint, h.peer_id, h.codec,
             h.block_size, h.fragment_index, h.fragment_count, h.fragment_numel,
-            h.payload_bytes, h.payload_digest, h.rounds, h.public_key, h.nonce, peer_nonce]
+            h.payload_bytes, h.payload_digest, h.rounds, h.public_key, h.nonce, h.invitation,
+            peer_nonce]
 
 
 def sign_header(msg: pb.ExchangeMsg, signer: Signer, nonce: bytes,
                 peer_nonce: bytes) -> pb.ExchangeMsg:
     """``msg`` (a Header) with our key, ``nonce`` and signature set."""
     h = msg.header
-    h.public_key, h.nonce = signer.public_key, nonce
+    h.public_key, h.nonce, h.invitation = signer.public_key, nonce, signer.invitation
     h.signature = signer.sign(HEADER_DOMAIN, header_fields(h, peer_nonce))
     return msg
 
 
 def check_header_auth(h: pb.Header, verifier: Verifier, peer_nonce: bytes) -> ExchangeError | None:
-    """Why ``h`` is not signed by the key of its ``peer_id`` (None: it is)."""
+    """Why ``h`` is not signed by the key of its ``peer_id``, a member of this swarm (None:
+    it is)."""
     if len(h.nonce) != 16:
         return ExchangeError(UNAUTHENTICATED, "header without a 16-byte nonce")
     why = verifier.verify(h.peer_id, h.public_key, h.signature, HEADER_DOMAIN,
                           header_fields(h, peer_nonce))
+    if why is None:
+        why = verifier.admits(h.public_key, h.invitation)
     return None if why is None else ExchangeError(UNAUTHENTICATED, f"header: {why}")
 
 
@@ -153,17 +157,18 @@ STATE_DOMAIN = "gasloc/state"
 
 
 def info_fields(r: pb.InfoRequest) -> list[object]:
-    return [r.probe_endpoint, r.probe_cert, r.auth.timestamp, r.auth.target, r.auth.nonce]
+    return [r.probe_endpoint, r.probe_cert, r.auth.timestamp, r.auth.target, r.auth.nonce,
+            r.auth.invitation]
 
 
 def state_fields(r: pb.StateRequest) -> list[object]:
     return [r.protocol_version, r.run_id, r.model_fingerprint, r.auth.timestamp, r.auth.target,
-            r.auth.nonce]
+            r.auth.nonce, r.auth.invitation]
 
 
 def _stamp(auth: pb.Auth, signer: Signer, now: float, target: str, challenge: bytes) -> None:
     auth.public_key, auth.timestamp = signer.public_key, now
-    auth.target, auth.nonce = target, challenge
+    auth.target, auth.nonce, auth.invitation = target, challenge, signer.invitation
 
 
 def sign_info_request(r: pb.InfoRequest, signer: Signer, now: float, target: str,
@@ -258,6 +263,8 @@ def check_request_auth(auth: pb.Auth, verifier: Verifier, domain: str, fields: l
         return "request for another node"
     why = verifier.verify(peer_id_of(auth.public_key), auth.public_key, auth.signature, domain,
                           fields)
+    if why is None:
+        why = verifier.admits(auth.public_key, auth.invitation)
     if why is None and challenges is not None:  # only signed requests use a challenge up
         why = challenges.redeem(auth.nonce, now)
     return why

@@ -20,12 +20,18 @@ from typing import Any
 
 from gasloc_p2p.protocol.auth import Signer, Verifier
 from gasloc_p2p.protocol.certs import MAX_CERT_BYTES
+from gasloc_p2p.protocol.membership import RevocationList
 
 log = logging.getLogger(__name__)
 
 
 def run_key(run_id: str) -> str:
     return f"gasloc/{run_id}/peers"
+
+
+def revocation_key(run_id: str) -> str:
+    """Where a closed swarm's owner publishes its revocation list (subkey: the owner, hex)."""
+    return f"gasloc/{run_id}/revoked"
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,14 @@ class Discovery(abc.ABC):
     async def peers(self) -> list[PeerInfo]:
         """Every live entry of the run, this node's own included."""
 
+    async def revocations(self) -> RevocationList | None:
+        """The newest revocation list this swarm's owner signed that the DHT holds (None:
+        none, or not a closed swarm)."""
+        return None
+
+    async def publish_revocations(self, rl: RevocationList) -> None:  # noqa: B027
+        """Store ``rl`` (until its signed expiry); nodes re-publish the newest they know."""
+
     @abc.abstractmethod
     async def visible_addrs(self) -> list[str]:
         """Addresses other nodes can bootstrap from (multiaddrs for the DHT)."""
@@ -170,6 +184,7 @@ class InMemoryDiscovery(Discovery):
     def __init__(self, registry: InMemoryRegistry, run_id: str, peer_id: str) -> None:
         self.registry = registry
         self.key = run_key(run_id)
+        self.revoked_key = revocation_key(run_id)
         self.peer_id = peer_id
 
     async def start(self) -> None:
@@ -191,6 +206,18 @@ class InMemoryDiscovery(Discovery):
                  for sub, (value, exp) in self.registry.entries.get(self.key, {}).items()
                  if exp > now]
         return [info for info in found if info is not None]
+
+    async def revocations(self) -> RevocationList | None:
+        admission = self.verifier.admission
+        if admission is None:
+            return None
+        value, _ = self.registry.entries.get(self.revoked_key, {}).get(
+            admission.owner.hex(), (None, 0.0))
+        return RevocationList.from_value(value, admission.owner)
+
+    async def publish_revocations(self, rl: RevocationList) -> None:
+        self.registry.entries.setdefault(self.revoked_key, {})[rl.owner.hex()] = (
+            rl.to_value(), time.monotonic() + 3600.0)
 
     async def visible_addrs(self) -> list[str]:
         return [f"/memory/{self.peer_id}"]

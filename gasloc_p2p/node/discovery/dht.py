@@ -14,8 +14,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gasloc_p2p.node.discovery.base import Discovery, PeerInfo, run_key
+from gasloc_p2p.node.discovery.base import Discovery, PeerInfo, revocation_key, run_key
 from gasloc_p2p.node.discovery.records import make_validator, signed_value, verify_record
+from gasloc_p2p.protocol.membership import RevocationList
 
 log = logging.getLogger(__name__)
 # hivemind's default (3 s) is often too short for a clean DHT + p2pd stop on a loaded machine.
@@ -87,6 +88,7 @@ class HivemindDiscovery(Discovery):
     def __init__(self, run_id: str, host: str, port: int, initial_peers: Sequence[str],
                  timeout_s: float, start_timeout_s: float, client_mode: bool = False) -> None:
         self.key = run_key(run_id)
+        self.revoked_key = revocation_key(run_id)
         self.host, self.port = host, port
         self.initial_peers = list(initial_peers)
         self.timeout_s = timeout_s
@@ -124,7 +126,7 @@ class HivemindDiscovery(Discovery):
         maddr = f"/ip{6 if ':' in self.host else 4}/{self.host}/tcp/{self.port}"
         # our records are checked inside the DHT too: honest DHT nodes refuse to store a forged
         # or overwriting record, and drop one that another DHT node returns
-        validator = make_validator(self.key, self.verifier, self.max_ttl_s)
+        validator = make_validator(self.key, self.verifier, self.max_ttl_s, self.revoked_key)
         self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
                                  client_mode=self.client_mode, start=True, await_ready=False,
                                  shutdown_timeout=DHT_SHUTDOWN_GRACE_S,
@@ -177,6 +179,23 @@ class HivemindDiscovery(Discovery):
             if info is not None:
                 out.append(info)
         return out
+
+    async def revocations(self) -> RevocationList | None:
+        admission = self.verifier.admission
+        if admission is None:
+            return None
+        found = await asyncio.to_thread(self._call, lambda: self._dht.get(
+            self.revoked_key, latest=True, return_future=True))
+        if found is None or not isinstance(found.value, dict):
+            return None
+        item = found.value.get(admission.owner.hex())
+        return RevocationList.from_value(getattr(item, "value", None), admission.owner,
+                                         getattr(item, "expiration_time", None))
+
+    async def publish_revocations(self, rl: RevocationList) -> None:
+        await asyncio.to_thread(self._call, lambda: self._dht.store(
+            self.revoked_key, rl.to_value(), rl.expires, subkey=rl.owner.hex(),
+            return_future=True))
 
     async def visible_addrs(self) -> list[str]:
         addrs = await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(

@@ -27,21 +27,23 @@ INTERNAL: RejectCode
 UNAUTHENTICATED: RejectCode
 
 class Auth(_message.Message):
-    __slots__ = ("public_key", "timestamp", "signature", "target", "nonce")
+    __slots__ = ("public_key", "timestamp", "signature", "target", "nonce", "invitation")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    INVITATION_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     timestamp: float
     signature: bytes
     target: str
     nonce: bytes
-    def __init__(self, public_key: _Optional[bytes] = ..., timestamp: _Optional[float] = ..., signature: _Optional[bytes] = ..., target: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    invitation: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., timestamp: _Optional[float] = ..., signature: _Optional[bytes] = ..., target: _Optional[str] = ..., nonce: _Optional[bytes] = ..., invitation: _Optional[bytes] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_digest", "rounds", "public_key", "nonce", "signature")
+    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_digest", "rounds", "public_key", "nonce", "signature", "invitation")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class Header(_message.Message):
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    INVITATION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     model_fingerprint: str
@@ -72,7 +75,8 @@ class Header(_message.Message):
     public_key: bytes
     nonce: bytes
     signature: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_digest: _Optional[bytes] = ..., rounds: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    invitation: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_digest: _Optional[bytes] = ..., rounds: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., invitation: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data",)
