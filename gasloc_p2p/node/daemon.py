@@ -45,6 +45,7 @@ from gasloc_p2p.node.transport.service import (
     PeerChannels,
     ServeLimits,
     download_state,
+    fetch_info,
     info_request,
     start_server,
     target_of,
@@ -55,7 +56,8 @@ from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
 from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
-MAX_DONORS = 4  # state downloads tried at start-up before starting from theta_0
+MAX_DONORS = 5  # donors asked for their state at start-up
+KEEP_FULL_STATES = 2  # of their states, held in full at once (the others: a sample each)
 REVOCATION_REFRESH_S = 10.0  # a revoked member is refused within about this long
 
 
@@ -89,6 +91,7 @@ class Node:
                                          reachable=not cfg.network.client_mode)
         self.endpoint = ""
         self.port = 0
+        self.adopted_from = ""  # the donor whose state this node started from (if any)
         self.trainer: Trainer | None = None
         self.peers: list[PeerInfo] = []  # compatible peers from discovery, this node excluded
         self.channels = PeerChannels(cfg.network)
@@ -194,47 +197,91 @@ class Node:
             await self._download_from_swarm()
 
     async def _download_from_swarm(self) -> None:
-        """Adopt a peer's state only when two donors agree (see ``runtime/bootstrap.py``)."""
+        """Adopt the state of agreeing donors, checked here (see ``runtime/bootstrap.py``)."""
         assert self.trainer is not None
         await self._refresh_peers()
         peers = list(self.mode.candidates(self.peers))
         random.shuffle(peers)  # never chosen by their self-announced step
-        numel, states = self.trainer.flat.numel, []
+        good = self.mode.exchanger.known_good if self.mode.exchanger is not None else None
+        if good is not None:  # peers this node exchanged with before come first
+            peers.sort(key=lambda p: not good(p.peer_id))
+        sampler = bootstrap.Sampler(self.trainer.theta0)
+        cands: list[bootstrap.Candidate] = []
         for peer in peers[:MAX_DONORS]:
-            state = await self._download(peer, numel)
-            if state is None:
-                continue
-            states.append(state)
-            chosen = bootstrap.choose(states, self.trainer.theta0)
-            if chosen is not None:
-                return await self._adopt(chosen, f"{len(states)} donors, two agree")
-        if len(states) == 1 and len(peers) == 1:
-            return await self._adopt(states[0], "the only peer: unverified")
-        log.info("starting from theta_0 (%s)", "no peer yet" if not peers else
-                 "no download" if not states else f"{len(states)} donors disagree")
+            cand = await self._download(peer, sampler, keep=len(cands) < KEEP_FULL_STATES)
+            if cand is not None:
+                cands.append(cand)
+        if not cands:
+            log.info("starting from theta_0 (%s)", "no peer yet" if not peers else
+                     f"no live donor among {min(len(peers), MAX_DONORS)} peer record(s)")
+            return
+        need = bootstrap.needed(len(cands))
+        chosen = await asyncio.to_thread(bootstrap.choose, cands, need)
+        if chosen is None:
+            log.warning("starting from theta_0: no %d of the %d donors' states agree", need,
+                        len(cands))
+            return
+        medoid, group = chosen
+        if medoid.params is None:  # dropped to save memory: fetch it again, check it again
+            peer = next(p for p in peers if p.peer_id == medoid.peer_id)
+            again = await self._download(peer, sampler, keep=True)
+            if again is None or not all(bootstrap.agree(again, c) for c in group
+                                        if c is not medoid):
+                log.warning("starting from theta_0: %s served another state the second "
+                            "time", safe(medoid.peer_id))
+                return
+            again.announced_loss, medoid = medoid.announced_loss, again
+        why = (f"{len(group)} of {len(cands)} donors agree" if len(group) > 1 else
+               "the only donor that answered: unverified")
+        await self._adopt_checked(medoid, [c.announced_loss for c in group], why)
 
-    async def _download(self, peer: PeerInfo, numel: int) -> bootstrap.Candidate | None:
+    async def _download(self, peer: PeerInfo, sampler: bootstrap.Sampler,
+                        keep: bool) -> bootstrap.Candidate | None:
+        """``peer``'s state, checked and measured (its full vectors dropped unless
+        ``keep``), or None."""
+        numel, signer = self.trainer.flat.numel if self.trainer else 0, self.signer
+        stub = self.channels.stub(peer.endpoint, peer.cert)
         try:
             meta, params, memory = await download_state(
-                self.channels.stub(peer.endpoint, peer.cert), self.me,
-                self.cfg.gossip.download_timeout_s,
-                numel)
+                stub, self.me, self.cfg.gossip.download_timeout_s, numel)
+            info = await fetch_info(stub, self.cfg.network.info_timeout_s, signer)
         except Exception as exc:  # any failure: try the next donor
-            log.warning("state download from %s failed: %s", safe(peer.peer_id), exc)
+            log.warning("state download from %s failed: %s", safe(peer.peer_id),
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return None
         state = bootstrap.Candidate(peer.peer_id, meta.step, params, memory, meta)
         why = await asyncio.to_thread(bootstrap.problem, state, numel)
         if why:
             log.warning("state of %s rejected: %s", safe(peer.peer_id), why)
             return None
+        await asyncio.to_thread(sampler.measure, state)
+        assert self.trainer is not None
+        if info.validation_set and info.validation_set == self.trainer.validation_set:
+            state.announced_loss = info.val_loss
+        if not keep:
+            state.params = state.memory = None
         return state
 
-    async def _adopt(self, state: bootstrap.Candidate, why: str) -> None:
-        assert self.trainer is not None
-        await asyncio.to_thread(self.trainer.adopt, state.params, state.memory)
+    async def _adopt_checked(self, state: bootstrap.Candidate, announced: list[float],
+                             why: str) -> None:
+        """Adopt ``state`` if its validation loss here is plausible, else go back to
+        ``theta_0``."""
+        trainer = self.trainer
+        assert trainer is not None and state.params is not None
+        start_loss = await asyncio.to_thread(trainer.val_loss)
+        start = trainer.state.theta.to("cpu", copy=True)  # theta_0, exactly (a host copy)
+        await asyncio.to_thread(trainer.adopt, state.params, state.memory)
+        loss = await asyncio.to_thread(trainer.val_loss)
+        problem = bootstrap.implausible_loss(loss, start_loss, announced)
+        if problem:
+            await asyncio.to_thread(trainer.adopt, start, None)
+            log.warning("starting from theta_0: the state of %s is refused (%s)",
+                        safe(state.peer_id), problem)
+            return
         self.mode.adopted(state.meta)
-        log.info("starting from the state of %s (its step %d; %s)", safe(state.peer_id),
-                 state.step, why)
+        self.adopted_from = state.peer_id
+        log.info("starting from the state of %s (its step %d; %s; validation loss here %.4f, "
+                 "theta_0 %.4f)", safe(state.peer_id), state.step, why, loss, start_loss)
 
     async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
         net = self.cfg.network

@@ -341,6 +341,12 @@ class Trainer:
                     "(rollbacks %d; non-finite %d of at most %d)", loss, st.step, limit,
                     st.rollbacks, self._nonfinite, self.cfg.max_rollbacks)
 
+    def val_loss(self) -> float:
+        """The validation loss of the current parameters (nats per token); blocking, and
+        only while the trainer thread does not run (start-up checks)."""
+        with self.inner.autocast():
+            return evaluate(self.model, self.val)
+
     def _evaluate(self) -> None:
         with self.inner.autocast():
             loss = evaluate(self.model, self.val)
