@@ -30,16 +30,18 @@ def test_precedence_flags_over_env_over_toml(tmp_path):
                     '[discovery]\npeers = ["/ip4/1.2.3.4/tcp/1/p2p/Qm"]\n')
     env = {"GASLOC_CODEC": "int4", "GASLOC_LR": "2e-3", "GASLOC_CLIENT_MODE": "yes",
            "GASLOC_CACHE": "/ignored"}
-    cfg = build_config(parse(["--config", str(toml), "--codec", "fp16"]), environ=env)
+    cfg = build_config(parse(["--config", str(toml), "--codec", "fp16", "--open"]),
+                       environ=env)
     assert cfg.gossip.codec == "fp16"  # flag
     assert cfg.train.lr == 2e-3  # env beats TOML
     assert cfg.gossip.fragments == 2  # TOML beats default
     assert cfg.network.client_mode is True
     assert cfg.discovery.peers == ("/ip4/1.2.3.4/tcp/1/p2p/Qm",)
-    cfg = build_config(parse(["--peers", "/ip4/a", "/ip4/b", "--no-init-from-swarm"]),
-                       environ={"GASLOC_PEERS": "/ip4/c,/ip4/d"})
+    cfg = build_config(parse(["--peers", "/ip4/a", "/ip4/b", "--no-init-from-swarm",
+                              "--open"]), environ={"GASLOC_PEERS": "/ip4/c,/ip4/d"})
     assert cfg.discovery.peers == ("/ip4/a", "/ip4/b") and not cfg.gossip.init_from_swarm
-    assert build_config(None, environ={"GASLOC_PEERS": "/ip4/c, /ip4/d"}).discovery.peers == (
+    assert build_config(None, environ={"GASLOC_PEERS": "/ip4/c, /ip4/d",
+                                       "GASLOC_OPEN_SWARM": "yes"}).discovery.peers == (
         "/ip4/c", "/ip4/d")
 
 

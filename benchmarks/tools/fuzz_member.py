@@ -105,9 +105,23 @@ async def send_payload(s: Stream, mutation: str, payload: bytes, rng: random.Ran
         await s.done_writing()
 
 
+_LAST_VALID: list[pb.ExchangeMsg] = []  # the last valid Commit sent (for "commit_replayed")
+
+
+def valid_commit(signer: Signer, mine: pb.Header, theirs: pb.Header) -> pb.ExchangeMsg:
+    return pb.ExchangeMsg(commit=pb.Commit(signature=signer.sign(
+        COMMIT_DOMAIN, commit_fields(mine, theirs))))
+
+
 def bad_commit(mutation: str, signer: Signer, mine: pb.Header, theirs: pb.Header,
                rng: random.Random) -> pb.ExchangeMsg | None:
-    """What a member sends instead of a valid Commit (None: nothing)."""
+    """What a member sends as its Commit (None: nothing): a bad one, or for
+    ``commit_valid`` a valid one (remembered, so a later stream can replay it)."""
+    if mutation == "commit_valid":
+        _LAST_VALID[:] = [valid_commit(signer, mine, theirs)]
+        return _LAST_VALID[0]
+    if mutation == "commit_replayed":  # another stream's valid Commit: not this one's
+        return _LAST_VALID[0] if _LAST_VALID else pb.ExchangeMsg(commit=pb.Commit())
     if mutation == "commit_garbage":
         return pb.ExchangeMsg(commit=pb.Commit(signature=rng.randbytes(64)))
     if mutation == "commit_empty":
@@ -159,6 +173,9 @@ async def member_stream(channel: grpc.aio.Channel, rng: random.Random, t: Target
         if mutation in ODD_FIRST:
             await s.write(ODD_FIRST[mutation])
         await send_payload(s, mutation, payload, rng)
+        if mutation == "commit_valid_early":  # before the node's Ready: it must abort
+            sent = proof.header if proof is not None else first.header
+            await s.write(valid_commit(signer, sent, theirs))
         what, msg = await s.until("ready")
         if what != "ready":
             return finish(what, msg, mutation)
@@ -172,6 +189,8 @@ async def member_stream(channel: grpc.aio.Channel, rng: random.Random, t: Target
         if mutation != "commit_silent":
             await s.done_writing()
         result = finish(*await s.until("never"), mutation)
+        if mutation == "commit_valid":
+            result.notes.append("valid-commit-sent")
         unrefused = mutation == "oversize" and result.stage != "framing"
         result.ready_to = "oversize-unrefused" if unrefused else ready_to
         return result

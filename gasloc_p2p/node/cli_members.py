@@ -27,6 +27,7 @@ from gasloc_p2p.protocol.membership import (
     Invitation,
     RevocationList,
     expires_in,
+    load_or_create_owner_key,
     public_bytes,
     read_key_file,
     write_invitation,
@@ -80,11 +81,17 @@ def _fail(command: str, message: str) -> int:
     return 2
 
 
-def _owner(command: str, args: argparse.Namespace) -> Ed25519PrivateKey | str:
-    """The owner key, or a one-line error."""
+def _owner(command: str, args: argparse.Namespace, create: bool = False
+           ) -> Ed25519PrivateKey | str:
+    """The owner key (made if missing and ``create``: inviting before the first node
+    starts), or a one-line error."""
     path = args.owner_key or default_owner_key_path()
     try:
         key = read_key_file(path)
+        if key is None and create:
+            key = load_or_create_owner_key(path)
+            print(f"made a new owner key in {path}: the swarm's first node uses it "
+                  "(keep it safe: it admits members)")
     except (OSError, ValueError) as exc:
         return f"--owner-key={path}: {exc}"
     if key is None:
@@ -94,7 +101,7 @@ def _owner(command: str, args: argparse.Namespace) -> Ed25519PrivateKey | str:
 
 
 def run_invite(args: argparse.Namespace) -> int:
-    owner = _owner("invite", args)
+    owner = _owner("invite", args, create=True)
     if isinstance(owner, str):
         return _fail("invite", owner)
     if not args.days > 0:
