@@ -121,6 +121,7 @@ async def _raw_exchange(a, b, what):
         msg.header.protocol_version = PROTOCOL_VERSION + 1
     else:
         msg.header.run_id = "another-run"
+    sign_header(msg, a.me.signer, new_nonce(), b"")  # a member: it reads the reason
     call = a.open_call(b)
     await call.write(msg)
     reply = await call.read()
@@ -313,8 +314,10 @@ def test_header_block_size_outside_the_allowed_set_is_rejected(block_size):
         a, b = await make_peer("A", 1), await make_peer("B", 2)
         try:
             before_b = full_state(b)
-            _, header = _start_raw(a, b)
+            prep = a.engine.prepare(b.me.peer_id, 0, CodecSpec("int8", 1024))
+            header = make_header(a.me, prep, 2)
             header.header.block_size = block_size
+            sign_header(header, a.me.signer, new_nonce(), b"")  # signed as sent: a member
             call = a.open_call(b)
             await call.write(header)
             reply = await call.read()

@@ -129,8 +129,17 @@ def check_summary(cfg: NodeConfig) -> str:
         f"  network   {cfg.network.host}:{cfg.network.port or 'any'}, DHT port "
         f"{cfg.discovery.dht_port or 'any'}" + (", client mode" if cfg.network.client_mode
                                                 else ""),
-        f"  security  {_membership_summary(cfg)}, identity "
-        f"{cfg.network.identity_file or 'new at each start'}"])
+        f"  security  {_membership_summary(cfg)}, identity {_identity_summary(cfg)}"])
+
+
+def _identity_summary(cfg: NodeConfig) -> str:
+    net = cfg.network
+    if net.invitation and not net.identity_file:
+        from gasloc_p2p.protocol.membership import read_invitation
+
+        if read_invitation(net.invitation)[1]:
+            return f"the key in {net.invitation}"
+    return net.identity_file or "new at each start"
 
 
 def _membership_summary(cfg: NodeConfig) -> str:
@@ -376,6 +385,11 @@ async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
 
 def _print_report(report: dict[str, Any]) -> None:
     info = report["info"]
+    if info is not None and not info.get("authenticated"):
+        print(f"node {info['peer_id']} (run {info['run_id']}, v{info['software_version']}) is "
+              "up and answered health only: its swarm is closed or keyed; pass your "
+              "--invitation, its --owner-key or --swarm-key to see its state")
+        info = None
     if info is not None:
         loss = info.get("val_loss", math.nan)
         print(f"node {info['peer_id']} at {info['endpoint']} (run {info['run_id']}, "

@@ -229,8 +229,8 @@ def write_invitation(path: str, invitation: Invitation, identity: bytes = b"") -
 def read_invitation(path: str) -> tuple[Invitation, bytes]:
     """(invitation, the member's private key or b"") from an invitation file; ValueError if
     the file is not one."""
-    with open(path) as f:
-        text = f.read(4096)
+    with open(path, "rb") as f:
+        text = f.read(4096).decode("ascii", errors="replace")
     fields = dict(line.split(" ", 1) for line in text.splitlines()[1:] if " " in line)
     if not text.startswith(INVITE_HEADER) or "invitation" not in fields:
         raise ValueError(f"{path} is not an invitation file (made by `gasloc-node invite`)")
