@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
-	bench-chaos bench-poison bench-soak bench-external bench-external-1000 bench-projection bench-engine reproduce \
+	bench-chaos bench-poison bench-tamper bench-soak bench-external bench-external-1000 bench-projection bench-engine reproduce \
 	gpu-check proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
@@ -96,6 +96,10 @@ bench-fuzz: setup
 bench-byzantine: setup
 	$(PY) -m benchmarks.bench_byzantine
 
+# an on-path relay: what it reads, changes and replays (about a minute)
+bench-tamper: setup
+	$(PY) -m benchmarks.bench_tamper
+
 # The guard's direction test on two honest 99.5M-parameter Llamas (minutes; transformers)
 bench-direction: setup
 	$(PY) -m benchmarks.bench_direction
@@ -103,8 +107,11 @@ bench-direction: setup
 bench-chaos: setup
 	$(PY) -m benchmarks.bench_chaos
 
+# ATTACK=records (dead records), tarpits (150 records at ports that never answer) or preauth
+# (15 idle streams per node from 5 addresses); about 5 minutes each
+ATTACK ?= records
 bench-poison: setup
-	$(PY) -m benchmarks.bench_poison
+	$(PY) -m benchmarks.bench_poison --attack $(ATTACK)
 
 # 10 minutes; needs root, ip and tc (network namespaces, a tbf-shaped link)
 bench-soak: setup
@@ -137,7 +144,7 @@ bench-projection: setup
 
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
-	bench-byzantine bench-direction bench-chaos bench-poison bench-soak bench-external \
+	bench-byzantine bench-direction bench-chaos bench-poison bench-tamper bench-soak bench-external \
 	bench-external-1000 bench-projection bench-engine
 
 reproduce: setup

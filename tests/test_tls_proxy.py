@@ -9,8 +9,7 @@ neither side applies anything: 0 of 10 tampered exchanges committed.
 
 from __future__ import annotations
 
-import asyncio
-
+from benchmarks.tools.proxy import Proxy
 from tests.node_helpers import (
     RUN,
     assert_same_state,
@@ -20,52 +19,6 @@ from tests.node_helpers import (
     scaled,
     settle,
 )
-
-
-class Proxy:
-    """A TCP relay to ``target`` (host, port) that records both directions and, from
-    ``tamper_after`` bytes of the responder's stream on, flips one byte in every 4 KiB."""
-
-    def __init__(self, target: tuple[str, int], tamper_after: int = -1) -> None:
-        self.target, self.tamper_after = target, tamper_after
-        self.seen = bytearray()
-        self.flipped = 0
-        self.server: asyncio.base_events.Server | None = None
-
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection(*self.target)
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, down: bool) -> None:
-            passed = 0
-            try:
-                while data := await src.read(65536):
-                    self.seen += data
-                    if down and self.tamper_after >= 0:
-                        data = self._tamper(bytearray(data), passed)
-                    passed += len(data)
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pump(reader, up_w, False), pump(up_r, writer, True))
-
-    def _tamper(self, data: bytearray, offset: int) -> bytes:
-        for i in range(len(data)):
-            if offset + i >= self.tamper_after and (offset + i) % 4096 == 0:
-                data[i] ^= 0x5A
-                self.flipped += 1
-        return bytes(data)
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
 
 
 def test_an_on_path_proxy_reads_nothing_and_its_changes_are_never_committed():

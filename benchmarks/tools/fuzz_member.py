@@ -265,3 +265,36 @@ def fuzz_node(log_dir: Path, streams: int, concurrency: int, seed: int,
             "finite": finite, "steps": after.step - before.step,
             "committed": after.exchanges_ok_responder - before.exchanges_ok_responder,
             "tracebacks": err.count("Traceback"), "forged": err.count("\nINFO forged")}
+
+
+async def honest_stream(channel: grpc.aio.Channel, t: Target, signer: Signer) -> str:
+    """One valid member exchange (the node's own parameters as an int8 payload, a valid
+    Commit); how it ended: "committed" (the node closed the stream without an error after our
+    Commit), or the stage where it stopped."""
+    payload = t.mirror("int8", 1024)
+    mine = new_nonce()
+    first = sign_header(t.header(signer.peer_id, "int8", 1024, payload), signer, mine, b"")
+    s = Stream(pb_grpc.GossipStub(channel).Exchange(timeout=t.deadline_s), t.deadline_s)
+    try:
+        await s.write(first)
+        what, msg = await s.until("header")
+        if what != "header":
+            return what
+        theirs = msg.header  # type: ignore[attr-defined]
+        proof = signed_copy(first, signer, mine, theirs.nonce)
+        await s.write(proof)
+        for start in range(0, len(payload), MAX_CHUNK_BYTES):
+            await s.write(pb.ExchangeMsg(chunk=pb.Chunk(
+                data=payload[start:start + MAX_CHUNK_BYTES])))
+        what, msg = await s.until("ready")
+        if what != "ready":
+            return what
+        await s.write(pb.ExchangeMsg(ready=pb.Ready(rounds_since_snapshot=0)))
+        await s.write(valid_commit(signer, proof.header, theirs))
+        await s.done_writing()
+        what, msg = await s.until("never")
+        if what == "rpc" and getattr(msg, "code", lambda: None)() == grpc.StatusCode.OK:
+            return "committed"
+        return "committed" if what == "end" else what
+    finally:
+        s.close()

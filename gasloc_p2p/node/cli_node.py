@@ -385,7 +385,7 @@ async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
 
 def _print_report(report: dict[str, Any]) -> None:
     info = report["info"]
-    if info is not None and not info.get("authenticated"):
+    if info is not None and info.get("ok") and not info.get("authenticated"):  # health only
         print(f"node {info['peer_id']} (run {info['run_id']}, v{info['software_version']}) is "
               "up and answered health only: its swarm is closed or keyed; pass your "
               "--invitation, its --owner-key or --swarm-key to see its state")
