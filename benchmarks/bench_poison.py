@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
+import multiprocessing as mp
+import os
 import signal
 import socket
 import subprocess
@@ -53,8 +56,7 @@ from gasloc_p2p.node.transport.tls import fetch_certificate, secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.certs import TlsIdentity
-from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env
-from gasloc_p2p.tools.procs import Child
+from gasloc_p2p.tools.nodes import NodeChild
 
 KEY = run_key("gasloc")
 MAX_TTL_S = 2 * 20.0  # 2 x --announce-ttl-s (default 20 s): longer records are refused
@@ -62,12 +64,8 @@ MIN_SHARE = {"records": 0.5, "tarpits": 0.5, "preauth": 0.8}
 
 
 def niced(name: str, log_dir: Path, node_flags: list[str]) -> NodeChild:
-    node = NodeChild.__new__(NodeChild)
-    Child.__init__(node, name, ["nice", "-n", "5", *join_argv([*node_flags, "--open"])],
-                   log_dir, node_env())
-    node.endpoint = ""
-    node.signer = Signer()
-    return node
+    """A node in an open swarm (anyone can mint keys: the attacks below), under ``nice``."""
+    return NodeChild(name, log_dir, [*node_flags, "--open"], prefix=("nice", "-n", "5"))
 
 
 def closed_port() -> int:
@@ -159,53 +157,73 @@ def tarpit() -> socket.socket:
 
 class IdleStreams:
     """Holds ``per_address`` idle Exchange streams on each node from each of ``addresses``
-    source addresses (127.0.0.2...), re-opening each one the node drops; in its own thread
-    and event loop. gRPC cannot pick a source address, so each address is a local TCP relay
-    that connects to the node from it (TLS passes through: the node's certificate is
-    pinned)."""
+    source addresses (127.0.0.2...), re-opening each one the node drops. It runs in a child
+    process at the lowest priority (``nice 19``): on a real network the attacker's CPU is its
+    own, here it shares the nodes' cores. gRPC cannot pick a source address, so each address
+    is a local TCP relay that connects to the node from it (TLS passes through: the node's
+    certificate is pinned)."""
 
     def __init__(self, endpoints: list[str], addresses: int = 5, per_address: int = 3) -> None:
-        self.endpoints, self.addresses, self.per_address = endpoints, addresses, per_address
-        self.opened = 0
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        ctx = mp.get_context("spawn")  # the parent has used gRPC: no fork
+        self._opened = ctx.Value("q", 0)
+        self._stop = ctx.Event()
+        self._proc = ctx.Process(target=_idle_main, args=(
+            endpoints, addresses, per_address, self._opened, self._stop), daemon=True)
+
+    @property
+    def opened(self) -> int:
+        return int(self._opened.value)
 
     def start(self) -> None:
-        self._thread.start()
+        self._proc.start()
 
     def close(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
+        self._stop.set()
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
 
-    async def _main(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        jobs = []
-        for endpoint in self.endpoints:
-            cert = await asyncio.to_thread(fetch_certificate, endpoint)
-            host, port = endpoint.rsplit(":", 1)
-            for a in range(self.addresses):
-                relay = await asyncio.start_server(functools.partial(
-                    _relay, (host, int(port)), f"127.0.0.{2 + a}"), "127.0.0.1", 0)
-                via = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
-                jobs += [self._hold(via, cert) for _ in range(self.per_address)]
-        await asyncio.gather(*jobs)
 
-    async def _hold(self, via: str, cert: bytes) -> None:
-        assert self._stop is not None
+def _idle_main(endpoints: list[str], addresses: int, per_address: int, opened: Any,
+               stop: Any) -> None:
+    os.nice(19)
+    asyncio.run(_idle(endpoints, addresses, per_address, opened, stop))
+
+
+async def _idle(endpoints: list[str], addresses: int, per_address: int, opened: Any,
+                stop: Any) -> None:
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+        done.set()
+
+    async def hold(via: str, cert: bytes) -> None:
         async with secure_channel(via, cert) as channel:
             stub = pb_grpc.GossipStub(channel)
-            while not self._stop.is_set():
+            while not done.is_set():
                 call = stub.Exchange(timeout=60)
-                self.opened += 1
+                with opened.get_lock():
+                    opened.value += 1
                 reader = asyncio.ensure_future(call.read())
-                stop = asyncio.ensure_future(self._stop.wait())
-                await asyncio.wait([reader, stop], return_when=asyncio.FIRST_COMPLETED)
+                ended = asyncio.ensure_future(done.wait())
+                await asyncio.wait([reader, ended], return_when=asyncio.FIRST_COMPLETED)
                 call.cancel()
-                for task in (reader, stop):
+                for task in (reader, ended):
                     task.cancel()
-                await asyncio.gather(reader, stop, return_exceptions=True)
+                await asyncio.gather(reader, ended, return_exceptions=True)
+
+    jobs = [watch()]
+    for endpoint in endpoints:
+        cert = await asyncio.to_thread(fetch_certificate, endpoint)
+        host, port = endpoint.rsplit(":", 1)
+        for a in range(addresses):
+            relay = await asyncio.start_server(functools.partial(
+                _relay, (host, int(port)), f"127.0.0.{2 + a}"), "127.0.0.1", 0)
+            via = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
+            jobs += [hold(via, cert) for _ in range(per_address)]
+    await asyncio.gather(*jobs)
 
 
 async def _relay(target: tuple[str, int], source: str, reader: asyncio.StreamReader,
@@ -222,7 +240,8 @@ async def _relay(target: tuple[str, int], source: str, reader: asyncio.StreamRea
         finally:
             dst.close()
 
-    await asyncio.gather(pump(reader, up_w), pump(up_r, writer))
+    with contextlib.suppress(asyncio.CancelledError):  # the attacker stops: so do its relays
+        await asyncio.gather(pump(reader, up_w), pump(up_r, writer))
 
 
 def main() -> int:

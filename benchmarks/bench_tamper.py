@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.tools.fuzz_member import honest_stream
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # the corrupted records are the point here
+
+from benchmarks.tools.fuzz_member import honest_stream  # noqa: E402 (after the variable)
 from benchmarks.tools.fuzz_streams import Target
 from benchmarks.tools.proxy import Proxy, replay
 from gasloc_p2p.node.config import NetworkConfig
@@ -109,6 +112,8 @@ def main() -> int:
         node = NodeChild("target", Path(tmp), NODE_FLAGS)
         try:
             node.wait_up(180)
+            while node.info().rounds < 1:  # before its first round a node answers BUSY
+                time.sleep(0.5)
             t0 = time.monotonic()
             r = asyncio.run(run(node, args.exchanges))
             took = time.monotonic() - t0
@@ -116,7 +121,8 @@ def main() -> int:
             node.stop(30)
     n = args.exchanges
     print(f"tamper: an on-path relay between a member and a live node, {took:.0f} s")
-    print(f"  relayed as is: {r['honest_committed']} of {n} exchanges committed; the relay saw "
+    print(f"  relayed as is: {r['honest_committed']} of {n} exchanges committed "
+          f"({', '.join(sorted(set(r['honest'])))}); the relay saw "
           f"{r['seen_bytes']:,} bytes, plaintext markers found in them: {r['plaintext']} "
           "(the run id, 32-byte runs of the payload)")
     for name, what in (("tampered_up", "the member's bytes"), ("tampered_down",

@@ -8,9 +8,10 @@ import os
 import sys
 
 # gRPC's C core logs every failed TLS handshake (a peer that is gone, a wrong certificate, a
-# port scan) at INFO on stderr, outside Python's logging; the node reports what matters itself.
-# Set before grpc is first imported, which reads it once.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# port scan) and every corrupted TLS record (someone on the path) on stderr, outside Python's
+# logging, several lines each: a peer must not be able to write to our terminal. The node
+# reports what matters itself (the call fails). Set before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 from collections.abc import Sequence
 from typing import NoReturn
 

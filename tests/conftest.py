@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # as the CLI: no C-core INFO lines per handshake
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as the CLI: no C-core INFO lines per handshake
 # owner keys of nodes that start a closed swarm go here, not into the user's home (children too)
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="gasloc-test-data-")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 
 class Proxy:
@@ -43,7 +44,8 @@ class Proxy:
             finally:
                 dst.close()
 
-        await asyncio.gather(pump(reader, up_w, True), pump(up_r, writer, False))
+        with contextlib.suppress(asyncio.CancelledError):  # the relay closes: they end
+            await asyncio.gather(pump(reader, up_w, True), pump(up_r, writer, False))
 
     def _tamper(self, data: bytearray, offset: int) -> bytes:
         for i in range(len(data)):

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
 _WINDOW_MIN_S = 2.0  # shortest utilization window (a round, at least this)
 _CONNECT_GRACE_S = 0.1  # after the first connection, others this close count as a tie
+_NEW_PEER_CONNECT_S = 2.0
 
 
 class PeerBook:
@@ -221,10 +222,13 @@ class GossipLoop:
         return None
 
     def connect_timeout_s(self, peer: PeerInfo) -> float:
-        """How long a connection (TCP and the TLS handshake) to ``peer`` may take: a
-        quarter of ``connect_timeout_s`` for a peer that never exchanged with this node."""
+        """How long a connection (TCP and the TLS handshake) to ``peer`` may take: for a
+        peer that never exchanged with this node a quarter of ``connect_timeout_s``, but at
+        least ``_NEW_PEER_CONNECT_S`` (about 3 round trips on a slow intercontinental path)."""
         full = self.net.connect_timeout_s
-        return full if self.exchanger.known_good(peer.peer_id) else full / 4
+        if self.exchanger.known_good(peer.peer_id):
+            return full
+        return max(full / 4, min(full, _NEW_PEER_CONNECT_S))
 
     async def _first_connected(self, picks: Sequence[PeerInfo]) -> PeerInfo | None:
         """A random one of ``picks`` whose endpoint connects first or within

@@ -65,6 +65,7 @@ CallFactory = Callable[[], Any]
 Write = Callable[[pb.ExchangeMsg], Awaitable[None]]
 T = TypeVar("T")
 _MAX_PENALIZED = 1024  # peers remembered as penalized (bounded memory)
+_MAX_GOOD = 4096  # peers remembered as having committed an exchange here
 
 
 def remote_address(context: Any) -> str:
@@ -100,7 +101,7 @@ class GossipTransport:
         self._penalized_blocks: dict[str, float] = {}
         # peers with a committed exchange here, newest last (bounded): they get the reserved
         # inbound slots
-        self._good: OrderedDict[str, None] = OrderedDict()
+        self._good: OrderedDict[str, None] = OrderedDict()  # at most _MAX_GOOD
         self.reserved_inbound = max(1, gossip.max_inbound // 2)
         # called with every committed exchange and its wall time, either role
         self.on_commit: Callable[[Outcome, float], None] | None = None
@@ -401,7 +402,7 @@ class GossipTransport:
         st, took = self.stats, time.monotonic() - started
         self._good[outcome.peer_id] = None
         self._good.move_to_end(outcome.peer_id)
-        if len(self._good) > _MAX_PENALIZED:
+        if len(self._good) > _MAX_GOOD:
             self._good.popitem(last=False)
         st.record_commit(took, outcome.weight, outcome.correction_norm, outcome.numel)
         if self.on_commit is not None:
