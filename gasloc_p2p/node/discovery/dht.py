@@ -197,6 +197,18 @@ class HivemindDiscovery(Discovery):
             self.revoked_key, rl.to_value(), rl.expires, subkey=rl.owner.hex(),
             return_future=True))
 
+    async def serve_manifest(self, text: str) -> None:
+        """Answer other nodes' manifest requests (over this DHT's libp2p host) with ``text``."""
+        await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(
+            partial(_serve_manifest, text=text), return_future=True))
+
+    async def ask_manifest(self, dht_peer_id: str) -> str:
+        """The manifest the node with libp2p id ``dht_peer_id`` serves ("" if none); libp2p
+        authenticates that id, so it is that very node's answer."""
+        return str(await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(
+            partial(_ask_manifest, peer_id=dht_peer_id, timeout_s=self.timeout_s / 2),
+            return_future=True)))
+
     async def visible_addrs(self) -> list[str]:
         addrs = await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(
             partial(_visible_maddrs), return_future=True))
@@ -226,6 +238,36 @@ class HivemindDiscovery(Discovery):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             dht.join(5.0)
+
+
+MANIFEST_HANDLER = "gasloc.v1.manifest"
+MAX_MANIFEST_CHARS = 16 * 1024
+
+
+async def _serve_manifest(_dht: Any, node: Any, text: str) -> None:
+    """Runs inside the DHT process: answer manifest requests over libp2p with ``text``."""
+    from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+
+    async def handler(_request: Any, _context: Any) -> Any:
+        return pb.ManifestReply(manifest_json=text)
+
+    await node.p2p.add_protobuf_handler(MANIFEST_HANDLER, handler, pb.ManifestRequest)
+
+
+async def _ask_manifest(_dht: Any, node: Any, peer_id: str, timeout_s: float) -> str:
+    """Runs inside the DHT process: the manifest the peer with libp2p id ``peer_id`` serves
+    ("" if it serves none or does not answer in time)."""
+    from hivemind.p2p import PeerID
+
+    from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+
+    try:
+        reply = await asyncio.wait_for(node.p2p.call_protobuf_handler(
+            PeerID.from_base58(peer_id), MANIFEST_HANDLER, pb.ManifestRequest(),
+            pb.ManifestReply), timeout_s)
+    except Exception:  # noqa: BLE001 - no handler, gone, slow: no manifest from it
+        return ""
+    return str(reply.manifest_json)[:MAX_MANIFEST_CHARS + 1]
 
 
 async def _visible_maddrs(_dht: Any, node: Any) -> list[Any]:

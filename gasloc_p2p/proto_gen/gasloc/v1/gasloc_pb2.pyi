@@ -277,3 +277,13 @@ class StateChunk(_message.Message):
     data: bytes
     reject: Reject
     def __init__(self, meta: _Optional[_Union[StateMeta, _Mapping]] = ..., data: _Optional[bytes] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ManifestReply(_message.Message):
+    __slots__ = ("manifest_json",)
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    manifest_json: str
+    def __init__(self, manifest_json: _Optional[str] = ...) -> None: ...
