@@ -63,3 +63,44 @@ def test_a_port_in_use_names_its_flag(flag, what):
     assert line == (f"gasloc-node join: error: cannot listen on 127.0.0.1:{port} for {what} "
                     f"(Address already in use): choose another {flag} (0: any free port)")
     assert seconds < 30, "the check must come before the DHT starts"
+
+
+TYPOS = {"sim": ("--wrkers", "--workers"), "join": ("--max_steps", "--max-steps"),
+         "status": ("--endpont", "--endpoint"), "export": ("--ot", "--out"),
+         "plan": ("--modle", "--model"), "swarm": ("--nodez", "--nodes"),
+         "dashboard": ("--prometeus", "--prometheus")}
+
+
+def test_an_unknown_flag_names_the_closest_one_for_every_command(capsys):
+    """Checked before anything else (export's --out is required: the typo, not the missing
+    flag, is what the user needs to hear)."""
+    from gasloc_p2p.cli import Parser, build_parser, main
+
+    commands = build_parser()._commands()  # type: ignore[attr-defined]
+    assert set(TYPOS) == set(commands) and all(isinstance(p, Parser) for p in commands.values())
+    for command, (typo, meant) in TYPOS.items():
+        with pytest.raises(SystemExit) as exit_:
+            main([command, typo, "1"])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == (
+            f"gasloc-node {command}: error: unrecognized arguments: {typo}; did you mean {meant}? "
+            f"(see 'gasloc-node {command} --help')\n")
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--verison"], "did you mean --version?"),
+    (["jion"], "invalid choice: 'jion' (choose from"),
+    (["join", "--log-level", "DEBUG"],
+     "--log-level is an option of gasloc-node itself: put it before the command"),
+    (["--peers", "x", "join"], "put it after one (gasloc-node join --peers ...)"),
+    (["swarm", "--data", "x.txt"], "put node flags after '--' (gasloc-node swarm -- --data ...)"),
+])
+def test_flags_in_the_wrong_place_say_where_they_go(capsys, argv, hint):
+    from gasloc_p2p.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and hint in err and err.count("\n") == 1, err
+    if argv == ["jion"]:
+        assert err.endswith("did you mean 'join'? (see 'gasloc-node --help')\n")
