@@ -104,3 +104,16 @@ def test_flags_in_the_wrong_place_say_where_they_go(capsys, argv, hint):
     assert exit_.value.code == 2 and hint in err and err.count("\n") == 1, err
     if argv == ["jion"]:
         assert err.endswith("did you mean 'join'? (see 'gasloc-node --help')\n")
+
+
+def test_an_unreadable_data_file_stops_the_node_with_one_line(tmp_path):
+    """Read when the node starts (after the DHT): still one line naming the flag and the file,
+    exit 2, and no second line from the reader's own logging."""
+    pytest.importorskip("datasets")
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_text('{"text": "first document"}\n{not json\n')
+    result, _ = run_cli("--log-level", "WARNING", "join", "--host", "127.0.0.1", "--data",
+                        str(bad), "--metrics-port", "-1", timeout_s=120)
+    assert result.returncode == 2, result.stderr
+    assert one_line(result).startswith(
+        f"gasloc-node join: error: --data {str(bad)!r}: cannot read it as JSON Lines")

@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gasloc_p2p.data.corpus import DataError
 from gasloc_p2p.node.config import ConfigError, NetworkConfig, NodeConfig
 from gasloc_p2p.node.config_network import check_bootstrap_peers
 from gasloc_p2p.node.settings import add_config_flags, build_config
@@ -192,6 +193,9 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
             print(startup_block(node, addrs), flush=True)
             await node.wait()
             deadline.arm()  # also when a step or time limit ends the run
+    except DataError as exc:  # the data flags cannot be read: as a configuration error
+        print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except Exception as exc:
         log.error("node failed: %s: %s", type(exc).__name__, exc)
         log.debug("details", exc_info=True)
