@@ -306,8 +306,12 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         wanted = getattr(args, "node_id", None)
         if wanted:  # the multiaddr names the node's DHT id: ask each listed node for its own
             endpoint = await _endpoint_of_dht_id(peers, wanted, signer, args)
-        elif endpoint is None and peers:
-            endpoint = max(peers, key=lambda p: p.step).endpoint
+        elif endpoint is None:  # the header describes the node asked: the first of --peers
+            asked = args.peers[0].rsplit("/p2p/", 1)[-1]
+            try:
+                endpoint = await _endpoint_of_dht_id(peers, asked, signer, args)
+            except LookupError as exc:  # a bare DHT peer, or a node not announced yet
+                report["note"] = f"no node header: {exc}"
     if endpoint:
         channels = PeerChannels(NetworkConfig())
         try:
@@ -363,6 +367,8 @@ def _print_report(report: dict[str, Any]) -> None:
                   f"{f.get('syncs_solo', 0)} solo, epoch {f.get('epoch', 0)}, "
                   f"{int(f.get('bytes_sent', 0)):,} B sent, stalled "
                   f"{float(f.get('wait_s', 0.0)):.2f} s, resyncs {f.get('resyncs', 0)}")
+    if report.get("note"):
+        print(report["note"])
     if report["swarm"]:
         print(f"swarm ({len(report['swarm'])} nodes):")
         for p in sorted(report["swarm"], key=lambda p: p["peer_id"]):
