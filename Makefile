@@ -27,13 +27,25 @@ lint: setup
 	@$(STEP) "lint: ruff" -- $(PY) -m ruff check -q gasloc_p2p tests benchmarks
 	@$(STEP) "lint: generated protobuf code is current" -- $(PY) proto/generate.py --check
 
+MYPY := $(PY) -m mypy gasloc_p2p
+# Two workers; tests that start swarms of processes run one after another on one of them
+# (tests/conftest.py). PYTEST_WORKERS=0: one process, as plain `pytest`.
+PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+
 typecheck: setup
-	@$(STEP) "typecheck: mypy" -- $(PY) -m mypy gasloc_p2p
+	@$(STEP) "typecheck: mypy" -- $(MYPY)
 
 unit: setup
-	@$(STEP) "unit: pytest" -- $(PY) -m pytest -q
+	@$(STEP) "unit: pytest" -- $(PYTEST)
 
-test: lint typecheck unit
+# mypy (one core, about a minute from a fresh clone) runs beside pytest; its summary line is
+# printed after pytest's (its messages too, if it fails).
+test: lint
+	@$(STEP) "typecheck: mypy" --log $(VENV)/typecheck.log -- $(MYPY) >$(VENV)/typecheck.out 2>&1 & \
+	$(STEP) "unit: pytest" -- $(PYTEST); unit=$$?; \
+	wait $$!; typecheck=$$?; cat $(VENV)/typecheck.out; \
+	[ $$unit -eq 0 ] && [ $$typecheck -eq 0 ]
 
 swarm: setup
 	$(VENV)/bin/gasloc-node swarm --nodes 3

@@ -70,6 +70,10 @@ def test_bad_toml_is_reported(tmp_path, text, match):
     ({"GASLOC_PEERS": "1.2.3.4:5"}, "each peer is a multiaddr"),
     ({"GASLOC_GAMMA": "1.5"}, "--gamma=1.5: the outer momentum needs"),
     ({"GASLOC_MOMENTUM": "acid"}, "momentum='acid' .*: choose one of"),
+    ({"GASLOC_DATA": "/nonexistent/c.jsonl"}, "^--data '/nonexistent/c.jsonl': no such file or "
+                                              "directory$"),
+    ({"GASLOC_DATA": "/nonexistent/*.parquet"}, "^--data '/nonexistent/\\*.parquet' matched no "
+                                                "files$"),
 ])
 def test_invalid_values_and_relations_name_the_flag(env, match):
     with pytest.raises(ConfigError, match=match):
@@ -81,6 +85,10 @@ def test_invalid_values_and_relations_name_the_flag(env, match):
     (["join", "--bogus"], "unrecognized arguments: --bogus"),
     (["join", "--inner-steps", "x"], "--inner-steps: expected int, got 'x'"),
     (["status"], "give --endpoint HOST:PORT or --peers MADDR"),
+    (["join", "--data", "/nonexistent/c.jsonl"],
+     "gasloc-node join: error: --data '/nonexistent/c.jsonl': no such file or directory"),
+    (["sim", "--data", "/nonexistent/plays.txt"],
+     "gasloc-node sim: error: --data '/nonexistent/plays.txt': no such file or directory"),
 ])
 def test_cli_errors_are_one_line_with_exit_code_2(argv, match):
     out = subprocess.run([sys.executable, "-m", "gasloc_p2p.cli", *argv], capture_output=True,

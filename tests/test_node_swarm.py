@@ -76,6 +76,7 @@ def test_swarm_of_processes(tmp_path):
         listed = {p["peer_id"] for p in report["swarm"]}
         assert {survivors[0].info().peer_id, survivors[1].info().peer_id} <= listed
         assert report["info"]["run_id"] == "gasloc"
+        assert report["info"]["peer_id"] == survivors[0].info().peer_id  # the node asked: g0
 
         params = {n.name: n.download_state(run)[1] for n, run in
                   [(survivors[0], "gasloc"), (survivors[1], "gasloc"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,33 +58,56 @@ def stream_files(data: str) -> tuple[str, list[str]] | None:
 
 def _load_dataset() -> Any:
     try:
-        from datasets import load_dataset
+        import datasets
     except ImportError as exc:
         raise DataError("JSON Lines / Parquet data needs Hugging Face datasets: "
                         "pip install 'gasloc_p2p[hf]'") from exc
-    return load_dataset
+    # its reading errors come back as exceptions, which become one DataError line; its own
+    # logged copy of them would be a second, differently worded line
+    datasets.logging.set_verbosity(logging.CRITICAL)
+    return datasets.load_dataset
+
+
+_KIND_NAMES = {"json": "JSON Lines", "parquet": "Parquet"}
 
 
 class DocumentStream:
-    """The text field of every row of ``files``, in file then row order, read lazily."""
+    """The text field of every row of ``files``, in file then row order, read lazily. A file
+    that cannot be read raises :class:`DataError` naming ``--data`` and the file."""
 
     def __init__(self, kind: str, files: list[str], field: str) -> None:
         self.kind, self.files, self.field = kind, files, field
 
     def __iter__(self) -> Iterator[str]:
-        if self.kind == "parquet":
-            yield from self._parquet_rows()
-            return
-        ds = _load_dataset()(self.kind, data_files=self.files, split="train", streaming=True)
+        for name in self.files:
+            rows = self._parquet_rows(name) if self.kind == "parquet" else self._json_rows(name)
+            try:
+                yield from rows
+            except DataError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any reader failure: one line, the file
+                raise self._unreadable(name, exc) from None
+
+    def _unreadable(self, name: str, exc: BaseException) -> DataError:
+        if not Path(name).is_file():
+            return DataError(f"--data {name!r}: no such file (it went away)")
+        if isinstance(exc, RuntimeError) and isinstance(exc.__cause__, StopIteration):
+            return DataError(f"--data {name!r}: the file holds no rows")
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return DataError(f"--data {name!r}: cannot read it as {_KIND_NAMES[self.kind]} "
+                         f"({text})")
+
+    def _json_rows(self, name: str) -> Iterator[str]:
+        ds = _load_dataset()("json", data_files=[name], split="train", streaming=True)
         if ds.column_names is not None and self.field not in ds.column_names:
-            raise DataError(f"--data-field {self.field!r} is not a column of {self.files[0]}; "
+            raise DataError(f"--data-field {self.field!r} is not a column of {name}; "
                             f"columns: {', '.join(ds.column_names)}")
         for row in ds.select_columns([self.field]):
             text = row[self.field]
             if isinstance(text, str) and text:
                 yield text
 
-    def _parquet_rows(self) -> Iterator[str]:
+    def _parquet_rows(self, name: str) -> Iterator[str]:
         """Parquet read with pyarrow directly: the text column only, :data:`PARQUET_ROWS` rows
         at a time, no pre-buffering of whole row groups, one thread. Through ``datasets``'
         streaming reader the resident memory grew with the file (by 440 MB for a 100 MB file,
@@ -91,16 +115,15 @@ class DocumentStream:
         _load_dataset()  # the same extra as JSON Lines (it brings pyarrow)
         import pyarrow.parquet as pq
 
-        for name in self.files:
-            f = pq.ParquetFile(name, pre_buffer=False, buffer_size=PARQUET_BUFFER_BYTES)
-            if self.field not in f.schema_arrow.names:
-                raise DataError(f"--data-field {self.field!r} is not a column of {name}; "
-                                f"columns: {', '.join(f.schema_arrow.names)}")
-            for batch in f.iter_batches(batch_size=PARQUET_ROWS, columns=[self.field],
-                                        use_threads=False):
-                for text in batch.column(0).to_pylist():
-                    if isinstance(text, str) and text:
-                        yield text
+        f = pq.ParquetFile(name, pre_buffer=False, buffer_size=PARQUET_BUFFER_BYTES)
+        if self.field not in f.schema_arrow.names:
+            raise DataError(f"--data-field {self.field!r} is not a column of {name}; "
+                            f"columns: {', '.join(f.schema_arrow.names)}")
+        for batch in f.iter_batches(batch_size=PARQUET_ROWS, columns=[self.field],
+                                    use_threads=False):
+            for text in batch.column(0).to_pylist():
+                if isinstance(text, str) and text:
+                    yield text
 
     def sample(self, max_chars: int = _SAMPLE_CHARS) -> Corpus:
         """The first documents, up to about ``max_chars`` characters (to train a BPE)."""
@@ -111,7 +134,8 @@ class DocumentStream:
             if total >= max_chars:
                 break
         if not docs:
-            raise DataError(f"{self.files[0]}: no non-empty {self.field!r} values")
+            raise DataError(f"--data {self.files[0]!r}: no non-empty --data-field "
+                            f"{self.field!r} values")
         return Corpus(tuple(docs))
 
 
@@ -145,8 +169,8 @@ class StreamData:
             if have >= count * width:
                 break
         if have < width:
-            raise DataError(f"{self.docs.files[0]}: the validation documents hold {have} "
-                            f"tokens, fewer than --seq-len+1={width}; use more data")
+            raise DataError(f"--data {self.docs.files[0]!r}: the validation documents hold "
+                            f"{have} tokens, fewer than --seq-len+1={width}; use more data")
         n = min(count, have // width)
         return torch.cat(chosen)[: n * width].view(n, width), last
 
@@ -236,8 +260,9 @@ class WindowStream:
             self.pending = flat[cut:].clone()
             return
         if self.seen == 0:
-            raise DataError(f"{self.data.docs.files[0]}: no training documents left for shard "
-                            f"{self.k}/{self.n} after the validation set; use more data")
+            raise DataError(f"--data {self.data.docs.files[0]!r}: no training documents left "
+                            f"for --shard {self.k}/{self.n} after the validation set; use more "
+                            "data")
         self.epoch, self.row, self.met, self.seen, self._rows = self.epoch + 1, 0, 0, 0, None
 
 

@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gasloc_p2p.data.corpus import DataError
 from gasloc_p2p.node.config import ConfigError, NetworkConfig, NodeConfig
 from gasloc_p2p.node.config_network import check_bootstrap_peers
 from gasloc_p2p.node.settings import add_config_flags, build_config
@@ -217,6 +218,9 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
             print(startup_block(node, addrs), flush=True)
             await node.wait()
             deadline.arm()  # also when a step or time limit ends the run
+    except DataError as exc:  # the data flags cannot be read: as a configuration error
+        print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except Exception as exc:
         log.error("node failed: %s: %s", type(exc).__name__, exc)
         log.debug("details", exc_info=True)
@@ -339,9 +343,12 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         wanted = getattr(args, "node_id", None)
         if wanted:  # the multiaddr names the node's DHT id: ask each listed node for its own
             endpoint, cert = await _endpoint_of_dht_id(peers, wanted, signer, args)
-        elif endpoint is None and peers:
-            best = max(peers, key=lambda p: p.step)
-            endpoint, cert = best.endpoint, best.cert
+        elif endpoint is None:  # the header describes the node asked: the first of --peers
+            asked = args.peers[0].rsplit("/p2p/", 1)[-1]
+            try:
+                endpoint, cert = await _endpoint_of_dht_id(peers, asked, signer, args)
+            except LookupError as exc:  # a bare DHT peer, or a node not announced yet
+                report["note"] = f"no node header: {exc}"
         else:
             cert = next((p.cert for p in peers if p.endpoint == endpoint), b"")
     if endpoint:
@@ -409,6 +416,8 @@ def _print_report(report: dict[str, Any]) -> None:
                   f"{f.get('syncs_solo', 0)} solo, epoch {f.get('epoch', 0)}, "
                   f"{int(f.get('bytes_sent', 0)):,} B sent, stalled "
                   f"{float(f.get('wait_s', 0.0)):.2f} s, resyncs {f.get('resyncs', 0)}")
+    if report.get("note"):
+        print(report["note"])
     if report["swarm"]:
         print(f"swarm ({len(report['swarm'])} nodes):")
         for p in sorted(report["swarm"], key=lambda p: p["peer_id"]):

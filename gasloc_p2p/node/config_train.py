@@ -8,7 +8,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from gasloc_p2p.core.options import ConfigError, need, opt
-from gasloc_p2p.data.corpus import DataError
+from gasloc_p2p.data.corpus import DataError, check_data_path
 from gasloc_p2p.data.stream import stream_files
 from gasloc_p2p.model import GPTConfig
 from gasloc_p2p.model_spec import BUILTIN, PRESETS, ModelSource, gpt_config
@@ -121,6 +121,8 @@ class TrainConfig:
                  "no such file or directory (byte, bpe or a tokenizer.json / directory)")
             need(find_spec("tokenizers") is not None, "tokenizer", self.tokenizer, hint)
         try:
+            if self.data:
+                check_data_path(self.data)
             streamed = bool(self.data) and stream_files(self.data) is not None
         except DataError as exc:
             raise ConfigError(str(exc)) from None
