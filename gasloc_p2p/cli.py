@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_node.add_join_parser(sub)
     cli_node.add_status_parser(sub)
+    from gasloc_p2p.node import cli_run
+
+    cli_run.add_init_parser(sub)
     from gasloc_p2p.node import cli_members
 
     cli_members.add_member_parsers(sub)

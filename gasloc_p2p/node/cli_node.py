@@ -42,6 +42,9 @@ def add_join_parser(sub: Any) -> None:
     p.add_argument("--check", action="store_true",
                    help="validate the configuration, print what the node would run, and exit "
                         "(starts nothing, downloads nothing)")
+    p.add_argument("--manifest", metavar="FILE", default=argparse.SUPPRESS,
+                   help="train by this run manifest (`gasloc-node init`); without it, a node "
+                        "that joins with --peers trains by the manifest its peer serves")
     add_config_flags(p)
     p.set_defaults(func=run_join)
 
@@ -79,10 +82,15 @@ def run_join(args: argparse.Namespace) -> int:
     if hasattr(args, "check"):
         del args.check  # not a config field
     try:
-        cfg = build_config(args)
+        from gasloc_p2p.node.cli_run import resolve
+
+        if check and not getattr(args, "manifest", None):
+            args.manifest = None  # --check downloads nothing: no manifest from a peer
+        manifest = resolve(args)
+        cfg = build_config(args, manifest=manifest)
         check_bootstrap_peers(cfg.discovery.peers)
         _check_ports(cfg)
-    except (ConfigError, OSError) as exc:
+    except (ConfigError, OSError, TimeoutError) as exc:
         return _fail_config("join", exc)
     if check:
         print(check_summary(cfg))
@@ -99,7 +107,7 @@ def run_join(args: argparse.Namespace) -> int:
              tuned.mmap_threshold or "default", f" ({tuned.reason})" if tuned.reason else "")
 
     executor = BoundedExecutor(_EXECUTOR_THREADS, "gasloc-io")
-    code = int(uvloop.run(_join(cfg, executor)))
+    code = int(uvloop.run(_join(cfg, executor, manifest)))
     # Everything the node opened is closed by now: skip the interpreter's own teardown. Its
     # final garbage collection runs native finalizers, and one of them blocked a stopped node
     # for over 30 s (the SIGTERM hang, twice in about 100 stops on a loaded machine: one thread
@@ -192,12 +200,12 @@ def _check_ports(cfg: NodeConfig) -> None:
         check_bindable(m.metrics_host or net.host, m.metrics_port, "--metrics-port", "/metrics")
 
 
-async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
+async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = None) -> int:
     from gasloc_p2p.node.daemon import Node
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(executor)
-    node = Node(cfg)
+    node = Node(cfg, manifest=manifest)
     signals = 0
     deadline = _StopDeadline(cfg.network.stop_deadline_s)
 
@@ -257,12 +265,23 @@ def startup_block(node: Any, addrs: list[str]) -> str:
              *[f"  dht      {a}" for a in addrs[:3]],
              f"  metrics  {node.metrics.url or 'off (--metrics-port -1)'}",
              f"  status   gasloc-node status --endpoint {node.endpoint}",
-             *node.membership_lines()]
+             *node.membership_lines(), *_run_lines(node)]
     if not node.cfg.discovery.peers:
         lines += ["new swarm; other nodes join with:", f"  {hint}"]
     else:
         lines += ["joined; other nodes may also join with:", f"  {hint}"]
     return "\n".join(lines)
+
+
+def _run_lines(node: Any) -> list[str]:
+    """The run a node trains by its manifest: name, model, data, shape (none without)."""
+    m = node.manifest
+    if m is None:
+        return []
+    s, t = m.settings, node.cfg.train
+    return [f"  run      {m.run_id} ({m.name}): model {s['model']}, data "
+            f"{t.data or 'Shakespeare'}, batch {t.batch_size} x {t.grad_accum} x {s['seq_len']} "
+            f"tokens, H {s['inner_steps']}, {s['algorithm']}, {s['codec']} payloads"]
 
 
 def run_status(args: argparse.Namespace) -> int:

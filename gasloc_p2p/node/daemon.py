@@ -28,6 +28,7 @@ from gasloc_p2p.core.codecs import CODEC_NAMES
 from gasloc_p2p.node.config import AlgorithmConfig, DiscoveryConfig, NodeConfig, TrainConfig
 from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
 from gasloc_p2p.node.discovery.dht import HivemindDiscovery
+from gasloc_p2p.node.manifest import Manifest
 from gasloc_p2p.node.modes.base import Mode, ModeContext
 from gasloc_p2p.node.modes.gossip import compatible_codecs
 from gasloc_p2p.node.modes.registry import make_mode
@@ -65,10 +66,13 @@ class Node:
     """One gasloc node. ``async with Node(cfg) as node: await node.wait()``."""
 
     def __init__(self, cfg: NodeConfig, discovery: Discovery | None = None,
-                 mode: Mode | None = None, clock: Clock | None = None) -> None:
+                 mode: Mode | None = None, clock: Clock | None = None,
+                 manifest: Manifest | None = None) -> None:
         """``discovery``: default the hivemind DHT; ``mode``: the outer algorithm (default
-        the registry's for ``cfg.outer.algorithm``); ``clock``: for the node's timers."""
+        the registry's for ``cfg.outer.algorithm``); ``clock``: for the node's timers;
+        ``manifest``: the run's (``cfg`` built from it), served to nodes that join."""
         self.cfg = cfg.validate()
+        self.manifest = manifest
         self.mode = mode or make_mode(cfg.outer.algorithm)
         if self.mode.name != cfg.outer.algorithm:
             raise ValueError(f"mode {self.mode.name!r} given for --algorithm "
@@ -128,6 +132,8 @@ class Node:
         await self.metrics.start()  # first: /metrics answers during the DHT and data start
         stack.push_async_callback(_timed, "metrics stop", self.metrics.stop)
         await self.discovery.start()
+        if self.manifest is not None:  # a node that joins with --peers alone asks for it
+            await self.discovery.serve_manifest(self.manifest.to_json())
         stack.push_async_callback(_timed, "discovery stop", self.discovery.stop)
         me_id = self.signer.peer_id
         trainer = self.trainer = await asyncio.to_thread(
@@ -476,7 +482,12 @@ class Node:
         return pb.InfoReply(**fields)
 
     def join_hint(self, addrs: list[str]) -> str:
-        """A ready-to-paste command: the run id and model flags (if not defaults) and peers."""
+        """A ready-to-paste command: the run id and model flags (if not defaults) and peers;
+        with a manifest, only the credential the run needs (the rest comes from it)."""
+        if self.manifest is not None:
+            needs = {"closed": ["--invitation", "FILE"], "keyed": ["--swarm-key", "FILE"],
+                     "open": []}[self.manifest.admission]
+            return " ".join(["gasloc-node join", *needs, "--peers", *addrs])
         extra = []
         if self.cfg.discovery.run_id != DiscoveryConfig().run_id:
             extra.append(f"--run-id {self.cfg.discovery.run_id}")

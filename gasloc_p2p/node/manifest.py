@@ -138,8 +138,12 @@ def apply(manifest: Manifest, values: dict[str, Any], given: dict[str, str]
     as their product is the run's batch."""
     out = dict(values)
     run = manifest.settings
+    out.update(_membership(manifest, values, given))
     for field in RUN_FIELDS:
         want = run[field]
+        if field == "data":
+            out["data"] = _data(manifest, values, given)
+            continue
         if field in given and _differs(values[field], want):
             raise ConfigError(f"{given[field]}={values[field]!r} contradicts run "
                               f"{manifest.run_id} ({manifest.name or 'unnamed'}), which "
@@ -156,6 +160,65 @@ def apply(manifest: Manifest, values: dict[str, Any], given: dict[str, str]
         out["batch_size"], out["grad_accum"] = run[BATCH], 1
     out["run_id"] = manifest.run_id
     return out
+
+
+def _data(manifest: Manifest, values: dict[str, Any], given: dict[str, str]) -> str:
+    """The data this node reads: the run's, or its own copy of the run's bytes (a local file
+    or folder whose sha256 the manifest names); ConfigError if neither is here."""
+    run, sha = str(manifest.settings["data"]), str(manifest.body.get("data_sha256", ""))
+    mine = str(values["data"]) if "data" in given else run
+    if not sha:  # the default corpus, a URL or a hub dataset: the same name everywhere
+        if mine != run:
+            raise ConfigError(f"{given['data']}={mine!r} contradicts run {manifest.run_id}, "
+                              f"which trains on {run or 'the default corpus'}: drop it")
+        return run
+    if data_digest(mine) != sha:
+        where = given.get("data", "--data")
+        what = "is not there" if not data_digest(mine) else "holds other bytes"
+        raise ConfigError(f"{where}: run {manifest.run_id} trains on {run} (sha256 "
+                          f"{sha[:16]}...), which {what} on this machine: pass --data PATH to "
+                          "your copy of it")
+    return mine
+
+
+def _membership(manifest: Manifest, values: dict[str, Any], given: dict[str, str]
+                ) -> dict[str, Any]:
+    """The network settings the run's admission policy implies for this node (an open run
+    needs no flag); ConfigError if this node's credential cannot join it."""
+    from gasloc_p2p.protocol.membership import read_invitation, read_key_file
+
+    policy, run_id = manifest.admission, manifest.run_id
+    if policy == "open":
+        return {} if any(k in given for k in _CREDENTIALS) else {"open_swarm": True}
+    if policy == "keyed":
+        if "swarm_key" not in given:
+            raise ConfigError(f"run {run_id} is keyed: pass --swarm-key FILE (its secret)")
+        return {}
+    owner = manifest.owner
+    if values.get("invitation"):
+        invitation, _ = read_invitation(str(values["invitation"]))
+        if invitation.owner != owner:
+            raise ConfigError(f"{given.get('invitation', '--invitation')}: an invitation from "
+                              f"owner {invitation.owner.hex()[:16]}, but run {run_id} is "
+                              f"owned by {owner.hex()[:16]}")
+        return {}
+    if values.get("owner_key"):
+        key = read_key_file(str(values["owner_key"]))
+        if key is not None and public_bytes(key) != owner:
+            raise ConfigError(f"{given.get('owner_key', '--owner-key')}: another owner than "
+                              f"run {run_id}'s ({owner.hex()[:16]})")
+        return {}
+    from gasloc_p2p.node.runtime.identity import default_owner_key_path
+
+    mine = read_key_file(default_owner_key_path()) if Path(
+        default_owner_key_path()).exists() else None
+    if mine is not None and public_bytes(mine) == owner:  # the owner's own machine
+        return {"owner_key": default_owner_key_path()}
+    raise ConfigError(f"run {run_id} is closed: pass --invitation FILE from its owner "
+                      f"({owner.hex()[:16]}; they run `gasloc-node invite --out FILE`)")
+
+
+_CREDENTIALS = ("swarm_key", "invitation", "owner_key", "open_swarm")
 
 
 def _differs(mine: Any, run: Any) -> bool:

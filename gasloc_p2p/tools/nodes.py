@@ -26,7 +26,7 @@ from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, sign_info_request, sign_state_request
 from gasloc_p2p.tools.procs import Child
 
-CREDENTIAL_FLAGS = ("--swarm-key", "--invitation", "--owner-key", "--open")
+CREDENTIAL_FLAGS = ("--swarm-key", "--invitation", "--owner-key", "--open", "--manifest")
 JOIN_HINT = r"^\s*(gasloc-node join .*--peers (.+))$"  # stdout of a node that can be joined
 UP_LINE = r"up: gRPC (\S+),"  # stderr (log) line once the node serves
 METRICS_LINE = r"^  metrics  (http://\S+)$"  # stdout, in the start-up block
@@ -75,13 +75,15 @@ class NodeChild(Child):
     """``gasloc-node join FLAGS`` with logs in ``<log_dir>/<name>.out|.err``."""
 
     def __init__(self, name: str, log_dir: Path, flags: Sequence[str], log_level: str = "INFO",
-                 env: Mapping[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
+                 env: Mapping[str, str] | None = None, prefix: Sequence[str] = (),
+                 as_given: bool = False) -> None:
         """``prefix``: a command that runs the node, e.g. ``ip netns exec NS`` (a shaped host);
         advanced settings among ``flags`` travel as ``GASLOC_*`` variables (:func:`split_tuning`).
         Flags without a membership credential (``--swarm-key``, ``--invitation``,
-        ``--owner-key``) get ``--open``: tests and benchmarks of other things run open swarms."""
+        ``--owner-key``, ``--manifest``) get ``--open``, unless ``as_given``: tests and
+        benchmarks of other things run open swarms."""
         flags, tuning = split_tuning(flags)
-        if not any(f.split("=")[0] in CREDENTIAL_FLAGS for f in flags):
+        if not as_given and not any(f.split("=")[0] in CREDENTIAL_FLAGS for f in flags):
             flags = [*flags, "--open"]
         super().__init__(name, [*prefix, *join_argv(flags, log_level)], log_dir,
                          node_env({**tuning, **(env or {})}))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -107,6 +108,13 @@ class Discovery(abc.ABC):
     @abc.abstractmethod
     async def peers(self) -> list[PeerInfo]:
         """Every live entry of the run, this node's own included."""
+
+    async def serve_manifest(self, text: str) -> None:  # noqa: B027
+        """Answer other nodes' requests for this node's run manifest with ``text``."""
+
+    async def ask_manifest(self, dht_peer_id: str) -> str:
+        """The run manifest the node with DHT id ``dht_peer_id`` serves ("" if none)."""
+        return ""
 
     async def revocations(self) -> RevocationList | None:
         """The newest revocation list this swarm's owner signed that the DHT holds (None:
@@ -206,6 +214,12 @@ class InMemoryDiscovery(Discovery):
                  for sub, (value, exp) in self.registry.entries.get(self.key, {}).items()
                  if exp > now]
         return [info for info in found if info is not None]
+
+    async def serve_manifest(self, text: str) -> None:
+        self.registry.entries.setdefault("manifests", {})[self.peer_id] = (text, math.inf)
+
+    async def ask_manifest(self, dht_peer_id: str) -> str:
+        return str(self.registry.entries.get("manifests", {}).get(dht_peer_id, ("", 0))[0])
 
     async def revocations(self) -> RevocationList | None:
         admission = self.verifier.admission
