@@ -40,7 +40,7 @@ def _manifest(tmp_path: Path, admission: str = "open", **extra: object
 
 
 def build(manifest: Manifest, **flags: object):
-    return build_config(argparse.Namespace(**flags), environ={}, manifest=manifest)
+    return build_config(argparse.Namespace(**flags), environ={}, run=manifest.rule())
 
 
 def test_a_manifest_sets_the_run_and_refuses_what_contradicts_it(tmp_path):
@@ -54,7 +54,7 @@ def test_a_manifest_sets_the_run_and_refuses_what_contradicts_it(tmp_path):
                                           r"trains with lr=0.003: drop it$"):
         build(m, lr=0.5)
     with pytest.raises(ConfigError, match="GASLOC_N_LAYER=3 contradicts"):
-        build_config(argparse.Namespace(), environ={"GASLOC_N_LAYER": "3"}, manifest=m)
+        build_config(argparse.Namespace(), environ={"GASLOC_N_LAYER": "3"}, run=m.rule())
     split = build(m, batch_size=8, grad_accum=2)  # the node's own split of the run's batch
     assert (split.train.batch_size, split.train.grad_accum) == (8, 2)
     with pytest.raises(ConfigError, match="must be run r\\w+'s batch of 16"):

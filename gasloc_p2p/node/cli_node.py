@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -87,7 +88,7 @@ def run_join(args: argparse.Namespace) -> int:
         if check and not getattr(args, "manifest", None):
             args.manifest = None  # --check downloads nothing: no manifest from a peer
         manifest = resolve(args)
-        cfg = build_config(args, manifest=manifest)
+        cfg = build_config(args, run=manifest.rule() if manifest is not None else None)
         check_bootstrap_peers(cfg.discovery.peers)
         _check_ports(cfg)
     except (ConfigError, OSError, TimeoutError) as exc:
@@ -95,6 +96,15 @@ def run_join(args: argparse.Namespace) -> int:
     if check:
         print(check_summary(cfg))
         return 0
+    try:  # a persistent identity by default: the peer id survives restarts
+        from gasloc_p2p.node.state_dir import default_identity
+
+        identity = default_identity(cfg)
+        if identity != cfg.network.identity_file:
+            cfg = dataclasses.replace(cfg, network=dataclasses.replace(
+                cfg.network, identity_file=identity))
+    except OSError as exc:
+        return _fail_config("join", exc)
     import uvloop
 
     # `kill -USR1 PID` writes every thread's stack to stderr (a node that seems stuck)
@@ -265,6 +275,9 @@ def startup_block(node: Any, addrs: list[str]) -> str:
              *[f"  dht      {a}" for a in addrs[:3]],
              f"  metrics  {node.metrics.url or 'off (--metrics-port -1)'}",
              f"  status   gasloc-node status --endpoint {node.endpoint}",
+             f"  identity {node.signer.peer_id} "
+             f"({node.cfg.network.identity_file or 'the key in the invitation'}, kept across "
+             "restarts)",
              *node.membership_lines(), *_run_lines(node)]
     if not node.cfg.discovery.peers:
         lines += ["new swarm; other nodes join with:", f"  {hint}"]

@@ -14,9 +14,11 @@ threads, checkpoints) and how it splits the run's batch (``batch_size`` x ``grad
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,10 @@ class Manifest:
     @property
     def settings(self) -> dict[str, Any]:
         return dict(self.body["settings"])
+
+    def rule(self) -> Callable[[dict[str, Any], dict[str, str]], dict[str, Any]]:
+        """This run's settings as ``build_config``'s ``run`` rule (:func:`apply`)."""
+        return functools.partial(apply, self)
 
     def to_json(self) -> str:
         return json.dumps({**self.body, "signature": self.signature.hex()}, indent=2,
