@@ -68,17 +68,59 @@ def _load_dataset() -> Any:
     return datasets.load_dataset
 
 
-_KIND_NAMES = {"json": "JSON Lines", "parquet": "Parquet"}
+_KIND_NAMES = {"json": "JSON Lines", "parquet": "Parquet", "hub": "a Hugging Face dataset"}
 
 
 class DocumentStream:
     """The text field of every row of ``files``, in file then row order, read lazily. A file
-    that cannot be read raises :class:`DataError` naming ``--data`` and the file."""
+    that cannot be read raises :class:`DataError` naming ``--data`` and the file. Kind
+    ``hub``: ``files`` is one ``hf:NAME[:CONFIG][@SPLIT]``, streamed with ``datasets``; its
+    training order is the node's own (:meth:`training`, from ``seed``)."""
 
-    def __init__(self, kind: str, files: list[str], field: str) -> None:
-        self.kind, self.files, self.field = kind, files, field
+    def __init__(self, kind: str, files: list[str], field: str, seed: int = 0) -> None:
+        self.kind, self.files, self.field, self.seed = kind, files, field, seed
+
+    def training(self, epoch: int) -> Iterator[str]:
+        """The documents in training order: the stream's own, or for a hub dataset this
+        node's (its shards and a buffer shuffled with the node's seed and the epoch)."""
+        if self.kind != "hub":
+            return iter(self)
+        return self._guarded(self.files[0], self._hub_rows(self.files[0], seed=self.seed + epoch))
+
+    def _guarded(self, name: str, rows: Iterator[str]) -> Iterator[str]:
+        try:
+            yield from rows
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any reader failure: one line, the source
+            raise self._unreadable(name, exc) from None
+
+    def _hub_rows(self, name: str, seed: int | None = None) -> Iterator[str]:
+        from gasloc_p2p.data.sources import HubSpec, identity_seed
+
+        spec = HubSpec.parse(name)
+        try:
+            ds = _load_dataset()(spec.name, spec.config, split=spec.split, streaming=True)
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - offline, no such dataset, no such split
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(f"--data {name!r}: cannot open it ({text}); check the name and "
+                            "this machine's access to the Hugging Face hub") from None
+        if ds.column_names is not None and self.field not in ds.column_names:
+            raise DataError(f"--data-field {self.field!r} is not a column of {name}; "
+                            f"columns: {', '.join(ds.column_names)}")
+        if seed is not None:
+            ds = ds.shuffle(seed=identity_seed(seed), buffer_size=SHUFFLE_WINDOWS)
+        for row in ds.select_columns([self.field]):
+            text = row[self.field]
+            if isinstance(text, str) and text:
+                yield text
 
     def __iter__(self) -> Iterator[str]:
+        if self.kind == "hub":
+            yield from self._guarded(self.files[0], self._hub_rows(self.files[0]))
+            return
         for name in self.files:
             rows = self._parquet_rows(name) if self.kind == "parquet" else self._json_rows(name)
             try:
@@ -89,6 +131,9 @@ class DocumentStream:
                 raise self._unreadable(name, exc) from None
 
     def _unreadable(self, name: str, exc: BaseException) -> DataError:
+        if self.kind == "hub":
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return DataError(f"--data {name!r}: cannot read it ({text})")
         if not Path(name).is_file():
             return DataError(f"--data {name!r}: no such file (it went away)")
         if isinstance(exc, RuntimeError) and isinstance(exc.__cause__, StopIteration):
@@ -152,9 +197,14 @@ class StreamData:
     def __init__(self, docs: DocumentStream, tokenizer: Tokenizer, seq_len: int,
                  val_windows: int) -> None:
         self.docs, self.tokenizer, self.seq_len = docs, tokenizer, seq_len
+        self.val_texts: set[bytes] = set()  # digests of the validation documents
         self.val, self.val_last_doc = self._validation(val_windows)
 
-    def _is_val(self, i: int) -> bool:
+    def _is_val(self, i: int, text: str = "") -> bool:
+        """Whether the ``i``-th document read (``text``) is a validation one: by position in
+        the stream's own order, by content in a node's own order (a hub dataset)."""
+        if self.docs.kind == "hub":
+            return hashlib.sha1(text.encode()).digest() in self.val_texts
         return i % VAL_EVERY == 0 and i <= self.val_last_doc
 
     def _validation(self, count: int) -> tuple[Tensor, int]:
@@ -164,6 +214,7 @@ class StreamData:
         for i, text in enumerate(self.docs):
             if i % VAL_EVERY:
                 continue
+            self.val_texts.add(hashlib.sha1(text.encode()).digest())
             chosen.append(_encode(self.tokenizer, text))
             have, last = have + chosen[-1].numel(), i
             if have >= count * width:
@@ -236,7 +287,7 @@ class WindowStream:
         return self.ready.pop(0)
 
     def _open(self) -> Iterator[str]:
-        rows = iter(self.data.docs)
+        rows = self.data.docs.training(self.epoch)
         for _ in range(self.row):  # read again, not tokenized
             if next(rows, None) is None:
                 break
@@ -248,7 +299,7 @@ class WindowStream:
         for text in self._rows:
             i = self.row
             self.row += 1
-            if self.data._is_val(i):
+            if self.data._is_val(i, text):
                 continue
             self.met += 1
             if (self.met - 1) % self.n != self.k:

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+from gasloc_p2p.data.corpus import DataError
 from gasloc_p2p.node.config import ConfigError, NodeConfig
 from gasloc_p2p.node.manifest import RUN_FIELDS, Manifest, create, data_digest
 from gasloc_p2p.node.runtime.identity import default_owner_key_path
@@ -46,7 +47,7 @@ def run_init(args: argparse.Namespace) -> int:
             raise ConfigError(f"--out={out}: exists (a new run needs a new manifest)")
         cfg = build_config(args)
         manifest = manifest_of(cfg, name or cfg.discovery.run_id)
-    except (ConfigError, OSError, ValueError) as exc:
+    except (ConfigError, OSError, ValueError, DataError) as exc:
         print(f"gasloc-node init: error: {exc}", file=sys.stderr)
         return 2
     with open(out, "x") as f:
@@ -75,7 +76,7 @@ def manifest_of(cfg: NodeConfig, name: str) -> Manifest:
     admission = "open" if net.open_swarm else "keyed" if net.swarm_key else "closed"
     owner = load_or_create_owner_key(net.owner_key or default_owner_key_path())
     return create({k: list(v) if isinstance(v, tuple) else v for k, v in values.items()},
-                  owner, admission, name, data_digest(cfg.train.data))
+                  owner, admission, name, data_digest(cfg.train.data, fetch=True))
 
 
 def resolve(args: argparse.Namespace) -> Manifest | None:

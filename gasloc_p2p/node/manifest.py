@@ -165,6 +165,7 @@ def apply(manifest: Manifest, values: dict[str, Any], given: dict[str, str]
     else:
         out["batch_size"], out["grad_accum"] = run[BATCH], 1
     out["run_id"] = manifest.run_id
+    out["data_sha256"] = str(manifest.body.get("data_sha256", ""))
     return out
 
 
@@ -173,7 +174,11 @@ def _data(manifest: Manifest, values: dict[str, Any], given: dict[str, str]) -> 
     or folder whose sha256 the manifest names); ConfigError if neither is here."""
     run, sha = str(manifest.settings["data"]), str(manifest.body.get("data_sha256", ""))
     mine = str(values["data"]) if "data" in given else run
-    if not sha:  # the default corpus, a URL or a hub dataset: the same name everywhere
+    from gasloc_p2p.data.sources import is_url
+
+    if is_url(run) and mine == run:  # checked when it is downloaded (data_sha256)
+        return run
+    if not sha:  # the default corpus or a hub dataset: the same name everywhere
         if mine != run:
             raise ConfigError(f"{given['data']}={mine!r} contradicts run {manifest.run_id}, "
                               f"which trains on {run or 'the default corpus'}: drop it")
@@ -238,11 +243,16 @@ def _differs(mine: Any, run: Any) -> bool:
     return bool(mine != run)
 
 
-def data_digest(data: str) -> str:
-    """sha256 (hex) of a local data source's bytes: a file, or a directory's or glob's files
-    in sorted order, each as its relative name and content; "" for anything else (the
-    default corpus, a URL, a hub dataset)."""
-    if not data or "://" in data or data.startswith("hf:"):
+def data_digest(data: str, fetch: bool = False) -> str:
+    """sha256 (hex) of a data source's bytes: a file, or a directory's or glob's files in
+    sorted order, each as its relative name and content; a URL's file when ``fetch`` (it is
+    downloaded into the cache); "" for anything else (the default corpus, a hub dataset, a
+    URL without ``fetch``)."""
+    from gasloc_p2p.data.sources import fetch_url, file_sha256, is_hub, is_url
+
+    if is_url(data):
+        return file_sha256(fetch_url(data)) if fetch else ""
+    if not data or is_hub(data):
         return ""
     path = Path(data).expanduser()
     if path.is_file():

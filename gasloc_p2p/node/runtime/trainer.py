@@ -65,7 +65,8 @@ def load_data(cfg: TrainConfig, seed: int) -> TrainingData:
     every node). Streamed data (JSON Lines / Parquet) is read lazily."""
     return load_training_data(cfg.data, cfg.tokenizer, cfg.data_field, seq_len=cfg.seq_len,
                               batch_size=cfg.batch_size * cfg.grad_accum,
-                              eval_batches=cfg.eval_batches, shard=cfg.shard_spec(), seed=seed)
+                              eval_batches=cfg.eval_batches, shard=cfg.shard_spec(), seed=seed,
+                              data_sha256=cfg.data_sha256)
 
 
 def build_node_model(cfg: TrainConfig, vocab_size: int) -> BuiltModel:
