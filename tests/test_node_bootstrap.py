@@ -187,3 +187,45 @@ def test_a_joiner_never_adopts_the_state_two_colluders_serve(corpus, monkeypatch
                     await server.stop(0)
 
     run(main(), timeout_s=180)
+
+
+def test_a_stale_record_does_not_keep_a_joiner_from_the_live_peers_state(corpus, caplog):
+    """A record of a node that is gone (a closed port, a valid signature) beside one live
+    node: the joiner adopts the live node's state (unverified: the only donor that answered)
+    and logs the dead one in one line. Before, it started from theta_0 ("1 donors
+    disagree")."""
+    import logging
+    import socket
+
+    from gasloc_p2p.node.discovery.base import PeerInfo
+    from gasloc_p2p.protocol.auth import Signer
+    from gasloc_p2p.protocol.messages import PROTOCOL_VERSION
+    from tests.node_helpers import cert_for
+
+    async def main():
+        reg = InMemoryRegistry()
+        fast = {"exchanges_per_round": 0.0, "inner_steps": 5}
+        a = Node(tiny_config(corpus, **fast), InMemoryDiscovery(reg, "gasloc", "a"))
+        async with a:
+            await wait_until(lambda: a.train_stats.rounds >= 2, timeout_s=60,
+                             what="the live node trains")
+            gone = Signer()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            d = InMemoryDiscovery(reg, "gasloc", "gone")
+            d.use_identity(gone, 10.0)
+            await d.start()
+            await d.announce(PeerInfo(gone.peer_id, f"127.0.0.1:{port}", PROTOCOL_VERSION,
+                                      a.me.fingerprint, 10**6, 1.0, True, a.peer_info().codecs,
+                                      "gasloc", cert_for(gone.peer_id)), 5.0)
+            joiner = Node(tiny_config(corpus, peers=("/memory/a",)),
+                          InMemoryDiscovery(reg, "gasloc", "joiner"))
+            with caplog.at_level(logging.WARNING):
+                async with joiner:
+                    assert joiner.adopted_from == a.me.peer_id
+            failed = [r.getMessage() for r in caplog.records if "download from" in
+                      r.getMessage()]
+            assert len(failed) == 1 and "\n" not in failed[0], failed
+
+    run(main(), timeout_s=120)
