@@ -134,6 +134,10 @@ def test_init_then_join_with_peers_alone_trains_the_manifests_run(tmp_path):
         assert len({i.validation_set for i in infos}) == 1 and str(corpus) in (
             nodes[1].tail(20000, stdout=True))  # the joiner names the run's data
         assert all(i.exchanges_ok_initiator + i.exchanges_ok_responder for i in infos), infos
+        status = subprocess.run([*CLI, "status", "--peers", *peers, "--json"],
+                                capture_output=True, text=True, timeout=scaled(60), env=env)
+        report = json.loads(status.stdout)  # the run of the node asked, from its manifest
+        assert report["info"]["run_id"] == run_id and len(report["swarm"]) == 3, report
         refused = subprocess.run([*CLI, "join", "--peers", *peers, "--lr", "0.5"],
                                  capture_output=True, text=True, timeout=scaled(60), env=env)
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr

@@ -58,7 +58,9 @@ def add_status_parser(sub: Any) -> None:
                                       "(/ip4/.../p2p/ID, as printed at its start)")
     p.add_argument("--peers", nargs="+", default=[], metavar="MADDR",
                    help="bootstrap multiaddrs of the swarm's DHT")
-    p.add_argument("--run-id", default=NodeConfig().discovery.run_id, help="run to list")
+    p.add_argument("--run-id", default="", help="run to list (default: the run of the node "
+                                                "--peers names, from its manifest, else "
+                                                f"{NodeConfig().discovery.run_id!r})")
     p.add_argument("--timeout-s", type=float, default=15.0, help="overall deadline, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--swarm-key", default="", metavar="FILE",
@@ -350,6 +352,7 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
 
 
 async def _status(args: argparse.Namespace) -> dict[str, Any]:
+    from gasloc_p2p.node.discovery.base import run_key
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery
     from gasloc_p2p.node.runtime.identity import build_membership
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
@@ -367,6 +370,9 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         dht.use_identity(signer, 3600.0)  # only reads: records are checked with the secret
         await dht.start()
         try:
+            if not args.run_id:  # the run of the node asked, from the manifest it serves
+                args.run_id = await _run_of(dht, args.peers) or NodeConfig().discovery.run_id
+                dht.key = run_key(args.run_id)
             peers = await dht.peers()
         finally:
             await dht.stop()
@@ -399,6 +405,19 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
                                        always_print_fields_with_no_presence=True)
         report["info"].pop("probe_ok", None)  # only meaningful in a reachability probe
     return report
+
+
+async def _run_of(dht: Any, peers: list[str]) -> str:
+    """The run id of the manifest the first of ``peers`` serves ("" if none)."""
+    from gasloc_p2p.node.manifest import Manifest
+
+    text = await dht.ask_manifest(peers[0].rsplit("/p2p/", 1)[-1])
+    if not text:
+        return ""
+    try:
+        return Manifest.from_json(text, "manifest").run_id
+    except ConfigError:
+        return ""
 
 
 async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
