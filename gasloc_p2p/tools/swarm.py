@@ -38,7 +38,13 @@ from gasloc_p2p.protocol.membership import (
 )
 from gasloc_p2p.tools.dashboard import DashboardServer
 from gasloc_p2p.tools.direct_metrics import DirectMetrics
-from gasloc_p2p.tools.nodes import CREDENTIAL_FLAGS, JOIN_HINT, METRICS_LINE, NodeChild
+from gasloc_p2p.tools.nodes import (
+    CREDENTIAL_FLAGS,
+    JOIN_HINT,
+    METRICS_LINE,
+    NodeChild,
+    split_tuning,
+)
 from gasloc_p2p.tools.prometheus import INSTALL_HINT, LocalPrometheus, find_prometheus
 
 INVITE_DAYS = 7.0  # a local swarm's invitations (the files stay in the run folder)
@@ -198,15 +204,16 @@ class Swarm:
         self._start_dashboard()
 
     def _credential(self, index: int) -> list[str]:
-        """A closed swarm, as any: node0 owns it (its owner key in the run folder), the
-        others join with invitations it signed. Node flags that name a credential (``--open``,
+        """A run as any: node0 owns it (its owner key in the run folder) and runs its manifest
+        (``run.json``, from the nodes' flags), the others join with invitations it signed and
+        take the run's settings from node0. Node flags that name a credential (``--open``,
         ``--swarm-key``, ...) are used as given instead."""
         if any(f.split("=")[0] in CREDENTIAL_FLAGS for f in self.cfg.node_args):
             return []
         owner_path = self.run_dir / "owner.key"
         owner = load_or_create_owner_key(str(owner_path))
         if index == 0:
-            return ["--owner-key", str(owner_path)]
+            return ["--owner-key", str(owner_path), "--manifest", self._manifest(owner_path)]
         member = Ed25519PrivateKey.generate()
         path = self.run_dir / f"node{index}.invite"
         path.unlink(missing_ok=True)
@@ -214,6 +221,20 @@ class Swarm:
                                                      expires_in(INVITE_DAYS)),
                          member.private_bytes_raw())
         return ["--invitation", str(path)]
+
+    def _manifest(self, owner_path: Path) -> str:
+        """``run.json`` in the run folder: the manifest of the nodes' flags (``init``)."""
+        from gasloc_p2p.cli import build_parser
+        from gasloc_p2p.node.cli_run import manifest_of
+        from gasloc_p2p.node.settings import build_config
+
+        flags, tuning = split_tuning([*DEFAULT_NODE_ARGS, *self.cfg.node_args,
+                                      "--owner-key", str(owner_path)])
+        args = build_parser().parse_args(["join", *flags])
+        cfg = build_config(args, environ={**os.environ, **tuning})
+        path = self.run_dir / "run.json"
+        path.write_text(manifest_of(cfg, "local swarm").to_json())
+        return str(path)
 
     def _prefetch_data(self) -> None:
         """Fetch the default corpus once here, not N times concurrently in the nodes."""
