@@ -75,7 +75,7 @@ GOOD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmXpQZ5i5WGi6pgc3yXfELRRtZmkXo8Nqkp1UG3zio
 def test_joining_without_a_credential_is_refused_in_one_line(flags, problem):
     """Swarms are closed by default: a node that joins one needs an invitation from its owner
     (or the swarm key), and says so before it starts anything."""
-    result, seconds = run_cli("join", "--peers", GOOD_PEER, *flags)
+    result, seconds = run_cli("join", "--check", "--peers", GOOD_PEER, *flags)
     assert result.returncode == 2
     line = one_line(result)
     assert line.startswith(f"gasloc-node join: error: {problem}"), line
@@ -86,7 +86,8 @@ TYPOS = {"sim": ("--wrkers", "--workers"), "join": ("--max_steps", "--max-steps"
          "status": ("--endpont", "--endpoint"), "export": ("--ot", "--out"),
          "plan": ("--modle", "--model"), "swarm": ("--nodez", "--nodes"),
          "dashboard": ("--prometeus", "--prometheus"), "invite": ("--ot", "--out"),
-         "revoke": ("--membr", "--member"), "id": ("--identiy-file", "--identity-file")}
+         "revoke": ("--membr", "--member"), "id": ("--identiy-file", "--identity-file"),
+         "init": ("--ot", "--out")}
 
 
 def test_an_unknown_flag_names_the_closest_one_for_every_command(capsys):

@@ -87,9 +87,8 @@ def run_join(args: argparse.Namespace) -> int:
     try:
         from gasloc_p2p.node.cli_run import resolve
 
-        if check and not getattr(args, "manifest", None):
-            args.manifest = None  # --check downloads nothing: no manifest from a peer
-        manifest = resolve(args)
+        check_bootstrap_peers(tuple(getattr(args, "peers", None) or ()))  # before dialing
+        manifest = resolve(args, fetch=not check)  # --check downloads nothing
         cfg = build_config(args, run=manifest.rule() if manifest is not None else None)
         check_bootstrap_peers(cfg.discovery.peers)
         _check_ports(cfg)

@@ -79,11 +79,11 @@ def manifest_of(cfg: NodeConfig, name: str) -> Manifest:
                   owner, admission, name, data_digest(cfg.train.data, fetch=True))
 
 
-def resolve(args: argparse.Namespace) -> Manifest | None:
-    """The manifest this ``join`` trains by: ``--manifest FILE``, else the one the first of
-    ``--peers`` that serves one answers with (None: none given, none served: the node's own
-    flags decide, as before manifests). ConfigError if a manifest is bad or a peer served a
-    bad one. Removes ``manifest`` from ``args``."""
+def resolve(args: argparse.Namespace, fetch: bool = True) -> Manifest | None:
+    """The manifest this ``join`` trains by: ``--manifest FILE``, else (``fetch``) the one
+    the first of ``--peers`` that serves one answers with (None: none given, none served: the
+    node's own flags decide, as before manifests). ConfigError if a manifest is bad or a peer
+    served a bad one. Removes ``manifest`` from ``args``."""
     path = getattr(args, "manifest", None)
     if hasattr(args, "manifest"):
         del args.manifest
@@ -95,7 +95,7 @@ def resolve(args: argparse.Namespace) -> Manifest | None:
             raise ConfigError(f"--manifest={path}: {exc.strerror or exc}") from None
         return Manifest.from_json(text, f"--manifest={path}")
     peers = _peers(args)
-    if not peers:
+    if not peers or not fetch:
         return None
     import uvloop
 
