@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
-	bench-chaos bench-poison bench-soak bench-external bench-external-1000 bench-projection bench-engine reproduce \
+	bench-chaos bench-poison bench-tamper bench-soak bench-external bench-external-1000 bench-projection bench-engine reproduce \
 	gpu-check proto clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
@@ -27,13 +27,25 @@ lint: setup
 	@$(STEP) "lint: ruff" -- $(PY) -m ruff check -q gasloc_p2p tests benchmarks
 	@$(STEP) "lint: generated protobuf code is current" -- $(PY) proto/generate.py --check
 
+MYPY := $(PY) -m mypy gasloc_p2p
+# Two workers; tests that start swarms of processes run one after another on one of them
+# (tests/conftest.py). PYTEST_WORKERS=0: one process, as plain `pytest`.
+PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+
 typecheck: setup
-	@$(STEP) "typecheck: mypy" -- $(PY) -m mypy gasloc_p2p
+	@$(STEP) "typecheck: mypy" -- $(MYPY)
 
 unit: setup
-	@$(STEP) "unit: pytest" -- $(PY) -m pytest -q
+	@$(STEP) "unit: pytest" -- $(PYTEST)
 
-test: lint typecheck unit
+# mypy (one core, about a minute from a fresh clone) runs beside pytest; its summary line is
+# printed after pytest's (its messages too, if it fails).
+test: lint
+	@$(STEP) "typecheck: mypy" --log $(VENV)/typecheck.log -- $(MYPY) >$(VENV)/typecheck.out 2>&1 & \
+	$(STEP) "unit: pytest" -- $(PYTEST); unit=$$?; \
+	wait $$!; typecheck=$$?; cat $(VENV)/typecheck.out; \
+	[ $$unit -eq 0 ] && [ $$typecheck -eq 0 ]
 
 swarm: setup
 	$(VENV)/bin/gasloc-node swarm --nodes 3
@@ -96,6 +108,10 @@ bench-fuzz: setup
 bench-byzantine: setup
 	$(PY) -m benchmarks.bench_byzantine
 
+# an on-path relay: what it reads, changes and replays (about a minute)
+bench-tamper: setup
+	$(PY) -m benchmarks.bench_tamper
+
 # The guard's direction test on two honest 99.5M-parameter Llamas (minutes; transformers)
 bench-direction: setup
 	$(PY) -m benchmarks.bench_direction
@@ -103,8 +119,11 @@ bench-direction: setup
 bench-chaos: setup
 	$(PY) -m benchmarks.bench_chaos
 
+# ATTACK=records (dead records), tarpits (150 records at ports that never answer) or preauth
+# (15 idle streams per node from 5 addresses); about 5 minutes each
+ATTACK ?= records
 bench-poison: setup
-	$(PY) -m benchmarks.bench_poison
+	$(PY) -m benchmarks.bench_poison --attack $(ATTACK)
 
 # 10 minutes; needs root, ip and tc (network namespaces, a tbf-shaped link)
 bench-soak: setup
@@ -137,7 +156,7 @@ bench-projection: setup
 
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
-	bench-byzantine bench-direction bench-chaos bench-poison bench-soak bench-external \
+	bench-byzantine bench-direction bench-chaos bench-poison bench-tamper bench-soak bench-external \
 	bench-external-1000 bench-projection bench-engine
 
 reproduce: setup

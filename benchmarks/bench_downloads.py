@@ -28,7 +28,10 @@ from gasloc_p2p.node.transport.service import (
     download_state,
     start_server,
 )
+from gasloc_p2p.node.transport.tls import fetch_certificate
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.messages import BUSY, ExchangeError, Identity
 
 RUN, FINGERPRINT = "bench", "b" * 64
@@ -57,7 +60,8 @@ async def donor(numel: int, limit: int) -> None:
 
     servicer = GossipServicer(Identity(RUN, FINGERPRINT, "donor"), None,  # type: ignore[arg-type]
                               lambda: pb.InfoReply(), take, limits=ServeLimits(max_downloads=limit))
-    server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4)
+    server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4,
+                                      TlsIdentity.generate("donor"))
     print(port, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     await server.stop(0)
@@ -65,11 +69,12 @@ async def donor(numel: int, limit: int) -> None:
 
 async def clients(port: int, numel: int, n: int) -> tuple[int, int]:
     channels = PeerChannels(NetworkConfig())
-    me = Identity(RUN, FINGERPRINT, "joiner")
+    me = Identity.keyed(RUN, FINGERPRINT, Signer())  # state requests are signed
     want = state(numel)
+    endpoint = f"127.0.0.1:{port}"
+    stub = channels.stub(endpoint, fetch_certificate(endpoint))
     try:
-        results = await asyncio.gather(*(download_state(channels.stub(f"127.0.0.1:{port}"), me,
-                                                        120.0) for _ in range(n)),
+        results = await asyncio.gather(*(download_state(stub, me, 120.0) for _ in range(n)),
                                        return_exceptions=True)
     finally:
         await channels.close()

@@ -8,13 +8,15 @@ generated streams (gasloc_p2p/tools/fuzz_streams.py, fuzz_member.py): a share fr
 (raw bytes, unsigned or badly signed Headers, bad orders), the rest from an authenticated member
 with its own key, whose signed Header and proof pass and whose payload, framing or Commit is
 mutated (codecs and block sizes, chunk sizes, CRC, NaN/Inf/huge values, truncation, oversize,
-reordered and duplicated messages, bad proofs, bad or missing Commits; never a valid Commit).
+reordered and duplicated messages, bad proofs, bad or missing Commits, valid Commits sent
+early, replayed from another stream, or after both Ready messages: only these commit).
 
 Prints the count of streams, crashes (the node died or stopped answering Info), hangs (a stream
 the node did not end within its own timeouts plus a margin), accepted-bad (the node sent Ready
 to a payload or framing it must refuse), how many streams got past the header checks, where
-each was stopped (per check), the exchanges the node committed (must be 0: no valid Commit is
-ever sent) and whether its parameters are finite afterwards. Exit code 1 if any of these fails.
+each was stopped (per check), the exchanges the node committed (must equal the valid Commits
+sent after both Ready messages: each applied once, nothing else) and whether its parameters are
+finite afterwards. Exit code 1 if any of these fails.
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ def report(r: dict[str, object], seed: int) -> bool:
                                or "nothing"))
     if c.notes:
         print("notes: " + ", ".join(f"{k} {v}" for k, v in sorted(c.notes.items())))
-    print(f"node trained {r['steps']} steps meanwhile; committed exchanges {r['committed']}; "
-          f"parameters finite {r['finite']}; tracebacks in its log {r['tracebacks']}; "
-          f"forged log lines {r['forged']}")
-    return not (r["crashed"] or c.hangs or c.accepted_bad or r["committed"] or r["tracebacks"]
-                or r["forged"] or not r["finite"])
+    valid = c.notes["valid-commit-sent"]
+    print(f"node trained {r['steps']} steps meanwhile; committed exchanges {r['committed']} "
+          f"(valid Commits sent after both Ready: {valid}); parameters finite {r['finite']}; "
+          f"tracebacks in its log {r['tracebacks']}; forged log lines {r['forged']}")
+    return not (r["crashed"] or c.hangs or c.accepted_bad or r["committed"] != valid
+                or r["tracebacks"] or r["forged"] or not r["finite"])
 
 
 def main() -> None:

@@ -34,9 +34,11 @@ from gasloc_p2p.node.config import GossipConfig, NetworkConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import GossipServicer, StateSnapshot, grpc_options
+from gasloc_p2p.node.transport.tls import secure_channel, server_credentials
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.messages import (
     MAX_CHUNK_BYTES,
@@ -95,9 +97,10 @@ async def _serve(numel: int, port_queue: Any, stop: Any) -> None:
     raw = grpc.stream_stream_rpc_method_handler(_raw_handler)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "bench.Raw", {"Stream": raw}),))
-    port = server.add_insecure_port("127.0.0.1:0")
+    tls = TlsIdentity.generate(me.peer_id)
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(tls))
     await server.start()
-    port_queue.put(port)
+    port_queue.put((port, tls.cert_der))
     while not stop.is_set():
         await asyncio.sleep(0.1)
     await server.stop(0)
@@ -143,9 +146,9 @@ async def raw_seconds(channel: grpc.aio.Channel, nbytes: int) -> float:
     return time.perf_counter() - start
 
 
-async def bench(numel: int, repeats: int, endpoint: str) -> list[dict[str, Any]]:
+async def bench(numel: int, repeats: int, endpoint: str, cert: bytes) -> list[dict[str, Any]]:
     exchanger, _ = build_side("initiator", numel, 1)
-    channel = grpc.aio.insecure_channel(endpoint, options=grpc_options(NetworkConfig(), False))
+    channel = secure_channel(endpoint, cert, grpc_options(NetworkConfig(), False))
     stub = pb_grpc.GossipStub(channel)
     rows = []
     for codec in CODECS:
@@ -234,8 +237,8 @@ def main() -> None:
     child = ctx.Process(target=serve, args=(args.numel, args.threads, ports, stop), daemon=True)
     child.start()
     try:
-        port = ports.get(timeout=120)
-        rows = asyncio.run(bench(args.numel, args.repeats, f"127.0.0.1:{port}"))
+        port, cert = ports.get(timeout=120)
+        rows = asyncio.run(bench(args.numel, args.repeats, f"127.0.0.1:{port}", cert))
     finally:
         stop.set()
         child.join(10)

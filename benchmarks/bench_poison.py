@@ -1,29 +1,44 @@
-"""DHT poisoning on a real DHT: does gossip go on while an attacker floods the peer list?
+"""Attacks on a swarm's reachability: does gossip go on while an attacker floods the peer
+list with dead records, with tarpits, or holds the nodes' pre-authentication slots?
 
-Usage: python -m benchmarks.bench_poison [--nodes 3] [--fakes 20] [--window-s 60]
+Usage: python -m benchmarks.bench_poison [--attack records|tarpits|preauth] [--nodes 3]
+       [--fakes 20] [--window-s 60]
 
 Starts ``--nodes`` real `gasloc-node join` processes (tiny model, 1 torch thread, under `nice`)
 on loopback, then measures the swarm's exchange rate (committed exchanges, summed over the
 nodes' Info) in three windows of ``--window-s`` seconds:
 
 1. clean;
-2. attacked: a hivemind DHT of the attacker's, joined to the swarm's DHT, publishes ``--fakes``
-   records, each validly signed by a key of its own (anyone can mint keys in an open swarm),
-   compatible with the swarm (fingerprint, codecs and version copied from a real record),
-   announcing a huge step, and each pointing at its own closed port on 127.0.0.1; and it tries
-   to overwrite every real node's record (another endpoint at a closed port, a 1000 s
-   expiration, the owner's signature reused). It re-publishes every 5 s;
-3. after: the attacker's DHT has left.
+2. attacked, by ``--attack``:
+
+   - ``records``: a hivemind DHT of the attacker's, joined to the swarm's DHT, publishes
+     ``--fakes`` records, each validly signed by a key of its own (the nodes run an open
+     swarm, ``--open``: anyone can mint keys), compatible with the swarm (fingerprint, codecs
+     and version copied from a real record), announcing a huge step, and each pointing at its
+     own closed port on 127.0.0.1; and it tries to overwrite every real node's record
+     (another endpoint at a closed port, a 1000 s expiration, the owner's signature reused).
+     It re-publishes every 5 s;
+   - ``tarpits``: the same records, each at a port that accepts TCP and never answers (the
+     TLS handshake hangs), 150 of them by default;
+   - ``preauth``: 15 Exchange streams held open on every node from 5 source addresses
+     (127.0.0.2-6, 3 each), never sending a Header, each re-opened as soon as the node drops
+     it;
+3. after: the attacker has left.
 
 Prints the rates (per minute, and per 100 training steps: gossip events follow the steps, so
-that one does not move with the machine's load), how many fakes a node knows at the end of
-the attack, and a verdict: exchanges per step during the attack at least half of the clean
-rate, and again after it. Exit code 1 if not.
+that one does not move with the machine's load) and a verdict: exchanges per step during the
+attack at least ``MIN_SHARE`` of the clean rate (0.5 for records and tarpits, 0.8 for
+pre-authentication slots), and again after it. Exit code 1 if not.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import functools
+import multiprocessing as mp
+import os
 import signal
 import socket
 import subprocess
@@ -37,21 +52,20 @@ from typing import Any
 from benchmarks.swarm_eval import flags
 from gasloc_p2p.node.discovery.base import PeerInfo, run_key
 from gasloc_p2p.node.discovery.records import signed_value
+from gasloc_p2p.node.transport.tls import fetch_certificate, secure_channel
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
-from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env
-from gasloc_p2p.tools.procs import Child
+from gasloc_p2p.protocol.certs import TlsIdentity
+from gasloc_p2p.tools.nodes import NodeChild
 
 KEY = run_key("gasloc")
 MAX_TTL_S = 2 * 20.0  # 2 x --announce-ttl-s (default 20 s): longer records are refused
-MIN_SHARE = 0.5
+MIN_SHARE = {"records": 0.5, "tarpits": 0.5, "preauth": 0.8}
 
 
 def niced(name: str, log_dir: Path, node_flags: list[str]) -> NodeChild:
-    node = NodeChild.__new__(NodeChild)
-    Child.__init__(node, name, ["nice", "-n", "5", *join_argv(node_flags)], log_dir, node_env())
-    node.endpoint = ""
-    node.signer = Signer()
-    return node
+    """A node in an open swarm (anyone can mint keys: the attacks below), under ``nice``."""
+    return NodeChild(name, log_dir, [*node_flags, "--open"], prefix=("nice", "-n", "5"))
 
 
 def closed_port() -> int:
@@ -78,13 +92,18 @@ def rate(nodes: list[NodeChild], window_s: float) -> tuple[float, float]:
 class Attacker:
     """A plain hivemind DHT (no validator) joined to the swarm, re-publishing poison."""
 
-    def __init__(self, initial_peers: list[str], fakes: int) -> None:
+    def __init__(self, initial_peers: list[str], fakes: int, tarpits: bool = False) -> None:
         import hivemind
 
         self.dht = hivemind.DHT(initial_peers=initial_peers,
                                 host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         self.fakes = [Signer() for _ in range(fakes)]
-        self.ports = [closed_port() for _ in range(fakes)]
+        # a fake record must name a certificate for its own id to be accepted at all
+        self.certs = {s.peer_id: TlsIdentity.generate(s.peer_id).cert_der for s in self.fakes}
+        # tarpits: ports that complete TCP handshakes (the kernel's backlog), never answer
+        self.pits = [tarpit() for _ in range(fakes)] if tarpits else []
+        self.ports = ([p.getsockname()[1] for p in self.pits] if tarpits
+                      else [closed_port() for _ in range(fakes)])
         self.stop = threading.Event()
         self.published = 0
 
@@ -106,7 +125,7 @@ class Attacker:
         for signer, port in zip(self.fakes, self.ports, strict=True):
             info = PeerInfo(signer.peer_id, f"127.0.0.1:{port}", template.protocol_version,
                             template.fingerprint, 10**9, 1e6, True, template.codecs,
-                            template.algorithm)
+                            template.algorithm, self.certs[signer.peer_id])
             expires = now + 0.9 * MAX_TTL_S  # the longest a node accepts
             stores.append(self.dht.store(KEY, signed_value(KEY, info, signer, expires),
                                          expires, subkey=signer.peer_id, return_future=True))
@@ -125,14 +144,115 @@ class Attacker:
     def close(self) -> None:
         self.stop.set()
         self.dht.shutdown()
+        for pit in self.pits:
+            pit.close()
+
+
+def tarpit() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(4096)
+    return s
+
+
+class IdleStreams:
+    """Holds ``per_address`` idle Exchange streams on each node from each of ``addresses``
+    source addresses (127.0.0.2...), re-opening each one the node drops. It runs in a child
+    process at the lowest priority (``nice 19``): on a real network the attacker's CPU is its
+    own, here it shares the nodes' cores. gRPC cannot pick a source address, so each address
+    is a local TCP relay that connects to the node from it (TLS passes through: the node's
+    certificate is pinned)."""
+
+    def __init__(self, endpoints: list[str], addresses: int = 5, per_address: int = 3) -> None:
+        ctx = mp.get_context("spawn")  # the parent has used gRPC: no fork
+        self._opened = ctx.Value("q", 0)
+        self._stop = ctx.Event()
+        self._proc = ctx.Process(target=_idle_main, args=(
+            endpoints, addresses, per_address, self._opened, self._stop), daemon=True)
+
+    @property
+    def opened(self) -> int:
+        return int(self._opened.value)
+
+    def start(self) -> None:
+        self._proc.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+def _idle_main(endpoints: list[str], addresses: int, per_address: int, opened: Any,
+               stop: Any) -> None:
+    os.nice(19)
+    asyncio.run(_idle(endpoints, addresses, per_address, opened, stop))
+
+
+async def _idle(endpoints: list[str], addresses: int, per_address: int, opened: Any,
+                stop: Any) -> None:
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+        done.set()
+
+    async def hold(via: str, cert: bytes) -> None:
+        async with secure_channel(via, cert) as channel:
+            stub = pb_grpc.GossipStub(channel)
+            while not done.is_set():
+                call = stub.Exchange(timeout=60)
+                with opened.get_lock():
+                    opened.value += 1
+                reader = asyncio.ensure_future(call.read())
+                ended = asyncio.ensure_future(done.wait())
+                await asyncio.wait([reader, ended], return_when=asyncio.FIRST_COMPLETED)
+                call.cancel()
+                for task in (reader, ended):
+                    task.cancel()
+                await asyncio.gather(reader, ended, return_exceptions=True)
+
+    jobs = [watch()]
+    for endpoint in endpoints:
+        cert = await asyncio.to_thread(fetch_certificate, endpoint)
+        host, port = endpoint.rsplit(":", 1)
+        for a in range(addresses):
+            relay = await asyncio.start_server(functools.partial(
+                _relay, (host, int(port)), f"127.0.0.{2 + a}"), "127.0.0.1", 0)
+            via = f"127.0.0.1:{relay.sockets[0].getsockname()[1]}"
+            jobs += [hold(via, cert) for _ in range(per_address)]
+    await asyncio.gather(*jobs)
+
+
+async def _relay(target: tuple[str, int], source: str, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+    up_r, up_w = await asyncio.open_connection(*target, local_addr=(source, 0))
+
+    async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        except ConnectionError:
+            pass
+        finally:
+            dst.close()
+
+    with contextlib.suppress(asyncio.CancelledError):  # the attacker stops: so do its relays
+        await asyncio.gather(pump(reader, up_w), pump(up_r, writer))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--attack", choices=tuple(MIN_SHARE), default="records")
     p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--fakes", type=int, default=20)
+    p.add_argument("--fakes", type=int, default=0,
+                   help="fake records (default: 20, or 150 tarpits)")
     p.add_argument("--window-s", type=float, default=60.0)
     args = p.parse_args()
+    args.fakes = args.fakes or (150 if args.attack == "tarpits" else 20)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         nodes: list[NodeChild] = []
@@ -147,34 +267,49 @@ def main() -> int:
                 node.wait_up(180)
             time.sleep(30)  # every node has found the others, evaluated and exchanged
             clean = rate(nodes, args.window_s)
-            attacker = Attacker(peers, args.fakes)
-            attacker.publish()
-            thread = threading.Thread(target=attacker.run, daemon=True)
-            thread.start()
-            try:
-                attacked = rate(nodes, args.window_s)
-                listed = list(nodes[0].info(timeout_s=10).peers)  # candidates not backed off
-            finally:
-                attacker.close()
+            attacked, what = attack(args, peers, nodes)
             after = rate(nodes, args.window_s)
-            fake_ids = {s.peer_id for s in attacker.fakes}
-            ok = attacked[1] >= MIN_SHARE * clean[1] and after[1] >= MIN_SHARE * clean[1]
-            print(f"poison: {args.nodes} nodes, {args.fakes} fake records (each a valid key, "
-                  f"a closed port, step 1e9) and overwrite attempts of every real record, "
-                  f"re-published {attacker.published} times")
-            fakes_seen = sum(k in fake_ids for k in listed)
-            print(f"  at the end of the attack n0 knows {len(listed) - fakes_seen} real and "
-                  f"{fakes_seen} fake peers (the fakes are valid records: each fails to connect "
-                  "and is backed off; the overwrites are refused)")
-            for what, i in (("per minute", 0), ("per 100 training steps", 1)):
-                print(f"  exchanges {what}: clean {clean[i]:.1f}, attacked {attacked[i]:.1f} "
+            share = MIN_SHARE[args.attack]
+            ok = attacked[1] >= share * clean[1] and after[1] >= share * clean[1]
+            print(f"{args.attack}: {args.nodes} nodes; {what}")
+            for unit, i in (("per minute", 0), ("per 100 training steps", 1)):
+                print(f"  exchanges {unit}: clean {clean[i]:.1f}, attacked {attacked[i]:.1f} "
                       f"({attacked[i] / max(clean[i], 1e-9):.2f}x), after {after[i]:.1f} "
                       f"({after[i] / max(clean[i], 1e-9):.2f}x)")
             print(f"verdict: {'PASS' if ok else 'FAIL'} (exchanges per step at least "
-                  f"{MIN_SHARE:g}x the clean rate during and after the attack)")
+                  f"{share:g}x the clean rate during and after the attack)")
             return 0 if ok else 1
         finally:
             print(f"exit codes after SIGTERM: {[stop(n) for n in nodes]}")
+
+
+def attack(args: argparse.Namespace, peers: list[str], nodes: list[NodeChild]
+           ) -> tuple[tuple[float, float], str]:
+    """The exchange rate during ``args.attack``, and what the attacker did."""
+    if args.attack == "preauth":
+        idle = IdleStreams([n.endpoint for n in nodes])
+        idle.start()
+        try:
+            attacked = rate(nodes, args.window_s)
+        finally:
+            idle.close()
+        return attacked, (f"15 idle streams per node from 5 source addresses, {idle.opened} "
+                          "opened (each re-opened when the node drops it)")
+    attacker = Attacker(peers, args.fakes, tarpits=args.attack == "tarpits")
+    attacker.publish()
+    thread = threading.Thread(target=attacker.run, daemon=True)
+    thread.start()
+    try:
+        attacked = rate(nodes, args.window_s)
+        listed = list(nodes[0].info(timeout_s=10).peers)  # candidates not backed off
+    finally:
+        attacker.close()
+    fakes_seen = sum(k in {s.peer_id for s in attacker.fakes} for k in listed)
+    where = "a tarpit port (accepts TCP, never answers)" if attacker.pits else "a closed port"
+    return attacked, (f"{args.fakes} fake records (each a valid key, {where}, step 1e9) and "
+                      f"overwrite attempts of every real record, re-published "
+                      f"{attacker.published} times; at the end n0 lists "
+                      f"{len(listed) - fakes_seen} real and {fakes_seen} fake peers")
 
 
 def stop(node: NodeChild, grace_s: float = 30.0) -> int | None:

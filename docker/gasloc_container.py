@@ -30,12 +30,11 @@ RETRY_S = 2.0
 def fetch_peer_id(endpoint: str, timeout_s: float) -> str:
     """The DHT peer id a node reports in ``Info`` (health-level: no signature needed); raises
     ``grpc.RpcError`` if it does not answer."""
-    import grpc
-
+    from gasloc_p2p.node.transport.tls import unpinned_channel
     from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
     from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(endpoint) as channel:
+    with unpinned_channel(endpoint, timeout_s) as channel:
         reply = pb_grpc.GossipStub(channel).Info(pb.InfoRequest(), timeout=timeout_s)
     return str(reply.dht_peer_id or reply.peer_id)
 
@@ -48,6 +47,9 @@ def health(args: argparse.Namespace) -> int:
         peer_id = fetch_peer_id(endpoint, args.timeout_s)
     except grpc.RpcError as exc:
         print(f"unhealthy: Info on {endpoint}: {exc.code().name}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # no TLS answer: nothing listens, or not a node
+        print(f"unhealthy: no TLS answer on {endpoint}: {exc}", file=sys.stderr)
         return 1
     print(f"healthy: {peer_id} at {endpoint}")
     return 0
@@ -72,17 +74,48 @@ def join_via(args: argparse.Namespace) -> int:
         try:
             peer_id = fetch_peer_id(args.bootstrap, INFO_TIMEOUT_S)
             break
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, OSError) as exc:  # OSError: no TLS answer yet
             if time.monotonic() > deadline:
-                print(f"join-via: bootstrap {args.bootstrap} did not answer Info "
-                      f"({exc.code().name}); giving up", file=sys.stderr)
+                why = exc.code().name if isinstance(exc, grpc.RpcError) else str(exc)
+                print(f"join-via: bootstrap {args.bootstrap} did not answer Info ({why}); "
+                      "giving up", file=sys.stderr)
                 return 1
             time.sleep(RETRY_S)
     maddr = multiaddr(host.strip("[]"), dht_port, peer_id)
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    owner = os.environ.get("GASLOC_INVITE_FROM", "")
+    if owner and not any(f.split("=")[0] in CREDENTIALS for f in flags):
+        flags = [*flags, "--invitation", invite_self(owner)]
     argv = ["gasloc-node", "join", "--peers", maddr, *flags]
     print(f"join-via: bootstrap {args.bootstrap} is {maddr}", flush=True)
     os.execvp(argv[0], argv)  # replaces this process: no return
+
+
+CREDENTIALS = ("--invitation", "--swarm-key", "--owner-key", "--open")
+
+
+def invite_self(owner_path: str) -> str:
+    """An invitation file (with a new key) signed by the owner key at ``owner_path``: a local
+    compose swarm shares its owner key with its workers so that each can invite itself. Over
+    the internet the owner keeps the key and sends each member its invitation file."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from gasloc_p2p.protocol.membership import (
+        Invitation,
+        expires_in,
+        public_bytes,
+        read_key_file,
+        write_invitation,
+    )
+
+    owner = read_key_file(owner_path)
+    if owner is None:
+        raise SystemExit(f"join-via: no owner key at {owner_path} (GASLOC_INVITE_FROM)")
+    key = Ed25519PrivateKey.generate()
+    path = f"/tmp/gasloc-{os.getpid()}.invite"
+    write_invitation(path, Invitation.issue(owner, public_bytes(key), expires_in(30.0)),
+                     key.private_bytes_raw())
+    return path
 
 
 def main() -> int:

@@ -3,21 +3,101 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import os
 import sys
+
+# gRPC's C core logs every failed TLS handshake (a peer that is gone, a wrong certificate, a
+# port scan) and every corrupted TLS record (someone on the path) on stderr, outside Python's
+# logging, several lines each: a peer must not be able to write to our terminal. The node
+# reports what matters itself (the call fails). Set before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from gasloc_p2p import __version__
 from gasloc_p2p.safelog import OneLineFormatter
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with a one-line actionable error (exit code 2) instead of the usage dump."""
+    """argparse with a one-line actionable error (exit code 2) instead of the usage dump. An
+    unknown flag is reported before anything else, with the closest known flag ("did you
+    mean"), for the top level and every subcommand; a mistyped command gets the closest too."""
+
+    # the parser that flags after `--` go to (`swarm -- --data X`: `join`'s)
+    passes_through: argparse.ArgumentParser | None = None
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        argv = list(sys.argv[1:] if args is None else args)
+        self._check_flags(argv)
+        parsed, extras = self.parse_known_args(argv, namespace)
+        if extras:  # argparse collects a subcommand's leftovers up here: blame the subcommand
+            command = self._commands().get(getattr(parsed, "command", None) or "", self)
+            command.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _commands(self) -> dict[str, Parser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    def _check_flags(self, argv: Sequence[str]) -> None:
+        """Fail on the first unknown ``--flag`` (before argparse would report, say, a missing
+        required flag that is only misspelled)."""
+        parser, commands = self, self._commands()
+        for token in argv:
+            if token == "--":  # what follows is passed on (swarm) or positional
+                return
+            if parser is self and token in commands:
+                parser = commands[token]
+            elif token.startswith("--") and not _known(parser, token.split("=", 1)[0]):
+                flag = token.split("=", 1)[0]
+                hint = parser.flag_hint(flag, top=self)
+                parser.error(f"unrecognized arguments: {flag}" + (f"; {hint}" if hint else ""))
+
+    def flag_hint(self, flag: str, top: argparse.ArgumentParser) -> str:
+        """What to type instead of the unknown ``flag``, or ""."""
+        if self is not top and _known(top, flag):
+            return f"{flag} is an option of {top.prog} itself: put it before the command"
+        if self.passes_through is not None and _known(self.passes_through, flag):
+            return f"{flag} is a node flag: put node flags after '--' ({self.prog} -- {flag} ...)"
+        if self is top:
+            owner = next((n for n, p in self._commands().items() if _known(p, flag)), "")
+            if owner:
+                return f"{flag} is an option of a command: put it after one ({self.prog} " \
+                       f"{owner} {flag} ...)"
+        names = {f.removeprefix("--"): f for f in _long_flags(self)}
+        spelled = flag.removeprefix("--").replace("_", "-").lower()
+        close = [spelled] if spelled in names else difflib.get_close_matches(
+            spelled, list(names), n=1, cutoff=0.6)
+        return f"did you mean {names[close[0]]}?" if close else ""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            close = difflib.get_close_matches(str(value), [str(c) for c in action.choices or ()],
+                                              n=1, cutoff=0.6)
+            if not close:
+                raise
+            raise argparse.ArgumentError(action, f"{exc.message}; did you mean {close[0]!r}?"
+                                         ) from None
+
+
+def _long_flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+
+
+def _known(parser: argparse.ArgumentParser, flag: str) -> bool:
+    """A flag argparse accepts: exact, or a prefix of one (an ambiguous prefix argparse
+    reports itself)."""
+    return any(f.startswith(flag) for f in _long_flags(parser))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_node.add_join_parser(sub)
     cli_node.add_status_parser(sub)
+    from gasloc_p2p.node import cli_run
+
+    cli_run.add_init_parser(sub)
+    from gasloc_p2p.node import cli_members
+
+    cli_members.add_member_parsers(sub)
     from gasloc_p2p.node import export
 
     export.add_export_parser(sub)
@@ -45,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_swarm.add_swarm_parser(sub)
     cli_swarm.add_dashboard_parser(sub)
+    sub.choices["swarm"].passes_through = sub.choices["join"]
     return parser
 
 

@@ -33,6 +33,8 @@ def tiny_config(corpus: Path, **flags: object) -> NodeConfig:
             "commit_timeout_s": scaled(5), "exchange_timeout_s": scaled(20),
             "warmup_steps": 10}
     base.update(flags)
+    if not any(base.get(k) for k in ("swarm_key", "invitation", "owner_key")):
+        base.setdefault("open_swarm", True)  # tests of other things: an open swarm
     return build_config(argparse.Namespace(**base), environ={})
 
 

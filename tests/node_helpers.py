@@ -7,13 +7,16 @@ a slow machine needs one knob.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import time
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import Fragment
@@ -23,13 +26,16 @@ from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
+    PreauthPool,
     StateSnapshot,
     start_server,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.engine import ExchangeEngine
+from gasloc_p2p.protocol.membership import Admission, Invitation, public_bytes
 from gasloc_p2p.protocol.messages import Identity
 
 SCALE = float(os.environ.get("GASLOC_TEST_TIMEOUT_SCALE", "1"))
@@ -62,6 +68,22 @@ def gossip_config(**kw: Any) -> GossipConfig:
     return replace(base, **kw)
 
 
+def member_signer(owner: Ed25519PrivateKey, days: float = 1.0,
+                  admission: Admission | None = None) -> Signer:
+    """A fresh key invited by ``owner`` for ``days``, checking others against ``owner`` (or
+    ``admission``, e.g. a shared one holding revocations)."""
+    key = Ed25519PrivateKey.generate()
+    invitation = Invitation.issue(owner, public_bytes(key), time.time() + days * 86400)
+    return Signer(key, admission=admission or Admission(public_bytes(owner)),
+                  invitation=invitation.to_bytes())
+
+
+@functools.cache
+def cert_for(peer_id: str) -> bytes:
+    """A TLS certificate naming ``peer_id`` (what a signed record must announce)."""
+    return TlsIdentity.generate(peer_id).cert_der
+
+
 def theta0(numel: int = NUMEL) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(0))
 
@@ -83,9 +105,23 @@ class Peer:
     server: grpc.aio.Server
     endpoint: str
     channels: PeerChannels
+    tls: TlsIdentity
+    servicer: GossipServicer
+
+    @property
+    def preauth(self) -> PreauthPool:
+        return self.servicer.preauth
+
+    @property
+    def cert(self) -> bytes:
+        return self.tls.cert_der
+
+    def stub(self, other: Peer) -> Any:
+        """A stub on this peer's TLS channel to ``other``, trusting ``other``'s certificate."""
+        return self.channels.stub(other.endpoint, other.cert)
 
     def open_call(self, other: Peer) -> Any:
-        return self.channels.stub(other.endpoint).Exchange(timeout=scaled(20))
+        return self.stub(other).Exchange(timeout=scaled(20))
 
     async def exchange(self, other: Peer, fragment: int = 0) -> Outcome:
         return await self.exchanger.initiate(lambda: self.open_call(other), other.me.peer_id,
@@ -98,11 +134,12 @@ class Peer:
 
 async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
                     fingerprint: str = FINGERPRINT, outer: AsyncConfig | None = None,
-                    swarm_key: bytes = b"") -> Peer:
+                    swarm_key: bytes = b"", signer: Signer | None = None) -> Peer:
     """A peer whose live parameters are ``theta0`` plus seeded noise (a different drift).
 
     Its peer id is derived from a fresh ed25519 key (``name`` only names it in the Info
-    reply); ``swarm_key``: the shared secret its signatures are keyed with."""
+    reply); ``swarm_key``: the shared secret its signatures are keyed with; ``signer``: its
+    key and membership instead (a closed swarm's member: :func:`member_signer`)."""
     t0 = theta0()
     outer = outer or AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
     theta = t0 + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
@@ -111,7 +148,7 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
     lock = TrainingLock()
     gossip = gossip or gossip_config()
     engine = ExchangeEngine(state, t0, fragments(), lock)
-    me = Identity.keyed(RUN, fingerprint, Signer(swarm_key=swarm_key))
+    me = Identity.keyed(RUN, fingerprint, signer or Signer(swarm_key=swarm_key))
     exchanger = GossipTransport(me, engine, gossip, outer)
 
     def snapshot() -> StateSnapshot:
@@ -123,8 +160,10 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
 
     servicer = GossipServicer(me, exchanger, info, snapshot)
     net = NetworkConfig()
-    server, port = await start_server(servicer, "127.0.0.1", 0, net, gossip.max_inbound)
-    return Peer(me, state, engine, exchanger, server, f"127.0.0.1:{port}", PeerChannels(net))
+    tls = TlsIdentity.generate(me.peer_id)
+    server, port = await start_server(servicer, "127.0.0.1", 0, net, gossip.max_inbound, tls)
+    return Peer(me, state, engine, exchanger, server, f"127.0.0.1:{port}", PeerChannels(net),
+                tls, servicer)
 
 
 def full_state(peer: Peer) -> dict[str, Any]:

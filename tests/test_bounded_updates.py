@@ -370,7 +370,7 @@ async def _inject(node: Node, payload: bytes, codec: str, block: int, peer_id: s
 
     numel = node.trainer.flat.numel
     signer = Signer()
-    call = node.channels.stub(node.endpoint).Exchange(timeout=scaled(20))
+    call = node.channels.stub(node.endpoint, node.tls.cert_der).Exchange(timeout=scaled(20))
     header = pb.ExchangeMsg(header=pb.Header(
         protocol_version=PROTOCOL_VERSION, run_id=node.me.run_id,
         model_fingerprint=node.me.fingerprint, peer_id=signer.peer_id, codec=codec,

@@ -36,6 +36,7 @@ PROMQL_WORDS = frozenset({
 # GASLOC_* variables the container files may set that are not node flags.
 CONTAINER_ONLY_ENV = frozenset({
     "GASLOC_CACHE", "GASLOC_BOOTSTRAP_DHT_PORT", "GASLOC_BOOTSTRAP_TIMEOUT_S",
+    "GASLOC_INVITE_FROM",  # join-via: an owner key to invite the worker with (local swarms)
     # compose interpolation knobs (${GASLOC_...} on the host side), not container variables
     "GASLOC_BASE_IMAGE", "GASLOC_PROMETHEUS_PORT", "GASLOC_GRAFANA_PORT",
     "GASLOC_DASHBOARD_PORT",

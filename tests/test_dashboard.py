@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gasloc_p2p.tools.dashboard import DashboardServer
-from gasloc_p2p.tools.dashboard_page import PANELS, render_page
+from gasloc_p2p.tools.dashboard_page import PANELS, START_QUERY, render_page
 from gasloc_p2p.tools.prometheus import INSTALL_HINT, find_prometheus, query, query_range
 from tests.browser_helpers import CHROMIUM, chromium, live_panels
 from tests.node_helpers import scaled
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install -y chromium")
 @pytest.mark.skipif(find_prometheus() is None, reason=f"no 'prometheus' binary: {INSTALL_HINT}")
 def test_dashboard_shows_a_live_swarm_in_chromium(tmp_path):
+    swarm_started = time.time()
     with live_swarm(tmp_path, nodes=2, dashboard=True) as swarm:
         assert swarm.prometheus is not None and swarm.dashboard is not None
         prom = swarm.prometheus.url
@@ -40,6 +42,9 @@ def test_dashboard_shows_a_live_swarm_in_chromium(tmp_path):
                     and bool(rates) and any(float(v) > 0 for _, v in rates[0]["values"]))
 
         wait_for(enough_history, 60, "val loss history and exchanges in Prometheus")
+        # the page's "since start" window: the oldest node's start, from Prometheus itself
+        started = float(query(prom, START_QUERY)[0]["value"][1])
+        assert swarm_started - 5 <= started <= time.time(), (swarm_started, started)
         page = swarm.dashboard.url + "?range=300&refresh=60"
         _, panels = live_panels(swarm.dashboard.url, tmp_path / "profile-dom", scaled(90))
         exchanges = panels["sum by (outcome) (rate(gasloc_exchanges_total[30s]))"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,9 +20,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from gasloc_p2p.tools.dashboard import DashboardServer
-from gasloc_p2p.tools.dashboard_page import PANELS, RECIPES
+from gasloc_p2p.tools.dashboard_page import PANELS, RECIPES, START_QUERY
 from gasloc_p2p.tools.direct_metrics import DirectMetrics, Recipe, Scrape, histogram_quantile
-from tests.browser_helpers import CHROMIUM, live_panels
+from tests.browser_helpers import CHROMIUM, chromium, live_panels
 from tests.node_helpers import scaled
 from tests.swarm_helpers import live_swarm, wait_for
 
@@ -130,3 +132,45 @@ def test_dashboard_without_prometheus_shows_a_live_swarm_in_chromium(tmp_path):
         wait_for(enough_history, 90, "val loss history and gossip traffic from the scraper")
         dom, _ = live_panels(swarm.dashboard.url, tmp_path / "profile", scaled(90))
         assert 'data-up="2"' in dom  # the status line: 2/2 nodes up
+
+
+def young_swarm(age_s: float, scrapes: int = 25) -> DirectMetrics:
+    """Scrapes of a 2-node swarm whose older node started ``age_s`` ago (the last 100 s)."""
+    now = time.time()
+    direct = DirectMetrics([])
+    for k in range(scrapes):
+        direct.history.append(Scrape(now - 100 + 100 * k / (scrapes - 1), {
+            ("gasloc_val_loss", (("node", "n0"),)): 5.0 - 0.1 * k,
+            ("process_start_time_seconds", (("node", "n0"),)): now - age_s,
+            ("process_start_time_seconds", (("node", "n1"),)): now - age_s / 2}))
+    return direct
+
+
+def test_the_start_query_answers_the_oldest_nodes_start():
+    direct = young_swarm(120.0)
+    start = direct.history[-1].values[("process_start_time_seconds", (("node", "n0"),))]
+    with DashboardServer(direct=direct) as board:
+        q = urllib.parse.urlencode({"query": START_QUERY})
+        with urllib.request.urlopen(f"{board.url}api/v1/query?{q}", timeout=5) as r:
+            body = json.load(r)
+    assert body["status"] == "success"
+    assert float(body["data"]["result"][0]["value"][1]) == start
+    assert DirectMetrics([]).instant_start() == []  # before the first scrape: no answer
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install -y chromium")
+def test_the_page_opens_on_the_swarm_since_it_started(tmp_path):
+    """A swarm 2 minutes old fills the charts: the window starts when its oldest node started
+    (plus a margin), not 15 minutes back with the curves squeezed into the right edge."""
+    with DashboardServer(direct=young_swarm(120.0)) as board:
+        dom = chromium(["--dump-dom", board.url + "?refresh=60"], tmp_path / "profile",
+                       scaled(90)).stdout
+    body = re.search(r"<body[^>]*>", dom)
+    assert body is not None, dom[-2000:]
+    range_s = re.search(r'data-range="([\d.]+)"', body.group(0))
+    assert range_s is not None and 120 <= float(range_s.group(1)) <= 135, body.group(0)
+    loss = re.search(r'<path d="M([\d.]+),[^"]*"[^>]*data-label="n0"', dom)
+    assert loss is not None, dom[-3000:]
+    assert float(loss.group(1)) < 300  # the first sample (100 s ago) in the left half of 600
+    selected = re.findall(r'<button data-range="(\w+)" class="on">', dom)
+    assert selected == ["start"], selected  # the "since start" button is the one selected

@@ -107,9 +107,35 @@ def test_the_reader_is_lazy(tmp_path):
         f.write("{this is not json\n")
     stream = iter(DocumentStream("json", [str(path)], "text"))
     assert [len(next(stream)) for _ in range(3)] == [4000] * 3
-    with pytest.raises(Exception):  # noqa: B017 - whatever datasets raises, it comes late
+    with pytest.raises(DataError, match=f"^--data {str(path)!r}: cannot read it as JSON Lines"):
         for _ in stream:
             pass
+
+
+def test_a_directory_without_data_files_names_the_flag(tmp_path):
+    from gasloc_p2p.data.corpus import check_data_path
+
+    (tmp_path / "notes.md").write_text("not a corpus")
+    with pytest.raises(DataError, match=f"^--data {str(tmp_path)!r}: no \\*.txt, \\*.jsonl"):
+        check_data_path(str(tmp_path))
+    (tmp_path / "sub").mkdir()
+    write_jsonl(tmp_path / "sub" / "c.jsonl", DOCS[:2])
+    check_data_path(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, body, problem", [
+    ("bad.jsonl", '{"text": "a"}\n{bad json\n', "cannot read it as JSON Lines (JSON parse error"),
+    ("empty.jsonl", "", "the file holds no rows"),
+    ("bad.parquet", "not parquet", "cannot read it as Parquet (Parquet magic bytes"),
+])
+def test_an_unreadable_file_is_one_line_naming_the_flag_and_the_file(tmp_path, name, body,
+                                                                     problem):
+    path = tmp_path / name
+    path.write_text(body)
+    with pytest.raises(DataError) as err:
+        load_training_data(str(path), "byte", **SIZES)
+    message = str(err.value)
+    assert message.startswith(f"--data {str(path)!r}: {problem}") and "\n" not in message
 
 
 def test_a_resumed_stream_continues_where_it_was(tmp_path, corpus):

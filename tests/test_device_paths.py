@@ -125,11 +125,14 @@ def test_outer_steps_take_a_host_gradient_onto_the_device(device):
 def test_bootstrap_agreement_with_host_downloads(device, dtype):
     """Downloads are host tensors; theta_0 lives on the device (bfloat16 when compacted)."""
     theta0 = torch.zeros(64, device=device, dtype=dtype)
-    a = bootstrap.Candidate("a", 1, torch.ones(64), torch.zeros(64), None)  # type: ignore[arg-type]
-    b = bootstrap.Candidate("b", 2, torch.ones(64) * 1.01, torch.zeros(64), None)  # type: ignore[arg-type]
-    far = bootstrap.Candidate("c", 3, -torch.ones(64), torch.zeros(64), None)  # type: ignore[arg-type]
-    assert bootstrap.choose([a, far, b], theta0) is b
-    assert bootstrap.choose([a, far], theta0) is None
+    sampler = bootstrap.Sampler(theta0)
+    states = [bootstrap.Candidate(n, i, v * torch.ones(64), torch.zeros(64), None)  # type: ignore[arg-type]
+              for i, (n, v) in enumerate([("a", 1.0), ("b", 1.01), ("c", 0.99), ("far", -1.0)])]
+    for c in states:
+        sampler.measure(c)
+    medoid, group = bootstrap.choose(states, 3)
+    assert medoid is states[0] and len(group) == 3
+    assert bootstrap.choose([states[0], states[3]], 2) is None
 
 
 @pytest.mark.parametrize("device", DEVICES)

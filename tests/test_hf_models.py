@@ -107,12 +107,13 @@ def _trainer(hf_files, tmp_path, **kw) -> Trainer:
     return trainer
 
 
-def test_export_of_a_trained_llama_loads_with_the_same_loss(hf_files, tmp_path, monkeypatch):
+def test_export_of_a_trained_llama_loads_with_the_same_loss(hf_files, tmp_path, monkeypatch,
+                                                            capsys):
     trainer = _trainer(hf_files, tmp_path)
     for _ in range(3):
         trainer.step()
     checkpoint.save_atomic(trainer.state_for_checkpoint(), tmp_path / "ckpt")
-    out = export([str(tmp_path / "ckpt")], str(tmp_path / "out"))
+    out = export([str(tmp_path / "ckpt")], str(tmp_path / "out")).path
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     x, y = trainer.val[0]
@@ -124,7 +125,7 @@ def test_export_of_a_trained_llama_loads_with_the_same_loss(hf_files, tmp_path, 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.encode("def f(x):\n") == trainer.data.tokenizer.encode("def f(x):\n").tolist()
     monkeypatch.setattr(hf, "SHARD_SIZE", "40KB")  # shards, written one after the other
-    twice = export([str(tmp_path / "ckpt")] * 2, str(tmp_path / "avg"), "average")
+    twice = export([str(tmp_path / "ckpt")] * 2, str(tmp_path / "avg"), "average").path
     assert len(list(twice.glob("model-*.safetensors"))) > 1
     averaged = transformers.AutoModelForCausalLM.from_pretrained(twice)
     assert all(torch.equal(a, b) for a, b in zip(averaged.state_dict().values(),
@@ -134,6 +135,18 @@ def test_export_of_a_trained_llama_loads_with_the_same_loss(hf_files, tmp_path, 
     assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"),
                  "--out", str(tmp_path / "cli")]) == 0
     assert (tmp_path / "cli" / "config.json").is_file()
+    files = sorted(p for p in (tmp_path / "cli").iterdir())
+    size_mb = sum(p.stat().st_size for p in files) / 1e6
+    params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+    assert capsys.readouterr().out == (  # one line: what, where, parameters, files, size
+        f"exported the node's parameters at step 3 to {tmp_path / 'cli'}: {params:,.2f}M "
+        f"parameters, {len(files)} files, {size_mb:,.1f} MB ({', '.join(p.name for p in files)})"
+        "\n")
+    assert "tokenizer.json" in [p.name for p in files]
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), str(tmp_path / "ckpt"),
+                 "--which", "average", "--out", str(tmp_path / "cli-avg")]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"exported the average of 2 checkpoints (steps 3, 3) to {tmp_path / 'cli-avg'}: ")
     assert main(["export", "--checkpoint-dir", str(tmp_path / "nothing"),
                  "--out", str(tmp_path / "cli2")]) == 2
     with pytest.raises(ExportError, match="no checkpoint"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,8 @@ EXPECTED = {
     "bench-byzantine": ["benchmarks.bench_byzantine"],
     "bench-direction": ["benchmarks.bench_direction"],
     "bench-chaos": ["benchmarks.bench_chaos"],
-    "bench-poison": ["benchmarks.bench_poison"],
+    "bench-poison": ["benchmarks.bench_poison", "--attack records"],
+    "bench-tamper": ["benchmarks.bench_tamper"],
     "bench-soak": ["benchmarks.bench_soak"],
     "bench-external": ["pip install", ".[bench-external]", "benchmarks.bench_external"],
     "bench-external-1000": [".[bench-external]", "benchmarks.bench_external", "--steps 1000",
@@ -125,3 +127,17 @@ def test_make_reproduce_runs_every_part_of_reproduce_py():
     line = next(x for x in dry_run("reproduce").stdout.splitlines()
                 if "benchmarks.reproduce" in x)
     assert set(line.split("--only ")[1].split()[0].split(",")) == names
+
+
+def test_pytest_prints_why_a_test_was_skipped(tmp_path):
+    """`make test` runs `pytest -q`: the project's pytest settings must still list each skip
+    with its reason (README says tests that need Prometheus, Chromium, ... say why)."""
+    (tmp_path / "test_tool.py").write_text(
+        "import pytest\n\n\n@pytest.mark.skip(reason='no widget on this machine')\n"
+        "def test_needs_a_widget():\n    pass\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c",
+                             str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path),
+                             "-p", "no:cacheprovider", str(tmp_path / "test_tool.py")],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SKIPPED [1] test_tool.py:4: no widget on this machine" in result.stdout, result.stdout

@@ -1,8 +1,12 @@
-"""Start-up state downloads: two donors must agree; a fake with a huge announced step or a
-poisoned state is never adopted."""
+"""Start-up state downloads: three donors must agree (all, if fewer answer); a fake with a
+huge announced step, a poisoned state or two colluders serving one are never adopted."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+
+import pytest
 import torch
 
 from gasloc_p2p.node.daemon import Node
@@ -16,24 +20,73 @@ from tests.node_helpers import run, wait_until
 N = 1000
 
 
-def cand(name: str, params: torch.Tensor, step: int = 0) -> bootstrap.Candidate:
-    return bootstrap.Candidate(name, step, params, torch.zeros(N), pb.StateMeta(step=step))
+def cand(name: str, params: torch.Tensor, sampler: bootstrap.Sampler,
+         step: int = 0) -> bootstrap.Candidate:
+    c = bootstrap.Candidate(name, step, params, torch.zeros(N), pb.StateMeta(step=step))
+    sampler.measure(c)
+    return c
 
 
-def test_two_agreeing_donors_are_needed_and_the_step_does_not_decide():
-    g = torch.Generator().manual_seed(0)
+def _swarm(seed: int = 0):
+    """theta_0, 4 honest states near one point, and a sampler (all coordinates: N is small)."""
+    g = torch.Generator().manual_seed(seed)
     theta0 = torch.randn(N, generator=g)
     progress = torch.randn(N, generator=g)
-    honest = [cand(f"h{i}", theta0 + progress + 0.1 * torch.randn(N, generator=g), step=100 + i)
-              for i in range(2)]
-    fake = cand("fake", theta0 + 50 * torch.randn(N, generator=g), step=10**9)
-    assert bootstrap.choose([fake], theta0) is None
-    assert bootstrap.choose([fake, honest[0]], theta0) is None
-    assert bootstrap.choose([fake, honest[0], honest[1]], theta0) is honest[1]
-    assert bootstrap.problem(cand("nan", torch.full((N,), float("nan"))), N)
-    assert bootstrap.problem(cand("big", torch.full((N,), 1e30)), N)
-    assert bootstrap.problem(cand("short", torch.zeros(7)), N)
+    sampler = bootstrap.Sampler(theta0)
+    honest = [cand(f"h{i}", theta0 + progress + 0.1 * torch.randn(N, generator=g), sampler,
+                   step=100 + i) for i in range(4)]
+    return theta0, progress, sampler, honest, g
+
+
+def test_three_agreeing_donors_are_needed_and_the_step_does_not_decide():
+    theta0, _, sampler, honest, g = _swarm()
+    fake = cand("fake", theta0 + 50 * torch.randn(N, generator=g), sampler, step=10**9)
+    assert bootstrap.needed(1) == 1 and bootstrap.needed(2) == 2 and bootstrap.needed(5) == 3
+    assert bootstrap.choose([fake], 1)[0] is fake  # the only donor: the loss check decides
+    assert bootstrap.choose([fake, honest[0]], 2) is None
+    assert bootstrap.choose([fake, honest[0], honest[1]], 3) is None  # two agree: not enough
+    medoid, group = bootstrap.choose([fake, *honest[:3]], 3)
+    assert medoid in honest and fake not in group and len(group) == 3
+    assert bootstrap.problem(cand("nan", torch.full((N,), float("nan")), sampler), N)
+    assert bootstrap.problem(cand("big", torch.full((N,), 1e30), sampler), N)
+    assert bootstrap.problem(bootstrap.Candidate("short", 0, torch.zeros(7), None,
+                                                 pb.StateMeta()), N)
     assert not bootstrap.problem(honest[0], N)
+
+
+def test_two_colluding_donors_of_four_are_never_adopted_in_any_order():
+    """Two colluders serve the same bounded poisoned state (the honest state pushed by twice
+    its displacement, values within every limit); with two honest donors no three agree, in
+    every one of the 24 donor orders, so the joiner starts from theta_0. Before, a pair that
+    agreed was enough: the colluders were adopted whenever they came first."""
+    theta0, progress, sampler, honest, g = _swarm(1)
+    push = torch.randn(N, generator=g)
+    poison = honest[0].params + 2 * bootstrap.rms(progress) * push / bootstrap.rms(push)
+    colluders = [cand(f"evil{i}", poison.clone(), sampler, step=10**6) for i in range(2)]
+    assert not bootstrap.problem(colluders[0], N)  # bounded: it passes the value checks
+    for order in itertools.permutations([*colluders, *honest[:2]]):
+        assert bootstrap.choose(list(order), bootstrap.needed(4)) is None
+    for order in itertools.permutations([*colluders, *honest[:3]]):  # three honest: theirs
+        medoid, group = bootstrap.choose(list(order), bootstrap.needed(5))
+        assert medoid in honest and not set(map(id, colluders)) & set(map(id, group))
+
+
+def test_a_far_state_cannot_widen_the_tolerance_it_is_judged_by():
+    """The tolerance is half the smaller displacement: a donor far from theta_0 does not make
+    itself agree with the honest ones (with the larger one, as before, it did)."""
+    theta0, progress, sampler, honest, g = _swarm(2)
+    far = cand("far", theta0 + 1.9 * progress, sampler)  # 0.9 displacements beyond them
+    assert bootstrap.distance(far, honest[0]) <= 0.5 * far.displacement  # the old rule: agree
+    assert not bootstrap.agree(far, honest[0])
+
+
+def test_a_state_whose_loss_here_is_implausible_is_refused():
+    nan = float("nan")
+    assert bootstrap.implausible_loss(2.0, 2.5, [2.0, 2.1, nan]) == ""
+    assert "above theta_0" in bootstrap.implausible_loss(2.6, 2.5, [2.0])
+    assert "announce" in bootstrap.implausible_loss(2.45, 2.5, [1.5, 1.6, 1.7])
+    assert bootstrap.implausible_loss(2.45, 2.5, [nan]) == ""  # nothing comparable announced
+    assert bootstrap.implausible_loss(nan, 2.5, []) != ""
 
 
 def test_a_joining_node_ignores_a_poisoned_donor_with_a_huge_step(corpus):
@@ -63,3 +116,116 @@ def test_a_joining_node_ignores_a_poisoned_donor_with_a_huge_step(corpus):
                 assert bootstrap.rms(mine - t0) < poison / 10
 
     run(main(), timeout_s=180)
+
+
+@pytest.mark.parametrize("order", ["as listed", "reversed"])
+def test_a_joiner_never_adopts_the_state_two_colluders_serve(corpus, monkeypatch, order):
+    """Live: two honest nodes gossip; two colluders (real gRPC servers with signed records)
+    serve the same poisoned state, bounded and announcing a huge step. A joiner asks all four
+    and starts from theta_0 (no three agree), whatever the donor order; before, it adopted
+    the colluders' state whenever they came first."""
+    from gasloc_p2p.node import daemon
+    from gasloc_p2p.node.discovery.base import PeerInfo
+    from gasloc_p2p.node.transport.service import GossipServicer, StateSnapshot, start_server
+    from gasloc_p2p.protocol.auth import Signer
+    from gasloc_p2p.protocol.certs import TlsIdentity
+    from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
+
+    if order == "reversed":
+        monkeypatch.setattr(daemon.random, "shuffle", lambda xs: xs.reverse())
+    else:
+        monkeypatch.setattr(daemon.random, "shuffle", lambda xs: None)
+
+    async def colluder(reg, a, poison, name):
+        signer = Signer()
+        me = Identity.keyed(a.me.run_id, a.me.fingerprint, signer)
+        snap = StateSnapshot(10**6, 10**4, a.trainer.state.cfg.momentum, poison, None)
+        tls = TlsIdentity.generate(signer.peer_id)
+        servicer = GossipServicer(me, None, lambda: pb.InfoReply(
+            peer_id=signer.peer_id, val_loss=0.1, validation_set=a.trainer.validation_set),
+            lambda: snap)
+        server, port = await start_server(servicer, "127.0.0.1", 0, a.cfg.network, 4, tls)
+        d = InMemoryDiscovery(reg, a.me.run_id, name)
+        d.use_identity(signer, 10.0)
+        await d.start()
+        info = PeerInfo(signer.peer_id, f"127.0.0.1:{port}", PROTOCOL_VERSION,
+                        a.me.fingerprint, 10**6, 1e6, True, a.peer_info().codecs,
+                        a.cfg.outer.algorithm, tls.cert_der)
+
+        async def announce() -> None:  # as a node does: short-lived records, renewed
+            while True:
+                await d.announce(info, 3.0)
+                await asyncio.sleep(0.5)
+
+        return server, asyncio.create_task(announce())
+
+    async def main():
+        reg = InMemoryRegistry()
+        fast = {"exchanges_per_round": 4.0, "inner_steps": 5}
+        a = Node(tiny_config(corpus, **fast), InMemoryDiscovery(reg, "gasloc", "a"))
+        b = Node(tiny_config(corpus, peers=("/memory/a",), **fast),
+                 InMemoryDiscovery(reg, "gasloc", "b"))
+        async with a, b:
+            await wait_until(lambda: min(a.stats.ok, b.stats.ok) >= 4, timeout_s=90,
+                             what="a and b gossip")
+            honest = a.trainer.state.public_iterate().cpu()
+            t0 = a.trainer.theta0.float().cpu()
+            push = torch.randn(honest.shape, generator=torch.Generator().manual_seed(3))
+            poison = honest + 2 * bootstrap.rms(honest - t0) * push / bootstrap.rms(push)
+            servers = [await colluder(reg, a, poison, f"evil{i}") for i in range(2)]
+            await wait_until(lambda: len(a.peers) == 3, what="the colluders announced")
+            try:
+                joiner = Node(tiny_config(corpus, peers=("/memory/a",)),
+                              InMemoryDiscovery(reg, "gasloc", "joiner"))
+                async with joiner:
+                    assert joiner.adopted_from == ""
+                    mine = joiner.trainer.state.theta.cpu()
+                    assert bootstrap.rms(mine - poison) > bootstrap.rms(mine - t0)
+            finally:
+                for server, task in servers:
+                    task.cancel()
+                    await server.stop(0)
+
+    run(main(), timeout_s=180)
+
+
+def test_a_stale_record_does_not_keep_a_joiner_from_the_live_peers_state(corpus, caplog):
+    """A record of a node that is gone (a closed port, a valid signature) beside one live
+    node: the joiner adopts the live node's state (unverified: the only donor that answered)
+    and logs the dead one in one line. Before, it started from theta_0 ("1 donors
+    disagree")."""
+    import logging
+    import socket
+
+    from gasloc_p2p.node.discovery.base import PeerInfo
+    from gasloc_p2p.protocol.auth import Signer
+    from gasloc_p2p.protocol.messages import PROTOCOL_VERSION
+    from tests.node_helpers import cert_for
+
+    async def main():
+        reg = InMemoryRegistry()
+        fast = {"exchanges_per_round": 0.0, "inner_steps": 5}
+        a = Node(tiny_config(corpus, **fast), InMemoryDiscovery(reg, "gasloc", "a"))
+        async with a:
+            await wait_until(lambda: a.train_stats.rounds >= 2, timeout_s=60,
+                             what="the live node trains")
+            gone = Signer()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            d = InMemoryDiscovery(reg, "gasloc", "gone")
+            d.use_identity(gone, 10.0)
+            await d.start()
+            await d.announce(PeerInfo(gone.peer_id, f"127.0.0.1:{port}", PROTOCOL_VERSION,
+                                      a.me.fingerprint, 10**6, 1.0, True, a.peer_info().codecs,
+                                      "gasloc", cert_for(gone.peer_id)), 5.0)
+            joiner = Node(tiny_config(corpus, peers=("/memory/a",)),
+                          InMemoryDiscovery(reg, "gasloc", "joiner"))
+            with caplog.at_level(logging.WARNING):
+                async with joiner:
+                    assert joiner.adopted_from == a.me.peer_id
+            failed = [r.getMessage() for r in caplog.records if "download from" in
+                      r.getMessage()]
+            assert len(failed) == 1 and "\n" not in failed[0], failed
+
+    run(main(), timeout_s=120)

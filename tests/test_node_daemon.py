@@ -36,11 +36,11 @@ def test_two_nodes_gossip_serve_info_and_state(corpus, tmp_path):
                              timeout_s=60, what="exchanges both ways on both nodes")
             await wait_until(lambda: min(a.train_stats.step, b.train_stats.step) > 50,
                              timeout_s=60, what="a validation after training")
-            info = await fetch_info(a.channels.stub(b.endpoint), 5, a.signer)
+            info = await fetch_info(a.channels.stub(b.endpoint, b.tls.cert_der), 5, a.signer)
             assert info.peer_id == b.me.peer_id and info.peers == [a.me.peer_id]
             assert info.step > 0 and info.model_fingerprint == a.me.fingerprint
             assert info.authenticated and info.ok
-            meta, params, memory = await download_state(a.channels.stub(b.endpoint), a.me, 10)
+            meta, params, memory = await download_state(a.channels.stub(b.endpoint, b.tls.cert_der), a.me, 10)
             assert params.shape == b.trainer.state.theta.shape
             assert memory is None and meta.total_bytes == 4 * meta.numel  # gamma 0: no memory
             assert torch.isfinite(params).all() and meta.momentum == "mixed"

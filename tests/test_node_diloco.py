@@ -284,7 +284,7 @@ def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, cap
                 info, preserving_proto_field_name=True,
                 always_print_fields_with_no_presence=True)})
             assert "diloco epoch" in capsys.readouterr().out  # gasloc-node status
-            assert await stray_exchange(a, b.endpoint) == BUSY  # as before: no gossip
+            assert await stray_exchange(a, b) == BUSY  # as before: no gossip
         for node in (a, b):
             assert not node.train_stats.error
         saved = ckpt.load(tmp_path)  # written at stop: the epoch travels with the anchor
@@ -295,12 +295,12 @@ def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, cap
     assert built == []  # no exchanger, peer book or gossip loop was ever built
 
 
-async def stray_exchange(node: Node, endpoint: str) -> int:
-    """Open an Exchange stream to ``endpoint`` with a well-formed header; the reject code."""
+async def stray_exchange(node: Node, other: Node) -> int:
+    """Open an Exchange stream to ``other`` with a well-formed header; the reject code."""
     header = pb.Header(protocol_version=PROTOCOL_VERSION, run_id=node.me.run_id,
                        model_fingerprint=node.me.fingerprint, peer_id="stray", codec="int8",
                        block_size=1024, fragment_count=1, fragment_numel=node.trainer.flat.numel)
-    call = node.channels.stub(endpoint).Exchange(timeout=scaled(10))
+    call = node.channels.stub(other.endpoint, other.tls.cert_der).Exchange(timeout=scaled(10))
     await call.write(pb.ExchangeMsg(header=header))
     reply = await call.read()
     call.cancel()

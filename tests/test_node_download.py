@@ -19,10 +19,13 @@ from gasloc_p2p.node.transport.service import (
     download_state,
     start_server,
     state_request,
+    target_of,
 )
+from gasloc_p2p.node.transport.tls import secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.messages import (
     BUSY,
     MAX_CHUNK_BYTES,
@@ -40,12 +43,28 @@ def state() -> StateSnapshot:
                          torch.randn(NUMEL, generator=gen))
 
 
-async def serve(limit: int) -> tuple[Any, GossipServicer, str, PeerChannels]:
+CERTS: dict[str, TlsIdentity] = {}
+
+
+def tls(name: str) -> TlsIdentity:
+    if name not in CERTS:
+        CERTS[name] = TlsIdentity.generate(name)
+    return CERTS[name]
+
+
+async def serve(limit: int, name: str = "donor"
+                ) -> tuple[Any, GossipServicer, str, PeerChannels, bytes]:
     snap = state()
-    servicer = GossipServicer(Identity(RUN, FINGERPRINT, "donor"), None,  # type: ignore[arg-type]
-                              lambda: pb.InfoReply(), lambda: snap, limits=ServeLimits(max_downloads=limit))
-    server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4)
-    return server, servicer, f"127.0.0.1:{port}", PeerChannels(NetworkConfig())
+    servicer = GossipServicer(Identity(RUN, FINGERPRINT, name), None,  # type: ignore[arg-type]
+                              lambda: pb.InfoReply(peer_id=name), lambda: snap,
+                              limits=ServeLimits(max_downloads=limit))
+    server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4, tls(name))
+    return (server, servicer, f"127.0.0.1:{port}", PeerChannels(NetworkConfig()),
+            tls(name).cert_der)
+
+
+async def challenge(stub: Any) -> tuple[str, bytes]:
+    return await target_of(stub, scaled(5))
 
 
 ME = Identity.keyed(RUN, FINGERPRINT, Signer())  # state requests are signed
@@ -53,15 +72,16 @@ ME = Identity.keyed(RUN, FINGERPRINT, Signer())  # state requests are signed
 
 def test_downloads_share_one_snapshot_stream_in_chunks_and_stop_at_the_limit() -> None:
     async def main() -> None:
-        server, servicer, endpoint, channels = await serve(limit=2)
+        server, servicer, endpoint, channels, cert = await serve(limit=2)
         try:
-            stub = channels.stub(endpoint)
+            stub = channels.stub(endpoint, cert)
             # no BDP probing: the receive window stays at 64 KiB, so a stream we do not read
             # really stays open on the server (loopback would otherwise take it all at once)
-            slow = grpc.aio.insecure_channel(endpoint, options=[("grpc.http2.bdp_probe", 0)])
-            held = [pb_grpc.GossipStub(slow).DownloadState(
-                state_request(RUN, FINGERPRINT, ME.signer, "donor"), timeout=scaled(20))
-                    for _ in range(2)]
+            slow = secure_channel(endpoint, cert, [("grpc.http2.bdp_probe", 0)])
+            slow_stub = pb_grpc.GossipStub(slow)
+            held = [slow_stub.DownloadState(
+                state_request(RUN, FINGERPRINT, ME.signer, *await challenge(slow_stub)),
+                timeout=scaled(20)) for _ in range(2)]
             for call in held:  # both admitted and holding the stream open
                 assert (await call.read()).WhichOneof("kind") == "meta"
             assert servicer.downloads.active == 2
@@ -89,9 +109,9 @@ def test_downloads_share_one_snapshot_stream_in_chunks_and_stop_at_the_limit() -
 
 def test_concurrent_downloads_are_exact_or_busy() -> None:
     async def main() -> None:
-        server, servicer, endpoint, channels = await serve(limit=3)
+        server, servicer, endpoint, channels, cert = await serve(limit=3)
         try:
-            stub = channels.stub(endpoint)
+            stub = channels.stub(endpoint, cert)
             results = await asyncio.gather(*(download_state(stub, ME, scaled(20))
                                              for _ in range(8)), return_exceptions=True)
             ok = [r for r in results if not isinstance(r, BaseException)]
@@ -110,30 +130,38 @@ def test_concurrent_downloads_are_exact_or_busy() -> None:
 
 
 def test_a_recorded_state_request_replayed_gets_nothing_from_any_node() -> None:
-    """A DownloadState request is signed for one node (its peer id) with a fresh nonce: sent
-    again to that node, or to another node of the swarm, it is refused (an on-path observer
-    without a key got the full state back before protocol 6)."""
+    """A DownloadState request is signed for one node (its peer id) with a challenge that
+    node issued: sent again to that node, or to another node of the swarm, it is refused (an
+    on-path observer without a key got the full state back before protocol 6), and so is one
+    whose challenge another node issued or nobody did."""
     async def main() -> None:
         donor = await serve(limit=2)
-        other = await serve(limit=2)  # another node of the same swarm
-        other[1].me = Identity(RUN, FINGERPRINT, "other")
+        other = await serve(limit=2, name="other")  # another node of the same swarm
         try:
-            recorded = state_request(RUN, FINGERPRINT, ME.signer, "donor")
+            to_donor = donor[3].stub(donor[2], donor[4])
+            to_other = donor[3].stub(other[2], other[4])
+            recorded = state_request(RUN, FINGERPRINT, ME.signer, *await challenge(to_donor))
 
-            async def send(endpoint: str) -> str:
-                call = donor[3].stub(endpoint).DownloadState(recorded, timeout=scaled(10))
+            async def send(stub: Any, request: pb.StateRequest = recorded) -> str:
+                call = stub.DownloadState(request, timeout=scaled(10))
                 first = await call.read()
                 call.cancel()
                 kind = first.WhichOneof("kind")
                 return kind if kind != "reject" else f"reject: {first.reject.message}"
 
-            assert await send(donor[2]) == "meta"  # the original: served
-            assert await send(donor[2]) == "reject: replayed request"
-            assert await send(other[2]) == "reject: request for another node"
-            fresh = await download_state(donor[3].stub(other[2]), ME, scaled(10))
+            assert await send(to_donor) == "meta"  # the original: served
+            # the caller reads only "refused"; the reason is the server's (logged at DEBUG)
+            assert await send(to_donor) == "reject: refused"  # replayed
+            assert await send(to_other) == "reject: refused"  # for another node
+            _, theirs = await challenge(to_other)  # a challenge of another node, or a made-up one
+            for nonce in (theirs, bytes(40), b""):
+                forged = state_request(RUN, FINGERPRINT, ME.signer, "donor", nonce)
+                assert await send(to_donor, forged) == "reject: refused"
+            assert (donor[1].downloads.taken, other[1].downloads.taken) == (1, 0)
+            fresh = await download_state(to_other, ME, scaled(10))
             assert torch.equal(fresh[1], state().params)  # a fresh request is served
         finally:
-            for server, _, _, channels in (donor, other):
+            for server, _, _, channels, _ in (donor, other):
                 await channels.close()
                 await server.stop(0)
 
@@ -142,13 +170,13 @@ def test_a_recorded_state_request_replayed_gets_nothing_from_any_node() -> None:
 
 def test_a_state_announced_for_another_model_size_is_refused_before_any_byte() -> None:
     async def main() -> None:
-        server, servicer, endpoint, channels = await serve(limit=2)
+        server, servicer, endpoint, channels, cert = await serve(limit=2)
         try:
+            stub = channels.stub(endpoint, cert)
             with pytest.raises(ExchangeError, match="announced"):
-                await download_state(channels.stub(endpoint), ME, scaled(10), numel=NUMEL - 1)
+                await download_state(stub, ME, scaled(10), numel=NUMEL - 1)
             assert servicer.downloads.taken == 1  # it was served: the joiner refused the meta
-            meta, params, _ = await download_state(channels.stub(endpoint), ME, scaled(10),
-                                                   numel=NUMEL)
+            meta, params, _ = await download_state(stub, ME, scaled(10), numel=NUMEL)
             assert params.numel() == NUMEL
         finally:
             await channels.close()

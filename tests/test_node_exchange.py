@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.wire import payload_digest
+from gasloc_p2p.node.transport.tls import secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import new_nonce
@@ -121,6 +121,7 @@ async def _raw_exchange(a, b, what):
         msg.header.protocol_version = PROTOCOL_VERSION + 1
     else:
         msg.header.run_id = "another-run"
+    sign_header(msg, a.me.signer, new_nonce(), b"")  # a member: it reads the reason
     call = a.open_call(b)
     await call.write(msg)
     reply = await call.read()
@@ -182,7 +183,7 @@ def test_misbehaving_initiator_changes_nothing_and_server_keeps_serving(how):
 def _wide_channel(b):
     """A channel whose own send limit would let a 4 MiB message out."""
     big = 16 * MAX_CHUNK_BYTES
-    return grpc.aio.insecure_channel(b.endpoint, options=[
+    return secure_channel(b.endpoint, b.cert, [
         ("grpc.max_send_message_length", big), ("grpc.max_receive_message_length", big)])
 
 
@@ -313,8 +314,10 @@ def test_header_block_size_outside_the_allowed_set_is_rejected(block_size):
         a, b = await make_peer("A", 1), await make_peer("B", 2)
         try:
             before_b = full_state(b)
-            _, header = _start_raw(a, b)
+            prep = a.engine.prepare(b.me.peer_id, 0, CodecSpec("int8", 1024))
+            header = make_header(a.me, prep, 2)
             header.header.block_size = block_size
+            sign_header(header, a.me.signer, new_nonce(), b"")  # signed as sent: a member
             call = a.open_call(b)
             await call.write(header)
             reply = await call.read()

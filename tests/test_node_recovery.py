@@ -14,6 +14,7 @@ from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.node.observability.metrics import NodeMetrics  # noqa: F401 (registry below)
 from gasloc_p2p.node.runtime import checkpoint as ckpt
+from gasloc_p2p.node.transport.tls import secure_channel
 from gasloc_p2p.safelog import OneLineFormatter, safe
 from tests.daemon_helpers import tiny_config
 from tests.node_helpers import make_peer, run, wait_until
@@ -138,7 +139,7 @@ def test_a_malformed_protobuf_is_logged_in_one_line():
     async def main():
         peer = await make_peer("victim", 1)
         try:
-            channel = grpc.aio.insecure_channel(peer.endpoint)
+            channel = secure_channel(peer.endpoint, peer.cert)
             call = channel.stream_stream("/gasloc.v1.Gossip/Exchange",
                                          request_serializer=lambda b: b,
                                          response_deserializer=lambda b: b)(timeout=5)

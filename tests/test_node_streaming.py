@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -20,7 +21,12 @@ from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.streaming import StreamingConfig, StreamingDiloco
-from gasloc_p2p.node.averaging.base import InMemoryAveragingHub, _Session
+from gasloc_p2p.node.averaging.base import (
+    Averager,
+    AveragingResult,
+    InMemoryAveragingHub,
+    _Session,
+)
 from gasloc_p2p.node.averaging.compression import make_compression
 from gasloc_p2p.node.config import ConfigError, DilocoConfig
 from gasloc_p2p.node.modes.diloco import DilocoMode
@@ -131,6 +137,8 @@ def test_daemon_rounds_equal_the_simulator_bit_for_bit(tau, alpha, averagers):
         assert w.rounds.epochs == [s.ok for s in w.rounds.stats]
         assert w.state.rounds == w.stats.rounds == 4 - sum(in_flight)
         assert w.rounds.info_fields()["fragment_syncs"][1]["offset"] == 2
+    for w in workers:  # as a stopping node: the syncs still in flight give up at once
+        w.stop.set()
         w.rounds.finish()
 
 
@@ -254,3 +262,48 @@ def test_status_prints_every_fragment(capsys):
     assert "streaming-diloco epoch 5" in out
     assert "fragment 0 at offset 0: syncs 3 ok / 0 failed / 0 solo, epoch 0, 12,345 B" in out
     assert "fragment 1 at offset 3: syncs 2 ok / 1 failed" in out
+
+
+class RecordingAverager(Averager):
+    """Records the fragment of every sync that reaches it, in order; every group fails."""
+
+    peer_id = "rec"
+
+    def __init__(self) -> None:
+        self.fragments: list[int] = []
+
+    def start(self) -> None:
+        pass
+
+    def average(self, tensor, gather, target_group_size, stop) -> AveragingResult:
+        self.fragments.append(int(gather["fragment"]))
+        return AveragingResult.failed("recorded")
+
+    def close(self) -> None:
+        pass
+
+
+def test_syncs_reach_a_shared_averager_in_the_order_they_started():
+    """tau > the gap between two fragments' offsets: a sync starts while the one before it is
+    still queued. The earlier one's thread is held up (as a loaded machine can) before it
+    reaches the averager: the later one must wait for it, not overtake it (its group would
+    meet the other nodes' earlier fragment: "fragment mismatch", a failed sync)."""
+    averager, first = RecordingAverager(), threading.Event()
+
+    def peer_count() -> int:  # the first call is the first sync's, in its pool thread
+        if not first.is_set():
+            first.set()
+            time.sleep(0.3)
+        return 2
+
+    t0 = theta0()
+    state = AsyncGaslocState(t0.clone(), t0, AsyncConfig(eta=ETA, gamma=GAMMA, momentum="local"))
+    rounds = DilocoRounds(state, FRAGS, H, 4, TrainingLock(), [averager], diloco_cfg(4),
+                          TrainStats(), threading.Event(), peer_count, lambda: "w0")
+    rounds.begin(1, 2)
+    rounds.begin(2, 4)
+    for f in (1, 2):
+        rounds.land(f)
+    rounds.finish()
+    assert averager.fragments == [1, 2]
+

@@ -33,7 +33,7 @@ def test_swarm_of_processes(tmp_path):
                     for i in range(2)]
         nodes += [seed, *controls]
         hint = seed.join_hint()
-        assert "--n-layer 2 --n-embd 64 --seq-len 64 --peers /ip4/127.0.0.1/tcp/" in hint
+        assert "--n-layer 2 --n-embd 64 --seq-len 64 --open --peers /ip4/127.0.0.1/tcp/" in hint
         maddrs = hint.split("--peers ")[1].split()
         gossip = [seed] + [NodeProc(f"g{i}", tmp_path, [*data, "--peers", *maddrs])
                            for i in (1, 2)]
@@ -76,6 +76,7 @@ def test_swarm_of_processes(tmp_path):
         listed = {p["peer_id"] for p in report["swarm"]}
         assert {survivors[0].info().peer_id, survivors[1].info().peer_id} <= listed
         assert report["info"]["run_id"] == "gasloc"
+        assert report["info"]["peer_id"] == survivors[0].info().peer_id  # the node asked: g0
 
         params = {n.name: n.download_state(run)[1] for n, run in
                   [(survivors[0], "gasloc"), (survivors[1], "gasloc"),

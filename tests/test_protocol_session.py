@@ -84,7 +84,7 @@ def _first_header(rules, engine, peer="B", **changes):
 
 
 @pytest.mark.parametrize("change,code", [
-    ({"protocol_version": 7}, pb.VERSION_MISMATCH), ({"run_id": "other"}, pb.RUN_MISMATCH),
+    ({"protocol_version": 99}, pb.VERSION_MISMATCH), ({"run_id": "other"}, pb.RUN_MISMATCH),
     ({"model_fingerprint": "0" * 64}, pb.FINGERPRINT_MISMATCH), ({"peer_id": "B"}, pb.BAD_REQUEST),
     ({"fragment_index": 2}, pb.BAD_REQUEST), ({"fragment_numel": 5}, pb.BAD_REQUEST),
     ({"codec": "int3"}, pb.BAD_REQUEST), ({"block_size": 1 << 20}, pb.BAD_REQUEST),

@@ -206,17 +206,19 @@ def test_quantized_exchanges_keep_the_network_mean():
 
 
 @pytest.mark.parametrize("participations", [1.0, 2.0])
-def test_async_participation_per_round_matches_the_setting(data, participations):
+def test_async_participation_per_round_matches_the_setting(participations):
     """--participations-per-round counts exchanges a worker takes part in (started or
-    accepted), so async bytes per round match a sync run with as many matchings per round."""
-    cfg = dataclasses.replace(TINY, mode="async", workers=8, graph="complete", steps=400, H=10,
-                              participations_per_round=participations, eval_every=400,
-                              trace_batches=0, n_embd=16)
-    res = run(cfg, data)
+    accepted), so async bytes per round match a sync run with as many matchings per round.
+    The counting is the driver's, whatever the workers compute: the consensus task (no
+    training) runs the same drivers and schedule in a second instead of a minute."""
+    cfg = dataclasses.replace(TINY, task="consensus", mode="async", workers=8, graph="complete",
+                              steps=400, H=10, participations_per_round=participations,
+                              eval_every=400, trace_batches=0)
+    res = run(cfg)
     assert res["stats"]["participations_per_round"] == pytest.approx(participations, rel=0.15)
     # a sync 1-peer matching on the complete graph (n even): one participation per round
     sync = run(dataclasses.replace(cfg, mode="sync", matching="1-peer",
-                                   participations_per_round=2.0), data)
+                                   participations_per_round=2.0))
     assert res["final"]["bytes_per_worker"] == pytest.approx(
         participations * sync["final"]["bytes_per_worker"], rel=0.15)
 
@@ -276,3 +278,29 @@ def test_labels_name_the_outer_step():
     assert label(SimConfig(algorithm="diloco", eta=1.0, gamma=0.0)) == \
         "diloco (plain averaging) int8"
     assert label(SimConfig()) == "gasloc sync (plain averaging) complete int8"
+
+
+def test_consensus_is_logged_per_round_end_and_plotted_without_a_floor(data):
+    """DiLoCo's replicas agree after every sync: their distance reads exactly 0 (not float32
+    rounding near 1e-12), and the log-scale consensus panel leaves zeros out and says so in the
+    legend instead of drawing a floor; every point drawn is a point measured."""
+    from gasloc_p2p.sim.run import figure
+
+    cfg = dataclasses.replace(TINY, steps=20, H=5, eval_every=10)
+    diloco = run(dataclasses.replace(cfg, algorithm="diloco"), data)
+    gasloc = run(dataclasses.replace(cfg, algorithm="gasloc"), data)
+    assert [p["consensus"] for p in diloco["trace"]] == [0.0] * 5
+    assert [p["consensus"] for p in diloco["history"]] == [0.0] * 3
+    gossip = [p["consensus"] for p in gasloc["trace"]]
+    assert gossip[0] == 0.0 and all(c > 1e-6 for c in gossip[1:])  # theta_0, then drift
+    panel = figure([gasloc, diloco]).axes[2]
+    lines = {line.get_label(): line for line in panel.get_lines()}
+    assert set(lines) == {
+        f"{gasloc['label']}; 0 at 1 of 5 points (replicas identical)",
+        f"{diloco['label']}; 0 at 5 of 5 points (replicas identical)"}
+    drawn = lines[f"{gasloc['label']}; 0 at 1 of 5 points (replicas identical)"]
+    assert list(drawn.get_ydata()) == gossip[1:] and drawn.get_marker() == "."
+    assert list(drawn.get_xdata()) == [p["tokens"] for p in gasloc["trace"][1:]]
+    assert len(lines[f"{diloco['label']}; 0 at 5 of 5 points (replicas identical)"]
+               .get_ydata()) == 0
+    assert panel.get_yscale() == "log"

@@ -62,7 +62,10 @@ def test_swarm_runs_for_its_duration_and_leaves_nothing(tmp_path):
     assert last_ok > 0, text[-3000:]
     assert "swarm: stopped cleanly" in text
     logs = sorted(p.name for p in (tmp_path / "run").iterdir())
-    assert logs == ["node0.err", "node0.out", "node1.err", "node1.out"]
+    # a run: node0 owns it and runs its manifest, node1 joined with an invitation it signed
+    assert logs == ["node0.err", "node0.out", "node1.err", "node1.invite", "node1.out",
+                    "owner.key", "run.json"]
+    assert "  run      r" in (tmp_path / "run" / "node1.out").read_text()  # from the manifest
 
 
 def test_ctrl_c_stops_the_swarm_cleanly(tmp_path):

@@ -30,6 +30,7 @@ from benchmarks.tools.fuzz_streams import (
     outsider_stream,
 )
 from gasloc_p2p.core.wire import BLOCK_CODECS
+from gasloc_p2p.node.transport.tls import fetch_certificate, secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer, new_nonce
@@ -104,9 +105,23 @@ async def send_payload(s: Stream, mutation: str, payload: bytes, rng: random.Ran
         await s.done_writing()
 
 
+_LAST_VALID: list[pb.ExchangeMsg] = []  # the last valid Commit sent (for "commit_replayed")
+
+
+def valid_commit(signer: Signer, mine: pb.Header, theirs: pb.Header) -> pb.ExchangeMsg:
+    return pb.ExchangeMsg(commit=pb.Commit(signature=signer.sign(
+        COMMIT_DOMAIN, commit_fields(mine, theirs))))
+
+
 def bad_commit(mutation: str, signer: Signer, mine: pb.Header, theirs: pb.Header,
                rng: random.Random) -> pb.ExchangeMsg | None:
-    """What a member sends instead of a valid Commit (None: nothing)."""
+    """What a member sends as its Commit (None: nothing): a bad one, or for
+    ``commit_valid`` a valid one (remembered, so a later stream can replay it)."""
+    if mutation == "commit_valid":
+        _LAST_VALID[:] = [valid_commit(signer, mine, theirs)]
+        return _LAST_VALID[0]
+    if mutation == "commit_replayed":  # another stream's valid Commit: not this one's
+        return _LAST_VALID[0] if _LAST_VALID else pb.ExchangeMsg(commit=pb.Commit())
     if mutation == "commit_garbage":
         return pb.ExchangeMsg(commit=pb.Commit(signature=rng.randbytes(64)))
     if mutation == "commit_empty":
@@ -158,6 +173,9 @@ async def member_stream(channel: grpc.aio.Channel, rng: random.Random, t: Target
         if mutation in ODD_FIRST:
             await s.write(ODD_FIRST[mutation])
         await send_payload(s, mutation, payload, rng)
+        if mutation == "commit_valid_early":  # before the node's Ready: it must abort
+            sent = proof.header if proof is not None else first.header
+            await s.write(valid_commit(signer, sent, theirs))
         what, msg = await s.until("ready")
         if what != "ready":
             return finish(what, msg, mutation)
@@ -171,6 +189,8 @@ async def member_stream(channel: grpc.aio.Channel, rng: random.Random, t: Target
         if mutation != "commit_silent":
             await s.done_writing()
         result = finish(*await s.until("never"), mutation)
+        if mutation == "commit_valid":
+            result.notes.append("valid-commit-sent")
         unrefused = mutation == "oversize" and result.stage != "framing"
         result.ready_to = "oversize-unrefused" if unrefused else ready_to
         return result
@@ -183,7 +203,8 @@ async def run_fuzz(endpoint: str, target: Target, streams: int, concurrency: int
     """Send ``streams`` generated streams (``member_share`` of them authenticated) with
     ``concurrency`` in flight; the counts of where they were stopped."""
     counts = Counts()
-    async with grpc.aio.insecure_channel(endpoint, options=[
+    cert = await asyncio.to_thread(fetch_certificate, endpoint)
+    async with secure_channel(endpoint, cert, [
             ("grpc.max_send_message_length", 8 << 20)]) as channel:
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(streams):
@@ -244,3 +265,36 @@ def fuzz_node(log_dir: Path, streams: int, concurrency: int, seed: int,
             "finite": finite, "steps": after.step - before.step,
             "committed": after.exchanges_ok_responder - before.exchanges_ok_responder,
             "tracebacks": err.count("Traceback"), "forged": err.count("\nINFO forged")}
+
+
+async def honest_stream(channel: grpc.aio.Channel, t: Target, signer: Signer) -> str:
+    """One valid member exchange (the node's own parameters as an int8 payload, a valid
+    Commit); how it ended: "committed" (the node closed the stream without an error after our
+    Commit), or the stage where it stopped."""
+    payload = t.mirror("int8", 1024)
+    mine = new_nonce()
+    first = sign_header(t.header(signer.peer_id, "int8", 1024, payload), signer, mine, b"")
+    s = Stream(pb_grpc.GossipStub(channel).Exchange(timeout=t.deadline_s), t.deadline_s)
+    try:
+        await s.write(first)
+        what, msg = await s.until("header")
+        if what != "header":
+            return what
+        theirs = msg.header  # type: ignore[attr-defined]
+        proof = signed_copy(first, signer, mine, theirs.nonce)
+        await s.write(proof)
+        for start in range(0, len(payload), MAX_CHUNK_BYTES):
+            await s.write(pb.ExchangeMsg(chunk=pb.Chunk(
+                data=payload[start:start + MAX_CHUNK_BYTES])))
+        what, msg = await s.until("ready")
+        if what != "ready":
+            return what
+        await s.write(pb.ExchangeMsg(ready=pb.Ready(rounds_since_snapshot=0)))
+        await s.write(valid_commit(signer, proof.header, theirs))
+        await s.done_writing()
+        what, msg = await s.until("never")
+        if what == "rpc" and getattr(msg, "code", lambda: None)() == grpc.StatusCode.OK:
+            return "committed"
+        return "committed" if what == "end" else what
+    finally:
+        s.close()

@@ -47,7 +47,10 @@ FRAMING = ("truncate_close", "truncate_silent", "oversize", "empty_chunk", "big_
            "no_proof", "proof_bad_nonce", "proof_changed", "proof_other_key", "dup_proof",
            "ready_first", "commit_first", "abort", "signed_header_mutated")
 COMMITS = ("commit_garbage", "commit_empty", "commit_wrong_fields", "commit_other_key",
-           "commit_silent", "commit_close", "chunk_after_ready", "header_after_ready")
+           "commit_silent", "commit_close", "chunk_after_ready", "header_after_ready",
+           # a valid Commit: applied exactly once when it follows both Ready messages, never
+           # before the node's Ready, never when replayed from another stream
+           "commit_valid", "commit_valid_early", "commit_replayed")
 # what the node may answer with Ready: valid payloads and legal orders; "oversize" sends a
 # valid payload and then one chunk too many (Ready may precede it; the node must then Abort)
 GOOD_READY = ("mirror", "oversize", "zero", "negscale", "offset1e4", "ready_first",

@@ -28,6 +28,7 @@ import torch
 
 from benchmarks.tools.fuzz_streams import Stream, Target
 from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.node.transport.tls import fetch_certificate, secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer, new_nonce
@@ -114,7 +115,8 @@ async def attack(victims: list[NodeChild], run_id: str, theta0: torch.Tensor, k:
     async def one(victim: NodeChild) -> None:
         info = await asyncio.to_thread(victim.info)
         base, fetched = None, 0.0
-        async with grpc.aio.insecure_channel(victim.endpoint, options=[
+        cert = await asyncio.to_thread(fetch_certificate, victim.endpoint)
+        async with secure_channel(victim.endpoint, cert, [
                 ("grpc.max_send_message_length", 64 << 20)]) as channel:
             while time.monotonic() < until:
                 drift = victim_drift(victim)

@@ -127,6 +127,25 @@ class Corpus:
         return sum(len(d.text) for d in self.documents)
 
 
+def check_data_path(data: str) -> None:
+    """Raise :class:`DataError` naming ``--data`` unless ``data`` names something to read: an
+    existing file, a glob that matches a file, or a directory holding ``*.txt``, JSON Lines or
+    Parquet files (cheap: it stops at the first one). Reading errors come later, when the data
+    is read, and name ``--data`` and the file too."""
+    path = Path(data).expanduser()
+    if any(ch in data for ch in "*?["):
+        if not any(Path(p).is_file() for p in glob.iglob(os.path.expanduser(data),
+                                                          recursive=True)):
+            raise DataError(f"--data {data!r} matched no files")
+    elif path.is_dir():
+        usable = (".txt", ".jsonl", ".json", ".parquet")
+        if not any(p.suffix in usable and p.is_file() for p in path.rglob("*")):
+            raise DataError(f"--data {data!r}: no *.txt, *.jsonl or *.parquet files in this "
+                            "directory")
+    elif not path.is_file():
+        raise DataError(f"--data {data!r}: no such file or directory")
+
+
 def _resolve_files(data: str) -> tuple[list[Path], Path | None]:
     """Files named by ``data`` (file, directory of ``*.txt``, or glob) and their common root."""
     path = Path(data).expanduser()
@@ -153,7 +172,10 @@ def load_corpus(data: str | None) -> Corpus:
         files, rel_root = _resolve_files(data)
     docs = []
     for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
+        try:
+            text = f.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise DataError(f"--data {data!r}: cannot read {f}: {exc.strerror or exc}") from None
         if text:
             name = str(f.relative_to(rel_root)) if rel_root is not None else str(f)
             docs.append(Document(name.removesuffix(suffix), text))

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from gasloc_p2p.data.corpus import load_corpus
+from gasloc_p2p.data.sources import fetch_url, is_hub, is_url
 from gasloc_p2p.data.stream import DocumentStream, StreamData, StreamShard, stream_files
 from gasloc_p2p.data.tokenizers import Tokenizer, load_tokenizer
 from gasloc_p2p.data.tokens import TokenData
@@ -36,13 +37,17 @@ class TrainingData:
 def load_training_data(data: str, tokenizer: str = "byte", field: str = "text", *,
                        seq_len: int, batch_size: int, eval_batches: int,
                        shard: tuple[int, int] | None = None, seed: int = 0,
-                       bpe_vocab_size: int = 4096) -> TrainingData:
-    """Text files (in memory, ``data`` empty: Shakespeare) or JSON Lines / Parquet (streamed).
+                       bpe_vocab_size: int = 4096, data_sha256: str = "") -> TrainingData:
+    """Text files (in memory, ``data`` empty: Shakespeare), JSON Lines / Parquet (streamed),
+    a URL of either (downloaded once, checked against ``data_sha256`` when given) or a Hugging
+    Face dataset ``hf:NAME[:CONFIG][@SPLIT]`` (streamed, in an order of this node's ``seed``).
 
     ``shard`` (K, N) keeps the K-th of N parts of the training data (text: chunks dealt with
     ``seed``; streams: every N-th document); None trains on all of it.
     """
-    found = stream_files(data) if data else None
+    if is_url(data):
+        data = str(fetch_url(data, data_sha256))
+    found = ("hub", [data]) if is_hub(data) else stream_files(data) if data else None
     if found is None:
         corpus = load_corpus(data or None)
         tok = load_tokenizer(tokenizer, corpus, bpe_vocab_size)
@@ -57,7 +62,7 @@ def load_training_data(data: str, tokenizer: str = "byte", field: str = "text", 
                 f"{batch_size}x{seq_len} sha256={digest.hexdigest()[:16]}")
         return TrainingData(tok, part, val, desc)
     kind, files = found
-    docs = DocumentStream(kind, files, field)
+    docs = DocumentStream(kind, files, field, seed=seed)
     tok = load_tokenizer(tokenizer, docs.sample() if tokenizer == "bpe" else None,
                          bpe_vocab_size)
     stream = StreamData(docs, tok, seq_len, eval_batches * batch_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,33 +58,101 @@ def stream_files(data: str) -> tuple[str, list[str]] | None:
 
 def _load_dataset() -> Any:
     try:
-        from datasets import load_dataset
+        import datasets
     except ImportError as exc:
         raise DataError("JSON Lines / Parquet data needs Hugging Face datasets: "
                         "pip install 'gasloc_p2p[hf]'") from exc
-    return load_dataset
+    # its reading errors come back as exceptions, which become one DataError line; its own
+    # logged copy of them would be a second, differently worded line
+    datasets.logging.set_verbosity(logging.CRITICAL)
+    return datasets.load_dataset
+
+
+_KIND_NAMES = {"json": "JSON Lines", "parquet": "Parquet", "hub": "a Hugging Face dataset"}
 
 
 class DocumentStream:
-    """The text field of every row of ``files``, in file then row order, read lazily."""
+    """The text field of every row of ``files``, in file then row order, read lazily. A file
+    that cannot be read raises :class:`DataError` naming ``--data`` and the file. Kind
+    ``hub``: ``files`` is one ``hf:NAME[:CONFIG][@SPLIT]``, streamed with ``datasets``; its
+    training order is the node's own (:meth:`training`, from ``seed``)."""
 
-    def __init__(self, kind: str, files: list[str], field: str) -> None:
-        self.kind, self.files, self.field = kind, files, field
+    def __init__(self, kind: str, files: list[str], field: str, seed: int = 0) -> None:
+        self.kind, self.files, self.field, self.seed = kind, files, field, seed
+
+    def training(self, epoch: int) -> Iterator[str]:
+        """The documents in training order: the stream's own, or for a hub dataset this
+        node's (its shards and a buffer shuffled with the node's seed and the epoch)."""
+        if self.kind != "hub":
+            return iter(self)
+        return self._guarded(self.files[0], self._hub_rows(self.files[0], seed=self.seed + epoch))
+
+    def _guarded(self, name: str, rows: Iterator[str]) -> Iterator[str]:
+        try:
+            yield from rows
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any reader failure: one line, the source
+            raise self._unreadable(name, exc) from None
+
+    def _hub_rows(self, name: str, seed: int | None = None) -> Iterator[str]:
+        from gasloc_p2p.data.sources import HubSpec, identity_seed
+
+        spec = HubSpec.parse(name)
+        try:
+            ds = _load_dataset()(spec.name, spec.config, split=spec.split, streaming=True)
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - offline, no such dataset, no such split
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(f"--data {name!r}: cannot open it ({text}); check the name and "
+                            "this machine's access to the Hugging Face hub") from None
+        if ds.column_names is not None and self.field not in ds.column_names:
+            raise DataError(f"--data-field {self.field!r} is not a column of {name}; "
+                            f"columns: {', '.join(ds.column_names)}")
+        if seed is not None:
+            ds = ds.shuffle(seed=identity_seed(seed), buffer_size=SHUFFLE_WINDOWS)
+        for row in ds.select_columns([self.field]):
+            text = row[self.field]
+            if isinstance(text, str) and text:
+                yield text
 
     def __iter__(self) -> Iterator[str]:
-        if self.kind == "parquet":
-            yield from self._parquet_rows()
+        if self.kind == "hub":
+            yield from self._guarded(self.files[0], self._hub_rows(self.files[0]))
             return
-        ds = _load_dataset()(self.kind, data_files=self.files, split="train", streaming=True)
+        for name in self.files:
+            rows = self._parquet_rows(name) if self.kind == "parquet" else self._json_rows(name)
+            try:
+                yield from rows
+            except DataError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any reader failure: one line, the file
+                raise self._unreadable(name, exc) from None
+
+    def _unreadable(self, name: str, exc: BaseException) -> DataError:
+        if self.kind == "hub":
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return DataError(f"--data {name!r}: cannot read it ({text})")
+        if not Path(name).is_file():
+            return DataError(f"--data {name!r}: no such file (it went away)")
+        if isinstance(exc, RuntimeError) and isinstance(exc.__cause__, StopIteration):
+            return DataError(f"--data {name!r}: the file holds no rows")
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return DataError(f"--data {name!r}: cannot read it as {_KIND_NAMES[self.kind]} "
+                         f"({text})")
+
+    def _json_rows(self, name: str) -> Iterator[str]:
+        ds = _load_dataset()("json", data_files=[name], split="train", streaming=True)
         if ds.column_names is not None and self.field not in ds.column_names:
-            raise DataError(f"--data-field {self.field!r} is not a column of {self.files[0]}; "
+            raise DataError(f"--data-field {self.field!r} is not a column of {name}; "
                             f"columns: {', '.join(ds.column_names)}")
         for row in ds.select_columns([self.field]):
             text = row[self.field]
             if isinstance(text, str) and text:
                 yield text
 
-    def _parquet_rows(self) -> Iterator[str]:
+    def _parquet_rows(self, name: str) -> Iterator[str]:
         """Parquet read with pyarrow directly: the text column only, :data:`PARQUET_ROWS` rows
         at a time, no pre-buffering of whole row groups, one thread. Through ``datasets``'
         streaming reader the resident memory grew with the file (by 440 MB for a 100 MB file,
@@ -91,16 +160,15 @@ class DocumentStream:
         _load_dataset()  # the same extra as JSON Lines (it brings pyarrow)
         import pyarrow.parquet as pq
 
-        for name in self.files:
-            f = pq.ParquetFile(name, pre_buffer=False, buffer_size=PARQUET_BUFFER_BYTES)
-            if self.field not in f.schema_arrow.names:
-                raise DataError(f"--data-field {self.field!r} is not a column of {name}; "
-                                f"columns: {', '.join(f.schema_arrow.names)}")
-            for batch in f.iter_batches(batch_size=PARQUET_ROWS, columns=[self.field],
-                                        use_threads=False):
-                for text in batch.column(0).to_pylist():
-                    if isinstance(text, str) and text:
-                        yield text
+        f = pq.ParquetFile(name, pre_buffer=False, buffer_size=PARQUET_BUFFER_BYTES)
+        if self.field not in f.schema_arrow.names:
+            raise DataError(f"--data-field {self.field!r} is not a column of {name}; "
+                            f"columns: {', '.join(f.schema_arrow.names)}")
+        for batch in f.iter_batches(batch_size=PARQUET_ROWS, columns=[self.field],
+                                    use_threads=False):
+            for text in batch.column(0).to_pylist():
+                if isinstance(text, str) and text:
+                    yield text
 
     def sample(self, max_chars: int = _SAMPLE_CHARS) -> Corpus:
         """The first documents, up to about ``max_chars`` characters (to train a BPE)."""
@@ -111,7 +179,8 @@ class DocumentStream:
             if total >= max_chars:
                 break
         if not docs:
-            raise DataError(f"{self.files[0]}: no non-empty {self.field!r} values")
+            raise DataError(f"--data {self.files[0]!r}: no non-empty --data-field "
+                            f"{self.field!r} values")
         return Corpus(tuple(docs))
 
 
@@ -128,9 +197,14 @@ class StreamData:
     def __init__(self, docs: DocumentStream, tokenizer: Tokenizer, seq_len: int,
                  val_windows: int) -> None:
         self.docs, self.tokenizer, self.seq_len = docs, tokenizer, seq_len
+        self.val_texts: set[bytes] = set()  # digests of the validation documents
         self.val, self.val_last_doc = self._validation(val_windows)
 
-    def _is_val(self, i: int) -> bool:
+    def _is_val(self, i: int, text: str = "") -> bool:
+        """Whether the ``i``-th document read (``text``) is a validation one: by position in
+        the stream's own order, by content in a node's own order (a hub dataset)."""
+        if self.docs.kind == "hub":
+            return hashlib.sha1(text.encode()).digest() in self.val_texts
         return i % VAL_EVERY == 0 and i <= self.val_last_doc
 
     def _validation(self, count: int) -> tuple[Tensor, int]:
@@ -140,13 +214,14 @@ class StreamData:
         for i, text in enumerate(self.docs):
             if i % VAL_EVERY:
                 continue
+            self.val_texts.add(hashlib.sha1(text.encode()).digest())
             chosen.append(_encode(self.tokenizer, text))
             have, last = have + chosen[-1].numel(), i
             if have >= count * width:
                 break
         if have < width:
-            raise DataError(f"{self.docs.files[0]}: the validation documents hold {have} "
-                            f"tokens, fewer than --seq-len+1={width}; use more data")
+            raise DataError(f"--data {self.docs.files[0]!r}: the validation documents hold "
+                            f"{have} tokens, fewer than --seq-len+1={width}; use more data")
         n = min(count, have // width)
         return torch.cat(chosen)[: n * width].view(n, width), last
 
@@ -212,7 +287,7 @@ class WindowStream:
         return self.ready.pop(0)
 
     def _open(self) -> Iterator[str]:
-        rows = iter(self.data.docs)
+        rows = self.data.docs.training(self.epoch)
         for _ in range(self.row):  # read again, not tokenized
             if next(rows, None) is None:
                 break
@@ -224,7 +299,7 @@ class WindowStream:
         for text in self._rows:
             i = self.row
             self.row += 1
-            if self.data._is_val(i):
+            if self.data._is_val(i, text):
                 continue
             self.met += 1
             if (self.met - 1) % self.n != self.k:
@@ -236,8 +311,9 @@ class WindowStream:
             self.pending = flat[cut:].clone()
             return
         if self.seen == 0:
-            raise DataError(f"{self.data.docs.files[0]}: no training documents left for shard "
-                            f"{self.k}/{self.n} after the validation set; use more data")
+            raise DataError(f"--data {self.data.docs.files[0]!r}: no training documents left "
+                            f"for --shard {self.k}/{self.n} after the validation set; use more "
+                            "data")
         self.epoch, self.row, self.met, self.seen, self._rows = self.epoch + 1, 0, 0, 0, None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -21,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gasloc_p2p.data.corpus import DataError
 from gasloc_p2p.node.config import ConfigError, NetworkConfig, NodeConfig
 from gasloc_p2p.node.config_network import check_bootstrap_peers
 from gasloc_p2p.node.settings import add_config_flags, build_config
@@ -41,6 +43,9 @@ def add_join_parser(sub: Any) -> None:
     p.add_argument("--check", action="store_true",
                    help="validate the configuration, print what the node would run, and exit "
                         "(starts nothing, downloads nothing)")
+    p.add_argument("--manifest", metavar="FILE", default=argparse.SUPPRESS,
+                   help="train by this run manifest (`gasloc-node init`); without it, a node "
+                        "that joins with --peers trains by the manifest its peer serves")
     add_config_flags(p)
     p.set_defaults(func=run_join)
 
@@ -53,12 +58,19 @@ def add_status_parser(sub: Any) -> None:
                                       "(/ip4/.../p2p/ID, as printed at its start)")
     p.add_argument("--peers", nargs="+", default=[], metavar="MADDR",
                    help="bootstrap multiaddrs of the swarm's DHT")
-    p.add_argument("--run-id", default=NodeConfig().discovery.run_id, help="run to list")
+    p.add_argument("--run-id", default="", help="run to list (default: the run of the node "
+                                                "--peers names, from its manifest, else "
+                                                f"{NodeConfig().discovery.run_id!r})")
     p.add_argument("--timeout-s", type=float, default=15.0, help="overall deadline, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--swarm-key", default="", metavar="FILE",
                    help="the swarm's secret (--swarm-key of its nodes): without it a keyed "
                         "swarm shows health only and no peer list")
+    p.add_argument("--invitation", default="", metavar="FILE",
+                   help="a closed swarm: your invitation (without it or --owner-key, nodes "
+                        "answer health only)")
+    p.add_argument("--owner-key", default="", metavar="FILE",
+                   help="a closed swarm: its owner key")
     p.set_defaults(func=run_status)
 
 
@@ -73,14 +85,27 @@ def run_join(args: argparse.Namespace) -> int:
     if hasattr(args, "check"):
         del args.check  # not a config field
     try:
-        cfg = build_config(args)
+        from gasloc_p2p.node.cli_run import resolve
+
+        check_bootstrap_peers(tuple(getattr(args, "peers", None) or ()))  # before dialing
+        manifest = resolve(args, fetch=not check)  # --check downloads nothing
+        cfg = build_config(args, run=manifest.rule() if manifest is not None else None)
         check_bootstrap_peers(cfg.discovery.peers)
         _check_ports(cfg)
-    except (ConfigError, OSError) as exc:
+    except (ConfigError, OSError, TimeoutError) as exc:
         return _fail_config("join", exc)
     if check:
         print(check_summary(cfg))
         return 0
+    try:  # a persistent identity by default: the peer id survives restarts
+        from gasloc_p2p.node.state_dir import default_identity
+
+        identity = default_identity(cfg)
+        if identity != cfg.network.identity_file:
+            cfg = dataclasses.replace(cfg, network=dataclasses.replace(
+                cfg.network, identity_file=identity))
+    except OSError as exc:
+        return _fail_config("join", exc)
     import uvloop
 
     # `kill -USR1 PID` writes every thread's stack to stderr (a node that seems stuck)
@@ -93,7 +118,7 @@ def run_join(args: argparse.Namespace) -> int:
              tuned.mmap_threshold or "default", f" ({tuned.reason})" if tuned.reason else "")
 
     executor = BoundedExecutor(_EXECUTOR_THREADS, "gasloc-io")
-    code = int(uvloop.run(_join(cfg, executor)))
+    code = int(uvloop.run(_join(cfg, executor, manifest)))
     # Everything the node opened is closed by now: skip the interpreter's own teardown. Its
     # final garbage collection runs native finalizers, and one of them blocked a stopped node
     # for over 30 s (the SIGTERM hang, twice in about 100 stops on a loaded machine: one thread
@@ -124,8 +149,28 @@ def check_summary(cfg: NodeConfig) -> str:
         f"  network   {cfg.network.host}:{cfg.network.port or 'any'}, DHT port "
         f"{cfg.discovery.dht_port or 'any'}" + (", client mode" if cfg.network.client_mode
                                                 else ""),
-        f"  security  swarm key {'set' if cfg.network.swarm_key else 'none (an open swarm)'}, "
-        f"identity {cfg.network.identity_file or 'new at each start'}"])
+        f"  security  {_membership_summary(cfg)}, identity {_identity_summary(cfg)}"])
+
+
+def _identity_summary(cfg: NodeConfig) -> str:
+    net = cfg.network
+    if net.invitation and not net.identity_file:
+        from gasloc_p2p.protocol.membership import read_invitation
+
+        if read_invitation(net.invitation)[1]:
+            return f"the key in {net.invitation}"
+    return net.identity_file or "new at each start"
+
+
+def _membership_summary(cfg: NodeConfig) -> str:
+    net = cfg.network
+    if net.invitation:
+        return f"closed swarm, member by {net.invitation}"
+    if net.owner_key or not (net.swarm_key or cfg.discovery.peers or net.open_swarm):
+        from gasloc_p2p.node.runtime.identity import default_owner_key_path
+
+        return f"closed swarm owned by {net.owner_key or default_owner_key_path()}"
+    return "keyed swarm (--swarm-key)" if net.swarm_key else "OPEN swarm (--open)"
 
 
 class BoundedExecutor(ThreadPoolExecutor):
@@ -166,12 +211,12 @@ def _check_ports(cfg: NodeConfig) -> None:
         check_bindable(m.metrics_host or net.host, m.metrics_port, "--metrics-port", "/metrics")
 
 
-async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
+async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = None) -> int:
     from gasloc_p2p.node.daemon import Node
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(executor)
-    node = Node(cfg)
+    node = Node(cfg, manifest=manifest)
     signals = 0
     deadline = _StopDeadline(cfg.network.stop_deadline_s)
 
@@ -192,6 +237,9 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor) -> int:
             print(startup_block(node, addrs), flush=True)
             await node.wait()
             deadline.arm()  # also when a step or time limit ends the run
+    except DataError as exc:  # the data flags cannot be read: as a configuration error
+        print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except Exception as exc:
         log.error("node failed: %s: %s", type(exc).__name__, exc)
         log.debug("details", exc_info=True)
@@ -227,12 +275,27 @@ def startup_block(node: Any, addrs: list[str]) -> str:
              f"  grpc     {node.endpoint}",
              *[f"  dht      {a}" for a in addrs[:3]],
              f"  metrics  {node.metrics.url or 'off (--metrics-port -1)'}",
-             f"  status   gasloc-node status --endpoint {node.endpoint}"]
+             f"  status   gasloc-node status --endpoint {node.endpoint}",
+             f"  identity {node.signer.peer_id} "
+             f"({node.cfg.network.identity_file or 'the key in the invitation'}, kept across "
+             "restarts)",
+             *node.membership_lines(), *_run_lines(node)]
     if not node.cfg.discovery.peers:
         lines += ["new swarm; other nodes join with:", f"  {hint}"]
     else:
         lines += ["joined; other nodes may also join with:", f"  {hint}"]
     return "\n".join(lines)
+
+
+def _run_lines(node: Any) -> list[str]:
+    """The run a node trains by its manifest: name, model, data, shape (none without)."""
+    m = node.manifest
+    if m is None:
+        return []
+    s, t = m.settings, node.cfg.train
+    return [f"  run      {m.run_id} ({m.name}): model {s['model']}, data "
+            f"{t.data or 'Shakespeare'}, batch {t.batch_size} x {t.grad_accum} x {s['seq_len']} "
+            f"tokens, H {s['inner_steps']}, {s['algorithm']}, {s['codec']} payloads"]
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -247,6 +310,10 @@ def run_status(args: argparse.Namespace) -> int:
         args.endpoint = None
     try:
         check_bootstrap_peers(tuple(args.peers))
+        NetworkConfig(swarm_key=args.swarm_key, invitation=args.invitation,
+                      owner_key=args.owner_key).validate()
+        if args.owner_key and not os.path.exists(args.owner_key):
+            raise ConfigError(f"--owner-key={args.owner_key}: no such file")
     except ConfigError as exc:
         return _fail_config("status", exc)
     import uvloop
@@ -274,6 +341,9 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
     if isinstance(exc, TimeoutError):
         return (f"no answer within --timeout-s={args.timeout_s:g}; check --endpoint/--peers "
                 "and that the node is running")
+    if isinstance(exc, OSError):  # no TLS answer (the node's certificate is fetched first)
+        return (f"no gasloc node answered at {args.endpoint} ({exc.strerror or exc}); check "
+                "--endpoint: the node's gRPC host:port, printed when it starts")
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, LookupError):
         return exc.args[0] if exc.args else text
@@ -281,33 +351,51 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
 
 
 async def _status(args: argparse.Namespace) -> dict[str, Any]:
+    from gasloc_p2p.node.discovery.base import run_key
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery
+    from gasloc_p2p.node.runtime.identity import build_membership
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
-    from gasloc_p2p.protocol.auth import Signer, read_swarm_key
 
     report: dict[str, Any] = {"swarm": [], "info": None}
-    endpoint = args.endpoint
-    # a throwaway key: enough for an open swarm; a keyed swarm also needs its secret
-    signer = Signer(swarm_key=read_swarm_key(args.swarm_key) if args.swarm_key else b"")
+    endpoint, cert = args.endpoint, b""
+    # a throwaway key: enough for an open swarm; a keyed swarm also needs its secret, a closed
+    # one an invitation (or the owner key, which invites the throwaway key)
+    signer = build_membership(NetworkConfig(
+        swarm_key=args.swarm_key, invitation=args.invitation, owner_key=args.owner_key),
+        joining=True).signer
     if args.peers:
         dht = HivemindDiscovery(args.run_id, "127.0.0.1", 0, args.peers, args.timeout_s / 2,
                                 args.timeout_s, client_mode=True)
         dht.use_identity(signer, 3600.0)  # only reads: records are checked with the secret
         await dht.start()
         try:
+            if not args.run_id:  # the run of the node asked, from the manifest it serves
+                args.run_id = await _run_of(dht, args.peers) or NodeConfig().discovery.run_id
+                dht.key = run_key(args.run_id)
             peers = await dht.peers()
         finally:
             await dht.stop()
-        report["swarm"] = [vars(p) | {"codecs": list(p.codecs)} for p in peers]
+        report["swarm"] = [{k: v for k, v in vars(p).items() if k != "cert"}
+                           | {"codecs": list(p.codecs)} for p in peers]
         wanted = getattr(args, "node_id", None)
         if wanted:  # the multiaddr names the node's DHT id: ask each listed node for its own
-            endpoint = await _endpoint_of_dht_id(peers, wanted, signer, args)
-        elif endpoint is None and peers:
-            endpoint = max(peers, key=lambda p: p.step).endpoint
+            endpoint, cert = await _endpoint_of_dht_id(peers, wanted, signer, args)
+        elif endpoint is None:  # the header describes the node asked: the first of --peers
+            asked = args.peers[0].rsplit("/p2p/", 1)[-1]
+            try:
+                endpoint, cert = await _endpoint_of_dht_id(peers, asked, signer, args)
+            except LookupError as exc:  # a bare DHT peer, or a node not announced yet
+                report["note"] = f"no node header: {exc}"
+        else:
+            cert = next((p.cert for p in peers if p.endpoint == endpoint), b"")
     if endpoint:
+        from gasloc_p2p.node.transport.tls import fetch_certificate
+
+        if not cert:  # --endpoint alone: trust the certificate the node presents
+            cert = await asyncio.to_thread(fetch_certificate, endpoint, args.timeout_s / 2)
         channels = PeerChannels(NetworkConfig())
         try:
-            info = await fetch_info(channels.stub(endpoint), args.timeout_s / 2, signer)
+            info = await fetch_info(channels.stub(endpoint, cert), args.timeout_s / 2, signer)
         finally:
             await channels.close()
         from google.protobuf.json_format import MessageToDict
@@ -318,20 +406,34 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+async def _run_of(dht: Any, peers: list[str]) -> str:
+    """The run id of the manifest the first of ``peers`` serves ("" if none)."""
+    from gasloc_p2p.node.manifest import Manifest
+
+    text = await dht.ask_manifest(peers[0].rsplit("/p2p/", 1)[-1])
+    if not text:
+        return ""
+    try:
+        return Manifest.from_json(text, "manifest").run_id
+    except ConfigError:
+        return ""
+
+
 async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
-                              args: argparse.Namespace) -> str:
-    """The gRPC endpoint of the listed node whose DHT id is ``wanted``."""
+                              args: argparse.Namespace) -> tuple[str, bytes]:
+    """The gRPC endpoint and certificate of the listed node whose DHT id is ``wanted``."""
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
 
     channels = PeerChannels(NetworkConfig())
     try:
         for p in peers:
             try:
-                info = await fetch_info(channels.stub(p.endpoint), args.timeout_s / 4, signer)
+                info = await fetch_info(channels.stub(p.endpoint, p.cert), args.timeout_s / 4,
+                                        signer)
             except Exception:  # noqa: BLE001 - an unreachable node is simply not the one
                 continue
             if info.dht_peer_id == wanted:
-                return str(p.endpoint)
+                return str(p.endpoint), p.cert
     finally:
         await channels.close()
     raise LookupError(f"no node with DHT id {wanted} announces itself in run {args.run_id!r} "
@@ -340,6 +442,11 @@ async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
 
 def _print_report(report: dict[str, Any]) -> None:
     info = report["info"]
+    if info is not None and info.get("ok") and not info.get("authenticated"):  # health only
+        print(f"node {info['peer_id']} (run {info['run_id']}, v{info['software_version']}) is "
+              "up and answered health only: its swarm is closed or keyed; pass your "
+              "--invitation, its --owner-key or --swarm-key to see its state")
+        info = None
     if info is not None:
         loss = info.get("val_loss", math.nan)
         print(f"node {info['peer_id']} at {info['endpoint']} (run {info['run_id']}, "
@@ -359,6 +466,8 @@ def _print_report(report: dict[str, Any]) -> None:
                   f"{f.get('syncs_solo', 0)} solo, epoch {f.get('epoch', 0)}, "
                   f"{int(f.get('bytes_sent', 0)):,} B sent, stalled "
                   f"{float(f.get('wait_s', 0.0)):.2f} s, resyncs {f.get('resyncs', 0)}")
+    if report.get("note"):
+        print(report["note"])
     if report["swarm"]:
         print(f"swarm ({len(report['swarm'])} nodes):")
         for p in sorted(report["swarm"], key=lambda p: p["peer_id"]):

@@ -337,13 +337,12 @@ class NodeConfig:
              or self.diloco.tau < self.train.inner_steps, "tau", self.diloco.tau,
              f"must be shorter than --inner-steps={self.train.inner_steps} (a fragment's sync "
              "lands before its next one starts)")
-        need(self.network.max_streams > self.gossip.max_inbound, "max_streams",
-             self.network.max_streams,
-             f"must exceed max_inbound={self.gossip.max_inbound} (streams before their "
-             "Header count too)")
         need(self.network.connect_timeout_s < self.gossip.exchange_timeout_s,
               "connect_timeout_s", self.network.connect_timeout_s,
               f"must be shorter than exchange_timeout_s={self.gossip.exchange_timeout_s}")
+        problem = self.network.admission_problem(joining=bool(self.discovery.peers))
+        if problem is not None:
+            raise ConfigError(problem)
         return self
 
 

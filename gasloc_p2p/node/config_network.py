@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gasloc_p2p.core.options import ConfigError, need, opt
 from gasloc_p2p.protocol.auth import read_swarm_key
+from gasloc_p2p.protocol.membership import read_invitation, read_key_file
 from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
 
 
@@ -36,13 +37,25 @@ class NetworkConfig:
     swarm_key: str = opt("", "file with the swarm's shared secret (>= 16 bytes): without it "
                              "nobody can exchange, download state or publish accepted records",
                          group="security")
+    invitation: str = opt("", "invitation file from the swarm's owner (`gasloc-node invite`): "
+                              "this node's membership, and its key if the owner made it",
+                          group="security")
+    owner_key: str = opt("", "this node owns the swarm: file with the owner's ed25519 key "
+                             "(created if missing; `gasloc-node invite` signs invitations with "
+                             "it). Default for a node that starts a closed swarm: "
+                             "$XDG_DATA_HOME/gasloc_p2p/owner.key", group="security")
+    open_swarm: bool = opt(False, "an open swarm: any key may join (no invitation or swarm "
+                                  "key); strangers can then exchange and download the model",
+                           flag="--open", group="security")
     identity_file: str = opt("", "file with this node's ed25519 key, created if missing, so "
                                  "its peer id survives restarts (empty: a new key at each start)",
                              group="security")
     auth_skew_s: float = opt(120.0, "accept signed requests whose time is this close to ours", advanced=True)
-    max_streams: int = opt(12, "open Exchange streams served at once (before their Header "
-                               "too); more get BUSY at once", advanced=True)
-    max_streams_per_address: int = opt(3, "open Exchange streams from one IP address", advanced=True)
+    preauth_streams: int = opt(8, "Exchange streams waiting to show a valid Header; a new "
+                                  "one displaces the oldest of the address block holding the "
+                                  "most", advanced=True)
+    preauth_timeout_s: float = opt(3.0, "a new Exchange stream must show a valid Header within "
+                                        "this", advanced=True)
     max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY", advanced=True)
 
     def validate(self) -> None:
@@ -50,7 +63,7 @@ class NetworkConfig:
         need(self.max_message_bytes >= MAX_CHUNK_BYTES + 1024, "max_message_bytes",
               self.max_message_bytes, f"must be >= 1 MiB + 1 KiB = {MAX_CHUNK_BYTES + 1024}")
         for name in ("keepalive_time_s", "keepalive_timeout_s", "connect_timeout_s",
-                     "info_timeout_s", "stop_grace_s"):
+                     "info_timeout_s", "stop_grace_s", "preauth_timeout_s"):
             need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
         need(self.keepalive_timeout_s < self.keepalive_time_s, "keepalive_timeout_s",
               self.keepalive_timeout_s,
@@ -61,8 +74,7 @@ class NetworkConfig:
         need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
         need(self.reachability_interval_s >= 0, "reachability_interval_s",
               self.reachability_interval_s, "must be >= 0 seconds (0: no checks)")
-        for name in ("reachability_probes", "max_streams", "max_streams_per_address",
-                     "max_downloads"):
+        for name in ("reachability_probes", "preauth_streams", "max_downloads"):
             need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         need(self.auth_skew_s > 0, "auth_skew_s", self.auth_skew_s, "must be > 0 seconds")
         if self.swarm_key:
@@ -70,12 +82,38 @@ class NetworkConfig:
                 read_swarm_key(self.swarm_key)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"--swarm-key={self.swarm_key}: {exc}") from None
+        if self.invitation:
+            try:
+                read_invitation(self.invitation)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--invitation={self.invitation}: {exc}") from None
+        if self.owner_key and Path(self.owner_key).exists():
+            try:
+                read_key_file(self.owner_key)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--owner-key={self.owner_key}: {exc}") from None
         if self.identity_file:
             path = Path(self.identity_file)
             size = path.stat().st_size if path.is_file() else None
             need(size in (None, 32) and path.parent.is_dir() and not path.is_dir(),
                  "identity_file", self.identity_file, "must be a 32-byte key file, or a new "
                  "file in an existing directory (it is then created)")
+
+    def admission_problem(self, joining: bool) -> str | None:
+        """Why this node cannot take part as configured (None: it can). A node that joins
+        (``joining``: bootstrap peers given) needs a credential of the swarm unless
+        ``--open``; a node that starts a swarm owns it."""
+        creds = [f for f in ("swarm_key", "invitation", "owner_key") if getattr(self, f)]
+        if self.open_swarm and (self.invitation or self.owner_key):
+            return ("--open contradicts --invitation/--owner-key (an open swarm has no "
+                    "members list)")
+        if self.invitation and self.owner_key:
+            return "give --invitation (a member) or --owner-key (the owner), not both"
+        if joining and not creds and not self.open_swarm:
+            return ("the swarm is closed: pass --invitation FILE from its owner (they run "
+                    "`gasloc-node invite --out FILE` and send it to you privately), or "
+                    "--swarm-key FILE, or --open if the swarm is open")
+        return None
 
     def swarm_secret(self) -> bytes:
         """The shared secret of --swarm-key (empty: an open swarm)."""

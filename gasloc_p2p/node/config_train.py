@@ -8,7 +8,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from gasloc_p2p.core.options import ConfigError, need, opt
-from gasloc_p2p.data.corpus import DataError
+from gasloc_p2p.data.corpus import DataError, check_data_path
+from gasloc_p2p.data.sources import is_hub, is_remote
 from gasloc_p2p.data.stream import stream_files
 from gasloc_p2p.model import GPTConfig
 from gasloc_p2p.model_spec import BUILTIN, PRESETS, ModelSource, gpt_config
@@ -25,9 +26,13 @@ class TrainConfig:
                             f"({' | '.join(PRESETS)}) | a Hugging Face config.json (random init "
                             "from --seed) | a local model directory (pretrained safetensors) | "
                             "a hub name (needs network); HF models need 'gasloc_p2p[hf]'")
-    data: str = opt("", "text file, directory of *.txt, glob, or JSON Lines / Parquet files "
-                        "(streamed); empty: Shakespeare (downloaded)", group="data")
+    data: str = opt("", "text file, directory of *.txt, glob, JSON Lines / Parquet files "
+                        "(streamed), an http(s) URL of one (downloaded once), or a Hugging "
+                        "Face dataset hf:NAME[:CONFIG][@SPLIT] (streamed); empty: Shakespeare "
+                        "(downloaded)", group="data")
     data_field: str = opt("text", "the text column of JSON Lines / Parquet rows", group="data")
+    data_sha256: str = opt("", "sha256 the data's bytes must have (a run manifest sets it for "
+                               "files and URLs)", advanced=True)
     tokenizer: str = opt("byte", "byte | bpe (trained on the data) | a local tokenizer.json or "
                                  "Hugging Face tokenizer directory", group="data")
     device: str = opt("auto", "auto (cuda when present) | cpu | cuda | cuda:N | mps")
@@ -121,7 +126,10 @@ class TrainConfig:
                  "no such file or directory (byte, bpe or a tokenizer.json / directory)")
             need(find_spec("tokenizers") is not None, "tokenizer", self.tokenizer, hint)
         try:
-            streamed = bool(self.data) and stream_files(self.data) is not None
+            if self.data and not is_remote(self.data):
+                check_data_path(self.data)
+            streamed = bool(self.data) and (is_hub(self.data) or (
+                not is_remote(self.data) and stream_files(self.data) is not None))
         except DataError as exc:
             raise ConfigError(str(exc)) from None
         need(not streamed or find_spec("datasets") is not None, "data", self.data, hint)

@@ -28,6 +28,7 @@ from gasloc_p2p.core.codecs import CODEC_NAMES
 from gasloc_p2p.node.config import AlgorithmConfig, DiscoveryConfig, NodeConfig, TrainConfig
 from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
 from gasloc_p2p.node.discovery.dht import HivemindDiscovery
+from gasloc_p2p.node.manifest import Manifest
 from gasloc_p2p.node.modes.base import Mode, ModeContext
 from gasloc_p2p.node.modes.gossip import compatible_codecs
 from gasloc_p2p.node.modes.registry import make_mode
@@ -35,6 +36,7 @@ from gasloc_p2p.node.observability.metrics import NodeMetrics
 from gasloc_p2p.node.runtime import bootstrap
 from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.clock import Clock, WallClock, every
+from gasloc_p2p.node.runtime.identity import build_membership
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
@@ -44,26 +46,33 @@ from gasloc_p2p.node.transport.service import (
     PeerChannels,
     ServeLimits,
     download_state,
+    fetch_info,
     info_request,
     start_server,
+    target_of,
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.protocol.auth import Signer, load_or_create_identity
+from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
 from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
-MAX_DONORS = 4  # state downloads tried at start-up before starting from theta_0
+MAX_DONORS = 5  # donors asked for their state at start-up
+KEEP_FULL_STATES = 2  # of their states, held in full at once (the others: a sample each)
+REVOCATION_REFRESH_S = 10.0  # a revoked member is refused within about this long
 
 
 class Node:
     """One gasloc node. ``async with Node(cfg) as node: await node.wait()``."""
 
     def __init__(self, cfg: NodeConfig, discovery: Discovery | None = None,
-                 mode: Mode | None = None, clock: Clock | None = None) -> None:
+                 mode: Mode | None = None, clock: Clock | None = None,
+                 manifest: Manifest | None = None) -> None:
         """``discovery``: default the hivemind DHT; ``mode``: the outer algorithm (default
-        the registry's for ``cfg.outer.algorithm``); ``clock``: for the node's timers."""
+        the registry's for ``cfg.outer.algorithm``); ``clock``: for the node's timers;
+        ``manifest``: the run's (``cfg`` built from it), served to nodes that join."""
         self.cfg = cfg.validate()
+        self.manifest = manifest
         self.mode = mode or make_mode(cfg.outer.algorithm)
         if self.mode.name != cfg.outer.algorithm:
             raise ValueError(f"mode {self.mode.name!r} given for --algorithm "
@@ -73,12 +82,12 @@ class Node:
         self.discovery = discovery or HivemindDiscovery(
             d.run_id, cfg.network.host, d.dht_port, d.peers, d.dht_timeout_s,
             d.dht_start_timeout_s, client_mode=cfg.network.client_mode)
-        # the node's identity: an ed25519 key (--identity-file, else new at each start); its
-        # peer id derives from it
-        secret = cfg.network.swarm_secret()
-        self.signer = (load_or_create_identity(cfg.network.identity_file, secret)
-                       if cfg.network.identity_file else Signer(swarm_key=secret))
+        # the node's identity: an ed25519 key (--identity-file or its invitation, else new at
+        # each start; its peer id derives from it) and its membership of the swarm
+        self.membership = build_membership(cfg.network, joining=bool(d.peers))
+        self.signer = self.membership.signer
         self.discovery.use_identity(self.signer, 2 * d.announce_ttl_s)
+        self.tls = TlsIdentity.generate(self.signer.peer_id)  # announced in the signed record
         self.lock = TrainingLock()
         self.train_stats = TrainStats()
         self.stats = ExchangeStats()
@@ -86,6 +95,7 @@ class Node:
                                          reachable=not cfg.network.client_mode)
         self.endpoint = ""
         self.port = 0
+        self.adopted_from = ""  # the donor whose state this node started from (if any)
         self.trainer: Trainer | None = None
         self.peers: list[PeerInfo] = []  # compatible peers from discovery, this node excluded
         self.channels = PeerChannels(cfg.network)
@@ -122,6 +132,8 @@ class Node:
         await self.metrics.start()  # first: /metrics answers during the DHT and data start
         stack.push_async_callback(_timed, "metrics stop", self.metrics.stop)
         await self.discovery.start()
+        if self.manifest is not None:  # a node that joins with --peers alone asks for it
+            await self.discovery.serve_manifest(self.manifest.to_json())
         stack.push_async_callback(_timed, "discovery stop", self.discovery.stop)
         me_id = self.signer.peer_id
         trainer = self.trainer = await asyncio.to_thread(
@@ -151,6 +163,9 @@ class Node:
         tasks.append(tg.create_task(self._watch_trainer(), name="watch-trainer"))
 
         stack.push_async_callback(_cancel_all, tasks)  # runs before the TaskGroup exits
+        if self.membership.role == "open":
+            log.warning("this swarm is open (--open): any key can join it, exchange with this "
+                        "node and download the model; drop --open for a closed swarm")
         log.info("node %s up: gRPC %s, model %d params (%s), %d fragment(s), codec %s, "
                  "metrics %s", me_id, self.endpoint, trainer.flat.numel, trainer.fingerprint[:12],
                  len(trainer.fragments), cfg.gossip.codec, self.metrics.url or "off")
@@ -188,58 +203,103 @@ class Node:
             await self._download_from_swarm()
 
     async def _download_from_swarm(self) -> None:
-        """Adopt a peer's state only when two donors agree (see ``runtime/bootstrap.py``)."""
+        """Adopt the state of agreeing donors, checked here (see ``runtime/bootstrap.py``)."""
         assert self.trainer is not None
         await self._refresh_peers()
         peers = list(self.mode.candidates(self.peers))
         random.shuffle(peers)  # never chosen by their self-announced step
-        numel, states = self.trainer.flat.numel, []
+        good = self.mode.exchanger.known_good if self.mode.exchanger is not None else None
+        if good is not None:  # peers this node exchanged with before come first
+            peers.sort(key=lambda p: not good(p.peer_id))
+        sampler = bootstrap.Sampler(self.trainer.theta0)
+        cands: list[bootstrap.Candidate] = []
         for peer in peers[:MAX_DONORS]:
-            state = await self._download(peer, numel)
-            if state is None:
-                continue
-            states.append(state)
-            chosen = bootstrap.choose(states, self.trainer.theta0)
-            if chosen is not None:
-                return await self._adopt(chosen, f"{len(states)} donors, two agree")
-        if len(states) == 1 and len(peers) == 1:
-            return await self._adopt(states[0], "the only peer: unverified")
-        log.info("starting from theta_0 (%s)", "no peer yet" if not peers else
-                 "no download" if not states else f"{len(states)} donors disagree")
+            cand = await self._download(peer, sampler, keep=len(cands) < KEEP_FULL_STATES)
+            if cand is not None:
+                cands.append(cand)
+        if not cands:
+            log.info("starting from theta_0 (%s)", "no peer yet" if not peers else
+                     f"no live donor among {min(len(peers), MAX_DONORS)} peer record(s)")
+            return
+        need = bootstrap.needed(len(cands))
+        chosen = await asyncio.to_thread(bootstrap.choose, cands, need)
+        if chosen is None:
+            log.warning("starting from theta_0: no %d of the %d donors' states agree", need,
+                        len(cands))
+            return
+        medoid, group = chosen
+        if medoid.params is None:  # dropped to save memory: fetch it again, check it again
+            peer = next(p for p in peers if p.peer_id == medoid.peer_id)
+            again = await self._download(peer, sampler, keep=True)
+            if again is None or not all(bootstrap.agree(again, c) for c in group
+                                        if c is not medoid):
+                log.warning("starting from theta_0: %s served another state the second "
+                            "time", safe(medoid.peer_id))
+                return
+            again.announced_loss, medoid = medoid.announced_loss, again
+        why = (f"{len(group)} of {len(cands)} donors agree" if len(group) > 1 else
+               "the only donor that answered: unverified")
+        await self._adopt_checked(medoid, [c.announced_loss for c in group], why)
 
-    async def _download(self, peer: PeerInfo, numel: int) -> bootstrap.Candidate | None:
+    async def _download(self, peer: PeerInfo, sampler: bootstrap.Sampler,
+                        keep: bool) -> bootstrap.Candidate | None:
+        """``peer``'s state, checked and measured (its full vectors dropped unless
+        ``keep``), or None."""
+        numel, signer = self.trainer.flat.numel if self.trainer else 0, self.signer
+        stub = self.channels.stub(peer.endpoint, peer.cert)
         try:
             meta, params, memory = await download_state(
-                self.channels.stub(peer.endpoint), self.me, self.cfg.gossip.download_timeout_s,
-                numel)
+                stub, self.me, self.cfg.gossip.download_timeout_s, numel)
+            info = await fetch_info(stub, self.cfg.network.info_timeout_s, signer)
         except Exception as exc:  # any failure: try the next donor
-            log.warning("state download from %s failed: %s", safe(peer.peer_id), exc)
+            log.warning("state download from %s failed: %s", safe(peer.peer_id),
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return None
         state = bootstrap.Candidate(peer.peer_id, meta.step, params, memory, meta)
         why = await asyncio.to_thread(bootstrap.problem, state, numel)
         if why:
             log.warning("state of %s rejected: %s", safe(peer.peer_id), why)
             return None
+        await asyncio.to_thread(sampler.measure, state)
+        assert self.trainer is not None
+        if info.validation_set and info.validation_set == self.trainer.validation_set:
+            state.announced_loss = info.val_loss
+        if not keep:
+            state.params = state.memory = None
         return state
 
-    async def _adopt(self, state: bootstrap.Candidate, why: str) -> None:
-        assert self.trainer is not None
-        await asyncio.to_thread(self.trainer.adopt, state.params, state.memory)
+    async def _adopt_checked(self, state: bootstrap.Candidate, announced: list[float],
+                             why: str) -> None:
+        """Adopt ``state`` if its validation loss here is plausible, else go back to
+        ``theta_0``."""
+        trainer = self.trainer
+        assert trainer is not None and state.params is not None
+        start_loss = await asyncio.to_thread(trainer.val_loss)
+        start = trainer.state.theta.to("cpu", copy=True)  # theta_0, exactly (a host copy)
+        await asyncio.to_thread(trainer.adopt, state.params, state.memory)
+        loss = await asyncio.to_thread(trainer.val_loss)
+        problem = bootstrap.implausible_loss(loss, start_loss, announced)
+        if problem:
+            await asyncio.to_thread(trainer.adopt, start, None)
+            log.warning("starting from theta_0: the state of %s is refused (%s)",
+                        safe(state.peer_id), problem)
+            return
         self.mode.adopted(state.meta)
-        log.info("starting from the state of %s (its step %d; %s)", safe(state.peer_id),
-                 state.step, why)
+        self.adopted_from = state.peer_id
+        log.info("starting from the state of %s (its step %d; %s; validation loss here %.4f, "
+                 "theta_0 %.4f)", safe(state.peer_id), state.step, why, loss, start_loss)
 
     async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
         net = self.cfg.network
         host = "127.0.0.1" if net.client_mode else net.host
-        limits = ServeLimits(net.max_streams, net.max_streams_per_address, net.max_downloads,
+        limits = ServeLimits(net.preauth_streams, net.preauth_timeout_s, net.max_downloads,
                              net.auth_skew_s)
         servicer = GossipServicer(self.me, self.mode.exchanger, self.info, self.mode.snapshot,
-                                  self.cfg.gossip.header_timeout_s, limits)
+                                  limits)
         servicer.probe = self._probe_endpoint
         servicer.dht_peer_id = self.discovery.dht_peer_id
         server, self.port = await start_server(servicer, host, net.port, net,
-                                               self.cfg.gossip.max_inbound)
+                                               self.cfg.gossip.max_inbound, self.tls)
 
         async def stop_server() -> None:
             servicer.drain()  # new exchanges get BUSY during the grace
@@ -297,16 +357,19 @@ class Node:
         if cfg.checkpoint.checkpoint_dir:
             jobs.append(("checkpoint", self._checkpoint, cfg.checkpoint.checkpoint_interval_s,
                          False))
+        if self.signer.admission is not None:  # a closed swarm: its owner's revocations
+            jobs.append(("revocations", self._refresh_revocations, REVOCATION_REFRESH_S, True))
         if cfg.network.reachability_interval_s > 0 and not cfg.network.client_mode:
             jobs.append(("reachability", self._check_reachability,
                          cfg.network.reachability_interval_s, False))
         return jobs
 
-    async def _probe_endpoint(self, endpoint: str, peer_id: str) -> bool:
-        """True if one Info call to ``endpoint`` is answered by ``peer_id`` (a peer's
-        dial-back request: its announced endpoint must reach that very peer)."""
+    async def _probe_endpoint(self, endpoint: str, cert: bytes, peer_id: str) -> bool:
+        """True if one Info call to ``endpoint``, trusting only ``cert``, is answered by
+        ``peer_id`` (a peer's dial-back request: its announced endpoint must reach that very
+        peer)."""
         try:
-            reply = await self.channels.stub(endpoint).Info(
+            reply = await self.channels.stub(endpoint, cert).Info(
                 pb.InfoRequest(), timeout=self.cfg.network.connect_timeout_s)
         except (grpc.RpcError, OSError, ValueError) as exc:
             log.debug("dial-back to %s failed: %s", safe(endpoint), exc)
@@ -322,17 +385,33 @@ class Node:
 
     async def _ask_dial_back(self, peer: PeerInfo) -> bool | None:
         """``peer``'s dial-back verdict on our endpoint, or None if it did not answer."""
+        net = self.cfg.network
         try:
-            reply = await self.channels.stub(peer.endpoint).Info(
-                info_request(self.signer, self.endpoint, peer.peer_id),
-                timeout=self.cfg.network.info_timeout_s + self.cfg.network.connect_timeout_s)
-        except (grpc.RpcError, OSError) as exc:
+            stub = self.channels.stub(peer.endpoint, peer.cert)
+            target, challenge = await target_of(stub, net.info_timeout_s + net.connect_timeout_s)
+            reply = await stub.Info(
+                info_request(self.signer, target, challenge, self.endpoint, self.tls.cert_der),
+                timeout=net.info_timeout_s + net.connect_timeout_s)
+        except (grpc.RpcError, OSError, ValueError) as exc:
             log.debug("reachability check via %s failed: %s", safe(peer.peer_id), exc)
             return None
         return bool(reply.probe_ok) if reply.authenticated else None
 
     async def _announce(self) -> None:
         await self.discovery.announce(self.peer_info(), self.cfg.discovery.announce_ttl_s)
+
+    async def _refresh_revocations(self) -> None:
+        """Adopt the owner's newest revocation list from the DHT; keep the newest one known
+        stored there (a list outlives the nodes that stored it first)."""
+        admission = self.signer.admission
+        assert admission is not None
+        found = await self.discovery.revocations()
+        if found is not None and admission.revocations.update(found):
+            log.info("the owner revoked %d peer(s) (list of %s)", len(found.entries),
+                     time.strftime("%Y-%m-%d %H:%M", time.localtime(found.issued)))
+        latest = admission.revocations.latest
+        if latest is not None and (found is None or found.issued < latest.issued):
+            await self.discovery.publish_revocations(latest)
 
     async def _refresh_peers(self) -> None:
         peers = self.filter(await self.discovery.peers())
@@ -384,7 +463,7 @@ class Node:
         assert self.trainer is not None
         return PeerInfo(self.me.peer_id, self.endpoint, PROTOCOL_VERSION, self.trainer.fingerprint,
                         self.train_stats.step, self.train_stats.tokens_per_s, self.reachable,
-                        CODEC_NAMES, self.cfg.outer.algorithm)
+                        CODEC_NAMES, self.cfg.outer.algorithm, self.tls.cert_der)
 
     def info(self) -> pb.InfoReply:
         t, x = self.train_stats, self.stats
@@ -403,7 +482,12 @@ class Node:
         return pb.InfoReply(**fields)
 
     def join_hint(self, addrs: list[str]) -> str:
-        """A ready-to-paste command: the run id and model flags (if not defaults) and peers."""
+        """A ready-to-paste command: the run id and model flags (if not defaults) and peers;
+        with a manifest, only the credential the run needs (the rest comes from it)."""
+        if self.manifest is not None:
+            needs = {"closed": ["--invitation", "FILE"], "keyed": ["--swarm-key", "FILE"],
+                     "open": []}[self.manifest.admission]
+            return " ".join(["gasloc-node join", *needs, "--peers", *addrs])
         extra = []
         if self.cfg.discovery.run_id != DiscoveryConfig().run_id:
             extra.append(f"--run-id {self.cfg.discovery.run_id}")
@@ -415,7 +499,22 @@ class Node:
             value = getattr(self.cfg.train, name)
             if value != getattr(defaults, name):
                 extra.append(f"--{name.replace('_', '-')} {value}")
+        extra += {"owner": ["--invitation", "FILE"], "member": ["--invitation", "FILE"],
+                  "keyed": ["--swarm-key", "FILE"], "open": ["--open"]}[self.membership.role]
         return " ".join(["gasloc-node join", *extra, "--peers", *addrs])
+
+    def membership_lines(self) -> list[str]:
+        """How this node takes part and how others may, for the start-up block."""
+        m, owner = self.membership, self.membership.owner_id[:16]
+        if m.role == "owner":
+            return [f"  swarm    closed, owned by {m.owner_key_path} (owner {owner}); invite a "
+                    f"member: gasloc-node invite --owner-key {m.owner_key_path} --out "
+                    "member.invite (send the file privately: it holds the member's key)"]
+        if m.role == "member":
+            return [f"  swarm    closed, member by invitation of owner {owner}"]
+        if m.role == "keyed":
+            return ["  swarm    keyed: members hold the --swarm-key secret"]
+        return ["  swarm    OPEN (--open): any key can join, exchange and download the model"]
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]], recheck_s: float = 1.0) -> None:

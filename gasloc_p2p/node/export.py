@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +49,36 @@ def add_export_parser(sub: Any) -> None:
     p.set_defaults(func=run_export)
 
 
+@dataclass(frozen=True)
+class Exported:
+    """What :func:`export` wrote: the directory, its files and what the model holds."""
+
+    path: Path
+    which: str
+    steps: tuple[int, ...]  # of the checkpoints exported (one each)
+    parameters: int
+
+    def files(self) -> list[Path]:
+        return sorted(p for p in self.path.iterdir() if p.is_file())
+
+    def summary(self) -> str:
+        """One line: what was written, where, its size and parameter count."""
+        files = self.files()
+        size = sum(p.stat().st_size for p in files)
+        what = (f"the node's parameters at step {self.steps[0]}" if self.which == "local"
+                else f"the average of {len(self.steps)} checkpoints (steps "
+                     f"{', '.join(map(str, self.steps))})")
+        return (f"exported {what} to {self.path}: {self.parameters / 1e6:,.2f}M parameters, "
+                f"{len(files)} files, {size / 1e6:,.1f} MB ({', '.join(p.name for p in files)})")
+
+
 def run_export(args: argparse.Namespace) -> int:
     try:
-        out = export(args.checkpoint_dir, args.out, args.which)
+        done = export(args.checkpoint_dir, args.out, args.which)
     except (ExportError, ImportError, ValueError) as exc:
         print(f"gasloc-node export: error: {exc}", file=sys.stderr)
         return 2
-    print(out)
+    print(done.summary())
     return 0
 
 
@@ -79,8 +103,8 @@ def _tokenizer(doc: dict[str, Any]) -> tuple[int, BPETokenizer | None]:
     return 256, None  # byte tokens: no tokenizer file to write
 
 
-def export(dirs: list[str], out: str, which: str = "local") -> Path:
-    """Export the checkpoint(s) in ``dirs`` to ``out``; returns the output directory."""
+def export(dirs: list[str], out: str, which: str = "local") -> Exported:
+    """Export the checkpoint(s) in ``dirs`` to ``out``; returns what was written."""
     from gasloc_p2p import hf
     from gasloc_p2p.node.runtime.trainer import build_node_model
 
@@ -105,5 +129,6 @@ def export(dirs: list[str], out: str, which: str = "local") -> Path:
             flat.buffer.add_(c["theta"].float())
         if len(ckpts) > 1:
             flat.buffer.div_(len(ckpts))
-    return hf.save(built.module, out, tok.to_json() if tok else None,
+    path = hf.save(built.module, out, tok.to_json() if tok else None,
                    tok.eos_id if tok else None)
+    return Exported(path, which, tuple(int(c.get("step", 0)) for c in ckpts), flat.numel)

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ from gasloc_p2p.flags import options as flag_options
 from gasloc_p2p.node.config import HELP_GROUPS, SECTION_GROUPS, SECTIONS, ConfigError, NodeConfig
 
 ENV_PREFIX = "GASLOC_"
+# (values, where each given one came from) -> the values to build (a run manifest's rule)
+RunSettings = Callable[[dict[str, Any], dict[str, str]], dict[str, Any]]
 
 
 def options() -> dict[str, Option]:
@@ -98,20 +100,29 @@ def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def build_config(args: argparse.Namespace | None = None,
                  environ: Mapping[str, str] | None = None,
-                 toml_path: str | Path | None = None) -> NodeConfig:
+                 toml_path: str | Path | None = None,
+                 run: RunSettings | None = None) -> NodeConfig:
     """Merge defaults, TOML, environment and flags (in rising precedence) and validate.
 
     ``args`` holds only the flags the user gave (see :func:`add_config_flags`); its ``config``
     attribute, when present, overrides ``toml_path``. ``environ`` defaults to ``os.environ``.
+    ``run`` (a run manifest's :func:`gasloc_p2p.node.manifest.apply`) gets every value and
+    where each given one came from, and returns the values to build: the run's settings, or a
+    ConfigError naming a setting that contradicts one of them.
     """
     flags = dict(vars(args)) if args is not None else {}
     toml_path = flags.pop("config", toml_path)
     env = load_env(os.environ if environ is None else environ)
-    values: dict[str, Any] = load_toml(toml_path) if toml_path else {}
-    values.update(env)
+    from_toml: dict[str, Any] = load_toml(toml_path) if toml_path else {}
     opts = options()
-    values.update({k: tuple(v) if isinstance(v, list) else v
-                   for k, v in flags.items() if k in opts})
+    from_flags = {k: tuple(v) if isinstance(v, list) else v
+                  for k, v in flags.items() if k in opts}
+    values = {**from_toml, **env, **from_flags}
+    if run is not None:
+        given = ({k: f"[{opts[k].section}] {k} in --config" for k in from_toml}
+                 | {k: env_name(opts[k]) for k in env} | {k: opts[k].cli for k in from_flags})
+        defaults = {name: o.default for name, o in opts.items()}
+        values = run({**defaults, **values}, given)
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for name, value in values.items():
         sections[opts[name].section][name] = value

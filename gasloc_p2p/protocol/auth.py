@@ -16,8 +16,10 @@ import hashlib
 import hmac
 import os
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -27,6 +29,9 @@ PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 NONCE_BYTES = 16
 PEER_ID_PREFIX = "g1"  # version of the id scheme
+
+if TYPE_CHECKING:
+    from gasloc_p2p.protocol.membership import Admission
 
 
 def peer_id_of(public_key: bytes) -> str:
@@ -59,9 +64,20 @@ def encode_fields(fields: Iterable[object]) -> bytes:
 
 @dataclass(frozen=True)
 class Verifier:
-    """Checks signatures made with the same swarm key (empty: none)."""
+    """Checks signatures made with the same swarm key (empty: none) and, in a closed swarm
+    (``admission``), that the signer holds an invitation from the swarm's owner."""
 
     swarm_key: bytes = b""
+    admission: Admission | None = None
+
+    def admits(self, public_key: bytes, invitation: bytes, now: float | None = None
+               ) -> str | None:
+        """Why the holder of ``public_key`` showing ``invitation`` is not a member (None:
+        it is, or the swarm admits any key)."""
+        if self.admission is None:
+            return None
+        return self.admission.admits(public_key, invitation,
+                                     time.time() if now is None else now)
 
     def digest(self, domain: str, fields: Iterable[object]) -> bytes:
         data = encode_fields([domain, *fields])
@@ -88,8 +104,10 @@ class Signer(Verifier):
     """A node's key pair; signs digests (with the swarm key, if any)."""
 
     def __init__(self, private_key: Ed25519PrivateKey | None = None,
-                 swarm_key: bytes = b"") -> None:
-        super().__init__(swarm_key)
+                 swarm_key: bytes = b"", admission: Admission | None = None,
+                 invitation: bytes = b"") -> None:
+        super().__init__(swarm_key, admission)
+        object.__setattr__(self, "invitation", invitation)  # what this node shows as member
         key = private_key or Ed25519PrivateKey.generate()
         object.__setattr__(self, "_key", key)
         object.__setattr__(self, "public_key", key.public_key().public_bytes(
@@ -99,6 +117,7 @@ class Signer(Verifier):
     _key: Ed25519PrivateKey
     public_key: bytes
     peer_id: str
+    invitation: bytes
 
     def sign(self, domain: str, fields: Iterable[object]) -> bytes:
         return self._key.sign(self.digest(domain, fields))
@@ -109,21 +128,26 @@ class Signer(Verifier):
                                        serialization.NoEncryption())
 
     @classmethod
-    def from_private_bytes(cls, raw: bytes, swarm_key: bytes = b"") -> Signer:
-        return cls(Ed25519PrivateKey.from_private_bytes(raw), swarm_key)
+    def from_private_bytes(cls, raw: bytes, swarm_key: bytes = b"",
+                           admission: Admission | None = None,
+                           invitation: bytes = b"") -> Signer:
+        return cls(Ed25519PrivateKey.from_private_bytes(raw), swarm_key, admission, invitation)
 
     def __reduce__(self) -> tuple[object, ...]:  # picklable (the DHT validator's child process)
-        return (Signer.from_private_bytes, (self.private_bytes(), self.swarm_key))
+        return (Signer.from_private_bytes, (self.private_bytes(), self.swarm_key,
+                                            self.admission, self.invitation))
 
 
-def load_or_create_identity(path: str, swarm_key: bytes = b"") -> Signer:
+def load_or_create_identity(path: str, swarm_key: bytes = b"",
+                            admission: Admission | None = None,
+                            invitation: bytes = b"") -> Signer:
     """The key pair stored in ``path`` (32 raw bytes), created there (mode 0600) if missing:
     a node keeps its peer id across restarts. ValueError if the file holds something else."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        signer = Signer(swarm_key=swarm_key)
+        signer = Signer(swarm_key=swarm_key, admission=admission, invitation=invitation)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(signer.private_bytes())
@@ -131,7 +155,7 @@ def load_or_create_identity(path: str, swarm_key: bytes = b"") -> Signer:
     if len(raw) != 32:
         raise ValueError(f"identity file {path} holds {len(raw)} bytes, not a 32-byte ed25519 "
                          "key (delete it to create a new identity)")
-    return Signer.from_private_bytes(raw, swarm_key)
+    return Signer.from_private_bytes(raw, swarm_key, admission, invitation)
 
 
 def read_swarm_key(path: str) -> bytes:

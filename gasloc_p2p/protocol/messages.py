@@ -6,6 +6,10 @@ The message types are the generated ones from ``proto/gasloc/v1/gasloc.proto``. 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+import struct
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -14,14 +18,15 @@ from gasloc_p2p.core.codecs import BLOCK_CODECS, CODEC_NAMES, CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.wire import DIGEST_BYTES
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.protocol.auth import Signer, Verifier, new_nonce, peer_id_of
+from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
 from gasloc_p2p.protocol.engine import Prepared
 from gasloc_p2p.safelog import safe
 
 # 3: signed headers, commits and requests (protocol/auth.py); 4: the responder's payload waits
 # for the initiator's proof of key; 5: payloads are Q(p) (no per-peer references, no link
-# versions)
-PROTOCOL_VERSION = 6
+# versions); 6: payload SHA-256, requests bound to their target; 7: TLS, certificates in the
+# signed records, requests carry a challenge the server issued
+PROTOCOL_VERSION = 7
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 # Block sizes a responder accepts besides its own: a peer's header never picks another one, so
 # it cannot make this node allocate (or cache codecs for) sizes of its choosing.
@@ -34,6 +39,7 @@ RUN_MISMATCH = pb.RUN_MISMATCH
 BAD_REQUEST = pb.BAD_REQUEST
 INTERNAL = pb.INTERNAL
 UNAUTHENTICATED = pb.UNAUTHENTICATED
+REFUSED = "refused"  # all a caller that is not a member reads (the reason stays in our log)
 
 
 def code_name(code: int) -> str:
@@ -116,24 +122,28 @@ def header_fields(h: pb.Header, peer_nonce: bytes) -> list[object]:
     nonce."""
     return [h.protocol_version, h.run_id, h.model_fingerprint, h.peer_id, h.codec,
             h.block_size, h.fragment_index, h.fragment_count, h.fragment_numel,
-            h.payload_bytes, h.payload_digest, h.rounds, h.public_key, h.nonce, peer_nonce]
+            h.payload_bytes, h.payload_digest, h.rounds, h.public_key, h.nonce, h.invitation,
+            peer_nonce]
 
 
 def sign_header(msg: pb.ExchangeMsg, signer: Signer, nonce: bytes,
                 peer_nonce: bytes) -> pb.ExchangeMsg:
     """``msg`` (a Header) with our key, ``nonce`` and signature set."""
     h = msg.header
-    h.public_key, h.nonce = signer.public_key, nonce
+    h.public_key, h.nonce, h.invitation = signer.public_key, nonce, signer.invitation
     h.signature = signer.sign(HEADER_DOMAIN, header_fields(h, peer_nonce))
     return msg
 
 
 def check_header_auth(h: pb.Header, verifier: Verifier, peer_nonce: bytes) -> ExchangeError | None:
-    """Why ``h`` is not signed by the key of its ``peer_id`` (None: it is)."""
+    """Why ``h`` is not signed by the key of its ``peer_id``, a member of this swarm (None:
+    it is)."""
     if len(h.nonce) != 16:
         return ExchangeError(UNAUTHENTICATED, "header without a 16-byte nonce")
     why = verifier.verify(h.peer_id, h.public_key, h.signature, HEADER_DOMAIN,
                           header_fields(h, peer_nonce))
+    if why is None:
+        why = verifier.admits(h.public_key, h.invitation)
     return None if why is None else ExchangeError(UNAUTHENTICATED, f"header: {why}")
 
 
@@ -147,31 +157,34 @@ STATE_DOMAIN = "gasloc/state"
 
 
 def info_fields(r: pb.InfoRequest) -> list[object]:
-    return [r.probe_endpoint, r.auth.timestamp, r.auth.target, r.auth.nonce]
+    return [r.probe_endpoint, r.probe_cert, r.auth.timestamp, r.auth.target, r.auth.nonce,
+            r.auth.invitation]
 
 
 def state_fields(r: pb.StateRequest) -> list[object]:
     return [r.protocol_version, r.run_id, r.model_fingerprint, r.auth.timestamp, r.auth.target,
-            r.auth.nonce]
+            r.auth.nonce, r.auth.invitation]
 
 
-def _stamp(auth: pb.Auth, signer: Signer, now: float, target: str) -> None:
+def _stamp(auth: pb.Auth, signer: Signer, now: float, target: str, challenge: bytes) -> None:
     auth.public_key, auth.timestamp = signer.public_key, now
-    auth.target, auth.nonce = target, new_nonce()
+    auth.target, auth.nonce, auth.invitation = target, challenge, signer.invitation
 
 
-def sign_info_request(r: pb.InfoRequest, signer: Signer, now: float,
-                      target: str) -> pb.InfoRequest:
-    """``r`` signed for the node whose peer id is ``target``, with a fresh nonce."""
-    _stamp(r.auth, signer, now, target)
+def sign_info_request(r: pb.InfoRequest, signer: Signer, now: float, target: str,
+                      challenge: bytes) -> pb.InfoRequest:
+    """``r`` signed for the node whose peer id is ``target``, with the ``challenge`` it
+    issued."""
+    _stamp(r.auth, signer, now, target, challenge)
     r.auth.signature = signer.sign(INFO_DOMAIN, info_fields(r))
     return r
 
 
-def sign_state_request(r: pb.StateRequest, signer: Signer, now: float,
-                       target: str) -> pb.StateRequest:
-    """``r`` signed for the node whose peer id is ``target``, with a fresh nonce."""
-    _stamp(r.auth, signer, now, target)
+def sign_state_request(r: pb.StateRequest, signer: Signer, now: float, target: str,
+                       challenge: bytes) -> pb.StateRequest:
+    """``r`` signed for the node whose peer id is ``target``, with the ``challenge`` it
+    issued."""
+    _stamp(r.auth, signer, now, target, challenge)
     r.auth.signature = signer.sign(STATE_DOMAIN, state_fields(r))
     return r
 
@@ -198,25 +211,62 @@ class ReplayCache:
         return None
 
 
+CHALLENGE_BYTES = 40  # expiry (8) + random (16) + MAC (16)
+
+
+class Challenges:
+    """The nonces a node issues for signed requests (Info, DownloadState).
+
+    Issuing keeps no state: a challenge is its expiry, 16 random bytes and a MAC of both under
+    a secret of this node, so handing them out to anyone (every Info reply carries one) costs
+    no memory. A signed request must carry one this node issued, unexpired, and each is
+    accepted once (remembered until it expires, at most ``limit`` at a time).
+    """
+
+    def __init__(self, lifetime_s: float = 60.0, limit: int = 1 << 16) -> None:
+        self.lifetime_s = lifetime_s
+        self._secret = os.urandom(32)
+        self._used = ReplayCache(lifetime_s, limit)
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.new(self._secret, body, hashlib.sha256).digest()[:16]
+
+    def issue(self, now: float) -> bytes:
+        body = struct.pack(">d", now + self.lifetime_s) + os.urandom(16)
+        return body + self._mac(body)
+
+    def redeem(self, challenge: bytes, now: float) -> str | None:
+        """Why ``challenge`` is refused (None: this node issued it, it is live and unused;
+        it is used from now on)."""
+        if len(challenge) != CHALLENGE_BYTES:
+            return "request without a challenge from this node"
+        body, mac = challenge[:24], challenge[24:]
+        if not hmac.compare_digest(mac, self._mac(body)):
+            return "request with a challenge this node did not issue"
+        if not struct.unpack(">d", body[:8])[0] > now:
+            return "request with an expired challenge (ask again)"
+        return self._used.fresh(challenge, now)
+
+
 def check_request_auth(auth: pb.Auth, verifier: Verifier, domain: str, fields: list[object],
                        now: float, skew_s: float, me: str,
-                       seen: ReplayCache | None = None) -> str | None:
+                       challenges: Challenges | None = None) -> str | None:
     """Why a unary request's ``auth`` is not acceptable (None: it is): it must be signed, for
-    ``me`` (this node's peer id), within ``skew_s`` of ``now``, with a nonce ``seen`` has not
-    had. The caller's peer id is ``peer_id_of(auth.public_key)``: any key is acceptable, unless
-    the swarm has a key."""
+    ``me`` (this node's peer id), within ``skew_s`` of ``now``, with a challenge from
+    ``challenges`` not used before. The caller's peer id is ``peer_id_of(auth.public_key)``:
+    any key is acceptable, unless the swarm has a key."""
     if not auth.public_key:
         return "unauthenticated request"
     if not abs(auth.timestamp - now) <= skew_s:  # also rejects NaN
         return f"request time {auth.timestamp:.0f} is more than {skew_s:g} s off"
     if auth.target != me:
         return "request for another node"
-    if len(auth.nonce) != 16:
-        return "request without a 16-byte nonce"
     why = verifier.verify(peer_id_of(auth.public_key), auth.public_key, auth.signature, domain,
                           fields)
-    if why is None and seen is not None:  # only signed requests take room in the cache
-        why = seen.fresh(auth.nonce, now)
+    if why is None:
+        why = verifier.admits(auth.public_key, auth.invitation)
+    if why is None and challenges is not None:  # only signed requests use a challenge up
+        why = challenges.redeem(auth.nonce, now)
     return why
 
 

@@ -58,6 +58,8 @@ from gasloc_p2p.protocol.messages import (
     COMMIT_DOMAIN,
     INTERNAL,
     MAX_CHUNK_BYTES,
+    PROTOCOL_VERSION,
+    REFUSED,
     UNAUTHENTICATED,
     ExchangeError,
     Identity,
@@ -319,19 +321,24 @@ class ExchangeSession:
         if kind != "header":
             return self._reject(ExchangeError(BAD_REQUEST, "the first message must be a Header"))
         h = msg.header
+        signer = self.rules.me.signer
+        if signer is not None and h.protocol_version == PROTOCOL_VERSION:
+            # who is asking first: a non-member learns that it is refused, nothing else
+            problem = check_header_auth(h, signer, b"")
+            if problem is not None:
+                return self._reject(problem, REFUSED)
         problem = check_header(h, self.rules.me, self.engine.fragments, self.rules.accepted)
-        if problem is None and self.rules.me.signer is not None:
-            problem = check_header_auth(h, self.rules.me.signer, b"")
         if problem is not None:
             return self._reject(problem)
         self._peer, self.peer_id, self.fragment = h, h.peer_id, h.fragment_index
         self.stage = Stage.ADMIT
         return [Admit(h.peer_id)]
 
-    def _reject(self, problem: ExchangeError) -> list[Action]:
+    def _reject(self, problem: ExchangeError, text: str = "") -> list[Action]:
+        """Refuse with ``problem`` (kept for our log); the peer reads ``text`` if given."""
         self.problem = problem
         self.stage = Stage.REJECTED
-        return [Send(reject(problem.code, problem.message))]
+        return [Send(reject(problem.code, text or problem.message))]
 
     def _reply_header(self, msg: pb.ExchangeMsg, kind: str | None) -> list[Action]:
         if kind == "reject":

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gasloc_p2p.data.corpus import DataError, check_data_path
 from gasloc_p2p.flags import Option, add_flags, given, options
 from gasloc_p2p.sim.config import ALGORITHMS, SimConfig
 
@@ -85,17 +86,28 @@ def run_sim(args: argparse.Namespace) -> int:
         print(f"gasloc-node sim: error: {exc}", file=sys.stderr)
         return 2
     results = []
-    for cfg in cfgs:
-        results.append(run(cfg, progress=None if args.no_progress else _bar(cfg)))
-        final = results[-1]["final"]
-        print(f"{results[-1]['label']:<40} seed {cfg.seed}: val loss {final['val_loss']:.3f} "
-              f"(worst worker {final['worst_val_loss']:.3f}), consensus "
-              f"{final['consensus']:.2e}, {final['sim_seconds']:.0f} sim s, "
-              f"{final['bytes_per_worker'] / 1e6:.1f} MB/worker, "
-              f"{results[-1]['wall_seconds']:.0f} s wall")
+    try:
+        for cfg in cfgs:
+            if cfg.data:
+                check_data_path(cfg.data)
+        for cfg in cfgs:
+            results.append(run(cfg, progress=None if args.no_progress else _bar(cfg)))
+            _print_final(results[-1], cfg)
+    except DataError as exc:  # one line naming the flag, as for a bad flag
+        print(f"gasloc-node sim: error: {exc}", file=sys.stderr)
+        return 2
     path = write_results(results, args.out, args.name)
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def _print_final(result: dict[str, Any], cfg: SimConfig) -> None:
+    final = result["final"]
+    print(f"{result['label']:<40} seed {cfg.seed}: val loss {final['val_loss']:.3f} "
+          f"(worst worker {final['worst_val_loss']:.3f}), consensus "
+          f"{final['consensus']:.2e}, {final['sim_seconds']:.0f} sim s, "
+          f"{final['bytes_per_worker'] / 1e6:.1f} MB/worker, "
+          f"{result['wall_seconds']:.0f} s wall")
 
 
 def _bar(cfg: SimConfig) -> Any:

@@ -71,6 +71,9 @@ class ConsensusWorkers(SimWorkers):
     def trace_loss(self) -> float:
         return self._distance() / self.start
 
+    def consensus(self) -> float:
+        return self._distance()
+
     def evaluate(self) -> dict[str, float]:
         """``val_loss``: consensus distance relative to the start (the toy's objective);
         ``consensus``: the distance itself; ``mean_drift``: how far the network mean moved

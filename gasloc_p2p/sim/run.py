@@ -47,7 +47,7 @@ def run(cfg: SimConfig, data: TokenData | None = None,
                  "sim_seconds": now,
                  "bytes_per_worker": sum(clock.bytes_sent) / cfg.workers}
         if cfg.trace_batches and (not trace or steps > trace[-1]["steps"]):
-            trace.append({**point, "loss": sim.trace_loss()})
+            trace.append({**point, "loss": sim.trace_loss(), "consensus": sim.consensus()})
         if not force and history and steps - history[-1]["steps"] < cfg.eval_every:
             return
         if progress is not None:
@@ -117,43 +117,76 @@ def write_results(results: Sequence[dict[str, Any]], out_dir: Path, name: str = 
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
+    """Write :func:`figure` of ``results`` to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend under the consensus panel
+    plt.close(fig)
+
+
+def figure(results: Sequence[dict[str, Any]]) -> Any:
     """Validation loss of the network-average model vs tokens and vs simulated time (the quick
     loss logged at every round end, else the full evaluations), and the consensus distance vs
-    tokens: one line per configuration (mean over its seeds, with the min-max band of the
-    seeds)."""
+    tokens (at every round end where logged, else at the evaluations): one line per
+    configuration (mean over its seeds, with the min-max band of the seeds), a marker at every
+    point measured. The consensus axis is logarithmic: a zero (replicas identical, as DiLoCo's
+    after a sync) is not drawn, and the legend says at how many points it was zero."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     groups: dict[str, list[dict[str, Any]]] = {}
     for res in results:
         groups.setdefault(res["label"], []).append(res)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    panels = [(0, "tokens", "val_loss"), (1, "sim_seconds", "val_loss"), (2, "tokens", "consensus")]
+    axes[2].set_yscale("log", nonpositive="mask")  # no floor: zeros stay out of the picture
     for lbl, runs in groups.items():
-        seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
-        for ax_i, xkey, ykey in panels:
-            # losses: the round-end trace where there is one; consensus: the full evaluations
-            key, y = ("trace", "loss") if ykey == "val_loss" and runs[0].get("trace") else (
-                "history", ykey)
-            length = min(len(r[key]) for r in runs)
-            xs = [statistics.fmean(r[key][k][xkey] for r in runs) for k in range(length)]
-            ys = [[max(r[key][k][y], 1e-12) for r in runs] for k in range(length)]
-            line, = axes[ax_i].plot(xs, [statistics.fmean(v) for v in ys], label=lbl + seeds)
-            if len(runs) > 1:
-                axes[ax_i].fill_between(xs, [min(v) for v in ys], [max(v) for v in ys],
-                                        color=line.get_color(), alpha=0.15)
+        name = lbl + (f" ({len(runs)} seeds)" if len(runs) > 1 else "")
+        loss_from = "trace" if runs[0].get("trace") else "history"
+        loss_y = "loss" if loss_from == "trace" else "val_loss"
+        color = _line(axes[0], *_points(runs, loss_from, "tokens", loss_y), name, None)
+        _line(axes[1], *_points(runs, loss_from, "sim_seconds", loss_y), name, color)
+        cons_from = ("trace" if all(r.get("trace") and "consensus" in r["trace"][0]
+                                    for r in runs) else "history")  # older results: history
+        xs, ys = _points(runs, cons_from, "tokens", "consensus")
+        zeros = sum(statistics.fmean(v) <= 0 for v in ys)
+        note = f"; 0 at {zeros} of {len(ys)} points (replicas identical)" if zeros else ""
+        kept = [(x, v) for x, v in zip(xs, ys, strict=True) if statistics.fmean(v) > 0]
+        _line(axes[2], [x for x, _ in kept], [v for _, v in kept], name + note, color)
     axes[0].set(xlabel="tokens (all workers)", ylabel="val loss (avg model, nats)")
     axes[1].set(xlabel="simulated seconds", ylabel="val loss (avg model, nats)")
-    axes[2].set(xlabel="tokens (all workers)", ylabel="consensus distance", yscale="log")
+    axes[2].set(xlabel="tokens (all workers)", ylabel="consensus distance (log)")
     low = min([p["val_loss"] for r in results for p in r["history"]]
               + [p["loss"] for r in results for p in r.get("trace", [])])
     for ax in axes[:2]:
         ax.set_ylim(low - 0.05, low + 1.2)  # the interesting part, not the first drop
     for ax in axes:
         ax.grid(alpha=0.3)
+    for ax in (axes[0], axes[2]):
+        ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=""))  # 200k, 1M
     axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14),
+                   title="zeros are not drawn on the log axis", title_fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _points(runs: list[dict[str, Any]], source: str, xkey: str,
+            ykey: str) -> tuple[list[float], list[list[float]]]:
+    """x (mean over seeds) and the seeds' y values at each point logged in every run."""
+    length = min(len(r[source]) for r in runs)
+    xs = [statistics.fmean(r[source][k][xkey] for r in runs) for k in range(length)]
+    return xs, [[r[source][k][ykey] for r in runs] for k in range(length)]
+
+
+def _line(ax: Any, xs: list[float], ys: list[list[float]], name: str, color: Any) -> Any:
+    """The seeds' mean with a marker at each point, and their min-max band; the color."""
+    line, = ax.plot(xs, [statistics.fmean(v) for v in ys], marker=".", markersize=4,
+                    label=name, color=color)
+    if ys and len(ys[0]) > 1:
+        ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys],
+                        color=line.get_color(), alpha=0.15)
+    return line.get_color()

@@ -115,11 +115,17 @@ class SimWorkers:
         return [min(self.cfg.h_of(i), self.cfg.steps - w.steps)
                 for i, w in enumerate(self.workers)]
 
+    def consensus(self) -> float:
+        """Consensus distance: the mean over workers of ``||theta_i - mean||^2``. In float64,
+        where the mean of identical float32 replicas is exact: replicas that agree (DiLoCo
+        after a sync, everyone at theta_0) read 0, not float32 rounding (about 1e-12)."""
+        t = self.thetas.double()
+        return float(((t - t.mean(dim=0)) ** 2).sum(dim=1).mean())
+
     def evaluate(self) -> dict[str, float]:
         """Network-average model's loss, worst worker's loss, and consensus distance."""
-        mean = self.thetas.mean(dim=0)
-        out = {"val_loss": self.eval_params(mean),
-               "consensus": float(((self.thetas - mean) ** 2).sum(dim=1).mean())}
+        out = {"val_loss": self.eval_params(self.thetas.mean(dim=0)),
+               "consensus": self.consensus()}
         if self.cfg.eval_workers and self.cfg.workers > 1:
             out["worst_val_loss"] = max(self.eval_params(row) for row in self.thetas)
         else:

@@ -19,7 +19,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from gasloc_p2p.tools.dashboard_page import RECIPES, render_page
+from gasloc_p2p.tools.dashboard_page import RECIPES, START_QUERY, render_page
 from gasloc_p2p.tools.direct_metrics import DirectMetrics
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if path == "/api/v1/query" and query == "up":
                 data = {"resultType": "vector", "result": direct.instant_up()}
+            elif path == "/api/v1/query" and query == START_QUERY:
+                data = {"resultType": "vector", "result": direct.instant_start()}
             elif path == "/api/v1/query_range" and recipe is not None:
                 start, end = float(params["start"][0]), float(params["end"][0])
                 data = {"resultType": "matrix", "result": direct.query_range(recipe, start, end)}

@@ -27,6 +27,12 @@ PANELS: tuple[tuple[str, str, str, str], ...] = (
      '(rate(gasloc_exchange_duration_seconds_bucket[1m]))), "q", "p95", "", "")', "s", "q"),
 )
 
+# When the swarm started: its oldest live node's process start (prometheus_client's
+# ProcessCollector, on every node; `and on (instance) gasloc_info` keeps only gasloc nodes).
+# The page opens on the window from there to now ("since start").
+START_QUERY = "min(process_start_time_seconds and on (instance) gasloc_info)"
+MIN_RANGE_S, MAX_RANGE_S = 60, 21600  # "since start" shows at least a minute, at most 6 h
+
 # What each panel's query computes, for the dashboard without Prometheus (direct_metrics).
 RECIPES: dict[str, Recipe] = {
     PANELS[0][1]: Recipe("gauge", "gasloc_val_loss"),
@@ -61,11 +67,12 @@ svg .axis { stroke: #9ca3af; }
 """
 
 _SCRIPT = r"""
-const PANELS = __PANELS__;
+const PANELS = __PANELS__, START_QUERY = __START_QUERY__;
+const MIN_RANGE_S = __MIN_RANGE_S__, MAX_RANGE_S = __MAX_RANGE_S__, FALLBACK_RANGE_S = 900;
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2",
                 "#db2777", "#65a30d", "#4b5563", "#ea580c"];
 const W = 600, H = 190, L = 58, R = 10, T = 8, B = 20;
-let rangeS = 900;
+let rangeS = null;  // null: "since start", from the swarm's oldest node to now
 
 function fmt(v) {
   const a = Math.abs(v);
@@ -164,9 +171,24 @@ async function refreshStatus() {
   }
 }
 
+async function sinceStart(end) {
+  // the window from the swarm's start (a young swarm fills the charts, not their right edge)
+  try {
+    const reply = await fetch("api/v1/query?" + new URLSearchParams({query: START_QUERY}));
+    const body = await reply.json();
+    const t0 = Number(body.data.result[0].value[1]);
+    if (!isFinite(t0) || t0 <= 0) throw new Error("no start time");
+    return Math.min(MAX_RANGE_S, Math.max(MIN_RANGE_S, Math.ceil((end - t0) * 1.02 + 5)));
+  } catch (err) {
+    return FALLBACK_RANGE_S;  // no node answers yet: the last 15 minutes
+  }
+}
+
 async function refresh() {
-  const end = Date.now() / 1000, start = end - rangeS;
-  const step = Math.max(1, Math.round(rangeS / 300));
+  const end = Date.now() / 1000;
+  const span = rangeS === null ? await sinceStart(end) : rangeS, start = end - span;
+  const step = Math.max(1, Math.round(span / 300));
+  Object.assign(document.body.dataset, {range: span, start: start.toFixed(3)});
   await Promise.all([refreshStatus(), ...Array.from(document.querySelectorAll(".panel"),
                      p => refreshPanel(p, start, end, step))]);
   document.body.dataset.refreshes = Number(document.body.dataset.refreshes || 0) + 1;
@@ -189,15 +211,15 @@ function setup() {
   }
   for (const b of document.querySelectorAll("header button")) {
     b.onclick = () => {
-      rangeS = Number(b.dataset.range);
+      rangeS = b.dataset.range === "start" ? null : Number(b.dataset.range);
       document.querySelectorAll("header button").forEach(o => o.classList.toggle("on", o === b));
       refresh();
     };
   }
   const params = new URLSearchParams(location.search);
   if (params.has("range")) rangeS = Number(params.get("range"));
-  document.querySelectorAll("header button").forEach(
-    o => o.classList.toggle("on", Number(o.dataset.range) === rangeS));
+  document.querySelectorAll("header button").forEach(o => o.classList.toggle("on",
+    rangeS === null ? o.dataset.range === "start" : Number(o.dataset.range) === rangeS));
   refresh();
   setInterval(refresh, Number(params.get("refresh") || 5) * 1000);
 }
@@ -212,9 +234,14 @@ def render_page(title: str = "gasloc swarm") -> str:
 
     panels = json.dumps([list(p) for p in PANELS])
     buttons = "".join(f'<button data-range="{s}">{label}</button>' for s, label in
-                      ((300, "5 min"), (900, "15 min"), (3600, "1 h"), (21600, "6 h")))
+                      (("start", "since start"), (300, "5 min"), (900, "15 min"),
+                       (3600, "1 h"), (21600, "6 h")))
+    script = (_SCRIPT.replace("__PANELS__", panels)
+              .replace("__START_QUERY__", json.dumps(START_QUERY))
+              .replace("__MIN_RANGE_S__", str(MIN_RANGE_S))
+              .replace("__MAX_RANGE_S__", str(MAX_RANGE_S)))
     return ("<!doctype html>\n<html lang=en><head><meta charset=utf-8>"
             f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"
             f"<header><h1>{html.escape(title)}</h1>{buttons}"
             "<span class=status id=status>connecting</span></header><main></main>"
-            f"<script>{_SCRIPT.replace('__PANELS__', panels)}</script></body></html>\n")
+            f"<script>{script}</script></body></html>\n")

@@ -110,6 +110,17 @@ class DirectMetrics:
         return [{"metric": {"__name__": "up", "node": name}, "value": [now, "1" if ok else "0"]}
                 for name, ok in sorted(up.items())]
 
+    def instant_start(self) -> list[dict[str, Any]]:
+        """When the swarm started (the dashboard's ``START_QUERY``): the earliest
+        ``process_start_time_seconds`` of the nodes in the last scrape; empty before one."""
+        with self._lock:
+            last = self.history[-1] if self.history else None
+        starts = [v for (name, _), v in (last.values.items() if last else ())
+                  if name == "process_start_time_seconds"]
+        if not starts or last is None:
+            return []
+        return [{"metric": {}, "value": [last.at, repr(min(starts))]}]
+
     def query_range(self, recipe: Recipe, start: float, end: float) -> list[dict[str, Any]]:
         """The recipe's series over [start, end] in Prometheus' matrix-result shape."""
         with self._lock:

@@ -19,12 +19,14 @@ from pathlib import Path
 import grpc
 import torch
 
+from gasloc_p2p.node.transport.tls import unpinned_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, sign_info_request, sign_state_request
 from gasloc_p2p.tools.procs import Child
 
+CREDENTIAL_FLAGS = ("--swarm-key", "--invitation", "--owner-key", "--open", "--manifest")
 JOIN_HINT = r"^\s*(gasloc-node join .*--peers (.+))$"  # stdout of a node that can be joined
 UP_LINE = r"up: gRPC (\S+),"  # stderr (log) line once the node serves
 METRICS_LINE = r"^  metrics  (http://\S+)$"  # stdout, in the start-up block
@@ -73,10 +75,16 @@ class NodeChild(Child):
     """``gasloc-node join FLAGS`` with logs in ``<log_dir>/<name>.out|.err``."""
 
     def __init__(self, name: str, log_dir: Path, flags: Sequence[str], log_level: str = "INFO",
-                 env: Mapping[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
+                 env: Mapping[str, str] | None = None, prefix: Sequence[str] = (),
+                 as_given: bool = False) -> None:
         """``prefix``: a command that runs the node, e.g. ``ip netns exec NS`` (a shaped host);
-        advanced settings among ``flags`` travel as ``GASLOC_*`` variables (:func:`split_tuning`)."""
+        advanced settings among ``flags`` travel as ``GASLOC_*`` variables (:func:`split_tuning`).
+        Flags without a membership credential (``--swarm-key``, ``--invitation``,
+        ``--owner-key``, ``--manifest``) get ``--open``, unless ``as_given``: tests and
+        benchmarks of other things run open swarms."""
         flags, tuning = split_tuning(flags)
+        if not as_given and not any(f.split("=")[0] in CREDENTIAL_FLAGS for f in flags):
+            flags = [*flags, "--open"]
         super().__init__(name, [*prefix, *join_argv(flags, log_level)], log_dir,
                          node_env({**tuning, **(env or {})}))
         self.endpoint = ""
@@ -95,12 +103,18 @@ class NodeChild(Child):
         self.endpoint = self.wait_for(UP_LINE, timeout_s, stdout=False).group(1)
         return self.endpoint
 
+    def channel(self, timeout_s: float = 5.0) -> grpc.Channel:
+        """A TLS channel to the node, trusting the certificate it presents (we started it)."""
+        return unpinned_channel(self.endpoint, timeout_s)
+
     def info(self, timeout_s: float = 5.0) -> pb.InfoReply:
-        """The node's full Info (a signed request, bound to the peer id it answers with)."""
-        with grpc.insecure_channel(self.endpoint) as channel:
+        """The node's full Info (a signed request, bound to the peer id it answers with and
+        the challenge it issued)."""
+        with self.channel(timeout_s) as channel:
             stub = pb_grpc.GossipStub(channel)
-            target = stub.Info(pb.InfoRequest(), timeout=timeout_s).peer_id
-            request = sign_info_request(pb.InfoRequest(), self.signer, time.time(), target)
+            health = stub.Info(pb.InfoRequest(), timeout=timeout_s)
+            request = sign_info_request(pb.InfoRequest(), self.signer, time.time(),
+                                        health.peer_id, health.challenge)
             reply: pb.InfoReply = stub.Info(request, timeout=timeout_s)
             return reply
 
@@ -110,9 +124,10 @@ class NodeChild(Child):
         info = self.info()
         request = sign_state_request(pb.StateRequest(
             protocol_version=PROTOCOL_VERSION, run_id=run_id,
-            model_fingerprint=info.model_fingerprint), self.signer, time.time(), info.peer_id)
+            model_fingerprint=info.model_fingerprint), self.signer, time.time(), info.peer_id,
+            info.challenge)
         body, meta = bytearray(), pb.StateMeta()
-        with grpc.insecure_channel(self.endpoint) as channel:
+        with self.channel() as channel:
             for msg in pb_grpc.GossipStub(channel).DownloadState(request, timeout=timeout_s):
                 kind = msg.WhichOneof("kind")
                 if kind == "meta":

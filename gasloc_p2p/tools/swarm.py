@@ -25,13 +25,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.parser import text_string_to_metric_families
 
 from gasloc_p2p.core.options import opt
+from gasloc_p2p.protocol.membership import (
+    Invitation,
+    expires_in,
+    load_or_create_owner_key,
+    public_bytes,
+    write_invitation,
+)
 from gasloc_p2p.tools.dashboard import DashboardServer
 from gasloc_p2p.tools.direct_metrics import DirectMetrics
-from gasloc_p2p.tools.nodes import JOIN_HINT, METRICS_LINE, NodeChild
+from gasloc_p2p.tools.nodes import (
+    CREDENTIAL_FLAGS,
+    JOIN_HINT,
+    METRICS_LINE,
+    NodeChild,
+    split_tuning,
+)
 from gasloc_p2p.tools.prometheus import INSTALL_HINT, LocalPrometheus, find_prometheus
+
+INVITE_DAYS = 7.0  # a local swarm's invitations (the files stay in the run folder)
 
 log = logging.getLogger(__name__)
 
@@ -174,11 +190,11 @@ class Swarm:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._say(f"swarm of {self.cfg.nodes} node(s); logs in {self.run_dir}")
         self._prefetch_data()
-        first = self._launch(0, [])
+        first = self._launch(0, self._credential(0))
         maddrs = first.wait_for(JOIN_HINT, self.cfg.start_timeout_s, cancel=cancel).group(2).split()
         self._say(f"node0 started the swarm; the others join via {maddrs[0]}")
         for i in range(1, self.cfg.nodes):
-            self._launch(i, ["--peers", *maddrs])
+            self._launch(i, [*self._credential(i), "--peers", *maddrs])
         for child in self.nodes:
             found = child.wait_for(METRICS_LINE, self.cfg.start_timeout_s, cancel=cancel)
             self.metrics_urls.append(found.group(1))
@@ -186,6 +202,39 @@ class Swarm:
                                             zip(self.nodes, self.metrics_urls, strict=True)))
         self._start_prometheus()
         self._start_dashboard()
+
+    def _credential(self, index: int) -> list[str]:
+        """A run as any: node0 owns it (its owner key in the run folder) and runs its manifest
+        (``run.json``, from the nodes' flags), the others join with invitations it signed and
+        take the run's settings from node0. Node flags that name a credential (``--open``,
+        ``--swarm-key``, ...) are used as given instead."""
+        if any(f.split("=")[0] in CREDENTIAL_FLAGS for f in self.cfg.node_args):
+            return []
+        owner_path = self.run_dir / "owner.key"
+        owner = load_or_create_owner_key(str(owner_path))
+        if index == 0:
+            return ["--owner-key", str(owner_path), "--manifest", self._manifest(owner_path)]
+        member = Ed25519PrivateKey.generate()
+        path = self.run_dir / f"node{index}.invite"
+        path.unlink(missing_ok=True)
+        write_invitation(str(path), Invitation.issue(owner, public_bytes(member),
+                                                     expires_in(INVITE_DAYS)),
+                         member.private_bytes_raw())
+        return ["--invitation", str(path)]
+
+    def _manifest(self, owner_path: Path) -> str:
+        """``run.json`` in the run folder: the manifest of the nodes' flags (``init``)."""
+        from gasloc_p2p.cli import build_parser
+        from gasloc_p2p.node.cli_run import manifest_of
+        from gasloc_p2p.node.settings import build_config
+
+        flags, tuning = split_tuning([*DEFAULT_NODE_ARGS, *self.cfg.node_args,
+                                      "--owner-key", str(owner_path)])
+        args = build_parser().parse_args(["join", *flags])
+        cfg = build_config(args, environ={**os.environ, **tuning})
+        path = self.run_dir / "run.json"
+        path.write_text(manifest_of(cfg, "local swarm").to_json())
+        return str(path)
 
     def _prefetch_data(self) -> None:
         """Fetch the default corpus once here, not N times concurrently in the nodes."""

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gasloc_p2p.protocol.auth import Signer, Verifier
+from gasloc_p2p.protocol.certs import MAX_CERT_BYTES
+from gasloc_p2p.protocol.membership import RevocationList
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +30,15 @@ def run_key(run_id: str) -> str:
     return f"gasloc/{run_id}/peers"
 
 
+def revocation_key(run_id: str) -> str:
+    """Where a closed swarm's owner publishes its revocation list (subkey: the owner, hex)."""
+    return f"gasloc/{run_id}/revoked"
+
+
 @dataclass(frozen=True)
 class PeerInfo:
-    """What a node announces. ``endpoint`` is its gRPC ``host:port``."""
+    """What a node announces. ``endpoint`` is its gRPC ``host:port``, ``cert`` the TLS
+    certificate (DER) it serves there, which names its peer id."""
 
     peer_id: str
     endpoint: str
@@ -40,6 +49,7 @@ class PeerInfo:
     reachable: bool = True
     codecs: tuple[str, ...] = field(default_factory=tuple)
     algorithm: str = "gasloc"  # --algorithm: gasloc and diloco nodes never train together
+    cert: bytes = field(default=b"", repr=False)
 
     def to_value(self) -> dict[str, Any]:
         """The DHT value (msgpack-friendly; the peer id is the subkey)."""
@@ -58,9 +68,16 @@ class PeerInfo:
                        tokens_per_s=float(value["tokens_per_s"]),
                        reachable=bool(value["reachable"]),
                        codecs=tuple(str(c) for c in value["codecs"]),
-                       algorithm=str(value.get("algorithm", "gasloc")))
+                       algorithm=str(value.get("algorithm", "gasloc")),
+                       cert=_cert(value.get("cert", b"")))
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def _cert(value: Any) -> bytes:
+    if not isinstance(value, bytes) or len(value) > MAX_CERT_BYTES:
+        raise ValueError("malformed certificate")
+    return value
 
 
 class Discovery(abc.ABC):
@@ -91,6 +108,21 @@ class Discovery(abc.ABC):
     @abc.abstractmethod
     async def peers(self) -> list[PeerInfo]:
         """Every live entry of the run, this node's own included."""
+
+    async def serve_manifest(self, text: str) -> None:  # noqa: B027
+        """Answer other nodes' requests for this node's run manifest with ``text``."""
+
+    async def ask_manifest(self, dht_peer_id: str) -> str:
+        """The run manifest the node with DHT id ``dht_peer_id`` serves ("" if none)."""
+        return ""
+
+    async def revocations(self) -> RevocationList | None:
+        """The newest revocation list this swarm's owner signed that the DHT holds (None:
+        none, or not a closed swarm)."""
+        return None
+
+    async def publish_revocations(self, rl: RevocationList) -> None:  # noqa: B027
+        """Store ``rl`` (until its signed expiry); nodes re-publish the newest they know."""
 
     @abc.abstractmethod
     async def visible_addrs(self) -> list[str]:
@@ -160,6 +192,7 @@ class InMemoryDiscovery(Discovery):
     def __init__(self, registry: InMemoryRegistry, run_id: str, peer_id: str) -> None:
         self.registry = registry
         self.key = run_key(run_id)
+        self.revoked_key = revocation_key(run_id)
         self.peer_id = peer_id
 
     async def start(self) -> None:
@@ -181,6 +214,24 @@ class InMemoryDiscovery(Discovery):
                  for sub, (value, exp) in self.registry.entries.get(self.key, {}).items()
                  if exp > now]
         return [info for info in found if info is not None]
+
+    async def serve_manifest(self, text: str) -> None:
+        self.registry.entries.setdefault("manifests", {})[self.peer_id] = (text, math.inf)
+
+    async def ask_manifest(self, dht_peer_id: str) -> str:
+        return str(self.registry.entries.get("manifests", {}).get(dht_peer_id, ("", 0))[0])
+
+    async def revocations(self) -> RevocationList | None:
+        admission = self.verifier.admission
+        if admission is None:
+            return None
+        value, _ = self.registry.entries.get(self.revoked_key, {}).get(
+            admission.owner.hex(), (None, 0.0))
+        return RevocationList.from_value(value, admission.owner)
+
+    async def publish_revocations(self, rl: RevocationList) -> None:
+        self.registry.entries.setdefault(self.revoked_key, {})[rl.owner.hex()] = (
+            rl.to_value(), time.monotonic() + 3600.0)
 
     async def visible_addrs(self) -> list[str]:
         return [f"/memory/{self.peer_id}"]

@@ -14,8 +14,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gasloc_p2p.node.discovery.base import Discovery, PeerInfo, run_key
+from gasloc_p2p.node.discovery.base import Discovery, PeerInfo, revocation_key, run_key
 from gasloc_p2p.node.discovery.records import make_validator, signed_value, verify_record
+from gasloc_p2p.protocol.membership import RevocationList
 
 log = logging.getLogger(__name__)
 # hivemind's default (3 s) is often too short for a clean DHT + p2pd stop on a loaded machine.
@@ -87,6 +88,7 @@ class HivemindDiscovery(Discovery):
     def __init__(self, run_id: str, host: str, port: int, initial_peers: Sequence[str],
                  timeout_s: float, start_timeout_s: float, client_mode: bool = False) -> None:
         self.key = run_key(run_id)
+        self.revoked_key = revocation_key(run_id)
         self.host, self.port = host, port
         self.initial_peers = list(initial_peers)
         self.timeout_s = timeout_s
@@ -124,7 +126,7 @@ class HivemindDiscovery(Discovery):
         maddr = f"/ip{6 if ':' in self.host else 4}/{self.host}/tcp/{self.port}"
         # our records are checked inside the DHT too: honest DHT nodes refuse to store a forged
         # or overwriting record, and drop one that another DHT node returns
-        validator = make_validator(self.key, self.verifier, self.max_ttl_s)
+        validator = make_validator(self.key, self.verifier, self.max_ttl_s, self.revoked_key)
         self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
                                  client_mode=self.client_mode, start=True, await_ready=False,
                                  shutdown_timeout=DHT_SHUTDOWN_GRACE_S,
@@ -178,6 +180,35 @@ class HivemindDiscovery(Discovery):
                 out.append(info)
         return out
 
+    async def revocations(self) -> RevocationList | None:
+        admission = self.verifier.admission
+        if admission is None:
+            return None
+        found = await asyncio.to_thread(self._call, lambda: self._dht.get(
+            self.revoked_key, latest=True, return_future=True))
+        if found is None or not isinstance(found.value, dict):
+            return None
+        item = found.value.get(admission.owner.hex())
+        return RevocationList.from_value(getattr(item, "value", None), admission.owner,
+                                         getattr(item, "expiration_time", None))
+
+    async def publish_revocations(self, rl: RevocationList) -> None:
+        await asyncio.to_thread(self._call, lambda: self._dht.store(
+            self.revoked_key, rl.to_value(), rl.expires, subkey=rl.owner.hex(),
+            return_future=True))
+
+    async def serve_manifest(self, text: str) -> None:
+        """Answer other nodes' manifest requests (over this DHT's libp2p host) with ``text``."""
+        await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(
+            partial(_serve_manifest, text=text), return_future=True))
+
+    async def ask_manifest(self, dht_peer_id: str) -> str:
+        """The manifest the node with libp2p id ``dht_peer_id`` serves ("" if none); libp2p
+        authenticates that id, so it is that very node's answer."""
+        return str(await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(
+            partial(_ask_manifest, peer_id=dht_peer_id, timeout_s=self.timeout_s / 2),
+            return_future=True)))
+
     async def visible_addrs(self) -> list[str]:
         addrs = await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(
             partial(_visible_maddrs), return_future=True))
@@ -207,6 +238,36 @@ class HivemindDiscovery(Discovery):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             dht.join(5.0)
+
+
+MANIFEST_HANDLER = "gasloc.v1.manifest"
+MAX_MANIFEST_CHARS = 16 * 1024
+
+
+async def _serve_manifest(_dht: Any, node: Any, text: str) -> None:
+    """Runs inside the DHT process: answer manifest requests over libp2p with ``text``."""
+    from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+
+    async def handler(_request: Any, _context: Any) -> Any:
+        return pb.ManifestReply(manifest_json=text)
+
+    await node.p2p.add_protobuf_handler(MANIFEST_HANDLER, handler, pb.ManifestRequest)
+
+
+async def _ask_manifest(_dht: Any, node: Any, peer_id: str, timeout_s: float) -> str:
+    """Runs inside the DHT process: the manifest the peer with libp2p id ``peer_id`` serves
+    ("" if it serves none or does not answer in time)."""
+    from hivemind.p2p import PeerID
+
+    from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+
+    try:
+        reply = await asyncio.wait_for(node.p2p.call_protobuf_handler(
+            PeerID.from_base58(peer_id), MANIFEST_HANDLER, pb.ManifestRequest(),
+            pb.ManifestReply), timeout_s)
+    except Exception:  # noqa: BLE001 - no handler, gone, slow: no manifest from it
+        return ""
+    return str(reply.manifest_json)[:MAX_MANIFEST_CHARS + 1]
 
 
 async def _visible_maddrs(_dht: Any, node: Any) -> list[Any]:

@@ -111,7 +111,12 @@ class DilocoMode(Mode):
             await asyncio.to_thread(averager.start)
 
         async def download(peer_endpoint: str) -> Any:
-            return await download_state(ctx.channels.stub(peer_endpoint), ctx.me,
+            # the endpoint comes from the group's gather: dial it only as a signed record
+            # announces it, trusting the certificate that record names
+            peer = next((p for p in ctx.peers() if p.endpoint == peer_endpoint), None)
+            if peer is None:
+                raise LookupError(f"no signed record announces {peer_endpoint!r}")
+            return await download_state(ctx.channels.stub(peer.endpoint, peer.cert), ctx.me,
                                         cfg.gossip.download_timeout_s, trainer.state.theta.numel())
 
         self.rounds = DilocoRounds(

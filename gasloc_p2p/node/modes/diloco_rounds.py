@@ -159,7 +159,11 @@ class DilocoRounds:
         self.stats = [FragmentStats(self.schedule.offset(f), frag.numel)
                       for f, frag in enumerate(self.fragments)]
         self.pending: dict[int, _Sync] = {}
-        self._busy = [threading.Lock() for _ in self.averagers]  # one all-reduce per averager
+        # One all-reduce per averager at a time, in the order the syncs started: each waits for
+        # the one before it on its averager. (A lock is not enough: a later sync could take it
+        # first, and on a shared averager its group would meet the others' earlier fragment.)
+        self._last: list[concurrent.futures.Future[AveragingResult | None] | None] = [
+            None] * len(self.averagers)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=len(self.fragments), thread_name_prefix="streaming-avg")
 
@@ -183,7 +187,9 @@ class DilocoRounds:
             own = fragment_outer_grad(frag, self.anchor, st.theta)  # on the anchor's device
             digest = state_digest([frag.gather(self.anchor), _gather(frag, st.memory)])
         epoch = self.epochs[f]
-        future = self._pool.submit(self._average, f, own, digest, epoch, step)
+        slot = 0 if self.shared else f
+        future = self._pool.submit(self._average, f, own, digest, epoch, step, self._last[slot])
+        self._last[slot] = future
         self.pending[f] = _Sync(step, own, digest, epoch, time.monotonic(), future)
         self.stats[f].last_start_step = step
 
@@ -232,9 +238,13 @@ class DilocoRounds:
     def _averager(self, f: int) -> Averager:
         return self.averagers[0 if self.shared else f]
 
-    def _average(self, f: int, own: torch.Tensor, digest: list[float], epoch: int,
-                 vstep: int) -> AveragingResult | None:
-        """All-reduce ``own`` in a background thread; None when no group is possible."""
+    def _average(self, f: int, own: torch.Tensor, digest: list[float], epoch: int, vstep: int,
+                 after: concurrent.futures.Future[AveragingResult | None] | None
+                 ) -> AveragingResult | None:
+        """All-reduce ``own`` in a background thread, once the sync started before it on the
+        same averager (``after``) is done; None when no group is possible."""
+        if after is not None:
+            concurrent.futures.wait([after])  # done, failed or cancelled: the averager is free
         peers = self.peer_count()
         if peers + 1 < self.cfg.min_group_size:
             return None
@@ -243,11 +253,10 @@ class DilocoRounds:
         averager = self._averager(f)
         if self.shared:  # zero-padded to the largest fragment
             own = torch.cat([own, own.new_zeros(self.width - own.numel())])
-        with self._busy[0 if self.shared else f]:
-            sent, received = averager.bytes_sent(), averager.bytes_received()
-            result = averager.average(own, gather, peers + 1, self.stop)
-            self.stats[f].bytes_sent += averager.bytes_sent() - sent
-            self.stats[f].bytes_received += averager.bytes_received() - received
+        sent, received = averager.bytes_sent(), averager.bytes_received()
+        result = averager.average(own, gather, peers + 1, self.stop)
+        self.stats[f].bytes_sent += averager.bytes_sent() - sent
+        self.stats[f].bytes_received += averager.bytes_received() - received
         if result.averaged is not None and self.shared:
             result = AveragingResult(result.averaged[:self.fragments[f].numel], result.gathered)
         return result

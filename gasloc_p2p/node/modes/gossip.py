@@ -20,6 +20,7 @@ metric and a progress field).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -44,6 +45,8 @@ from gasloc_p2p.safelog import safe
 log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
 _WINDOW_MIN_S = 2.0  # shortest utilization window (a round, at least this)
+_CONNECT_GRACE_S = 0.1  # after the first connection, others this close count as a tie
+_NEW_PEER_CONNECT_S = 2.0
 
 
 class PeerBook:
@@ -132,6 +135,9 @@ class GossipLoop:
         self.clock = clock or WallClock()
         self.utilization = Utilization()
         self._window_at = -float("inf")
+        # connection attempts that no gossip event waits for any more (bounded: each ends
+        # within its connect timeout)
+        self._settling: dict[asyncio.Future[None], str] = {}  # -> the peer dialed
 
     def rate_per_s(self) -> float:
         """Exchanges per second this node starts now (0 before the first timed step)."""
@@ -155,6 +161,14 @@ class GossipLoop:
         self.exchanger.stats.utilization = self.utilization.update(self.train_stats)
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            for task in list(self._settling):
+                task.cancel()
+            await asyncio.gather(*self._settling, return_exceptions=True)
+
+    async def _run(self) -> None:
         while True:
             self.measure()
             rate = self.rate_per_s()
@@ -177,11 +191,17 @@ class GossipLoop:
         until one exchange commits, fails, or no candidate is left."""
         tried: list[str] = []
         for _ in range(self.cfg.busy_retries + 1):
-            exclude = [*tried, *self.exchanger.inflight, *self.exchanger.penalized()]
+            exclude = [*tried, *self.exchanger.inflight, *self.exchanger.penalized(),
+                       *self._settling.values()]
             options = self.book.candidates(exclude)
             if not options:
                 return None
             picks = self.rng.sample(options, min(self.cfg.connect_fanout, len(options)))
+            good = [p for p in options if self.exchanger.known_good(p.peer_id)]
+            if good and not any(self.exchanger.known_good(p.peer_id) for p in picks):
+                # one peer that exchanged before, dialed beside the random picks: records
+                # at ports that never answer (tarpits) cannot make a whole event wait
+                picks.append(self.rng.choice(good))
             tried += [p.peer_id for p in picks]
             peer = await self._first_connected(picks)
             if peer is None:
@@ -201,34 +221,54 @@ class GossipLoop:
             return outcome
         return None
 
+    def connect_timeout_s(self, peer: PeerInfo) -> float:
+        """How long a connection (TCP and the TLS handshake) to ``peer`` may take: for a
+        peer that never exchanged with this node a quarter of ``connect_timeout_s``, but at
+        least ``_NEW_PEER_CONNECT_S`` (about 3 round trips on a slow intercontinental path)."""
+        full = self.net.connect_timeout_s
+        if self.exchanger.known_good(peer.peer_id):
+            return full
+        return max(full / 4, min(full, _NEW_PEER_CONNECT_S))
+
     async def _first_connected(self, picks: Sequence[PeerInfo]) -> PeerInfo | None:
-        """The first of ``picks`` whose endpoint connects (attempts run concurrently); the
-        ones that fail (dead or fake records) are backed off, the slower ones abandoned."""
+        """A random one of ``picks`` whose endpoint connects first or within
+        ``_CONNECT_GRACE_S`` of the first (attempts run concurrently, so a peer whose channel
+        is already open is not favoured over a new one on a fast link); the ones that fail
+        (dead or fake records) are backed off, the slower ones abandoned."""
         attempts = {asyncio.ensure_future(connect(
-            self.channels.stub_and_channel(p.endpoint)[1], p.endpoint,
-            self.net.connect_timeout_s)): p for p in picks}
-        pending = set(attempts)
+            self.channels.stub_and_channel(p.endpoint, p.cert)[1], p.endpoint,
+            self.connect_timeout_s(p))): p for p in picks}
+        pending, connected = set(attempts), list[PeerInfo]()
         try:
             while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                connected = []
+                grace = _CONNECT_GRACE_S if connected else None
+                done, pending = await asyncio.wait(pending, timeout=grace,
+                                                   return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     peer, exc = attempts[task], task.exception()
                     if exc is None:
                         connected.append(peer)
                     else:
-                        self.channels.discard(peer.endpoint)
+                        self.channels.discard(peer.endpoint, peer.cert)
                         self._failed(peer, exc)
-                if connected:  # of those connected at once, the most preferred
-                    return min(connected, key=picks.index)
-            return None
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+                if connected and not done:  # the grace is over
+                    break
+            return self.rng.choice(connected) if connected else None
+        finally:  # the slower attempts go on until their own timeout: a dead one is then
+            for task in pending:  # backed off, so the next events do not dial it again
+                self._settling[task] = attempts[task].peer_id
+                task.add_done_callback(functools.partial(self._settled, attempts[task]))
+
+    def _settled(self, peer: PeerInfo, task: asyncio.Future[None]) -> None:
+        """A connection attempt no event waited for has ended: back its peer off if it
+        failed."""
+        self._settling.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            self.channels.discard(peer.endpoint, peer.cert)
+            self._failed(peer, task.exception() or RuntimeError())
 
     async def exchange_with(self, peer: PeerInfo, fragment: int) -> Outcome:
-        stub, channel = self.channels.stub_and_channel(peer.endpoint)
+        stub, channel = self.channels.stub_and_channel(peer.endpoint, peer.cert)
         await connect(channel, peer.endpoint, self.net.connect_timeout_s)
         deadline = self.cfg.exchange_timeout_s + self.cfg.commit_timeout_s
         return await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
@@ -236,9 +276,12 @@ class GossipLoop:
                                              peer.endpoint.rsplit(":", 1)[0])
 
     def _failed(self, peer: PeerInfo, exc: BaseException) -> None:
+        """Back ``peer`` off: 4 times longer if it never exchanged with this node, so
+        records that never answer are tried rarely."""
         self.exchanger.stats.failed += 1
         self.exchanger.stats.failures[f"outbound:{type(exc).__name__}"] += 1
-        seconds = self.book.failed(peer, self.cfg.backoff_s, self.cfg.max_backoff_s)
+        base = self.cfg.backoff_s * (1 if self.exchanger.known_good(peer.peer_id) else 4)
+        seconds = self.book.failed(peer, base, self.cfg.max_backoff_s)
         log.debug("exchange with %s failed (backoff %.0f s): %s", safe(peer.peer_id), seconds, exc)
 
 

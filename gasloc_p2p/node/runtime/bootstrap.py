@@ -1,18 +1,28 @@
-"""Which downloaded state a joining node adopts: never one donor's word alone.
+"""Which downloaded state a joining node adopts: never one donor's word, nor a few colluders'.
 
 A peer's announced step is self-declared, so it does not choose the donor (a fake record
 announcing a huge step would otherwise hand every joining node its state). The node downloads
-from donors in random order and adopts a state only once two donors agree: the RMS of their
-difference is at most ``tol`` times the larger RMS displacement from ``theta_0`` (honest nodes
-of one swarm are near consensus, far closer to each other than to ``theta_0``; a poisoned state
-is not). With a single compatible peer there is nothing to compare: its state is adopted if it
-is finite and bounded, and the log says it is unverified. Otherwise, donors that disagree mean
-starting from ``theta_0``: bounded updates then protect the node while gossip brings it in.
+from up to a handful of donors, measures each state on a private random sample of coordinates
+(:class:`Sampler`, drawn here: a donor cannot know where it is looked at) and adopts a state
+only when at least three donors (all of them, if fewer answer) agree pairwise: the RMS of
+their difference is at most ``AGREEMENT_TOL`` times the *smaller* of their displacements from
+``theta_0``. Honest nodes of one swarm are far closer to each other than to ``theta_0``; a
+poisoned state is not close to them, and a donor can only shrink the tolerance it is judged
+by, never widen it (the rule before took the larger displacement: a far poisoned state widened
+its own tolerance). Of the agreeing group the node adopts the medoid, a real donor's state.
+
+Before keeping it, the node evaluates the state on its own validation batches: a loss above
+``theta_0``'s, or implausibly far above what the group's donors announce for the same
+validation set, sends it back to ``theta_0`` (:func:`implausible_loss`). A state that starts
+from ``theta_0`` is then protected by the bounded updates while gossip brings it in.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -21,18 +31,28 @@ from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 
 AGREEMENT_TOL = 0.5
 MAX_ABS_VALUE = 1e6  # as the exchange engine's limit on decoded values
+SKETCH_SIZE = 1 << 16  # sampled coordinates: RMS estimates within about 1%
+NEED_AGREEING = 3
+LOSS_FACTOR, LOSS_SLACK = 1.2, 0.05  # a state's loss here vs the donors' announced median
+_CHUNK = 1 << 24  # elements per pass over a full vector (bounded temporaries)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Candidate:
     """One donor's downloaded state: public iterate and outer memory (None: the donor keeps
-    none), float32 ``[numel]``."""
+    none), float32 ``[numel]``; ``params`` None once dropped to save host memory (the sample
+    stays). ``sketch`` (float64 ``[SKETCH_SIZE]``) and ``displacement`` (RMS from
+    ``theta_0``) come from :meth:`Sampler.measure`; ``announced_loss`` is the donor's own
+    validation loss when its validation set is this node's (else NaN)."""
 
     peer_id: str
     step: int
-    params: torch.Tensor
+    params: torch.Tensor | None
     memory: torch.Tensor | None
     meta: pb.StateMeta
+    sketch: torch.Tensor | None = None
+    displacement: float = math.nan
+    announced_loss: float = math.nan
 
 
 def problem(c: Candidate, numel: int) -> str:
@@ -51,20 +71,79 @@ def problem(c: Candidate, numel: int) -> str:
 
 
 def rms(t: torch.Tensor) -> float:
-    return float(t.norm()) / math.sqrt(max(t.numel(), 1))
+    return float(t.double().norm()) / math.sqrt(max(t.numel(), 1))
 
 
-def agree(a: Candidate, b: Candidate, theta0: torch.Tensor, tol: float = AGREEMENT_TOL) -> bool:
-    """Whether two donors' public iterates are close relative to their progress."""
-    theta0 = theta0.to(a.params.device, torch.float32)  # downloads are on the host
-    scale = max(rms(a.params - theta0), rms(b.params - theta0))
-    return rms(a.params - b.params) <= tol * scale
+class Sampler:
+    """A private random sample of ``numel`` coordinates (drawn from the OS's randomness, so no
+    donor can predict it) and ``theta_0`` there."""
+
+    def __init__(self, theta0: torch.Tensor, size: int = SKETCH_SIZE) -> None:
+        numel = theta0.numel()
+        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+        self.index = (torch.randperm(numel, generator=gen)[:size] if numel <= size
+                      else torch.randint(numel, (size,), generator=gen))
+        self.theta0 = theta0
+
+    def measure(self, c: Candidate) -> None:
+        """Set ``c.sketch`` and ``c.displacement`` (one pass over its full vector)."""
+        assert c.params is not None
+        c.sketch = c.params[self.index].double()
+        total = 0.0
+        for start in range(0, c.params.numel(), _CHUNK):
+            part = self.theta0[start:start + _CHUNK].to("cpu", torch.float64)
+            total += float((c.params[start:start + _CHUNK].double() - part).square().sum())
+        c.displacement = math.sqrt(total / max(c.params.numel(), 1))
 
 
-def choose(states: list[Candidate], theta0: torch.Tensor) -> Candidate | None:
-    """The state to adopt among ``states``: the later of the first agreeing pair, or None."""
-    for i, a in enumerate(states):
-        for b in states[i + 1:]:
-            if agree(a, b, theta0):
-                return a if a.step >= b.step else b
+def distance(a: Candidate, b: Candidate) -> float:
+    """The sampled RMS distance of two measured candidates."""
+    assert a.sketch is not None and b.sketch is not None
+    return rms(a.sketch - b.sketch)
+
+
+def agree(a: Candidate, b: Candidate, tol: float = AGREEMENT_TOL) -> bool:
+    """Whether two measured donors' states are close relative to the smaller progress."""
+    return distance(a, b) <= tol * min(a.displacement, b.displacement)
+
+
+def needed(answered: int) -> int:
+    """Donors that must agree when ``answered`` gave a usable state: three, or all of them
+    when fewer answered (one alone is adopted unverified, after the loss check)."""
+    return min(NEED_AGREEING, answered)
+
+
+def choose(cands: list[Candidate], need: int) -> tuple[Candidate, list[Candidate]] | None:
+    """The medoid of the largest group of at least ``need`` candidates that pairwise agree
+    (of equal groups, the tightest), and that group; None if there is none. The donor order
+    does not matter."""
+    for size in range(len(cands), max(need, 1) - 1, -1):
+        groups = [g for g in itertools.combinations(cands, size)
+                  if all(agree(a, b) for a, b in itertools.combinations(g, 2))]
+        if groups:
+            group = min(groups, key=_spread)
+            medoid = min(group, key=lambda c: sum(distance(c, o) for o in group))
+            return medoid, list(group)
     return None
+
+
+def _spread(group: tuple[Candidate, ...]) -> float:
+    return sum(distance(a, b) for a, b in itertools.combinations(group, 2))
+
+
+def implausible_loss(loss: float, start_loss: float, announced: list[float]) -> str:
+    """Why a state whose validation loss here is ``loss`` is refused ("" if it is not):
+    not finite, above ``theta_0``'s loss here (``start_loss``), or above ``LOSS_FACTOR``
+    times the median of what its group's donors announce (NaN entries: another validation
+    set) plus ``LOSS_SLACK``."""
+    if not math.isfinite(loss):
+        return f"its validation loss here is {loss}"
+    if loss > start_loss:
+        return f"its validation loss here {loss:.4f} is above theta_0's {start_loss:.4f}"
+    said = [x for x in announced if math.isfinite(x)]
+    if said:
+        limit = LOSS_FACTOR * statistics.median(said) + LOSS_SLACK
+        if loss > limit:
+            return (f"its validation loss here {loss:.4f} is far above what its donors "
+                    f"announce (median {statistics.median(said):.4f})")
+    return ""

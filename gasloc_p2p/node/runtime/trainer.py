@@ -65,7 +65,8 @@ def load_data(cfg: TrainConfig, seed: int) -> TrainingData:
     every node). Streamed data (JSON Lines / Parquet) is read lazily."""
     return load_training_data(cfg.data, cfg.tokenizer, cfg.data_field, seq_len=cfg.seq_len,
                               batch_size=cfg.batch_size * cfg.grad_accum,
-                              eval_batches=cfg.eval_batches, shard=cfg.shard_spec(), seed=seed)
+                              eval_batches=cfg.eval_batches, shard=cfg.shard_spec(), seed=seed,
+                              data_sha256=cfg.data_sha256)
 
 
 def build_node_model(cfg: TrainConfig, vocab_size: int) -> BuiltModel:
@@ -340,6 +341,12 @@ class Trainer:
         log.warning("loss %s at step %d (limit %.4g): rolled back to the last good anchor "
                     "(rollbacks %d; non-finite %d of at most %d)", loss, st.step, limit,
                     st.rollbacks, self._nonfinite, self.cfg.max_rollbacks)
+
+    def val_loss(self) -> float:
+        """The validation loss of the current parameters (nats per token); blocking, and
+        only while the trainer thread does not run (start-up checks)."""
+        with self.inner.autocast():
+            return evaluate(self.model, self.val)
 
     def _evaluate(self) -> None:
         with self.inner.autocast():

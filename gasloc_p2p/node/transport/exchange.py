@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -65,6 +65,7 @@ CallFactory = Callable[[], Any]
 Write = Callable[[pb.ExchangeMsg], Awaitable[None]]
 T = TypeVar("T")
 _MAX_PENALIZED = 1024  # peers remembered as penalized (bounded memory)
+_MAX_GOOD = 4096  # peers remembered as having committed an exchange here
 
 
 def remote_address(context: Any) -> str:
@@ -98,8 +99,16 @@ class GossipTransport:
         # address block -> end of its penalty for keys without full trust here (a refused
         # peer's next fresh identity from the same block is not a stranger)
         self._penalized_blocks: dict[str, float] = {}
+        # peers with a committed exchange here, newest last (bounded): they get the reserved
+        # inbound slots
+        self._good: OrderedDict[str, None] = OrderedDict()  # at most _MAX_GOOD
+        self.reserved_inbound = max(1, gossip.max_inbound // 2)
         # called with every committed exchange and its wall time, either role
         self.on_commit: Callable[[Outcome, float], None] | None = None
+
+    def known_good(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` committed an exchange with this node (lately; bounded)."""
+        return peer_id in self._good
 
     def block_penalized(self, peer_id: str, block: str) -> bool:
         """Whether ``peer_id`` from ``block`` is refused: a key without full trust here from
@@ -197,18 +206,29 @@ class GossipTransport:
                         "applied", exc)
 
     # ----------------------------------------------------------------- responder
-    async def respond(self, stream: MessageStream) -> None:
-        """Serve one inbound exchange on ``stream``; never raises for peer errors."""
+    async def respond(self, stream: MessageStream,
+                      authenticated: Callable[[], None] | None = None,
+                      header_s: float | None = None) -> None:
+        """Serve one inbound exchange on ``stream``; never raises for peer errors.
+
+        ``authenticated`` is called once the initiator's Header passed its checks (signature
+        included), ``header_s`` bounds the wait for that Header (the pre-authentication
+        deadline)."""
         session = ExchangeSession.responder(self.rules, self.engine)
         block = address_block(remote_address(stream))
         try:
-            actions = session.receive(await self._read(stream, session))
+            actions = session.receive(await self._read(stream, session, header_s))
         except (ExchangeError, TimeoutError) as exc:
             self._fail("inbound-no-header", exc)
             return
         if actions and isinstance(actions[0], Admit):
             peer = actions[0].peer_id
-            if (not self.accepting or self.inbound >= self.cfg.max_inbound
+            if authenticated is not None:
+                authenticated()
+            # peers that exchanged with us before have slots of their own: newcomers holding
+            # every slot (an open swarm's free keys) cannot shut them out
+            limit = self.cfg.max_inbound + (self.reserved_inbound if peer in self._good else 0)
+            if (not self.accepting or self.inbound >= limit
                     or peer in self.inflight or peer in self.penalized()
                     or self.block_penalized(peer, block)):
                 actions = session.refused()
@@ -348,10 +368,11 @@ class GossipTransport:
         assert isinstance(done, Done)
         return done.outcome
 
-    async def _read(self, stream: MessageStream, session: ExchangeSession) -> Any:
+    async def _read(self, stream: MessageStream, session: ExchangeSession,
+                    cap_s: float | None = None) -> Any:
         expected = session.expecting()
         assert expected is not None, f"nothing to read in stage {session.stage}"
-        timeout_s, rate_bound = expected[1], False
+        timeout_s, rate_bound = min(expected[1], cap_s or float("inf")), False
         guard = self._guards.get(id(session))
         if session.stage is Stage.TRANSFER and session.receiving_payload:
             if guard is None:
@@ -379,6 +400,10 @@ class GossipTransport:
 
     def _record(self, initiator: bool, outcome: Outcome, started: float) -> Outcome:
         st, took = self.stats, time.monotonic() - started
+        self._good[outcome.peer_id] = None
+        self._good.move_to_end(outcome.peer_id)
+        if len(self._good) > _MAX_GOOD:
+            self._good.popitem(last=False)
         st.record_commit(took, outcome.weight, outcome.correction_norm, outcome.numel)
         if self.on_commit is not None:
             self.on_commit(outcome, took)

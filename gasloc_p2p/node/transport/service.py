@@ -23,9 +23,12 @@ import torch
 from gasloc_p2p import __version__
 from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.exchange import GossipTransport, remote_address
+from gasloc_p2p.node.transport.tls import secure_channel, server_credentials
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
+from gasloc_p2p.protocol.certs import TlsIdentity
+from gasloc_p2p.protocol.guard import address_block
 from gasloc_p2p.protocol.messages import (
     BAD_REQUEST,
     BUSY,
@@ -33,13 +36,14 @@ from gasloc_p2p.protocol.messages import (
     INFO_DOMAIN,
     MAX_CHUNK_BYTES,
     PROTOCOL_VERSION,
+    REFUSED,
     RUN_MISMATCH,
     STATE_DOMAIN,
     UNAUTHENTICATED,
     VERSION_MISMATCH,
+    Challenges,
     ExchangeError,
     Identity,
-    ReplayCache,
     check_request_auth,
     info_fields,
     reject,
@@ -142,14 +146,56 @@ class SharedSnapshot:
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """Bounds on what callers can hold open: Exchange streams in all (before their Header
-    too) and per remote address, concurrent state downloads, and the clock skew accepted in
-    a signed request."""
+    """Bounds on what callers can hold open: Exchange streams that have not shown a valid
+    Header yet and how long they may take to, concurrent state downloads, and the clock skew
+    accepted in a signed request."""
 
-    max_streams: int = 12
-    max_streams_per_address: int = 3
+    preauth_streams: int = 8
+    preauth_timeout_s: float = 3.0
     max_downloads: int = 2
     auth_skew_s: float = 120.0
+
+
+class PreauthPool:
+    """Exchange streams that have not shown a valid Header yet: at most ``size``.
+
+    When the pool is full a new stream displaces the oldest stream of the address block
+    (/24, /48) that holds the most, instead of being refused: idle streams hold a slot only
+    until the next stream arrives, and an honest initiator, whose Header follows its stream
+    at once, is through in milliseconds. A pool that refused newcomers was held shut by 15
+    idle streams (no honest exchange was answered for 40 s).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._streams: dict[object, tuple[str, asyncio.Task[Any]]] = {}  # oldest first
+        self._gone: set[object] = set()  # displaced, until their handler has noticed
+        self.displaced = 0
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def enter(self, key: object, block: str, task: asyncio.Task[Any]) -> None:
+        """Admit the stream ``key`` from ``block`` served by ``task`` (its handler); when
+        full, cancel the handler of the oldest stream of the busiest block."""
+        if len(self._streams) >= self.size:
+            counts = Counter(b for b, _ in self._streams.values())
+            busiest = max(counts, key=lambda b: counts[b])
+            victim = next(k for k, (b, _) in self._streams.items() if b == busiest)
+            self._streams.pop(victim)[1].cancel()
+            self._gone.add(victim)
+            self.displaced += 1
+        self._streams[key] = (block, task)
+
+    def leave(self, key: object) -> None:
+        self._streams.pop(key, None)
+
+    def was_displaced(self, key: object) -> bool:
+        """Whether ``key``'s handler was cancelled to make room (once: then forgotten)."""
+        if key in self._gone:
+            self._gone.discard(key)
+            return True
+        return False
 
 
 class GossipServicer(pb_grpc.GossipServicer):
@@ -167,46 +213,43 @@ class GossipServicer(pb_grpc.GossipServicer):
 
     def __init__(self, me: Identity, exchanger: GossipTransport | None,
                  info: Callable[[], pb.InfoReply], snapshot: Callable[[], StateSnapshot],
-                 header_timeout_s: float = 10.0, limits: ServeLimits | None = None) -> None:
+                 limits: ServeLimits | None = None) -> None:
         self.me = me
         self.exchanger = exchanger
         self.info = info
-        self.header_timeout_s = header_timeout_s  # for the BUSY answer without an exchanger
         self.limits = limits or ServeLimits()
         self.downloads = SharedSnapshot(snapshot, self.limits.max_downloads)
         self.verifier: Verifier = me.signer or Verifier()
-        # nonces of signed requests accepted lately: a replayed Info or DownloadState is refused
-        self.seen = ReplayCache(2 * self.limits.auth_skew_s)
-        # probe(endpoint, peer_id): does the node at endpoint answer as peer_id (set by the node)
-        self.probe: Callable[[str, str], Awaitable[bool]] | None = None
+        # the nonces signed requests must carry: issued in Info replies, each accepted once
+        self.challenges = Challenges()
+        # probe(endpoint, cert, peer_id): does the node at endpoint, holding cert, answer as
+        # peer_id (set by the node)
+        self.probe: Callable[[str, bytes, str], Awaitable[bool]] | None = None
         self.dht_peer_id = ""  # for bootstrap multiaddrs, in every Info reply (set by the node)
         self._probing = asyncio.Lock()
-        self.streams: Counter[str] = Counter()  # open Exchange streams by remote address
-        self.refused_streams = 0
+        self.preauth = PreauthPool(self.limits.preauth_streams)
 
     async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        addr = remote_address(context)
-        lim = self.limits
-        if (sum(self.streams.values()) >= lim.max_streams
-                or self.streams[addr] >= lim.max_streams_per_address):
-            self.refused_streams += 1
-            log.debug("refusing an Exchange stream from %s: stream limit", addr)
-            await _try_write(context, reject(BUSY, "too many open streams"))
-            return
-        self.streams[addr] += 1
+        key, task = object(), asyncio.current_task()
+        assert task is not None
+        self.preauth.enter(key, address_block(remote_address(context)), task)
         try:
-            await self._exchange(context)
+            await self._exchange(context, lambda: self.preauth.leave(key))
+        except asyncio.CancelledError:
+            if not self.preauth.was_displaced(key):
+                raise  # the server stops
+            task.uncancel()  # displaced by a newer stream: end the call properly
+            await _try_write(context, reject(BUSY, "too many streams waiting"))
         finally:
-            self.streams[addr] -= 1
-            if self.streams[addr] <= 0:
-                del self.streams[addr]
+            self.preauth.leave(key)
 
-    async def _exchange(self, context: grpc.aio.ServicerContext) -> None:
+    async def _exchange(self, context: grpc.aio.ServicerContext,
+                        authenticated: Callable[[], None]) -> None:
         if self.exchanger is not None:
-            await self.exchanger.respond(context)
+            await self.exchanger.respond(context, authenticated, self.limits.preauth_timeout_s)
             return
         try:  # read the header first, as the exchanger does, so the initiator sees the reject
-            await asyncio.wait_for(context.read(), self.header_timeout_s)
+            await asyncio.wait_for(context.read(), self.limits.preauth_timeout_s)
             await context.write(reject(BUSY, "this node does not gossip (--algorithm)"))
         except (TimeoutError, grpc.RpcError, asyncio.InvalidStateError) as exc:
             log.debug("stray Exchange stream dropped: %s", exc)
@@ -217,22 +260,25 @@ class GossipServicer(pb_grpc.GossipServicer):
             self.exchanger.accepting = False
 
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoReply:
+        now = time.time()
         why = check_request_auth(request.auth, self.verifier, INFO_DOMAIN,
-                                 info_fields(request), time.time(), self.limits.auth_skew_s,
-                                 self.me.peer_id, self.seen)
+                                 info_fields(request), now, self.limits.auth_skew_s,
+                                 self.me.peer_id, self.challenges)
         if why is not None:  # health only; never a dial-back for a stranger
             return pb.InfoReply(protocol_version=PROTOCOL_VERSION, run_id=self.me.run_id,
                                 peer_id=self.me.peer_id, software_version=__version__, ok=True,
-                                dht_peer_id=self.dht_peer_id)
+                                dht_peer_id=self.dht_peer_id,
+                                challenge=self.challenges.issue(now))
         reply = self.info()
         reply.ok = reply.authenticated = True
         reply.dht_peer_id = self.dht_peer_id
+        reply.challenge = self.challenges.issue(now)
         if request.probe_endpoint:
-            reply.probe_ok = await self._probe(request.probe_endpoint,
+            reply.probe_ok = await self._probe(request.probe_endpoint, request.probe_cert,
                                                peer_id_of(request.auth.public_key))
         return reply
 
-    async def _probe(self, endpoint: str, caller: str) -> bool:
+    async def _probe(self, endpoint: str, cert: bytes, caller: str) -> bool:
         """Dial ``endpoint`` back with one Info call (a caller's reachability check).
 
         Uses the node's cached client channels (``self.probe``), never a channel owned by this
@@ -243,7 +289,7 @@ class GossipServicer(pb_grpc.GossipServicer):
         if self.probe is None or self._probing.locked():
             return False
         async with self._probing:
-            return await self.probe(endpoint, caller)
+            return await self.probe(endpoint, cert, caller)
 
     async def DownloadState(self, request: pb.StateRequest,
                             context: Any) -> AsyncIterator[pb.StateChunk]:
@@ -269,17 +315,20 @@ class GossipServicer(pb_grpc.GossipServicer):
             self.downloads.release()
 
     def _check_state_request(self, r: pb.StateRequest) -> ExchangeError | None:
+        """Why ``r`` is refused (None: serve it). A caller that is not a member reads only
+        that it is refused; the reason is logged here."""
         if r.protocol_version != PROTOCOL_VERSION:
             return ExchangeError(VERSION_MISMATCH, f"protocol {r.protocol_version}")
+        why = check_request_auth(r.auth, self.verifier, STATE_DOMAIN, state_fields(r),
+                                 time.time(), self.limits.auth_skew_s, self.me.peer_id,
+                                 self.challenges)
+        if why is not None:
+            log.debug("refusing a state request: %s", why)
+            return ExchangeError(UNAUTHENTICATED, REFUSED)
         if r.run_id != self.me.run_id:
             return ExchangeError(RUN_MISMATCH, f"run {r.run_id!r}")
         if r.model_fingerprint != self.me.fingerprint:
             return ExchangeError(FINGERPRINT_MISMATCH, "another model")
-        why = check_request_auth(r.auth, self.verifier, STATE_DOMAIN, state_fields(r),
-                                 time.time(), self.limits.auth_skew_s, self.me.peer_id,
-                                 self.seen)
-        if why is not None:
-            return ExchangeError(UNAUTHENTICATED, why)
         return None
 
 
@@ -291,11 +340,12 @@ async def _try_write(context: Any, msg: pb.ExchangeMsg) -> None:
 
 
 async def start_server(servicer: GossipServicer, host: str, port: int, net: NetworkConfig,
-                       max_inbound: int) -> tuple[grpc.aio.Server, int]:
-    """Start serving on ``host:port`` (0: any free port); returns the server and its port.
+                       max_inbound: int, tls: TlsIdentity) -> tuple[grpc.aio.Server, int]:
+    """Start serving on ``host:port`` (0: any free port) over TLS with ``tls``; returns the
+    server and its port.
 
     gRPC's own cap on concurrent calls is only a backstop far above the servicer's Exchange
-    limit, so Info and health calls always find room (they used to share one cap with idle
+    limits, so Info and health calls always find room (they used to share one cap with idle
     Exchange streams).
 
     OSError naming ``--port`` if the address cannot be bound (checked with a plain socket
@@ -304,10 +354,10 @@ async def start_server(servicer: GossipServicer, host: str, port: int, net: Netw
     if port:
         check_bindable(host, port, "--port", "the gRPC port")
     server = grpc.aio.server(options=grpc_options(net, server=True),
-                             maximum_concurrent_rpcs=servicer.limits.max_streams
+                             maximum_concurrent_rpcs=servicer.limits.preauth_streams
                              + 4 * max_inbound + 64)
     pb_grpc.add_GossipServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} for gRPC (address in use or not local?): "
                       "choose another --port (0: any free port) or --host")
@@ -330,33 +380,38 @@ def check_bindable(host: str, port: int, flag: str, what: str) -> None:
 
 
 class PeerChannels:
-    """A bounded LRU of client channels by ``host:port``; ``close`` is safe to call twice."""
+    """A bounded LRU of TLS client channels by ``host:port`` and pinned certificate;
+    ``close`` is safe to call twice."""
 
     def __init__(self, net: NetworkConfig) -> None:
         self.net = net
-        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._channels: OrderedDict[tuple[str, bytes], grpc.aio.Channel] = OrderedDict()
         self._closing: list[asyncio.Task[None]] = []
 
-    def stub(self, endpoint: str) -> pb_grpc.GossipStub:
-        return self.stub_and_channel(endpoint)[0]
+    def stub(self, endpoint: str, cert: bytes) -> pb_grpc.GossipStub:
+        return self.stub_and_channel(endpoint, cert)[0]
 
-    def stub_and_channel(self, endpoint: str) -> tuple[pb_grpc.GossipStub, grpc.aio.Channel]:
-        """A stub on the cached channel to ``endpoint`` (``host:port``), and the channel."""
-        channel = self._channels.get(endpoint)
+    def stub_and_channel(self, endpoint: str, cert: bytes
+                         ) -> tuple[pb_grpc.GossipStub, grpc.aio.Channel]:
+        """A stub on the cached channel to ``endpoint`` (``host:port``) that trusts only
+        ``cert`` (DER, from the peer's signed record), and the channel. ValueError if
+        ``cert`` is not a certificate with a name."""
+        key = (endpoint, cert)
+        channel = self._channels.get(key)
         if channel is None:
-            channel = grpc.aio.insecure_channel(endpoint, options=grpc_options(self.net, False))
-            self._channels[endpoint] = channel
+            channel = secure_channel(endpoint, cert, grpc_options(self.net, False))
+            self._channels[key] = channel
             if len(self._channels) > self.net.max_channels:
                 _, old = self._channels.popitem(last=False)
                 self._closing = [f for f in self._closing if not f.done()]
                 self._closing.append(asyncio.ensure_future(old.close(grace=1.0)))
-        self._channels.move_to_end(endpoint)
+        self._channels.move_to_end(key)
         return pb_grpc.GossipStub(channel), channel
 
-    def discard(self, endpoint: str) -> None:
+    def discard(self, endpoint: str, cert: bytes) -> None:
         """Close the channel to ``endpoint`` (after a failed connect: the next attempt starts
         afresh instead of inheriting gRPC's growing reconnect backoff)."""
-        channel = self._channels.pop(endpoint, None)
+        channel = self._channels.pop((endpoint, cert), None)
         if channel is not None:
             self._closing = [f for f in self._closing if not f.done()]  # bounded: a dead peer
             self._closing.append(asyncio.ensure_future(channel.close(grace=0)))  # is retried
@@ -368,39 +423,40 @@ class PeerChannels:
         self._closing = []
 
 
-def info_request(signer: Signer | None, probe_endpoint: str = "",
-                 target: str = "") -> pb.InfoRequest:
-    """An Info request, signed for ``target`` if ``signer`` is given (else the node answers
-    health only)."""
-    request = pb.InfoRequest(probe_endpoint=probe_endpoint)
-    return request if signer is None else sign_info_request(request, signer, time.time(),
-                                                              target)
+def info_request(signer: Signer, target: str, challenge: bytes, probe_endpoint: str = "",
+                 probe_cert: bytes = b"") -> pb.InfoRequest:
+    """An Info request signed for ``target`` with the ``challenge`` it issued; with
+    ``probe_endpoint``, a dial-back to it trusting ``probe_cert``."""
+    request = pb.InfoRequest(probe_endpoint=probe_endpoint, probe_cert=probe_cert)
+    return sign_info_request(request, signer, time.time(), target, challenge)
 
 
-async def target_of(stub: pb_grpc.GossipStub, timeout_s: float) -> str:
-    """The peer id a node answers with to an unsigned Info (what a signed request is bound
-    to; a node that lies about it refuses the request it gets)."""
+async def target_of(stub: pb_grpc.GossipStub, timeout_s: float) -> tuple[str, bytes]:
+    """The peer id a node answers with to an unsigned Info and the challenge it issued
+    (what a signed request is bound to; a node that lies about its id refuses the request it
+    gets)."""
     health: pb.InfoReply = await stub.Info(pb.InfoRequest(), timeout=timeout_s)
-    return health.peer_id
+    return health.peer_id, health.challenge
 
 
 async def fetch_info(stub: pb_grpc.GossipStub, timeout_s: float,
                      signer: Signer | None = None) -> pb.InfoReply:
     """A node's Info: health only without ``signer``; signed, one round trip more (the
-    node's peer id, which the request is bound to)."""
+    node's peer id and challenge, which the request is bound to)."""
     if signer is None:
         health: pb.InfoReply = await stub.Info(pb.InfoRequest(), timeout=timeout_s)
         return health
-    target = await target_of(stub, timeout_s)
-    reply: pb.InfoReply = await stub.Info(info_request(signer, target=target), timeout=timeout_s)
+    target, challenge = await target_of(stub, timeout_s)
+    reply: pb.InfoReply = await stub.Info(info_request(signer, target, challenge),
+                                          timeout=timeout_s)
     return reply
 
 
-def state_request(run_id: str, fingerprint: str, signer: Signer,
-                  target: str) -> pb.StateRequest:
+def state_request(run_id: str, fingerprint: str, signer: Signer, target: str,
+                  challenge: bytes) -> pb.StateRequest:
     request = pb.StateRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id,
                               model_fingerprint=fingerprint)
-    return sign_state_request(request, signer, time.time(), target)
+    return sign_state_request(request, signer, time.time(), target, challenge)
 
 
 async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: float,
@@ -411,7 +467,7 @@ async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: floa
     another size is refused before any byte of it is buffered."""
     assert me.signer is not None, "state requests are signed"
     request = state_request(me.run_id, me.fingerprint, me.signer,
-                            await target_of(stub, timeout_s))
+                            *await target_of(stub, timeout_s))
     meta: pb.StateMeta | None = None
     body = bytearray()
     async with asyncio.timeout(timeout_s):

@@ -27,21 +27,23 @@ INTERNAL: RejectCode
 UNAUTHENTICATED: RejectCode
 
 class Auth(_message.Message):
-    __slots__ = ("public_key", "timestamp", "signature", "target", "nonce")
+    __slots__ = ("public_key", "timestamp", "signature", "target", "nonce", "invitation")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    INVITATION_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     timestamp: float
     signature: bytes
     target: str
     nonce: bytes
-    def __init__(self, public_key: _Optional[bytes] = ..., timestamp: _Optional[float] = ..., signature: _Optional[bytes] = ..., target: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    invitation: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., timestamp: _Optional[float] = ..., signature: _Optional[bytes] = ..., target: _Optional[str] = ..., nonce: _Optional[bytes] = ..., invitation: _Optional[bytes] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_digest", "rounds", "public_key", "nonce", "signature")
+    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_digest", "rounds", "public_key", "nonce", "signature", "invitation")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class Header(_message.Message):
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    INVITATION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     model_fingerprint: str
@@ -72,7 +75,8 @@ class Header(_message.Message):
     public_key: bytes
     nonce: bytes
     signature: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_digest: _Optional[bytes] = ..., rounds: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    invitation: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_digest: _Optional[bytes] = ..., rounds: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., invitation: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data",)
@@ -125,15 +129,17 @@ class ExchangeMsg(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ("probe_endpoint", "auth")
+    __slots__ = ("probe_endpoint", "probe_cert", "auth")
     PROBE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_CERT_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     probe_endpoint: str
+    probe_cert: bytes
     auth: Auth
-    def __init__(self, probe_endpoint: _Optional[str] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
+    def __init__(self, probe_endpoint: _Optional[str] = ..., probe_cert: _Optional[bytes] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs", "probe_ok", "ok", "authenticated", "dht_peer_id", "validation_set", "model", "fragment_syncs")
+    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs", "probe_ok", "ok", "authenticated", "dht_peer_id", "validation_set", "model", "fragment_syncs", "challenge")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +173,7 @@ class InfoReply(_message.Message):
     VALIDATION_SET_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_SYNCS_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     software_version: str
     run_id: str
@@ -200,7 +207,8 @@ class InfoReply(_message.Message):
     validation_set: str
     model: str
     fragment_syncs: _containers.RepeatedCompositeFieldContainer[FragmentSync]
-    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., ok: _Optional[bool] = ..., authenticated: _Optional[bool] = ..., dht_peer_id: _Optional[str] = ..., validation_set: _Optional[str] = ..., model: _Optional[str] = ..., fragment_syncs: _Optional[_Iterable[_Union[FragmentSync, _Mapping]]] = ...) -> None: ...
+    challenge: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., ok: _Optional[bool] = ..., authenticated: _Optional[bool] = ..., dht_peer_id: _Optional[str] = ..., validation_set: _Optional[str] = ..., model: _Optional[str] = ..., fragment_syncs: _Optional[_Iterable[_Union[FragmentSync, _Mapping]]] = ..., challenge: _Optional[bytes] = ...) -> None: ...
 
 class FragmentSync(_message.Message):
     __slots__ = ("index", "offset", "numel", "syncs_ok", "syncs_failed", "syncs_solo", "last_start_step", "epoch", "bytes_sent", "wait_s", "resyncs")
@@ -269,3 +277,13 @@ class StateChunk(_message.Message):
     data: bytes
     reject: Reject
     def __init__(self, meta: _Optional[_Union[StateMeta, _Mapping]] = ..., data: _Optional[bytes] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ManifestReply(_message.Message):
+    __slots__ = ("manifest_json",)
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    manifest_json: str
+    def __init__(self, manifest_json: _Optional[str] = ...) -> None: ...

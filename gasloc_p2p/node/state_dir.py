@@ -1,0 +1,55 @@
+"""Where a node keeps its identity by default, so that its peer id survives restarts.
+
+A node started without ``--identity-file`` (and without an invitation that carries its key)
+keeps its key in ``<checkpoint-dir>/identity.key`` when it checkpoints, else in
+``$XDG_DATA_HOME/gasloc_p2p/nodes/<run id>/identity.key``. Several nodes of one run on one
+machine (a local swarm, tests) each take the first of ``identity.key``, ``identity-1.key``, ...
+that no running node holds: a node holds its key file's lock while it runs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import IO
+
+from gasloc_p2p.node.config import NodeConfig
+
+MAX_NODES_PER_RUN = 64
+_held: list[IO[bytes]] = []  # the lock files of this process's node (held until it exits)
+
+
+def data_home() -> Path:
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+
+
+def default_identity(cfg: NodeConfig) -> str:
+    """The identity file a node with ``cfg`` uses ("" when it needs none of its own: a file
+    was given, or its invitation holds its key); creates the folder and takes the file's
+    lock. OSError if no file is free (more than ``MAX_NODES_PER_RUN`` nodes of the run)."""
+    net = cfg.network
+    if net.identity_file:
+        return net.identity_file
+    if net.invitation:
+        from gasloc_p2p.protocol.membership import read_invitation
+
+        if read_invitation(net.invitation)[1]:
+            return ""
+    if cfg.checkpoint.checkpoint_dir:
+        folder = Path(cfg.checkpoint.checkpoint_dir)
+    else:
+        folder = data_home() / "gasloc_p2p" / "nodes" / cfg.discovery.run_id
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for i in range(MAX_NODES_PER_RUN):
+        path = folder / ("identity.key" if i == 0 else f"identity-{i}.key")
+        lock = open(folder / f".{path.name}.lock", "wb")  # noqa: SIM115 - held while it runs
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
+        _held.append(lock)
+        return str(path)
+    raise OSError(f"{MAX_NODES_PER_RUN} nodes of run {cfg.discovery.run_id!r} already run on "
+                  f"this machine ({folder}): pass --identity-file")
