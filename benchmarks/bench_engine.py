@@ -2,9 +2,9 @@
 
 Counts (any device; on a CPU through ``TorchDispatchMode``): tensor operations and host
 synchronisations of one whole exchange (prepare, check with the guard's screen, commit, both
-sides), with the engine's device chunks (``ON_DEVICE_CHUNK``, 2^26 elements) and with the old
+sides), with the engine's device chunks (``ON_DEVICE_CHUNK``, 2^24 elements) and with the old
 cache-sized ones (2^18): within a device chunk the first does not grow with the model; past
-it the syncs stay and the launches add one chunk's worth per 2^26 elements. Times (``--device cuda`` on a GPU): one side's
+it the syncs stay and the launches add one chunk's worth per 2^24 elements. Times (``--device cuda`` on a GPU): one side's
 prepare + check + commit against a device-to-device copy of the model's float32 bytes (goal:
 at most 5x), alone and while a training-like load keeps the GPU busy.
 
@@ -27,15 +27,18 @@ from gasloc_p2p.core.wire import payload_digest
 from gasloc_p2p.protocol.engine import ON_DEVICE_CHUNK
 
 
-def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3) -> dict[str, float]:
+def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3,
+                  stream_payloads: bool | None = None) -> dict[str, float]:
     """One side's prepare + check + commit on ``device`` (best of ``reps``, wall clock), split
     into its parts: the host CRC32 of our payload (the peer's is computed by the session as its
     chunks arrive, overlapping the network), and on a GPU (one profiled exchange) the
     kernels' and the host<->device copies' device time; against a device-to-device copy of
     ``numel`` float32 values. The peer's payload sits in a pinned receive buffer, as the
     session leaves it. ``busy``: while another thread keeps the device multiplying matrices
-    (training's load)."""
-    a, b = engines(numel, 0, device=device)
+    (training's load). ``stream_payloads``: the engine's choice (None: streamed int8
+    payloads on a GPU; False: both payloads kept on the device, for the side-by-side figure)."""
+    a, b = engines(numel, 0, device=device, stream_payloads=stream_payloads)
+    streaming = a.streams(CodecSpec.parse("int8"))
     spec = CodecSpec.parse("int8")
     pb = b.prepare("A", 0, spec)
     received = a.payload_buffer(len(pb.payload))
@@ -74,7 +77,8 @@ def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3) ->
             loader.join()
     return {"numel": numel, "exchange_s": best, "copy_s": copy_s, "ratio": best / copy_s,
             "digest_s": digest_s, "kernels_s": kernels_s, "copies_s": copies_s,
-            "kernel_ratio": kernels_s / copy_s, "payload_bytes": len(pb.payload)}
+            "kernel_ratio": kernels_s / copy_s, "payload_bytes": len(pb.payload),
+            "streamed": streaming}
 
 
 def _device_times(fn: object) -> tuple[float, float]:
@@ -110,7 +114,7 @@ def _sync(device: str) -> None:
 
 
 def describe(r: dict[str, float]) -> str:
-    return (f"exchange {r['exchange_s'] * 1e3:.1f} ms wall, of which CRC32 of our payload "
+    return (f"{'streamed' if r.get('streamed') else 'payloads on the device'}: exchange {r['exchange_s'] * 1e3:.1f} ms wall, of which CRC32 of our payload "
             f"{r['digest_s'] * 1e3:.1f} ms; kernels {r['kernels_s'] * 1e3:.2f} ms, payload copies "
             f"over PCIe {r['copies_s'] * 1e3:.2f} ms ({r['payload_bytes'] / 2**20:.0f} MiB "
             f"each); device copy of the fp32 model {r['copy_s'] * 1e3:.2f} ms: kernels "
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="also write the figures here")
     args = p.parse_args(argv)
     rows = []
-    print("per exchange (both sides): tensor ops and host syncs; device chunks 2^26 vs the "
+    print("per exchange (both sides): tensor ops and host syncs; device chunks 2^24 vs the "
           "old 2^18")
     for n in (int(float(s)) for s in args.sizes.split(",")):
         big, small = count_exchange(n, ON_DEVICE_CHUNK), count_exchange(n, 1 << 18)

@@ -48,9 +48,11 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
     return device is not None and torch.device(device).type == "cpu"
 
 
-def engines(numel: int, chunk: int, device: str = "cpu") -> list[ExchangeEngine]:
+def engines(numel: int, chunk: int, device: str = "cpu",
+            stream_payloads: bool | None = None) -> list[ExchangeEngine]:
     """Two engines of ``numel`` parameters on ``device`` (their theta_0 on the host, as a
-    node keeps it); ``chunk`` 0: the device's default."""
+    node keeps it); ``chunk`` 0: the device's default; ``stream_payloads``: the engine's
+    (None: streamed int8 payloads on a GPU)."""
     out = []
 
     def randn(seed: int, std: float) -> torch.Tensor:  # drawn where it is used (1B: seconds)
@@ -62,7 +64,8 @@ def engines(numel: int, chunk: int, device: str = "cpu") -> list[ExchangeEngine]
     for seed in (0, 1):
         theta = randn(seed, 1e-3).add_(theta0).add_(common)
         state = AsyncGaslocState(theta, theta, AsyncConfig(), host="cpu")
-        engine = ExchangeEngine(state, host0, [whole(numel)], NoLock(), chunk or None)
+        engine = ExchangeEngine(state, host0, [whole(numel)], NoLock(), chunk or None,
+                                stream_payloads)
         engine.guard = UpdateGuard(GuardRule(trust_after=1, round_budget=1e30,
                                              block_budget=1e30))
         engine.guard.round_end({0: 1.0})  # a drift that admits these nodes' distance

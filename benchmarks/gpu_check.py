@@ -123,13 +123,42 @@ def exchange_once(node: Any) -> None:
     engine.commit(mine, got, 0.5)
 
 
+def live_tensors(node: Any, top: int = 8) -> str:
+    """The largest live CUDA tensors the garbage collector sees, apart from the parameters'
+    buffer and the AdamW state, by storage (a diagnostic of memory at rest)."""
+    import gc
+
+    skip = {node.flat.buffer.untyped_storage().data_ptr()} | {
+        t.untyped_storage().data_ptr() for st in node.optimizer.state.values()
+        for t in st.values() if isinstance(t, torch.Tensor)}
+    seen: dict[int, tuple[int, str]] = {}
+    for obj in gc.get_objects():
+        try:
+            if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+                continue
+            ptr = obj.untyped_storage().data_ptr()
+            if ptr in skip or ptr in seen:
+                continue
+            seen[ptr] = (obj.untyped_storage().nbytes(),
+                         f"{tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}")
+        except Exception:  # noqa: BLE001, S112 (a diagnostic walks whatever it finds)
+            continue
+    total = sum(n for n, _ in seen.values())
+    big = sorted(seen.values(), reverse=True)[:top]
+    return (f"{len(seen)} tensors, {total / GiB:.3f} GiB: "
+            + ", ".join(f"{n / 2**20:.0f} MiB {what}" for n, what in big))
+
+
 def part_memory(paths: dict[str, Path]) -> list[dict[str, Any]]:
+    import gc
+
     rows = []
     for name, kw in (("135m", {"seq_len": 512, "batch_size": 8}),
                      ("1b", {"seq_len": 2048, "batch_size": 1,
                              "activation_checkpointing": True})):
         rows.append(measure_node(name, paths, kw))
-        torch.cuda.empty_cache()
+        gc.collect()  # the node's reference cycles: else it stays on the device (1.5 GiB at
+        torch.cuda.empty_cache()  # 135M, counted in the 1B figures of earlier runs)
     return rows
 
 
@@ -143,6 +172,12 @@ def measure_node(name: str, paths: dict[str, Path], kw: dict[str, Any]) -> dict[
     n = node.flat.numel
     peak_of(lambda: [node.step() for _ in range(3)])
     rest = torch.cuda.memory_allocated()
+    known = node.flat.buffer.nbytes + sum(
+        t.nbytes for st in node.optimizer.state.values() for t in st.values()
+        if isinstance(t, torch.Tensor) and t.is_cuda)
+    print(f"memory {name}: at rest {rest / GiB:.2f} GiB, parameters and AdamW state "
+          f"{known / GiB:.2f} GiB; the largest other live CUDA tensors: {live_tensors(node)}",
+          flush=True)
     peak_total = torch.cuda.max_memory_allocated()
     _, ckpt = peak_of(node.state_for_checkpoint)
     _, snap = peak_of(lambda: snapshot(node))
@@ -229,13 +264,13 @@ def part_engine() -> list[dict[str, Any]]:
     from benchmarks.bench_engine import describe, time_exchange
 
     rows = []
-    for n in (135_000_000, 1_236_000_000):
-        for busy in (False, True):
-            r = time_exchange(n, "cuda", busy)
-            rows.append({"part": "engine", "numel": n, "busy": busy, **r})
-            print(f"engine {n / 1e6:.0f}M{' (GPU busy)' if busy else ''}: {describe(r)}",
-                  flush=True)
-            torch.cuda.empty_cache()
+    for n, busy, streamed in ((135_000_000, False, None), (1_236_000_000, False, None),
+                              (1_236_000_000, False, False), (1_236_000_000, True, None)):
+        r = time_exchange(n, "cuda", busy, stream_payloads=streamed)
+        rows.append({"part": "engine", "numel": n, "busy": busy, **r})
+        print(f"engine {n / 1e6:.0f}M{' (GPU busy)' if busy else ''}: {describe(r)}",
+              flush=True)
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -372,7 +407,8 @@ def part_trace(paths: dict[str, Path], layers: int = 2) -> list[dict[str, Any]]:
 def part_tests() -> list[dict[str, Any]]:
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/test_cuda.py", "tests/test_device_paths.py"],
+                           "tests/test_cuda.py", "tests/test_device_paths.py",
+                           "tests/test_streamed.py"],
                           capture_output=True, text=True, env=env)
     summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
     print(f"CUDA tests: {summary}", flush=True)
@@ -392,7 +428,7 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
         if r["part"] == "trace":
             continue  # a diagnostic: printed, not tabled
         if r["part"] == "tests":
-            lines.append(f"| CUDA tests (test_cuda, test_device_paths) | {r['summary']} | "
+            lines.append(f"| CUDA tests (test_cuda, test_device_paths, test_streamed) | {r['summary']} | "
                          "all pass |")
         elif r["part"] == "memory":
             what = (f"{r['model']} Llama bf16, micro-batch {r['batch']} x {r['seq_len']}"
@@ -411,7 +447,9 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
                          f"{r['tokens_per_s']:,.0f} / {r['solo_tokens_per_s']:,.0f} = "
                          f"{r['ratio']:.3f} | >= 0.95 |")
         elif r["part"] == "engine":
-            lines.append(f"| one exchange at {r['numel'] / 1e6:,.0f}M"
+            how = ("payloads streamed" if r.get("streamed")
+                   else "payloads on the device")
+            lines.append(f"| one exchange at {r['numel'] / 1e6:,.0f}M, {how}"
                          f"{' (GPU busy)' if r['busy'] else ''}: kernels / device copy of the "
                          f"fp32 model | {r['kernels_s'] * 1e3:.2f} ms / {r['copy_s'] * 1e3:.2f} "
                          f"ms = {r['kernel_ratio']:.1f}x (wall {r['exchange_s'] * 1e3:.0f} ms: "

@@ -3,9 +3,9 @@
 A ``TorchDispatchMode`` counts every tensor operation (views excluded) and every host
 synchronisation (``.item()``/``float()``/``bool()`` on a tensor, copies to the host) that one
 exchange's tensor work issues: prepare, check (with the guard's screen) and commit, on each
-side. With the engine's device-sized chunks (``ON_DEVICE_CHUNK``, 2^26 elements) the counts at
+side. With the engine's device-sized chunks (``ON_DEVICE_CHUNK``, 2^24 elements) the counts at
 1M and 8M elements are equal, and the syncs stay equal beyond a chunk (the launches add one
-chunk's worth per 2^26 elements: 19 chunks for a 1B model); with the old cache-sized chunks
+chunk's worth per 2^24 elements: 74 chunks for a 1B model); with the old cache-sized chunks
 they grew with the model, which is what a GPU paid for in launches and syncs
 (``benchmarks/bench_engine.py`` prints the figures to 100M).
 """

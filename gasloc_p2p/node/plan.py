@@ -14,12 +14,20 @@ exchange's transient buffers are estimates, stated as such:
 - the loss: the logits of the whole micro-batch (in the forward's precision, their float32
   upcast, log-softmax and gradients),
   or of one chunk of ``hf.LOSS_CHUNK_TOKENS`` tokens where the loss is chunked (Hugging Face models, vocabulary >= 32k);
-- an exchange (gossip): both payloads on the device from the check to the commit, and the
-  engine's scratch (8 bytes per element of one chunk);
+- an exchange (gossip): with int8 payloads on a GPU (streamed) chunk-sized staging and
+  temporaries, 20 bytes per element of one chunk (codes of both payloads, theta_0's chunk, a
+  zero-padded copy, two decoded chunks); otherwise both payloads on the device from the check
+  to the commit and the engine's scratch (8 bytes per element of one chunk);
 - the vocabulary's gradients on their way into ``.grad`` (8 bytes per embedding entry);
 - CUDA's context and the allocator's slack: 0.75 GiB;
-- with activation checkpointing, what an H100 measured beyond all of the above and is not yet
-  attributed (0.33 GiB per layer at 2048 tokens x 2048 hidden: :data:`UNATTRIBUTED_PER_LAYER`).
+- activation checkpointing keeps each layer's input in float32 (the residual stream of a
+  Hugging Face decoder stays float32 under autocast: 4 bytes per token and hidden unit, which
+  an H100 measured, 0.017 GiB per layer at 2048 x 2048);
+- with activation checkpointing, what an H100 measured beyond all of the above and is not
+  attributed yet: 4.1 GiB at the Llama-3.2-1B shape, 1 x 2048 tokens (65 bytes per token and
+  hidden unit per layer: :data:`UNATTRIBUTED_PER_LAYER`; docs/results/gpu.md). Not the
+  autocast weight cache (off since: 0.10 GiB a layer, measured) nor the layers' activations
+  (0.017 GiB a layer with the cache off); it may belong to the vocabulary's gradients.
 """
 
 from __future__ import annotations
@@ -38,8 +46,9 @@ from gasloc_p2p.node.runtime.trainer import Placed
 from gasloc_p2p.protocol.engine import ON_CPU_CHUNK, ON_DEVICE_CHUNK
 from gasloc_p2p.train.optim import gradients_at_once
 
+UNATTRIBUTED_PER_LAYER = 65  # bytes per token x hidden unit per layer (H100, see estimates)
+
 GiB = 1 << 30
-UNATTRIBUTED_PER_LAYER = 84  # bytes per token x hidden unit per layer (H100, see estimates)
 CUDA_OVERHEAD = int(0.75 * GiB)
 
 
@@ -117,13 +126,12 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
     width = 2 if t.precision == "bf16" else 4
     tokens = t.batch_size * t.seq_len  # one micro-batch
     per_layer = tokens * (20 * shape.hidden + 6 * shape.ffn) * width
-    if t.activation_checkpointing:
-        acts = shape.n_layer * tokens * shape.hidden * width + per_layer
+    if t.activation_checkpointing:  # each layer's input (float32), one layer's full set
+        acts = shape.n_layer * tokens * shape.hidden * 4 + per_layer
     else:
         acts = shape.n_layer * per_layer
-    # measured, not yet attributed: on an H100 the Llama-3.2-1B shape with activation
-    # checkpointing peaked 0.33 GiB per layer above these estimates at 2048 x 2048
-    # tokens x hidden (docs/results/gpu.md); counted here so that the plan does not promise
+    # measured on an H100 and not yet attributed (module docstring): counted so that the
+    # plan does not promise what a card cannot hold
     unexplained = (UNATTRIBUTED_PER_LAYER * shape.n_layer * tokens * shape.hidden
                    if t.activation_checkpointing else 0)
     from gasloc_p2p.hf import LOSS_CHUNK_TOKENS
@@ -133,7 +141,7 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
     logits = loss_tokens * shape.vocab * (width + 4 + 4 + 4 + width)
     dev = "device"
     out = [Placed("activations (estimate)", acts, dev), Placed("logits and loss", logits, dev),
-           Placed("measured, unattributed (layers)", unexplained, dev),
+           Placed("measured, unattributed", unexplained, dev),
            # the head's and the embedding's gradients on their way into .grad: the
            # bfloat16 product, its float32 cast and the embedding's dense gradient
            Placed("vocabulary gradients in flight", 8 * shape.vocab * shape.hidden, dev)]
@@ -141,7 +149,10 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
         spec = cfg.gossip.codec_spec
         wire = spec.codec().wire_bytes(shape.numel)
         chunk = min(shape.numel, ON_DEVICE_CHUNK if device != "cpu" else ON_CPU_CHUNK)
-        out.append(Placed("exchange: both payloads + scratch", 2 * wire + 8 * chunk, dev))
+        if spec.name == "int8" and device != "cpu":  # streamed payloads: staging only
+            out.append(Placed("exchange: chunk staging", 20 * chunk, dev))
+        else:
+            out.append(Placed("exchange: both payloads + scratch", 2 * wire + 8 * chunk, dev))
         out.append(Placed("exchange: payload buffers", 2 * wire, "host"))
     if device != "cpu":
         out.append(Placed("CUDA context, allocator slack", CUDA_OVERHEAD, "device"))

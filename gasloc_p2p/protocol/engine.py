@@ -8,13 +8,18 @@ the trainer's optimizer steps and round ends.
 Built for the device the model trains on. On a GPU the tensor work runs on the engine's own
 CUDA stream, ordered against training by events (it waits for the training work queued before
 it; training waits for its writes): the lock is held only while kernels are queued. It walks
-the fragment in chunks of :func:`chunk_elems` elements (2^26 on a GPU: 19 chunks for a 1B model,
-about 0.6 GiB of scratch; 2^18 on a CPU, whose caches prefer small ones), keeps every reduction
-(finiteness, magnitudes, the guard's distances and dot products, the correction's norm) on the
-device and reads them once per phase, copies the node's payload once into pinned host memory
-(one asynchronous copy per chunk, one event), and uploads each payload once for the check, the
-guard and the commit together. Kernel launches and host synchronisations per exchange do not
-grow with the model size below a chunk (``tests/test_engine_counts.py``).
+the fragment in chunks of :func:`chunk_elems` elements (2^24 on a GPU: 74 chunks for a 1B model;
+2^18 on a CPU, whose caches prefer small ones), keeps every reduction (finiteness, magnitudes,
+the guard's distances and dot products, the correction's norm) on the device and reads them
+once per phase, and copies the node's payload once into pinned host memory (one asynchronous
+copy per chunk, one event). Kernel launches and host synchronisations per exchange do not grow
+with the model size below a chunk (``tests/test_engine_counts.py``).
+
+Int8 payloads on a GPU (the default) are streamed (:mod:`gasloc_p2p.protocol.streamed`, the
+same bits): nothing payload-sized stays on the device, the check and the commit each stream
+both payloads from pinned host memory through chunk-sized staging (about 20 bytes per element
+of one chunk with the temporaries, 0.3 GiB), where the other codecs keep both payloads on the
+device from the check to the commit (2 bytes per parameter at int8).
 
 A message is the sender's public iterate itself, quantized: ``m_i = Q(p_i)``. Both sides fold
 the two decoded messages into the same correction ``c_i = w (D(m_j) - D(m_i)) = -c_j`` (one
@@ -43,10 +48,11 @@ from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.wire import payload_buffer, payload_digest
+from gasloc_p2p.protocol import streamed
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
 
 ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
-ON_DEVICE_CHUNK = 1 << 26  # elements per chunk on an accelerator: launches and syncs stay few
+ON_DEVICE_CHUNK = 1 << 24  # elements per chunk on an accelerator: launches and syncs stay few
 
 # No parameter or delta of a trained network is anywhere near this: a payload that decodes to
 # larger values (a finite fp32 offset of 1e30, an int8 block scale of 3e38) is rejected.
@@ -108,10 +114,13 @@ class ExchangeEngine:
 
     def __init__(self, state: AsyncGaslocState, theta0: torch.Tensor,
                  fragments: Sequence[Fragment], lock: UrgentLock,
-                 chunk: int | None = None) -> None:
+                 chunk: int | None = None, stream_payloads: bool | None = None) -> None:
         """theta0: ``[numel]`` initial parameters, the same on every node of the run (kept by
         reference, never modified; a bfloat16 host copy will do: it only anchors the guard's
-        screens)."""
+        screens). ``stream_payloads``: int8 exchanges stream both payloads through chunk-sized
+        device staging (:mod:`gasloc_p2p.protocol.streamed`) instead of keeping them on the
+        device from the check to the commit (None: on a GPU; True: also on a CPU, where the
+        tests check that path against the other byte for byte)."""
         self.state = state
         self.theta0 = theta0
         self.fragments = list(fragments)
@@ -121,6 +130,13 @@ class ExchangeEngine:
         self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
         self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
+        self.stream_payloads = stream_payloads
+
+    def streams(self, spec: CodecSpec) -> bool:
+        """Whether exchanges of ``spec`` stream their payloads (int8 only)."""
+        if spec.name != "int8" or self.stream_payloads is False:
+            return False
+        return bool(self.stream_payloads) or self.device.type == "cuda"
 
     def rounds_since(self, prep: Prepared) -> int:
         return self.state.rounds - prep.rounds0
@@ -164,6 +180,8 @@ class ExchangeEngine:
         codec, step = spec.codec(), chunk_elems(spec, self.device, self.chunk)
         pin = self.stream is not None
         payload, encoded = Encoded.empty(spec.name, fragment.numel, spec.block_size, pin=pin)
+        if self.streams(spec):
+            return self._prepare_streamed(peer_id, fragment, spec, payload, encoded, block)
         with self.lock.urgent(), self._on_stream():
             rounds0 = self.state.rounds
             finite = torch.ones((), dtype=torch.bool, device=self.device)
@@ -189,6 +207,75 @@ class ExchangeEngine:
                                  f"{spec.name}'s range): nothing is sent")
         return Prepared(peer_id, fragment, rounds0, encoded, payload, payload_digest(payload), block)
 
+    def _prepare_streamed(self, peer_id: str, fragment: Fragment, spec: CodecSpec,
+                          payload: bytearray | memoryview, encoded: Encoded,
+                          block: str) -> Prepared:
+        """:meth:`prepare` on whole blocks (:mod:`streamed`): each chunk encoded from theta's memory
+        itself where it is one piece and no anchor is kept (else from one copy, zero-padded
+        to whole blocks), into device staging, then one asynchronous copy to the payload."""
+        bs, step = spec.block_size, chunk_elems(spec, self.device, self.chunk)
+        rows0 = -(-min(step, fragment.numel) // bs)
+        with self.lock.urgent(), self._on_stream():
+            rounds0 = self.state.rounds
+            finite = torch.ones((), dtype=torch.bool, device=self.device)
+            scales = torch.empty(rows0, device=self.device)
+            codes = torch.empty(rows0, bs, dtype=torch.int8, device=self.device)
+            work: torch.Tensor | None = None
+            for pos, n, pieces in fragment.chunks(step):
+                rows = -(-n // bs)
+                start = pieces[0][0]
+                if (len(pieces) == 1 and n == rows * bs and self.state.anchor is None
+                        and self.state.theta.dtype == torch.float32):
+                    xb = self.state.theta[start : start + n].view(rows, bs)
+                else:
+                    if work is None:
+                        work = torch.empty(rows0 * bs, device=self.device)
+                    x = work[: rows * bs]
+                    if n < rows * bs:
+                        x[n:].zero_()
+                    for s, length, o in pieces:
+                        self.state.public_chunk(s, s + length, out=x[o : o + length])
+                    xb = x.view(rows, bs)
+                streamed.encode_rows(xb, scales[:rows], codes[:rows], finite)
+                host = encoded.view(pos, n)
+                host.scales.copy_(scales[:rows], non_blocking=True)
+                host.data.copy_(codes.view(-1)[:n].view(torch.uint8), non_blocking=True)
+        self._done()
+        if not read([finite])[0]:
+            raise NonFiniteError("this node's public iterate holds NaN or Inf (or values out of "
+                                 f"{spec.name}'s range): nothing is sent")
+        return Prepared(peer_id, fragment, rounds0, encoded, payload, payload_digest(payload),
+                        block)
+
+    def _upload(self, enc: Encoded, pos: int, n: int, codes: torch.Tensor,
+                scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Elements ``[pos, pos + n)`` of an int8 payload in host memory into device staging
+        (asynchronous from pinned memory; a partial last block zero-padded): [rows, bs] codes
+        and [rows] scales."""
+        part = enc.view(pos, n)
+        rows = part.scales.numel()
+        flat = codes.view(-1)
+        flat[:n].view(torch.uint8).copy_(part.data, non_blocking=True)
+        if n < rows * enc.block_size:
+            flat[n : rows * enc.block_size].zero_()
+        scales[:rows].copy_(part.scales, non_blocking=True)
+        return codes[:rows], scales[:rows]
+
+    def _walk(self, fragment: Fragment, spec: CodecSpec, mine: Encoded,
+                    theirs: Encoded) -> Iterator[tuple[int, int, list[tuple[int, int, int]],
+                                                       torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor]]:
+        """Both payloads chunk by chunk on the device (each byte uploaded once per walk):
+        (pos, n, pieces, my codes, my scales, their codes, their scales)."""
+        bs, step = spec.block_size, chunk_elems(spec, self.device, self.chunk)
+        rows0 = -(-min(step, fragment.numel) // bs)
+        staging = [(torch.empty(rows0, bs, dtype=torch.int8, device=self.device),
+                    torch.empty(rows0, device=self.device)) for _ in range(2)]
+        for pos, n, pieces in fragment.chunks(step):
+            mc, ms = self._upload(mine, pos, n, *staging[0])
+            tc, ts = self._upload(theirs, pos, n, *staging[1])
+            yield pos, n, pieces, mc, ms, tc, ts
+
     def check(self, spec: CodecSpec, numel: int, payload: bytes | bytearray | memoryview,
               digest: bytes, prep: Prepared | None = None,
               seen_digest: bytes | None = None) -> Encoded:
@@ -206,6 +293,9 @@ class ExchangeEngine:
         if not hmac.compare_digest(seen, digest):
             raise ValueError("payload does not match the SHA-256 its sender signed")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
+        if self.streams(spec):
+            self._check_streamed(spec, received, prep)
+            return received
         with self._on_stream():
             theirs = received.to(self.device, non_blocking=True)
             mine = prep.encoded.to(self.device, non_blocking=True) if prep is not None else None
@@ -225,6 +315,37 @@ class ExchangeEngine:
         if prep is not None and mine is not None:
             prep.on_device = (mine, theirs)
         return received
+
+    def _check_streamed(self, spec: CodecSpec, received: Encoded,
+                        prep: Prepared | None) -> None:
+        """:meth:`check` with streamed payloads: the magnitude from the scales in host
+        memory; the screen's sums with both payloads streamed through device staging (nothing
+        payload-sized stays on the device until the commit, which streams them again)."""
+        top = float(spec.codec().magnitude(received))  # host memory: no device work
+        if not math.isfinite(top):
+            raise ValueError("payload decodes to non-finite values")
+        if top > MAX_ABS_VALUE:
+            raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
+                             f"{MAX_ABS_VALUE:g})")
+        if prep is None or self.guard is None or not self.guard.rule.enabled:
+            return
+        fragment, bs = prep.fragment, spec.block_size
+        with self._on_stream():
+            sums = torch.zeros(4, device=self.device)
+            base: torch.Tensor | None = None
+            for _pos, n, pieces, mc, ms, tc, ts in self._walk(fragment, spec,
+                                                                   prep.encoded, received):
+                rows = mc.shape[0]
+                if base is None:
+                    base = torch.empty(rows * bs, dtype=self.theta0.dtype, device=self.device)
+                t0 = base[: rows * bs]
+                if n < rows * bs:
+                    t0[n:].zero_()
+                for start, length, o in pieces:  # displacements from theta_0 (bfloat16)
+                    t0[o : o + length].copy_(self.theta0[start : start + length],
+                                             non_blocking=True)
+                sums += streamed.screen_rows(mc, ms, tc, ts, t0.view(rows, bs))
+        prep.clip = self._judge(prep, *read(list(sums.unbind())))
 
     def _screen_sums(self, prep: Prepared, mine_enc: Encoded,
                      theirs_enc: Encoded) -> list[torch.Tensor]:
@@ -307,6 +428,8 @@ class ExchangeEngine:
         codec = sent.spec.codec()
         step = chunk_elems(sent.spec, self.device, self.chunk)
         weight *= prep.clip
+        if self.streams(sent.spec):
+            return self._commit_streamed(prep, received, weight)
         with self.lock.urgent(), self._on_stream():
             mine_enc, theirs_enc = prep.on_device or (
                 sent.to(self.device, non_blocking=True),
@@ -324,6 +447,24 @@ class ExchangeEngine:
                         self.state.add_chunk(start, c[o : o + length])
         prep.on_device = None
         self._done()  # the copies back to host-side targets (a host anchor) ran on our stream
+        if self.guard is not None and prep.ticket is not None:
+            self.guard.committed(prep.ticket)
+        return math.sqrt(read([square])[0])
+
+    def _commit_streamed(self, prep: Prepared, received: Encoded, weight: float) -> float:
+        """:meth:`commit` with both payloads streamed through device staging: per chunk the
+        correction and its square, then the adds."""
+        with self.lock.urgent(), self._on_stream():
+            square = torch.zeros((), device=self.device)
+            for _pos, _n, pieces, mc, ms, tc, ts in self._walk(
+                    prep.fragment, prep.encoded.spec, prep.encoded, received):
+                c, sq = streamed.correction_rows(mc, ms, tc, ts, weight)
+                square += sq
+                if weight > 0:
+                    for start, length, o in pieces:
+                        self.state.add_chunk(start, c[o : o + length])
+        prep.on_device = None
+        self._done()
         if self.guard is not None and prep.ticket is not None:
             self.guard.committed(prep.ticket)
         return math.sqrt(read([square])[0])

@@ -1,0 +1,118 @@
+"""Int8 exchanges with streamed payloads (``protocol/streamed.py``) give the other path's bytes
+and states.
+
+On a GPU the engine streams both int8 payloads through chunk-sized device staging instead of
+keeping them on the device from the check to the commit; here that path is forced on the CPU
+and checked byte for byte against the other one: chunking, staging, the zero-padded partial
+block, the pieces of a strided fragment, an anchor kept on the side and the guard's screen.
+The CUDA test does the same on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.flat import Fragment, whole
+from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
+from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
+
+NUMEL = 3 * 4096 + 1000  # several chunks and a partial block
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                             reason="no CUDA device on this machine (the CI boxes are CPU-only)")
+STRIDED = Fragment(0, [(0, 1500), (4000, 5000), (11000, NUMEL - 11000)])
+
+
+def _pair(device: str, stream: bool | None, outer: AsyncConfig, fragment: Fragment,
+          chunk: int | None) -> list[ExchangeEngine]:
+    engines = []
+    theta0 = torch.randn(NUMEL, generator=torch.Generator().manual_seed(9))
+    for seed in (0, 1):
+        gen = torch.Generator().manual_seed(seed)
+        theta = (theta0 + 0.1 * torch.randn(NUMEL, generator=gen)).to(device)
+        state = AsyncGaslocState(theta, theta0.to(device), outer)
+        state.theta.add_(0.05)
+        engine = ExchangeEngine(state, theta0.to(torch.bfloat16), [fragment], NoLock(), chunk,
+                                stream_payloads=stream)
+        engine.guard = UpdateGuard(GuardRule(trust_after=1, round_budget=1e30,
+                                             block_budget=1e30))
+        engine.guard.round_end({0: 1.0})
+        engines.append(engine)
+    return engines
+
+
+def _exchanges(engines: list[ExchangeEngine], numel: int, rounds: int = 3) -> tuple[
+        list[bytes], list[float], list[torch.Tensor]]:
+    spec = CodecSpec.of("int8", 256)
+    sent, seen = [], []
+    for _ in range(rounds):
+        a = engines[0].prepare("B", 0, spec)
+        b = engines[1].prepare("A", 0, spec)
+        sent += [bytes(a.payload), bytes(b.payload)]
+        got_b = engines[0].check(spec, numel, bytearray(b.payload), b.digest, a)
+        got_a = engines[1].check(spec, numel, bytearray(a.payload), a.digest, b)
+        norms = engines[0].commit(a, got_b, 0.5), engines[1].commit(b, got_a, 0.5)
+        assert norms[0] == norms[1] > 0  # c_i = -c_j bit for bit
+        seen += [a.clip, b.clip, *norms]
+    states = [t.cpu() for e in engines for t in (e.state.theta, e.state.anchor)
+              if t is not None]
+    return sent, seen, states
+
+
+@pytest.mark.parametrize("outer", [AsyncConfig(), AsyncConfig(eta=0.7)],
+                         ids=["theta-itself", "anchor"])
+@pytest.mark.parametrize("fragment", [whole(NUMEL), STRIDED], ids=["whole", "strided"])
+@pytest.mark.parametrize("chunk", [4096, None], ids=["chunks", "one-pass"])
+def test_streamed_payloads_give_the_same_bytes_and_states(outer, fragment, chunk):
+    eager = _exchanges(_pair("cpu", False, outer, fragment, chunk), fragment.numel)
+    forced = _pair("cpu", True, outer, fragment, chunk)
+    assert forced[0].streams(CodecSpec.of("int8", 256))  # the path is taken
+    got = _exchanges(forced, fragment.numel)
+    assert got[0] == eager[0]  # payloads
+    assert all(torch.equal(x, y) for x, y in zip(got[2], eager[2], strict=True))
+    for x, y in zip(got[1], eager[1], strict=True):  # clips, norms (summed in another order)
+        assert x == pytest.approx(y, rel=1e-6)
+
+
+def test_only_int8_and_only_where_asked():
+    cpu = _pair("cpu", None, AsyncConfig(), whole(NUMEL), None)[0]
+    assert not cpu.streams(CodecSpec.of("int8"))  # a CPU keeps its cache-sized passes
+    forced = _pair("cpu", True, AsyncConfig(), whole(NUMEL), None)[0]
+    assert forced.streams(CodecSpec.of("int8"))
+    assert not forced.streams(CodecSpec.of("int4"))
+
+
+def test_a_non_finite_iterate_is_refused_on_the_fused_path():
+    engine = _pair("cpu", True, AsyncConfig(), whole(NUMEL), 4096)[0]
+    engine.state.theta[NUMEL - 3] = float("nan")  # in the partial last block
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        engine.prepare("B", 0, CodecSpec.of("int8", 256))
+
+
+def test_an_absurd_payload_is_refused_before_any_device_work():
+    engines = _pair("cpu", True, AsyncConfig(), whole(NUMEL), None)
+    spec = CodecSpec.of("int8", 256)
+    a = engines[0].prepare("B", 0, spec)
+    b = engines[1].prepare("A", 0, spec)
+    bad = bytearray(b.payload)
+    bad[0:4] = torch.tensor([1e30], dtype=torch.float32).numpy().tobytes()  # the first scale
+    from gasloc_p2p.core.wire import payload_digest
+    with pytest.raises(ValueError, match="absurd"):
+        engines[0].check(spec, NUMEL, bad, payload_digest(bad), a)
+
+
+@NO_CUDA
+@pytest.mark.parametrize("outer", [AsyncConfig(), AsyncConfig(eta=0.7)],
+                         ids=["theta-itself", "anchor"])
+def test_streamed_payloads_on_cuda_give_the_same_bytes_and_states(outer):
+    """On a GPU (the default there: streamed) against payloads kept on the device."""
+    compiled = _pair("cuda", None, outer, whole(NUMEL), 4096)
+    assert compiled[0].streams(CodecSpec.of("int8", 256))
+    got = _exchanges(compiled, NUMEL)
+    kept = _exchanges(_pair("cuda", False, outer, whole(NUMEL), 4096), NUMEL)
+    assert got[0] == kept[0]
+    assert all(torch.equal(x, y) for x, y in zip(got[2], kept[2], strict=True))
+    for x, y in zip(got[1], kept[1], strict=True):
+        assert x == pytest.approx(y, rel=1e-5)
