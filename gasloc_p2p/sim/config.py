@@ -104,6 +104,12 @@ class SimConfig:
     seed: int = opt(0, "seed (the sim command takes --seeds)")
     dtype: str = opt("float32", "float32, or float64 (with --codec none) for exactness checks")
     threads: int = opt(1, "torch CPU threads")
+    device: str = opt("cpu", "where all the workers train, in this one process: cpu, cuda, "
+                             "cuda:N or auto (cuda when there is one)")
+    precision: str = opt("fp32", "fp32, or bf16 (autocast around the forward pass; parameters "
+                                 "and AdamW state stay float32)")
+    model: str = opt("", "a Hugging Face config.json (a Llama, say; seeded init, no download) "
+                         "instead of the built-in GPT (--n-layer, --n-embd, --n-head unused)")
     # timing model
     step_time_s: float = opt(0.05, "simulated seconds per inner step at normal speed")
     bandwidth_mbps: float = opt(100.0, "simulated link bandwidth per worker, megabit/s")
@@ -194,6 +200,10 @@ class SimConfig:
                                      and self.algorithm in ("diloco", "streaming-diloco")),
              "--ef-beta applies to diloco and streaming-diloco with a sparse codec"),
             (self.dtype in ("float32", "float64"), "--dtype must be float32 or float64"),
+            (self.precision in ("fp32", "bf16"), "--precision must be fp32 or bf16"),
+            (self.precision == "fp32" or self.dtype == "float32",
+             "--precision bf16 needs --dtype float32"),
+            (not self.model or self.task == "lm", "--model applies to --task lm"),
             (self.tokenizer in ("byte", "bpe"), "--tokenizer must be byte or bpe"),
             (self.dtype == "float32" or self.codec == "none",
              "float64 runs need --codec none (codecs quantize float32)"),

@@ -17,6 +17,7 @@ from gasloc_p2p.data import BPETokenizer, ByteTokenizer, Shard, TokenData, load_
 from gasloc_p2p.model import GPTConfig, build_model
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.train import AdamWConfig, InnerLoop, LRSchedule, evaluate
+from gasloc_p2p.train.inner import StepConfig, resolve_device
 
 
 def worker_data_seed(seed: int, worker: int) -> int:
@@ -53,10 +54,11 @@ class SimWorkers:
     def __init__(self, cfg: SimConfig, data: TokenData | None = None) -> None:
         self.cfg = cfg
         dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
+        self.device = resolve_device(cfg.device)
         self.data = data if data is not None else load_token_data(cfg.data, cfg.tokenizer)
         self.gpt = GPTConfig(vocab_size=self.data.vocab_size, seq_len=cfg.seq_len,
                              n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head)
-        base = build_model(self.gpt, cfg.seed, dtype)
+        base = self._build(dtype)
         self.flat0 = FlatParams(base)  # theta_0, and the eval model's buffer
         self.theta0 = self.flat0.buffer.detach().clone()
         self.eval_model = base
@@ -65,14 +67,31 @@ class SimWorkers:
         shards = self.data.shards(n, cfg.iid, cfg.seed)
         schedule, adamw = inner_settings(cfg)
         self.workers: list[Worker] = []
+        how = StepConfig(cfg.precision)
         for i in range(n):
-            model = build_model(self.gpt, cfg.seed, dtype)
+            model = self._build(dtype)
             FlatParams(model, self.thetas[i])
             gen = torch.Generator().manual_seed(worker_data_seed(cfg.seed, i))
-            self.workers.append(Worker(i, InnerLoop(model, schedule, adamw), shards[i], gen))
+            self.workers.append(Worker(i, InnerLoop(model, schedule, adamw, how), shards[i],
+                                       gen))
         self.val = self.data.val_batches(cfg.batch_size * 2, cfg.seq_len, cfg.eval_batches)
         self.trace_val = self.val[:max(1, cfg.trace_batches)]
         self.spans = self.flat0.spans
+
+    def _build(self, dtype: torch.dtype) -> torch.nn.Module:
+        """A replica at theta_0 on the simulator's device: the built-in GPT, or the
+        ``--model`` Hugging Face config with the node's seeded init (the same theta_0 a node
+        of this run starts from)."""
+        if not self.cfg.model:
+            return build_model(self.gpt, self.cfg.seed, dtype).to(self.device)
+        from gasloc_p2p import hf
+
+        config = hf.read_config(self.cfg.model)
+        vocab = int(getattr(config, "vocab_size", 0))
+        if vocab < self.data.vocab_size:
+            raise ValueError(f"--model {self.cfg.model}: vocabulary {vocab} is smaller than "
+                             f"the tokenizer's {self.data.vocab_size}")
+        return hf.from_config(config, self.cfg.seed).to(dtype).to(self.device)
 
     @property
     def tokens_per_step(self) -> int:
