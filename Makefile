@@ -11,7 +11,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
 	bench-chaos bench-poison bench-tamper bench-soak bench-external bench-external-1000 bench-projection bench-engine reproduce \
-	gpu-check proto clean
+	gpu-check proto corpus clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -55,6 +55,10 @@ sim: setup
 
 proto: setup
 	$(PY) proto/generate.py
+
+# 200 MB of text from the installed packages, a 16k BPE, memory-mapped tokens (offline; minutes)
+corpus: setup
+	$(VENV)/bin/gasloc-node corpus --out runs/corpus --size-mb 200 --vocab 16384
 
 bench-core: setup
 	$(PY) -m benchmarks.bench_core

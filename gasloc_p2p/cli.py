@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gasloc_p2p.node import plan
 
     plan.add_plan_parser(sub)
+    from gasloc_p2p.data import registry
+
+    registry.add_corpus_parser(sub)
     from gasloc_p2p.tools import cli_swarm
 
     cli_swarm.add_swarm_parser(sub)

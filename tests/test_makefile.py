@@ -19,6 +19,7 @@ EXPECTED = {
     "lint": ["ruff check", "proto/generate.py --check"],
     "sim": ["gasloc-node sim "],
     "proto": ["proto/generate.py"],
+    "corpus": ["gasloc-node corpus --out runs/corpus"],
     "bench-core": ["benchmarks.bench_core"],
     "bench-codecs": ["benchmarks.bench_codecs"],
     "bench-sim": ["benchmarks.bench_sim"],

@@ -91,6 +91,10 @@ class BPETokenizer:
     def encode(self, text: str) -> Tensor:
         return torch.tensor(self._tok.encode(text).ids, dtype=torch.int32)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text (the library's threads do the work)."""
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids]))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from gasloc_p2p.core.flat import FlatParams
-from gasloc_p2p.data import BPETokenizer, ByteTokenizer, Shard, TokenData, load_corpus
+from gasloc_p2p.data import BPETokenizer, ByteTokenizer, Shard, TokenData, load_corpus, registry
 from gasloc_p2p.model import GPTConfig, build_model
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.train import AdamWConfig, InnerLoop, LRSchedule, evaluate
@@ -158,6 +158,9 @@ _DATA_CACHE: dict[tuple[str | None, str], TokenData] = {}
 def load_token_data(data: str | None, tokenizer: str = "byte") -> TokenData:
     """Tokenized corpus, cached per process (several runs of a comparison share it)."""
     key = (data, tokenizer)
+    if key not in _DATA_CACHE and registry.is_built(data):  # gasloc-node corpus: its tokenizer
+        assert data is not None
+        _DATA_CACHE[key] = registry.load(data)[0]
     if key not in _DATA_CACHE:
         corpus = load_corpus(data)
         tok: ByteTokenizer | BPETokenizer = (

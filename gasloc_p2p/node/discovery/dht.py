@@ -111,7 +111,9 @@ class HivemindDiscovery(Discovery):
         return self._dht
 
     async def start(self) -> None:
-        await asyncio.wait_for(asyncio.to_thread(self._start), self.start_timeout_s)
+        # the thread bounds each attempt itself; the grace covers shutting a hung one down
+        await asyncio.wait_for(asyncio.to_thread(self._start),
+                               self.start_timeout_s + 2 * DHT_SHUTDOWN_GRACE_S + 5.0)
 
     def _start(self) -> None:
         import hivemind  # heavy import, only where a DHT is used
@@ -127,12 +129,33 @@ class HivemindDiscovery(Discovery):
         # our records are checked inside the DHT too: honest DHT nodes refuse to store a forged
         # or overwriting record, and drop one that another DHT node returns
         validator = make_validator(self.key, self.verifier, self.max_ttl_s, self.revoked_key)
+        # A DHT process that is not ready in half the start timeout is shut down and started
+        # once more: on a loaded machine a start was seen to hang for the whole timeout
+        # (tests/test_node_security.py, 2026-11-27, load 3.6), where starts take seconds.
+        deadline = time.monotonic() + self.start_timeout_s
+        attempt = max(self.start_timeout_s / 2, min(self.start_timeout_s, 15.0))
+        while True:
+            wait = min(attempt, deadline - time.monotonic())
+            try:
+                self._start_once(hivemind, maddr, validator, wait)
+                break
+            except TimeoutError:
+                if deadline - time.monotonic() < 5.0:
+                    raise
+                log.warning("the DHT was not ready after %.0f s; starting it again", wait)
+        self.dht_peer_id = self._dht.peer_id.to_base58()
+        self.peer_id = self.peer_id or self.dht_peer_id
+        watchdog = partial(_install_parent_watchdog, parent_pid=os.getpid(), period_s=1.0)
+        self._call(lambda: self._dht.run_coroutine(watchdog, return_future=True))
+
+    def _start_once(self, hivemind: Any, maddr: str, validator: Any, wait_s: float) -> None:
+        """One DHT process, ready within ``wait_s`` (else shut down: TimeoutError)."""
         self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
                                  client_mode=self.client_mode, start=True, await_ready=False,
                                  shutdown_timeout=DHT_SHUTDOWN_GRACE_S,
                                  record_validators=[validator])
         try:
-            self._dht.wait_until_ready(timeout=self.start_timeout_s)
+            self._dht.wait_until_ready(timeout=wait_s)
         except BaseException as exc:
             self._dht.shutdown()
             if "failed to connect to bootstrap peers" in str(exc):
@@ -142,10 +165,6 @@ class HivemindDiscovery(Discovery):
                     "reachable from here (firewall, its --host/--dht-port), and that you pasted "
                     "the multiaddr it printed") from None
             raise
-        self.dht_peer_id = self._dht.peer_id.to_base58()
-        self.peer_id = self.peer_id or self.dht_peer_id
-        watchdog = partial(_install_parent_watchdog, parent_pid=os.getpid(), period_s=1.0)
-        self._call(lambda: self._dht.run_coroutine(watchdog, return_future=True))
 
     def _call(self, submit: Any) -> Any:
         """Submit a DHT request (serialised) and wait for it with the timeout; in a thread."""
