@@ -1,7 +1,7 @@
 """A corpus any offline machine builds the same way: the text files of installed packages.
 
 ``gasloc-node corpus --out DIR`` (``make corpus``) takes the source and documentation files
-(``.py .pyi .md .rst .txt``) of a fixed list of installed distributions, in a fixed order, up
+(Python, C and C++ sources and headers, Markdown, reST, plain text) of a fixed list of installed distributions, in a fixed order, up
 to ``--size-mb`` of text; holds out whole files for validation (those whose name hashes to 0
 modulo ``--val-every``); trains a byte-level BPE tokenizer on the training files; and writes
 
@@ -37,11 +37,13 @@ from gasloc_p2p.data.tokenizers import BPETokenizer
 from gasloc_p2p.data.tokens import TokenData
 
 KIND = "gasloc-token-corpus"
-SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
-# Pinned by the project (pyproject.toml) or by its extras; those installed are used, in this
-# order (the largest text first).
-PACKAGES = ("torch", "transformers", "numpy", "matplotlib", "datasets", "pyarrow", "hivemind",
-            "grpcio-tools", "protobuf", "cryptography", "tokenizers", "pip", "setuptools")
+SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt", ".h", ".hpp", ".cuh", ".c", ".cc", ".cpp", ".pyx",
+            ".pxd")
+# Pinned by the project (pyproject.toml, its extras) or installed with them (torch's sympy and
+# networkx, hivemind's scipy, datasets' pandas); those installed are used, in this order.
+PACKAGES = ("torch", "transformers", "numpy", "sympy", "scipy", "pandas", "matplotlib",
+            "networkx", "datasets", "pyarrow", "hivemind", "mypy", "grpcio-tools", "protobuf",
+            "cryptography", "tokenizers", "pip", "setuptools")
 MAX_FILE_BYTES = 4 << 20  # larger files are generated data more than text
 
 
