@@ -11,7 +11,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
 	bench-chaos bench-poison bench-tamper bench-soak bench-external bench-external-1000 bench-projection bench-engine reproduce \
-	gpu-check proto corpus clean
+	gpu-check proto corpus ladder-cpu ladder-gpu clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -56,9 +56,19 @@ sim: setup
 proto: setup
 	$(PY) proto/generate.py
 
-# 200 MB of text from the installed packages, a 16k BPE, memory-mapped tokens (offline; minutes)
+# 200 MB of text from the installed packages, a 16k BPE, memory-mapped tokens (offline, about
+# 2 minutes), and 50 MB of the same as bytes for the CPU rungs of the size ladder
 corpus: setup
 	$(VENV)/bin/gasloc-node corpus --out runs/corpus --size-mb 200 --vocab 16384
+	$(VENV)/bin/gasloc-node corpus --out runs/corpus-bytes --size-mb 50 --tokenizer byte
+
+# the size ladder (benchmarks/repro_ladder.py; make corpus first): CPU rungs here, GPU rungs
+# on one GPU (about 25 minutes on an H100)
+ladder-cpu: setup
+	$(PY) -m benchmarks.reproduce --only ladder-0.1m,ladder-0.4m
+
+ladder-gpu: setup
+	$(PY) -m benchmarks.reproduce --only ladder-5m,ladder-25m --seeds 0 --jobs 1
 
 bench-core: setup
 	$(PY) -m benchmarks.bench_core

@@ -31,7 +31,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks import repro_codecs, repro_consensus
+from benchmarks import repro_codecs, repro_consensus, repro_ladder
+from gasloc_p2p.data import registry
 from gasloc_p2p.sim.analysis import mean_ci, paired_ci, time_to_target, value_at
 from gasloc_p2p.sim.config import SimConfig
 from gasloc_p2p.sim.consensus import DIM
@@ -195,6 +196,7 @@ TITLES: dict[str, str] = {  # as published (a table keeps the title it was measu
     "gamma-graphs-16": "n = 16, ring and exponential graph: outer momentum at equal effective "
                        "step",
     **repro_codecs.TITLES,
+    **repro_ladder.TITLES,
     # archived: their options were retired after commit db57895 (rebuilt from their JSON only)
     "staleness": "Async at the slow-link profile: staleness policies",
     "capacity": "n = 12, complete graph: per-peer reference capacity against per-node "
@@ -220,6 +222,7 @@ PARTS: dict[str, list[Row]] = {
     "gamma-graphs-16": _gamma_graphs(16, (0.0, 0.5, 0.9)),
     "codecs-8": repro_codecs.rows(BASE, 8),
     "codecs-16": repro_codecs.rows(BASE, 16),
+    **{part: repro_ladder.rows(part) for part in repro_ladder.RUNGS},
 }
 ARCHIVED = [p for p in TITLES if p not in PARTS]
 CONSENSUS_PARTS = ("consensus", "acid-consensus")  # they publish every 25th round only
@@ -370,7 +373,8 @@ def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
              f"{','.join(map(str, seeds))}`: {len(runs)} runs of n = {cfg['workers']} workers x "
              f"{cfg['steps']} inner steps, {runs[0]['params']:,} parameters, "
              f"{wall:.0f} CPU-minutes (1 thread per run).", "",
-             "Losses: the network-average model on 65,536 validation tokens (nats/byte), mean ± "
+             "Losses: the network-average model on 65,536 validation tokens (nats/"
+             f"{'token' if part in repro_ladder.GPU_PARTS else 'byte'}), mean ± "
              "95% t half-width over seeds; Δ: paired by seed against the first row (negative = "
              "better). MB/worker: bytes each worker sent over the run."]
     if part == "slow":
@@ -434,6 +438,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None,
                         help="inner steps per worker, overriding each part's (for smoke tests)")
+    parser.add_argument("--device", default="",
+                        help="run every row on this device instead of its own (smoke tests)")
+    parser.add_argument("--data", default="",
+                        help="every row's --data instead of its own (smoke tests)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="every row at a smoke size (2 workers, 4 steps, a 1-layer model): "
+                             "the command end to end in seconds, for the tests")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--cache", type=Path, default=Path("runs/reproduce"))
     parser.add_argument("--rebuild", action="store_true",
@@ -459,8 +470,16 @@ def main() -> None:
                 raise SystemExit(f"--rebuild: no cached or published runs of part {part!r}")
         else:
             group = {}
-            short = {} if args.steps is None else {
+            short: dict[str, Any] = {} if args.steps is None else {
                 "steps": args.steps, "eval_every": max(1, args.steps // 4)}
+            short.update({k: v for k, v in (("device", args.device), ("data", args.data)) if v})
+            if args.smoke:
+                short.update(n_layer=1, n_embd=32, n_head=2, seq_len=32, batch_size=4,
+                             workers=2, steps=4, eval_every=2, eval_batches=2, trace_batches=1)
+            for _, cfg in PARTS[part]:
+                data = short.get("data", cfg.data)
+                if part in repro_ladder.RUNGS and not registry.is_built(data):
+                    raise SystemExit(f"{part}: no corpus at {data}: build it with `make corpus`")
             items = [(part, name, dataclasses.replace(cfg, seed=s, **short), args.cache)
                      for name, cfg in PARTS[part] for s in seeds]
             with ProcessPoolExecutor(args.jobs) as pool:

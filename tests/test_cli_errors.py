@@ -87,7 +87,7 @@ TYPOS = {"sim": ("--wrkers", "--workers"), "join": ("--max_steps", "--max-steps"
          "plan": ("--modle", "--model"), "swarm": ("--nodez", "--nodes"),
          "dashboard": ("--prometeus", "--prometheus"), "invite": ("--ot", "--out"),
          "revoke": ("--membr", "--member"), "id": ("--identiy-file", "--identity-file"),
-         "init": ("--ot", "--out")}
+         "init": ("--ot", "--out"), "corpus": ("--vocabb", "--vocab")}
 
 
 def test_an_unknown_flag_names_the_closest_one_for_every_command(capsys):

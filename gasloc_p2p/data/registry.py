@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from gasloc_p2p.data.corpus import Corpus, DataError, Document
-from gasloc_p2p.data.tokenizers import BPETokenizer
+from gasloc_p2p.data.tokenizers import BPETokenizer, ByteTokenizer
 from gasloc_p2p.data.tokens import TokenData
 
 KIND = "gasloc-token-corpus"
@@ -98,8 +98,10 @@ def is_validation(name: str, every: int) -> bool:
 
 
 def build(out: Path, packages: Sequence[str] = PACKAGES, size_mb: float = 200.0,
-          vocab_size: int = 16384, val_every: int = 50) -> dict:
-    """Write the corpus to ``out`` (see the module docstring); returns ``meta.json``'s dict."""
+          vocab_size: int = 16384, val_every: int = 50, tokenizer_kind: str = "bpe") -> dict:
+    """Write the corpus to ``out`` (see the module docstring); returns ``meta.json``'s dict.
+    ``tokenizer_kind`` "byte": UTF-8 bytes as tokens (vocabulary 256, uint8 files, no
+    tokenizer.json), for the small models of the simulator's CPU rungs."""
     chosen, listing = sources([p for p in packages if _installed(p)] if packages is PACKAGES
                               else packages, int(size_mb * 1e6))
     corpus_hash = hashlib.sha256()
@@ -113,10 +115,16 @@ def build(out: Path, packages: Sequence[str] = PACKAGES, size_mb: float = 200.0,
     if not train_docs or not val_docs:
         raise DataError("the corpus needs files on both sides of the split: raise --size-mb "
                         "or lower --val-every")
-    tokenizer = BPETokenizer.train(Corpus(tuple(train_docs)), vocab_size)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(tokenizer.to_json())
-    dtype = np.int16 if tokenizer.vocab_size <= 1 << 15 else np.int32
+    tokenizer: BPETokenizer | ByteTokenizer
+    dtype: type
+    if tokenizer_kind == "byte":
+        tokenizer, dtype, tok_hash = ByteTokenizer(), np.uint8, ""
+    else:
+        tokenizer = BPETokenizer.train(Corpus(tuple(train_docs)), vocab_size)
+        (out / "tokenizer.json").write_text(tokenizer.to_json())
+        tok_hash = hashlib.sha256(tokenizer.to_json().encode()).hexdigest()
+        dtype = np.int16 if tokenizer.vocab_size <= 1 << 15 else np.int32
     counts = {split: _write_tokens(out / f"{split}.bin", tokenizer, docs, dtype)
               for split, docs in (("train", train_docs), ("val", val_docs))}
     manifest = {"packages": listing, "suffixes": list(SUFFIXES), "size_mb": size_mb,
@@ -128,7 +136,7 @@ def build(out: Path, packages: Sequence[str] = PACKAGES, size_mb: float = 200.0,
     meta = {"kind": KIND, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
             "dtype": np.dtype(dtype).name, "train_tokens": counts["train"],
             "val_tokens": counts["val"], "corpus_sha256": manifest["sha256"],
-            "tokenizer_sha256": hashlib.sha256(tokenizer.to_json().encode()).hexdigest()}
+            "tokenizer_sha256": tok_hash}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -141,14 +149,19 @@ def _installed(name: str) -> bool:
     return True
 
 
-def _write_tokens(path: Path, tokenizer: BPETokenizer, docs: list[Document],
+def _write_tokens(path: Path, tokenizer: BPETokenizer | ByteTokenizer, docs: list[Document],
                   dtype: type) -> int:
     """Every document's ids, one after another, appended to ``path``; returns how many."""
     count = 0
     with path.open("wb") as f:
         for batch in _batches(docs, 256):
-            for ids in tokenizer.encode_batch([d.text for d in batch]):
-                np.asarray(ids, dtype=dtype).tofile(f)
+            if isinstance(tokenizer, ByteTokenizer):
+                encoded = [np.frombuffer(d.text.encode("utf-8"), dtype=np.uint8) for d in batch]
+            else:
+                encoded = [np.asarray(ids, dtype=dtype)
+                           for ids in tokenizer.encode_batch([d.text for d in batch])]
+            for ids in encoded:
+                ids.astype(dtype, copy=False).tofile(f)
                 count += len(ids)
     return count
 
@@ -164,12 +177,14 @@ def is_built(path: str | None) -> bool:
         (Path(path) / "meta.json").read_text()).get("kind") == KIND
 
 
-def load(path: str) -> tuple[TokenData, BPETokenizer]:
+def load(path: str) -> tuple[TokenData, BPETokenizer | ByteTokenizer]:
     """The built corpus at ``path``, its token files memory-mapped, and its tokenizer; a
     DataError naming the file that is missing or does not match ``meta.json``."""
     root = Path(path)
     meta = json.loads((root / "meta.json").read_text())
-    tokenizer = BPETokenizer.from_dir(str(root / "tokenizer.json"))
+    tokenizer: BPETokenizer | ByteTokenizer = (
+        ByteTokenizer() if meta["tokenizer"] == ByteTokenizer().name
+        else BPETokenizer.from_dir(str(root / "tokenizer.json")))
     if tokenizer.name != meta["tokenizer"]:
         raise DataError(f"--data {path}: tokenizer.json is not the one meta.json names")
     parts = {}
@@ -179,7 +194,7 @@ def load(path: str) -> tuple[TokenData, BPETokenizer]:
         if not file.is_file() or file.stat().st_size != count * width:
             raise DataError(f"--data {path}: {file.name} does not hold the {count} tokens "
                             "meta.json says (rebuild it with gasloc-node corpus)")
-        dtype = torch.int16 if meta["dtype"] == "int16" else torch.int32
+        dtype = {"uint8": torch.uint8, "int16": torch.int16}.get(meta["dtype"], torch.int32)
         parts[split] = torch.from_file(str(file), shared=False, size=count, dtype=dtype)
     spans = (0, parts["train"].numel()), (0, parts["val"].numel())
     data = TokenData(tokenizer.name, tokenizer.vocab_size, parts["train"], parts["val"],
@@ -197,6 +212,8 @@ def add_corpus_parser(sub: Any) -> None:
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--size-mb", type=float, default=200.0, help="megabytes of text to take")
     p.add_argument("--vocab", type=int, default=16384, help="BPE vocabulary size")
+    p.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe",
+                   help="bpe (trained here) or byte (UTF-8 bytes, vocabulary 256)")
     p.add_argument("--val-every", type=int, default=50,
                    help="one file in this many held out for validation (by name hash)")
     p.add_argument("--packages", default=",".join(PACKAGES),
@@ -217,7 +234,7 @@ def run_corpus(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         meta = build(Path(args.out), PACKAGES if names == PACKAGES else names, args.size_mb,
-                     args.vocab, args.val_every)
+                     args.vocab, args.val_every, args.tokenizer)
     except DataError as exc:
         print(f"gasloc-node corpus: {exc}", file=sys.stderr)
         return 2
