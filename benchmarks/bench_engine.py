@@ -30,7 +30,7 @@ from gasloc_p2p.protocol.engine import ON_DEVICE_CHUNK
 def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3,
                   stream_payloads: bool | None = None) -> dict[str, float]:
     """One side's prepare + check + commit on ``device`` (best of ``reps``, wall clock), split
-    into its parts: the host CRC32 of our payload (the peer's is computed by the session as its
+    into its parts: the host SHA-256 of our payload (the peer's is computed by the session as its
     chunks arrive, overlapping the network), and on a GPU (one profiled exchange) the
     kernels' and the host<->device copies' device time; against a device-to-device copy of
     ``numel`` float32 values. The peer's payload sits in a pinned receive buffer, as the
@@ -114,7 +114,7 @@ def _sync(device: str) -> None:
 
 
 def describe(r: dict[str, float]) -> str:
-    return (f"{'streamed' if r.get('streamed') else 'payloads on the device'}: exchange {r['exchange_s'] * 1e3:.1f} ms wall, of which CRC32 of our payload "
+    return (f"{'streamed' if r.get('streamed') else 'payloads on the device'}: exchange {r['exchange_s'] * 1e3:.1f} ms wall, of which SHA-256 of our payload "
             f"{r['digest_s'] * 1e3:.1f} ms; kernels {r['kernels_s'] * 1e3:.2f} ms, payload copies "
             f"over PCIe {r['copies_s'] * 1e3:.2f} ms ({r['payload_bytes'] / 2**20:.0f} MiB "
             f"each); device copy of the fp32 model {r['copy_s'] * 1e3:.2f} ms: kernels "

@@ -453,7 +453,7 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
                          f"{' (GPU busy)' if r['busy'] else ''}: kernels / device copy of the "
                          f"fp32 model | {r['kernels_s'] * 1e3:.2f} ms / {r['copy_s'] * 1e3:.2f} "
                          f"ms = {r['kernel_ratio']:.1f}x (wall {r['exchange_s'] * 1e3:.0f} ms: "
-                         f"PCIe copies {r['copies_s'] * 1e3:.0f} ms, CRC32 of our payload "
+                         f"PCIe copies {r['copies_s'] * 1e3:.0f} ms, SHA-256 of our payload "
                          f"{r['digest_s'] * 1e3:.0f} ms) | <= 5x |")
         elif r["part"] == "nodes":
             lines.append(f"| two `gasloc-node join` on one GPU, 135M bf16, steps {r['steps']} | "

@@ -283,10 +283,10 @@ class ExchangeEngine:
         to values beyond ``MAX_ABS_VALUE``; with ``prep`` (our half) and a guard,
         :class:`ImplausibleUpdate` if the correction it implies is implausibly large (and
         ``prep.clip`` below 1 if it is to be clipped). With ``prep``, both payloads stay on
-        the device for the commit.
+        the device for the commit (streamed int8 payloads: uploaded again by the commit).
 
         A bytearray (or pinned memoryview) payload is used in place (the session hands over
-        its receive buffer). ``seen_crc32``: the CRC32 the session computed chunk by chunk as
+        its receive buffer). ``seen_digest``: the SHA-256 the session computed chunk by chunk as
         the bytes arrived (not recomputed here: 0.7 s for a 1B model's int8 payload).
         """
         seen = payload_digest(payload) if seen_digest is None else seen_digest
