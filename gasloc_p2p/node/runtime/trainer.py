@@ -316,11 +316,13 @@ class Trainer:
         """A non-finite loss, or (``jump``) a finite one far above the recent ones
         (:class:`LossWatch`): back to the last good anchor with fresh AdamW moments. Non-finite
         losses at most ``max_rollbacks`` times (then FloatingPointError: the node stops); a
-        jump never stops the node, and the watch starts over after it, so a loss that stays
-        high (harder data, not a push) is accepted after one rollback."""
+        jump never stops the node. The watch starts over after any rollback: a loss that stays
+        high (harder data, not a push) is accepted after one, and the first steps of the fresh
+        AdamW moments (larger than the ones before them) are not judged against the losses of
+        the old ones (a second, needless rollback was seen after a NaN, 1 run in 4)."""
         st, limit = self.stats, self.losses.limit()
+        self.losses.reset()
         if jump:
-            self.losses.reset()
             if self._good is None:
                 return
         elif self._good is None or self._nonfinite >= self.cfg.max_rollbacks:
