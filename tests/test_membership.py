@@ -193,9 +193,14 @@ def test_a_closed_swarm_of_nodes_keeps_strangers_out_and_applies_a_revocation(
                 owner, {b.me.peer_id: time.time() + 600}, time.time()))
             await wait_until(lambda: not a.peers, timeout_s=scaled(10),
                              what="the owner drops the revoked member's record")
-            ok, failed = a.stats.ok, b.stats.failed
+            failed = b.stats.failed
             await wait_until(lambda: b.stats.failed > failed, timeout_s=scaled(20),
                              what="the revoked member's next exchange fails")
+            # an exchange already under way when the revocation arrived may still commit
+            # (seen once under load); none that starts after it does
+            ok, failed = a.stats.ok, b.stats.failed
+            await wait_until(lambda: b.stats.failed > failed, timeout_s=scaled(45),
+                             what="the revoked member's exchanges keep failing")
             assert a.stats.ok == ok
 
-    run(main(), timeout_s=120)
+    run(main(), timeout_s=180)
