@@ -261,10 +261,9 @@ class ExchangeEngine:
         scales[:rows].copy_(part.scales, non_blocking=True)
         return codes[:rows], scales[:rows]
 
-    def _walk(self, fragment: Fragment, spec: CodecSpec, mine: Encoded,
-                    theirs: Encoded) -> Iterator[tuple[int, int, list[tuple[int, int, int]],
-                                                       torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor]]:
+    def _walk(self, fragment: Fragment, spec: CodecSpec, mine: Encoded, theirs: Encoded
+              ) -> Iterator[tuple[int, int, list[tuple[int, int, int]], torch.Tensor,
+                                  torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Both payloads chunk by chunk on the device (each byte uploaded once per walk):
         (pos, n, pieces, my codes, my scales, their codes, their scales)."""
         bs, step = spec.block_size, chunk_elems(spec, self.device, self.chunk)
@@ -304,11 +303,7 @@ class ExchangeEngine:
             sums = (self._screen_sums(prep, mine, theirs)
                     if screened and prep is not None and mine is not None else [])
         values = read([top, *sums])  # the phase's one synchronisation
-        if not math.isfinite(values[0]):
-            raise ValueError("payload decodes to non-finite values")
-        if values[0] > MAX_ABS_VALUE:
-            raise ValueError(f"payload decodes to absurd values (|x| up to {values[0]:.3g} > "
-                             f"{MAX_ABS_VALUE:g})")
+        _refuse_magnitude(values[0])
         if sums:
             assert prep is not None
             prep.clip = self._judge(prep, *values[1:])
@@ -321,12 +316,7 @@ class ExchangeEngine:
         """:meth:`check` with streamed payloads: the magnitude from the scales in host
         memory; the screen's sums with both payloads streamed through device staging (nothing
         payload-sized stays on the device until the commit, which streams them again)."""
-        top = float(spec.codec().magnitude(received))  # host memory: no device work
-        if not math.isfinite(top):
-            raise ValueError("payload decodes to non-finite values")
-        if top > MAX_ABS_VALUE:
-            raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
-                             f"{MAX_ABS_VALUE:g})")
+        _refuse_magnitude(float(spec.codec().magnitude(received)))  # host memory only
         if prep is None or self.guard is None or not self.guard.rule.enabled:
             return
         fragment, bs = prep.fragment, spec.block_size
@@ -445,8 +435,13 @@ class ExchangeEngine:
                 if weight > 0:
                     for start, length, o in pieces:
                         self.state.add_chunk(start, c[o : o + length])
+        return self._committed(prep, square)
+
+    def _committed(self, prep: Prepared, square: torch.Tensor) -> float:
+        """After a commit's work is queued: wait for it (the copies back to host-side targets,
+        a host anchor, run on our stream), settle the guard's reservation, ``||c||_2``."""
         prep.on_device = None
-        self._done()  # the copies back to host-side targets (a host anchor) ran on our stream
+        self._done()
         if self.guard is not None and prep.ticket is not None:
             self.guard.committed(prep.ticket)
         return math.sqrt(read([square])[0])
@@ -463,8 +458,14 @@ class ExchangeEngine:
                 if weight > 0:
                     for start, length, o in pieces:
                         self.state.add_chunk(start, c[o : o + length])
-        prep.on_device = None
-        self._done()
-        if self.guard is not None and prep.ticket is not None:
-            self.guard.committed(prep.ticket)
-        return math.sqrt(read([square])[0])
+        return self._committed(prep, square)
+
+
+def _refuse_magnitude(top: float) -> None:
+    """ValueError for a payload whose decoded values could reach ``top`` (an upper bound):
+    non-finite, or beyond :data:`MAX_ABS_VALUE`."""
+    if not math.isfinite(top):
+        raise ValueError("payload decodes to non-finite values")
+    if top > MAX_ABS_VALUE:
+        raise ValueError(f"payload decodes to absurd values (|x| up to {top:.3g} > "
+                         f"{MAX_ABS_VALUE:g})")
