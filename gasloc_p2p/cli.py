@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "func", None) is not None and args.command == "join":
+        # a multi-rank node starts its ranks with the same command line
+        args.launch_argv = list(sys.argv[1:] if argv is None else argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level, handlers=[handler])

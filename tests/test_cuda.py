@@ -84,8 +84,8 @@ class RecordingLock:
         self.node, self.at = node, []
 
     @contextlib.contextmanager
-    def urgent(self) -> Iterator[None]:
-        with self.node.lock.urgent():
+    def urgent(self, writes: bool = True) -> Iterator[None]:
+        with self.node.lock.urgent(writes):
             self.at.append(self.node.stats.step)
             yield
 

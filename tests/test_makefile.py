@@ -24,6 +24,7 @@ EXPECTED = {
     "ladder-cpu": ["benchmarks.reproduce --only ladder-0.1m,ladder-0.4m"],
     "ladder-gpu": ["benchmarks.reproduce --only ladder-5m,ladder-25m --seeds 0 --jobs 1"],
     "bench-core": ["benchmarks.bench_core"],
+    "bench-ranks": ["benchmarks.bench_ranks"],
     "bench-codecs": ["benchmarks.bench_codecs"],
     "bench-sim": ["benchmarks.bench_sim"],
     "bench-node": ["benchmarks.bench_node"],

@@ -84,6 +84,15 @@ def run_join(args: argparse.Namespace) -> int:
     check = bool(getattr(args, "check", False))
     if hasattr(args, "check"):
         del args.check  # not a config field
+    argv = args.__dict__.pop("launch_argv", None)  # not a config field either
+    from gasloc_p2p.node.runtime.ranks import distributed_env
+
+    try:
+        ranks = distributed_env()
+    except ValueError as exc:
+        return _fail_config("join", exc)
+    if ranks is not None and ranks[0] > 0:
+        return _run_rank(*ranks)  # a rank > 0 takes everything from rank 0
     try:
         from gasloc_p2p.node.cli_run import resolve
 
@@ -97,6 +106,24 @@ def run_join(args: argparse.Namespace) -> int:
     if check:
         print(check_summary(cfg))
         return 0
+    world = cfg.train.nproc_per_node
+    if ranks is None and world > 1:
+        from gasloc_p2p.node.launch import launch
+
+        if argv is None:
+            return _fail_config("join", ConfigError("--nproc-per-node: no command line to "
+                                                    "start the ranks with"))
+        return launch(argv, world)
+    if ranks is not None and world not in (1, ranks[1]):
+        return _fail_config("join", ConfigError(
+            f"--nproc-per-node={world} but torchrun started WORLD_SIZE={ranks[1]} ranks"))
+    if ranks is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                 nproc_per_node=ranks[1]))
+        try:
+            cfg.validate()
+        except ConfigError as exc:
+            return _fail_config("join", exc)
     try:  # a persistent identity by default: the peer id survives restarts
         from gasloc_p2p.node.state_dir import default_identity
 
@@ -118,7 +145,12 @@ def run_join(args: argparse.Namespace) -> int:
              tuned.mmap_threshold or "default", f" ({tuned.reason})" if tuned.reason else "")
 
     executor = BoundedExecutor(_EXECUTOR_THREADS, "gasloc-io")
-    code = int(uvloop.run(_join(cfg, executor, manifest)))
+    group = None
+    if ranks is not None:
+        from gasloc_p2p.node.runtime.ranks import RankGroup
+
+        group = RankGroup(*ranks)  # waits for the other ranks to be there
+    code = int(uvloop.run(_join(cfg, executor, manifest, group)))
     # Everything the node opened is closed by now: skip the interpreter's own teardown. Its
     # final garbage collection runs native finalizers, and one of them blocked a stopped node
     # for over 30 s (the SIGTERM hang, twice in about 100 stops on a loaded machine: one thread
@@ -128,6 +160,22 @@ def run_join(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _run_rank(rank: int, world: int, local_rank: int) -> int:
+    """A rank > 0 of a multi-rank node: no network, no identity, no checkpoints; it trains
+    beside rank 0 until rank 0 stops it (Ctrl-C and SIGTERM are rank 0's to act on)."""
+    from gasloc_p2p.node.runtime.ranks import RankGroup, follow
+    from gasloc_p2p.node.runtime.trainer import follower_replica
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    group = RankGroup(rank, world, local_rank)
+    code = follow(group, follower_replica)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as rank 0: nothing left to tear down but the process group
 
 
 def check_summary(cfg: NodeConfig) -> str:
@@ -141,7 +189,8 @@ def check_summary(cfg: NodeConfig) -> str:
     return "\n".join([
         "configuration ok",
         f"  run       {cfg.discovery.run_id}",
-        f"  model     {t.model}, seed {t.seed}, {t.precision} on {t.device}",
+        f"  model     {t.model}, seed {t.seed}, {t.precision} on {t.device}"
+        + (f", {t.nproc_per_node} ranks (DDP)" if t.nproc_per_node > 1 else ""),
         f"  data      {t.data or 'Shakespeare (downloaded)'}, tokenizer {t.tokenizer}",
         f"  training  batch {t.batch_size} x {t.seq_len} tokens, H {t.inner_steps}, lr {t.lr:g}",
         f"  outer     {algo}",
@@ -211,12 +260,13 @@ def _check_ports(cfg: NodeConfig) -> None:
         check_bindable(m.metrics_host or net.host, m.metrics_port, "--metrics-port", "/metrics")
 
 
-async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = None) -> int:
+async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = None,
+                ranks: Any = None) -> int:
     from gasloc_p2p.node.daemon import Node
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(executor)
-    node = Node(cfg, manifest=manifest)
+    node = Node(cfg, manifest=manifest, ranks=ranks)
     signals = 0
     deadline = _StopDeadline(cfg.network.stop_deadline_s)
 

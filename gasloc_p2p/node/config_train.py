@@ -39,6 +39,9 @@ class TrainConfig:
     precision: str = opt("fp32", "fp32 | bf16 (autocast forward; fp32 master weights and outer "
                                  "state)", choices=PRECISIONS)
     grad_accum: int = opt(1, "micro-batches of --batch-size per inner step")
+    nproc_per_node: int = opt(1, "ranks of this node (one per GPU; processes on a CPU): one "
+                                 "identity, each micro-batch split over the ranks (DDP); "
+                                 "docs/multi-gpu.md")
     compile: bool = opt(False, "torch.compile the model's forward (warmed up before the node "
                                "accepts exchanges)")
     activation_checkpointing: bool = opt(False, "recompute each layer's activations in the "
@@ -98,11 +101,13 @@ class TrainConfig:
         self._check_sources()
         need(bool(self.data_field), "data_field", self.data_field, "name a column, e.g. text")
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "inner_steps",
-                     "grad_accum",
+                     "grad_accum", "nproc_per_node",
                      "torch_threads", "eval_interval_steps", "eval_batches", "lr_horizon_steps"):
             need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         need(self.n_embd % self.n_head == 0, "n_embd", self.n_embd,
               f"must be divisible by --n-head={self.n_head}")
+        need(self.batch_size % self.nproc_per_node == 0, "batch_size", self.batch_size,
+             f"must split over --nproc-per-node={self.nproc_per_node} ranks (a multiple of it)")
         need(0 < self.lr < 1, "lr", self.lr, "needs 0 < lr < 1 (try 3e-3)")
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "needs [0, 1]")
         need(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")

@@ -38,6 +38,7 @@ from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.clock import Clock, WallClock, every
 from gasloc_p2p.node.runtime.identity import build_membership
 from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.ranks import RankGroup
 from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
@@ -67,10 +68,13 @@ class Node:
 
     def __init__(self, cfg: NodeConfig, discovery: Discovery | None = None,
                  mode: Mode | None = None, clock: Clock | None = None,
-                 manifest: Manifest | None = None) -> None:
+                 manifest: Manifest | None = None, ranks: RankGroup | None = None) -> None:
         """``discovery``: default the hivemind DHT; ``mode``: the outer algorithm (default
         the registry's for ``cfg.outer.algorithm``); ``clock``: for the node's timers;
-        ``manifest``: the run's (``cfg`` built from it), served to nodes that join."""
+        ``manifest``: the run's (``cfg`` built from it), served to nodes that join.
+        ``ranks``: this process is rank 0 of a multi-rank node (the others follow its
+        trainer)."""
+        self.ranks = ranks
         self.cfg = cfg.validate()
         self.manifest = manifest
         self.mode = mode or make_mode(cfg.outer.algorithm)
@@ -138,7 +142,8 @@ class Node:
         me_id = self.signer.peer_id
         trainer = self.trainer = await asyncio.to_thread(
             Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
-            self.train_stats, self.mode.trainer_round_end(), self.mode.keeps_anchor)
+            self.train_stats, self.mode.trainer_round_end(), self.mode.keeps_anchor,
+            self.ranks)
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
         await asyncio.to_thread(trainer.warm_up)  # --compile: before any exchange can arrive

@@ -79,13 +79,13 @@ class Prepared:
 class UrgentLock(Protocol):
     """What the engine needs from the node's training lock (the daemon's ``TrainingLock``)."""
 
-    def urgent(self) -> AbstractContextManager[object]: ...
+    def urgent(self, writes: bool = True) -> AbstractContextManager[object]: ...
 
 
 class NoLock:
     """For single-threaded drivers (the simulator, tests): nothing to exclude."""
 
-    def urgent(self) -> AbstractContextManager[object]:
+    def urgent(self, writes: bool = True) -> AbstractContextManager[object]:
         return nullcontext()
 
 
@@ -182,7 +182,7 @@ class ExchangeEngine:
         payload, encoded = Encoded.empty(spec.name, fragment.numel, spec.block_size, pin=pin)
         if self.streams(spec):
             return self._prepare_streamed(peer_id, fragment, spec, payload, encoded, block)
-        with self.lock.urgent(), self._on_stream():
+        with self.lock.urgent(writes=False), self._on_stream():
             rounds0 = self.state.rounds
             finite = torch.ones((), dtype=torch.bool, device=self.device)
             n0 = min(step, fragment.numel)
@@ -215,7 +215,7 @@ class ExchangeEngine:
         to whole blocks), into device staging, then one asynchronous copy to the payload."""
         bs, step = spec.block_size, chunk_elems(spec, self.device, self.chunk)
         rows0 = -(-min(step, fragment.numel) // bs)
-        with self.lock.urgent(), self._on_stream():
+        with self.lock.urgent(writes=False), self._on_stream():
             rounds0 = self.state.rounds
             finite = torch.ones((), dtype=torch.bool, device=self.device)
             scales = torch.empty(rows0, device=self.device)

@@ -13,8 +13,10 @@ drivers get these at once.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -66,18 +68,36 @@ class InnerLoop:
     """
 
     def __init__(self, model: nn.Module, schedule: LRSchedule,
-                 adamw: AdamWConfig | None = None, how: StepConfig | None = None) -> None:
+                 adamw: AdamWConfig | None = None, how: StepConfig | None = None,
+                 data_parallel: bool = False) -> None:
+        """``data_parallel``: this process is one rank of a multi-rank node (the process
+        group is initialised): the forward runs through ``DistributedDataParallel``, which
+        averages the gradients over the ranks in the backward pass (construction is a
+        collective: every rank builds its loop at the same time)."""
         self.model = model
         self.schedule = schedule
         self.adamw = adamw if adamw is not None else AdamWConfig()
         self.how = how if how is not None else StepConfig()
-        # on CUDA with one micro-batch: each parameter stepped in the backward pass
+        # on CUDA with one micro-batch: each parameter stepped in the backward pass (not
+        # under DDP: a parameter's gradient is complete only when its bucket is reduced)
         self.optimizer = build_adamw(model, schedule.lr, self.adamw,
-                                     in_backward=self.how.grad_accum == 1)
+                                     in_backward=self.how.grad_accum == 1 and not data_parallel)
         self.device = model_device(model)
+        self.ddp: nn.parallel.DistributedDataParallel | None = None
+        wrapped: nn.Module = model
+        if data_parallel:
+            # the buffers (rotary tables, masks) are the same on every rank by construction;
+            # the gradients live in DDP's buckets (no second copy of them)
+            ddp = nn.parallel.DistributedDataParallel
+            quiet: dict[str, Any] = {"forward_sync_buffers" if "forward_sync_buffers" in
+                                     inspect.signature(ddp.__init__).parameters
+                                     else "broadcast_buffers": False}
+            wrapped = self.ddp = ddp(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True, **quiet)
         # The compiled wrapper shares the model's parameters (and so the flat buffer).
         self.forward: Callable[..., tuple[Tensor, Tensor | None]] = (
-            torch.compile(model) if self.how.compile else model)
+            torch.compile(wrapped) if self.how.compile else wrapped)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """bf16 autocast on the model's device for ``precision="bf16"``, else nothing.
@@ -122,12 +142,16 @@ class InnerLoop:
             raise ValueError(f"batch of {x.shape[0]} does not split into grad_accum={k} parts")
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for xm, ym in zip(x.chunk(k), y.chunk(k), strict=True):
-            with self.autocast():
-                _, loss = self.forward(xm, ym)
-            if loss is None:
-                raise ValueError("the model returned no loss: call it with targets")
-            (loss / k).backward()
+        for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
+            # under DDP the gradients are averaged once, in the last micro-batch's backward
+            quiet = self.ddp.no_sync() if self.ddp is not None and i < k - 1 \
+                else contextlib.nullcontext()
+            with quiet:
+                with self.autocast():
+                    _, loss = self.forward(xm, ym)
+                if loss is None:
+                    raise ValueError("the model returned no loss: call it with targets")
+                (loss / k).backward()
             total += loss.detach() / k
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

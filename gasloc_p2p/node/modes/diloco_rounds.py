@@ -183,7 +183,7 @@ class DilocoRounds:
         if f in self.pending:  # cannot happen with tau < H; keep one sync per fragment
             self.land(f)
         frag, st = self.fragments[f], self.state
-        with self.lock.urgent(), torch.no_grad():
+        with self.lock.urgent(writes=False), torch.no_grad():
             own = fragment_outer_grad(frag, self.anchor, st.theta)  # on the anchor's device
             digest = state_digest([frag.gather(self.anchor), _gather(frag, st.memory)])
         epoch = self.epochs[f]
@@ -355,7 +355,7 @@ class DilocoRounds:
     def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
         """(rounds, anchor copy, buffers copy or None) under the lock: what DownloadState
         serves."""
-        with self.lock.urgent():
+        with self.lock.urgent(writes=False):
             st = self.state
             return (st.rounds, self.anchor.clone(),
                     st.memory.clone() if st.memory is not None else None)

@@ -378,7 +378,7 @@ class GossipMode(Mode):
         chunk: no device-side copy of the model)."""
         assert self.ctx is not None
         state = self.ctx.trainer.state
-        with self.ctx.lock.urgent():
+        with self.ctx.lock.urgent(writes=False):
             memory = state.memory.to("cpu", copy=True) if state.memory is not None else None
             public = state.public_iterate(out=torch.empty(state.theta.numel()))
             return StateSnapshot(self.ctx.train_stats.step, state.rounds, state.cfg.momentum,

@@ -18,10 +18,14 @@ class TrainingLock:
         self._cond = threading.Condition()
         self._held = False
         self._urgent_waiting = 0
+        # urgent holds that may have written the parameters: a multi-rank node sends its
+        # parameters to its other ranks before a step when this moved (node/runtime/ranks.py)
+        self.writes = 0
 
     @contextmanager
-    def urgent(self) -> Iterator[None]:
-        """For gossip commits, snapshots and checkpoints: served before the next train step."""
+    def urgent(self, writes: bool = True) -> Iterator[None]:
+        """For gossip commits, snapshots and checkpoints: served before the next train step.
+        ``writes`` False: the holder only reads the parameters (a snapshot, a prepare)."""
         with self._cond:
             self._urgent_waiting += 1
             while self._held:
@@ -31,7 +35,13 @@ class TrainingLock:
         try:
             yield
         finally:
+            if writes:
+                self.writes += 1
             self._release()
+
+    def wrote(self) -> None:
+        """The step's holder wrote the parameters beyond the step (a round end)."""
+        self.writes += 1
 
     @contextmanager
     def step(self) -> Iterator[None]:

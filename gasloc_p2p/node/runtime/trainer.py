@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from gasloc_p2p.model import layer_index
 from gasloc_p2p.model_spec import BuiltModel, build
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost, Replica, rank_device, split_rows
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.protocol.guard import LossWatch
 from gasloc_p2p.train import (
@@ -81,6 +83,29 @@ def build_node_model(cfg: TrainConfig, vocab_size: int) -> BuiltModel:
     return built
 
 
+def build_replica(cfg: TrainConfig, vocab_size: int, device: torch.device,
+                  data_parallel: bool = False) -> tuple[BuiltModel, FlatParams, InnerLoop]:
+    """The node's model on ``device``: one flat parameter buffer (built on the host, then
+    moved: the device never holds two copies), activation checkpointing as asked, and the
+    inner loop (AdamW; through DDP with ``data_parallel``, a collective: every rank of the
+    node builds its replica at the same time)."""
+    built = build_node_model(cfg, vocab_size)
+    flat = FlatParams(built.module).to(device)
+    built.module.to(device)  # the module's non-parameter buffers
+    set_activation_checkpointing(built.module, cfg.activation_checkpointing)
+    how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
+    inner = InnerLoop(built.module, *inner_settings(cfg), how=how, data_parallel=data_parallel)
+    return built, flat, inner
+
+
+def follower_replica(got: tuple[TrainConfig, int]) -> Replica:
+    """A rank > 0's replica, from rank 0's settings and vocabulary size."""
+    cfg, vocab = got
+    device = rank_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    _, flat, inner = build_replica(cfg, vocab, device, data_parallel=True)
+    return Replica(flat, inner, device)
+
+
 def derive_seed(text: str) -> int:
     """A stable 63-bit seed from a string (e.g. the peer id)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
@@ -101,33 +126,39 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, outer: AsyncConfig, fragments: int,
                  lock: TrainingLock, stats: TrainStats,
-                 round_end: Callable[[], None] | None = None, keep_anchor: bool = False) -> None:
+                 round_end: Callable[[], None] | None = None, keep_anchor: bool = False,
+                 ranks: RankGroup | None = None) -> None:
         """``round_end``: the mode's outer update, called by :meth:`step` every
         ``inner_steps`` after the step, without the lock (it may wait on the network); None:
         the GASLoC update ``AsyncGaslocState.round_end``, inside the H-th step's lock hold (no
         exchange or checkpoint can fall between a round's last step and its round end).
-        ``keep_anchor``: the mode reads the anchor even where the momentum form does not."""
+        ``keep_anchor``: the mode reads the anchor even where the momentum form does not.
+        ``ranks``: this process is rank 0 of a multi-rank node (:mod:`.ranks`): the other
+        ranks build their replicas with this one and follow its steps."""
         self.cfg = cfg
+        self.ranks = ranks
         self.lock = lock
         self.stats = stats
         # the gossip transport's counters of exchange work in flight (set by the gossip mode):
         # steps that overlap none are "quiet" (TrainStats.quiet_steps, the utilization)
         self.exchange_work: ExchangeStats | None = None
-        self.device = resolve_device(cfg.device)
+        self.device = (resolve_device(cfg.device) if ranks is None
+                       else rank_device(cfg.device, ranks.local_rank))
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 where float32 products remain
         self.host = torch.device("cpu")  # the outer state's home, pinned beside a GPU
         self.data = load_data(cfg, cfg.seed)  # first: the tokenizer sets the vocabulary
-        built = build_node_model(cfg, self.data.tokenizer.vocab_size)
+        if ranks is not None:  # the other ranks build the same replica
+            ranks.share(cfg)
+            ranks.share(self.data.tokenizer.vocab_size)
+        built, self.flat, self.inner = build_replica(
+            cfg, self.data.tokenizer.vocab_size, self.device, data_parallel=ranks is not None)
+        self.model = built.module
         # Runs apart: architecture, theta_0 and the tokenizer (same ids must mean the same).
         self.fingerprint = hashlib.sha256(
             f"{built.fingerprint}/{self.data.tokenizer.name}".encode()).hexdigest()
         self.model_description = built.description
         self.validation_set = self.data.validation_set
-        # one flat buffer, built on the host, then moved: the device never holds two copies
-        self.flat = FlatParams(built.module).to(self.device)
-        self.model = built.module.to(self.device)  # the module's non-parameter buffers
-        set_activation_checkpointing(self.model, cfg.activation_checkpointing)
         # the flat buffer holds theta_0 now: the state copies what it keeps to the host
         self.state = AsyncGaslocState(self.flat.buffer, self.flat.buffer, outer, host=self.host,
                                       keep_anchor=keep_anchor)
@@ -138,9 +169,8 @@ class Trainer:
         for s, e in spans(self.flat.numel):
             self.theta0[s:e].copy_(self.flat.buffer[s:e].to(torch.bfloat16), non_blocking=True)
         self.state.sync()
-        how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
-        self.inner = InnerLoop(self.model, *inner_settings(cfg), how=how)
         self.optimizer = self.inner.optimizer
+        self._optimizer_epoch = 0  # moves when the AdamW state is replaced (ranks follow)
         self.n_layer = built.n_layer
         if fragments > built.n_layer:
             raise ValueError(f"--fragments={fragments} exceeds the model's {built.n_layer} "
@@ -192,8 +222,8 @@ class Trainer:
     def warm_up(self) -> None:
         """With ``--compile``: compile forward and backward on one batch (parameters and
         AdamW state untouched), so the first real step holds the lock no longer than any."""
-        if not self.cfg.compile or self.shard is None:
-            return
+        if not self.cfg.compile or self.shard is None or self.ranks is not None:
+            return  # several ranks: DDP compiles in the first step, on every rank
         gen = torch.Generator().manual_seed(0)
         x, y = self.shard.batch(self.cfg.batch_size, self.cfg.seq_len, gen)
         with self.inner.autocast():
@@ -227,12 +257,29 @@ class Trainer:
                 self.step()
                 if self.stats.step % self.cfg.eval_interval_steps == 0:
                     self._evaluate()
+        except RankLost as exc:
+            self.stats.error = str(exc)
+            log.error("training stopped at step %d: %s", self.stats.step, exc)
         except Exception as exc:
             self.stats.error = f"{type(exc).__name__}: {exc}"
             log.exception("training failed at step %d", self.stats.step)
         finally:
+            self._stop_ranks()
             self.stats.running = False
             self.finished.set()
+
+    def _stop_ranks(self) -> None:
+        """Rank 0 of a multi-rank node: stop the other ranks (after one last comparison of the
+        replicas), unless one of them is gone already."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is None or self.stats.error.startswith("rank "):
+            return
+        try:
+            agree = ranks.stop(self.flat.buffer)
+            log.info("stopped the node's %d ranks: replicas %s", ranks.world,
+                     "identical" if agree else "DIFFERENT")
+        except RankLost as exc:
+            log.error("%s", exc)
 
     def _limit_reached(self, started: float) -> bool:
         cfg = self.cfg
@@ -246,28 +293,40 @@ class Trainer:
         cfg, st = self.cfg, self.stats
         x, y = self.shard.batch(cfg.batch_size * cfg.grad_accum, cfg.seq_len, self.generator)
         mark = self._data_mark()  # where the next step's batch comes from
+        tokens, ranks = y.numel(), self.ranks
         # Host-to-device copies before the lock: gossip commits wait only for the step itself.
-        if self.device.type == "cuda":
-            x, y = x.pin_memory(), y.pin_memory()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if ranks is None:
+            if self.device.type == "cuda":
+                x, y = x.pin_memory(), y.pin_memory()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         work = self.exchange_work
         before = (work.work_started, work.work_active) if work is not None else None
         t0 = time.perf_counter()
         with self.lock.step():
+            if ranks is not None:  # the other ranks get what changed, then the batch
+                ranks.lead(st.step, x, y, self.flat.buffer, self.optimizer,
+                           (self.lock.writes, self._optimizer_epoch))
+                x, y = (split_rows(t, cfg.grad_accum, 0, ranks.world).to(self.device)
+                        for t in (x, y))
             if self.probe is not None:
                 self.probe.before_step()
             loss = self.inner.step(x, y, st.step)
+            if ranks is not None:
+                loss = ranks.mean(loss)  # the node's loss: every rank's rows
             if self.probe is not None:
                 self.probe.after_step()
             st.step += 1
             self._mark = mark
             round_end = st.step % cfg.inner_steps == 0
+            if round_end and ranks is not None:
+                ranks.verify(self.flat.buffer)  # the replicas took the same steps
             if round_end and self.round_end is None:
                 self.state.round_end()
+                self.lock.wrote()  # the other ranks get the new parameters before the next step
                 st.rounds = self.state.rounds
         if round_end and self.probe is not None and self.on_drift is not None:
             self.on_drift(self.probe.round_end())
-        value = self._read_loss(loss.detach(), y.numel())
+        value = self._read_loss(loss.detach(), tokens)
         if self.losses.implausible(value):
             self._roll_back(value, jump=math.isfinite(value))
             return value
@@ -278,8 +337,8 @@ class Trainer:
         if work is None or (work.work_active == 0 and before == (work.work_started, 0)):
             st.quiet_steps += 1  # no exchange work ran during this step
             st.quiet_s += dt
-        st.tokens += y.numel()
-        st.tokens_per_s = y.numel() / st.step_time_s
+        st.tokens += tokens
+        st.tokens_per_s = tokens / st.step_time_s
         st.train_loss = value
         if self.round_end is not None and (round_end or self.round_end_every_step):
             self.round_end()  # after the timing: tokens/s stays compute throughput
@@ -338,6 +397,7 @@ class Trainer:
                 self.state.anchor.copy_(theta)
             _copy(self.state.memory, memory)
             self.optimizer.state.clear()  # the moments may hold NaN too
+            self._optimizer_epoch += 1
             self._late = None
         st.rollbacks += 1
         log.warning("loss %s at step %d (limit %.4g): rolled back to the last good anchor "
@@ -406,6 +466,7 @@ class Trainer:
             self._restore_memory(ckpt.get("memory"))
             st.rounds = int(ckpt["rounds"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
+            self._optimizer_epoch += 1
             self.generator.set_state(ckpt["generator"])
             if ckpt.get("data") is not None and hasattr(self.shard, "restore"):
                 self.shard.restore(ckpt["data"])  # a stream goes on where it was

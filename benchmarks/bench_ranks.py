@@ -1,0 +1,131 @@
+"""Step throughput of a node of K ranks against a node of one rank, side by side in one run.
+
+``python -m benchmarks.bench_ranks [--ranks 2] [--steps 40]`` (``make bench-ranks``) times the
+node's own trainer (:class:`Trainer` with DDP over real ``torch.distributed`` ranks, gloo on a
+CPU, NCCL on GPUs) on the same model and the same node batch, split over the ranks:
+
+- 1 rank with ``--threads`` torch threads per rank (one device's worth),
+- K ranks with as many threads each,
+- 1 rank with K x ``--threads`` threads (the whole machine to one process: what a CPU user
+  could run instead),
+
+each after ``--warmup`` steps, in this order, and prints tokens per second, the step time and
+the ratios. The issue's target is K ranks >= 1.7x one rank at K=2; on a CPU the ranks share
+the machine's memory bandwidth and cores with the gradient all-reduce (gloo, one bucket set
+per step), which is what limits it here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gasloc_p2p.core.async_state import AsyncConfig
+from gasloc_p2p.node.config import TrainConfig
+from gasloc_p2p.node.launch import free_port, rank_env
+from gasloc_p2p.node.runtime.lock import TrainingLock
+from gasloc_p2p.node.runtime.ranks import RankGroup, distributed_env, follow
+from gasloc_p2p.node.runtime.trainer import Trainer, follower_replica
+from gasloc_p2p.node.stats import TrainStats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(args: argparse.Namespace, threads: int, world: int) -> TrainConfig:
+    """The measured node: the built-in GPT on a corpus of this Python's own sources."""
+    corpus = Path(args.workdir) / "corpus.txt"
+    if not corpus.exists():
+        sources = sorted(Path(argparse.__file__).parent.glob("*.py"))[:40]
+        corpus.write_text("\n".join(f.read_text(errors="replace") for f in sources))
+    return TrainConfig(data=str(corpus), device="cpu" if not torch.cuda.is_available() else
+                       "auto", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                       seq_len=args.seq_len, batch_size=args.batch_size, torch_threads=threads,
+                       nproc_per_node=world, inner_steps=1000, warmup_steps=10, eval_batches=1)
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One process of a measurement (a single rank, or one of K)."""
+    found = distributed_env()
+    group = RankGroup(*found) if found is not None else None
+    if group is not None and not group.leader:
+        return follow(group, follower_replica)
+    cfg = _config(args, args.threads, group.world if group else 1)
+    trainer = Trainer(cfg, AsyncConfig(), 1, TrainingLock(), TrainStats(), ranks=group)
+    trainer.load_data(1)
+    torch.set_num_threads(cfg.torch_threads)
+    for _ in range(args.warmup):
+        trainer.step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.step()
+    dt = time.perf_counter() - t0
+    if trainer.ranks is not None:
+        trainer.ranks.stop(trainer.flat.buffer)
+    tokens = args.steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    Path(args.out).write_text(f"{tokens / dt} {dt / args.steps} {trainer.flat.numel}\n")
+    return 0
+
+
+def measure(args: argparse.Namespace, world: int, threads: int) -> tuple[float, float, int]:
+    out = Path(args.workdir) / f"r{world}-t{threads}.txt"
+    cmd = [sys.executable, "-m", "benchmarks.bench_ranks", "--worker", "--out", str(out),
+           "--threads", str(threads), *_shape(args)]
+    base = dict(os.environ, PYTHONPATH=str(ROOT))
+    port = free_port()
+    envs = [base] if world == 1 else [rank_env(base, r, world, port) for r in range(world)]
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT) for env in envs]
+    codes = [p.wait(timeout=1800) for p in procs]
+    if any(codes):
+        raise SystemExit(f"a rank failed: exit codes {codes}")
+    tok_s, step_s, numel = out.read_text().split()
+    return float(tok_s), float(step_s), int(numel)
+
+
+def _shape(args: argparse.Namespace) -> list[str]:
+    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--workdir", args.workdir,
+            "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head",
+            str(args.n_head), "--seq-len", str(args.seq_len), "--batch-size",
+            str(args.batch_size)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--workdir", default="runs/bench_ranks")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    k, t = args.ranks, args.threads
+    one = measure(args, 1, t)
+    many = measure(args, k, t)
+    whole = measure(args, 1, k * t)
+    print(f"# bench_ranks: {one[2]:,} parameters, node batch {args.batch_size} x "
+          f"{args.seq_len} tokens, {args.steps} timed steps, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}")
+    print("| node | threads per rank | step (s) | tokens/s | vs 1 rank |")
+    print("|---|---|---|---|---|")
+    for name, threads, (tok_s, step_s, _) in (("1 rank", t, one), (f"{k} ranks (DDP)", t, many),
+                                              ("1 rank, all threads", k * t, whole)):
+        print(f"| {name} | {threads} | {step_s:.3f} | {tok_s:,.0f} | {tok_s / one[0]:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

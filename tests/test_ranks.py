@@ -1,0 +1,122 @@
+"""A node of several ranks (torch.distributed, gloo on CPU; real processes).
+
+The K ranks of a node take the step one process takes on the same batch (DDP splits it), and
+whatever rank 0 writes between steps (a commit, a round end, a restore, a rollback) reaches
+the other ranks before the next step: the replicas stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gasloc_p2p.node.launch import describe, free_port, rank_env
+from gasloc_p2p.node.runtime.ranks import checksum, distributed_env, rank_device, split_rows
+from tests.daemon_helpers import write_corpus
+from tests.node_helpers import scaled
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _schedule(tmp: Path, corpus: Path, accum: int, world: int) -> dict:
+    out = tmp / f"out-{world}-{accum}.pt"
+    cmd = [sys.executable, "-m", "tests.ranks_schedule", str(out), str(corpus), str(accum)]
+    base = dict(os.environ, PYTHONPATH=str(ROOT))
+    if world == 1:
+        envs = [base]
+    else:
+        port = free_port()
+        envs = [rank_env(base, r, world, port) for r in range(world)]
+    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for env in envs]
+    try:
+        logs = [p.communicate(timeout=scaled(180))[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {r} of {world} exited {p.returncode}:\n{log[-4000:]}"
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum):
+    corpus = write_corpus(tmp_path / "corpus")
+    one = _schedule(tmp_path, corpus, accum, 1)
+    two = _schedule(tmp_path, corpus, accum, 2)
+    assert two["agree"] is True  # rank 1's parameters' bits are rank 0's at the stop
+    # the schedule ran: round ends, one rollback, the restore went back in steps
+    assert (one["rollbacks"], one["rounds"]) == (two["rollbacks"], two["rounds"]) == (1, 3)
+    assert one["step"] == two["step"] == 26
+    assert torch.isfinite(two["theta"]).all()
+    # the same steps as one process on the node's whole batch, within float rounding (AdamW's
+    # normalised steps carry a rounding of a tiny gradient to a parameter: measured 0.01-0.05%
+    # of the largest move at this size; a rank on other rows would be as far as the move)
+    diff = (one["theta"] - two["theta"]).abs().max().item()
+    moved = (one["theta"] - one["theta0"]).abs().max().item()
+    print(f"max |theta_1 - theta_2| {diff:.3g}, largest move {moved:.3g}")
+    assert diff < 0.01 * moved, f"a 2-rank node drifted {diff} from a 1-rank node"
+
+
+def test_rows_split_each_micro_batch_over_the_ranks():
+    x = torch.arange(8 * 3).view(8, 3)
+    parts = [split_rows(x, 2, r, 2) for r in range(2)]
+    # micro-batches are rows 0-3 and 4-7; rank 0 takes 0-1 and 4-5, rank 1 2-3 and 6-7
+    assert parts[0][:, 0].tolist() == [0, 3, 12, 15]
+    assert parts[1][:, 0].tolist() == [6, 9, 18, 21]
+    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+        split_rows(x, 2, 0, 3)
+
+
+def test_checksum_sees_one_changed_bit():
+    t = torch.randn(1000)
+    before = int(checksum(t, chunk=64))
+    assert before == int(checksum(t.clone()))
+    t.view(torch.int32)[500] ^= 1  # the last bit of one float
+    assert int(checksum(t, chunk=64)) != before
+
+
+def test_environment_and_devices_are_checked():
+    assert distributed_env({}) is None
+    assert distributed_env({"RANK": "0", "WORLD_SIZE": "1"}) is None
+    assert distributed_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == (1, 2, 1)
+    with pytest.raises(ValueError, match="outside WORLD_SIZE"):
+        distributed_env({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="cuda:1"):
+        rank_device("cuda:1", 0)
+    assert rank_device("cpu", 1) == torch.device("cpu")
+    assert describe(-9) == "signal SIGKILL" and describe(3) == "exit code 3"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_rank_takes_its_local_gpu():
+    assert rank_device("auto", 0) == torch.device("cuda", 0)
+
+
+def _join(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gasloc_p2p.cli", "join", *flags],
+                          capture_output=True, text=True, timeout=scaled(60), cwd=ROOT,
+                          env=dict(os.environ, **(env or {})))
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_refused_in_one_line():
+    out = _join("--check", "--nproc-per-node", "3", "--batch-size", "8")
+    assert out.returncode == 2
+    assert out.stderr == ("gasloc-node join: error: --batch-size=8: must split over "
+                          "--nproc-per-node=3 ranks (a multiple of it)\n")
+    ok = _join("--check", "--nproc-per-node", "2")
+    assert ok.returncode == 0 and ", 2 ranks (DDP)" in ok.stdout, ok.stderr
+
+
+def test_torchrun_with_another_world_size_than_the_flag_is_refused():
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    out = _join("--nproc-per-node", "4", "--open", "--no-init-from-swarm", env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().endswith("--nproc-per-node=4 but torchrun started WORLD_SIZE=2 "
+                                       "ranks"), out.stderr

@@ -1,0 +1,113 @@
+"""A node of two ranks in a real swarm (processes, gloo, the hivemind DHT, gRPC): it gossips
+with a node of one rank, sends one payload per exchange, keeps its replicas identical, and a
+rank that dies stops the node in one line; the same command resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from gasloc_p2p.node.runtime import checkpoint as ckpt
+from gasloc_p2p.tools.nodes import METRICS_LINE
+from gasloc_p2p.tools.procs import group_members
+from gasloc_p2p.tools.swarm import read_metrics
+from tests.daemon_helpers import write_corpus
+from tests.node_helpers import scaled
+from tests.swarm_helpers import NodeProc, stopped_within
+
+FLAGS = ("--eval-interval-steps", "40", "--batch-size", "8", "--seq-len", "32",
+         "--n-embd", "32", "--n-head", "2")
+
+
+def _rank_pid(node: NodeProc, rank: int) -> int:
+    """The pid of rank ``rank`` among the launcher's children (its RANK variable)."""
+    for pid in group_members(node.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"GASLOC_NPROC_PER_NODE=2" in env:
+            return pid
+    raise AssertionError(f"no rank {rank} in {node.name}'s process group")
+
+
+def _wait(what: str, check, timeout_s: float) -> None:
+    deadline = time.monotonic() + scaled(timeout_s)
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def test_a_two_rank_node_gossips_with_a_one_rank_node(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    flags = ["--data", str(corpus), *FLAGS]
+    nodes: list[NodeProc] = []
+    try:
+        two = NodeProc("two", tmp_path, [*flags, "--nproc-per-node", "2"])
+        nodes.append(two)
+        peers = two.join_peers(scaled(90))
+        one = NodeProc("one", tmp_path, [*flags, "--peers", *peers])
+        nodes.append(one)
+        urls = [n.wait_for(METRICS_LINE, scaled(90)).group(1) for n in nodes]
+
+        def views():
+            return [read_metrics(u) for u in urls]
+
+        _wait("6 exchanges on both nodes",
+              lambda: all(v is not None and v.ok >= 6 for v in views()), 150)
+        a, b = views()
+        assert a is not None and b is not None
+        # one payload per exchange whatever the ranks: the 2-rank node's bytes per exchange
+        # are the 1-rank node's (both sides send one payload of the same model), not twice
+        # them; an exchange under way at the scrape counts bytes, not yet an exchange
+        per_a, per_b = a.sent_bytes / a.ok, b.sent_bytes / b.ok
+        assert 2 / 3 < per_a / per_b < 3 / 2, (per_a, per_b)
+        assert a.step > 0 and a.val_loss < 5.0
+        for node in nodes:
+            node.terminate()
+            assert stopped_within(node, scaled(60)) == 0, node.tail(3000)
+        log = two.tail(20000)
+        assert "stopped the node's 2 ranks: replicas identical" in log, log
+        assert "rank 1: stopped by rank 0" in log
+    finally:
+        for node in nodes:
+            node.stop(10)
+
+
+def test_a_dead_rank_stops_the_node_in_one_line_and_a_restart_resumes(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    ckdir = tmp_path / "ckpt"
+    flags = ["--data", str(corpus), *FLAGS, "--nproc-per-node", "2", "--checkpoint-dir",
+             str(ckdir), "--checkpoint-interval-s", "1"]
+    nodes: list[NodeProc] = []
+    try:
+        first = NodeProc("first", tmp_path, flags)
+        nodes.append(first)
+        first.wait_up(scaled(90))
+        _wait("a checkpoint", lambda: ckpt.checkpoint_path(ckdir).exists(), 60)
+        victim = _rank_pid(first, 1)
+        os.kill(victim, signal.SIGKILL)
+        code = first.proc.wait(timeout=scaled(60))
+        err = first.tail(20000)
+        assert code == 1, err
+        lines = [ln for ln in err.splitlines() if "rank 1 of 2 died" in ln]
+        assert lines == ["gasloc-node join: rank 1 of 2 died (signal SIGKILL); the node stops; "
+                         "run the same command again to resume from its checkpoint"], err
+        assert not [p for p in group_members(first.pid) if p != first.pid], "a rank survived"
+        saved = ckpt.load(ckdir)
+        assert saved is not None and saved["step"] > 0
+
+        again = NodeProc("again", tmp_path, flags)
+        nodes.append(again)
+        found = again.wait_for(r"resumed from \S+ at step (\d+)", scaled(90), stdout=False)
+        assert int(found.group(1)) >= int(saved["step"])
+        again.wait_up(scaled(60))
+        again.terminate()
+        assert stopped_within(again, scaled(60)) == 0
+        assert re.search(r"stopped the node's 2 ranks: replicas identical", again.tail(20000))
+    finally:
+        for node in nodes:
+            node.stop(10)
