@@ -43,8 +43,8 @@ def _config(args: argparse.Namespace, threads: int, world: int) -> TrainConfig:
     if not corpus.exists():
         sources = sorted(Path(argparse.__file__).parent.glob("*.py"))[:40]
         corpus.write_text("\n".join(f.read_text(errors="replace") for f in sources))
-    return TrainConfig(data=str(corpus), device="cpu" if not torch.cuda.is_available() else
-                       "auto", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+    gpus = torch.cuda.device_count()
+    return TrainConfig(data=str(corpus), device="auto" if gpus >= args.ranks else "cpu", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                        seq_len=args.seq_len, batch_size=args.batch_size, torch_threads=threads,
                        nproc_per_node=world, inner_steps=1000, warmup_steps=10, eval_batches=1)
 
@@ -65,8 +65,7 @@ def worker(args: argparse.Namespace) -> int:
     for _ in range(args.steps):
         trainer.step()
     dt = time.perf_counter() - t0
-    if trainer.ranks is not None:
-        trainer.ranks.stop(trainer.flat.buffer)
+    trainer.stop_ranks()
     tokens = args.steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len
     Path(args.out).write_text(f"{tokens / dt} {dt / args.steps} {trainer.flat.numel}\n")
     return 0
@@ -115,14 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     k, t = args.ranks, args.threads
     one = measure(args, 1, t)
     many = measure(args, k, t)
-    whole = measure(args, 1, k * t)
+    gpu = torch.cuda.is_available()
+    whole = None if gpu else measure(args, 1, k * t)
     print(f"# bench_ranks: {one[2]:,} parameters, node batch {args.batch_size} x "
           f"{args.seq_len} tokens, {args.steps} timed steps, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}")
     print("| node | threads per rank | step (s) | tokens/s | vs 1 rank |")
     print("|---|---|---|---|---|")
-    for name, threads, (tok_s, step_s, _) in (("1 rank", t, one), (f"{k} ranks (DDP)", t, many),
-                                              ("1 rank, all threads", k * t, whole)):
+    rows = [("1 rank", t, one), (f"{k} ranks (DDP)", t, many)]
+    if whole is not None:  # a CPU: the same cores as threads of one process
+        rows.append(("1 rank, all threads", k * t, whole))
+    for name, threads, (tok_s, step_s, _) in rows:
         print(f"| {name} | {threads} | {step_s:.3f} | {tok_s:,.0f} | {tok_s / one[0]:.2f}x |")
     return 0
 

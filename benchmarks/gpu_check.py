@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 GiB = 1 << 30
-PARTS = ("tests", "memory", "throughput", "engine", "nodes")
+PARTS = ("tests", "memory", "throughput", "engine", "nodes", "ranks")
 EXTRA = ("trace",)  # diagnostics, on request
 LLAMA_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
               "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -417,6 +417,27 @@ def part_tests() -> list[dict[str, Any]]:
     return [{"part": "tests", "summary": summary, "returncode": done.returncode}]
 
 
+def part_ranks() -> list[dict[str, Any]]:
+    """A node of 2 GPU ranks (NCCL): its CUDA tests, then its step throughput against one
+    rank on the same model and node batch (benchmarks/bench_ranks.py). Needs 2 GPUs."""
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        print(f"ranks: skipped, this machine has {gpus} GPU (a node of 2 ranks needs 2)")
+        return [{"part": "ranks", "gpus": gpus, "summary": "skipped: 1 GPU"}]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_ranks.py"], capture_output=True, text=True)
+    summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+    print(f"rank tests: {summary}", flush=True)
+    bench = subprocess.run([sys.executable, "-m", "benchmarks.bench_ranks", "--n-layer", "8",
+                            "--n-embd", "1024", "--n-head", "16", "--seq-len", "512",
+                            "--batch-size", "16", "--steps", "30"],
+                           capture_output=True, text=True)
+    print(bench.stdout[-3000:], bench.stderr[-2000:] if bench.returncode else "", flush=True)
+    rows = [ln for ln in bench.stdout.splitlines() if ln.startswith("| ") and "x |" in ln]
+    return [{"part": "ranks", "gpus": gpus, "summary": summary, "returncode": done.returncode,
+             "bench": rows}]
+
+
 def write_table(records: list[dict[str, Any]], path: Path) -> None:
     """docs/results/gpu.md from the records."""
     gpu = next((r["gpu"] for r in records if "gpu" in r), "?")
@@ -455,6 +476,9 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
                          f"ms = {r['kernel_ratio']:.1f}x (wall {r['exchange_s'] * 1e3:.0f} ms: "
                          f"PCIe copies {r['copies_s'] * 1e3:.0f} ms, SHA-256 of our payload "
                          f"{r['digest_s'] * 1e3:.0f} ms) | <= 5x |")
+        elif r["part"] == "ranks":
+            lines.append(f"| a node of 2 GPU ranks (tests/test_ranks.py; bench_ranks) | "
+                         f"{r['summary']}; {' / '.join(r.get('bench', []))} | pass, >= 1.7x |")
         elif r["part"] == "nodes":
             lines.append(f"| two `gasloc-node join` on one GPU, 135M bf16, steps {r['steps']} | "
                          f"exit {r['exit_codes']}, exchanges {r['exchanges']}, tokens/s "
@@ -495,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = part_nodes(paths, root / "nodes")
         elif part == "trace":
             rows = part_trace(paths)
+        elif part == "ranks":
+            rows = part_ranks()
+            failed |= rows[0].get("returncode", 0) != 0
         else:
             raise SystemExit(f"--parts: unknown part {part!r} (choose from {PARTS + EXTRA})")
         print(f"[{part}: {time.monotonic() - t0:.0f} s]", flush=True)

@@ -1,6 +1,6 @@
 """One node's trainer on a fixed schedule, as one process or as rank 0 of K (gloo, real ranks).
 
-``python -m tests.ranks_schedule OUT CORPUS GRAD_ACCUM`` runs the schedule in one process, or,
+``python -m tests.ranks_schedule OUT CORPUS GRAD_ACCUM DEVICE`` runs the schedule in one process, or,
 with the launcher's environment (``RANK``/``WORLD_SIZE``/...), as one rank of a multi-rank
 node: rank 0 drives the trainer, the others follow it (:func:`ranks.follow`). The schedule
 writes the parameters between steps the way an exchange does (a correction under the
@@ -28,13 +28,14 @@ TICKS = 30  # steps taken (a restore goes back in the step count; the ticks go o
 CORRECT_AT, SAVE_AT, RESTORE_AT, NAN_AT = (5, 21), 9, 13, 18
 
 
-def main(out: str, corpus: str, grad_accum: int) -> int:
+def main(out: str, corpus: str, grad_accum: int, device: str) -> int:
     found = distributed_env()
     group = RankGroup(*found) if found is not None else None
     if group is not None and not group.leader:
         return follow(group, follower_replica)
     cfg = tiny_config(Path(corpus), inner_steps=8, grad_accum=grad_accum, batch_size=4,
-                      n_embd=32, n_head=2, seq_len=32, warmup_steps=4, max_rollbacks=2).train
+                      n_embd=32, n_head=2, seq_len=32, warmup_steps=4, max_rollbacks=2,
+                      device=device).train
     lock = TrainingLock()
     trainer = Trainer(cfg, AsyncConfig(eta=0.7, gamma=0.5, w=0.5), 1, lock, TrainStats(),
                       ranks=group)
@@ -45,7 +46,7 @@ def main(out: str, corpus: str, grad_accum: int) -> int:
         theta = trainer.state.theta
         if tick in CORRECT_AT:  # what a gossip commit does: a write under the lock
             with lock.urgent():
-                theta.add_(torch.randn(theta.numel(), generator=gen) * 1e-3)
+                theta.add_(torch.randn(theta.numel(), generator=gen).to(theta.device) * 1e-3)
         if tick == SAVE_AT:
             saved = trainer.state_for_checkpoint()
         if tick == RESTORE_AT:
@@ -55,8 +56,10 @@ def main(out: str, corpus: str, grad_accum: int) -> int:
             with lock.urgent():
                 theta[0] = float("nan")
         trainer.step()
-    agree = trainer.ranks.stop(trainer.flat.buffer) if trainer.ranks is not None else True
-    torch.save({"theta": trainer.flat.buffer.clone(), "theta0": trainer.theta0.float(),
+    with lock.urgent():  # a commit after the last step: the stop must carry it
+        trainer.state.theta.add_(1e-3)
+    agree = trainer.stop_ranks()
+    torch.save({"theta": trainer.flat.buffer.cpu(), "theta0": trainer.theta0.float(),
                 "agree": agree,
                 "rollbacks": trainer.stats.rollbacks, "step": trainer.stats.step,
                 "rounds": trainer.stats.rounds}, out)
@@ -64,4 +67,4 @@ def main(out: str, corpus: str, grad_accum: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))

@@ -23,9 +23,10 @@ from tests.node_helpers import scaled
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _schedule(tmp: Path, corpus: Path, accum: int, world: int) -> dict:
+def _schedule(tmp: Path, corpus: Path, accum: int, world: int, device: str = "cpu") -> dict:
     out = tmp / f"out-{world}-{accum}.pt"
-    cmd = [sys.executable, "-m", "tests.ranks_schedule", str(out), str(corpus), str(accum)]
+    cmd = [sys.executable, "-m", "tests.ranks_schedule", str(out), str(corpus), str(accum),
+           device]
     base = dict(os.environ, PYTHONPATH=str(ROOT))
     if world == 1:
         envs = [base]
@@ -45,10 +46,10 @@ def _schedule(tmp: Path, corpus: Path, accum: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("accum", [1, 2])
-def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum):
+def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, device="cpu"):
     corpus = write_corpus(tmp_path / "corpus")
-    one = _schedule(tmp_path, corpus, accum, 1)
-    two = _schedule(tmp_path, corpus, accum, 2)
+    one = _schedule(tmp_path, corpus, accum, 1, device)
+    two = _schedule(tmp_path, corpus, accum, 2, device)
     assert two["agree"] is True  # rank 1's parameters' bits are rank 0's at the stop
     # the schedule ran: round ends, one rollback, the restore went back in steps
     assert (one["rollbacks"], one["rounds"]) == (two["rollbacks"], two["rounds"]) == (1, 3)
@@ -96,6 +97,14 @@ def test_environment_and_devices_are_checked():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_a_rank_takes_its_local_gpu():
     assert rank_device("auto", 0) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="lower --nproc-per-node"):
+        rank_device("cuda", torch.cuda.device_count())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices (NCCL ranks); make gpu-check runs it there")
+def test_two_gpu_ranks_take_one_gpu_steps_and_stay_identical(tmp_path):
+    test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, 2, device="cuda")
 
 
 def _join(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -18,7 +18,7 @@ from tests.daemon_helpers import write_corpus
 from tests.node_helpers import scaled
 from tests.swarm_helpers import NodeProc, stopped_within
 
-FLAGS = ("--eval-interval-steps", "40", "--batch-size", "8", "--seq-len", "32",
+FLAGS = ("--device", "cpu", "--eval-interval-steps", "40", "--batch-size", "8", "--seq-len", "32",
          "--n-embd", "32", "--n-head", "2")
 
 

@@ -146,12 +146,16 @@ class RankGroup:
         """Rank 0, before step ``step``: send the control message, the parameters and AdamW
         state if ``versions`` (lock writes, optimizer epoch) moved since the last step, then
         the node's batch ``x``, ``y`` (host tensors [B, T])."""
-        flags = (_PARAMS if versions[0] != self._seen[0] else 0) | (
-            _OPTIMIZER if versions[1] != self._seen[1] else 0)
-        self._seen = versions
+        flags = self._changed(versions)
         self._control(_STEP, step, flags)
         self._sync(flags, params, optimizer)
         self._broadcast(torch.stack((x, y)))
+
+    def _changed(self, versions: tuple[int, int]) -> int:
+        flags = (_PARAMS if versions[0] != self._seen[0] else 0) | (
+            _OPTIMIZER if versions[1] != self._seen[1] else 0)
+        self._seen = versions
+        return flags
 
     def follow_step(self, params: torch.Tensor, optimizer: Any,
                     shape: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
@@ -160,6 +164,7 @@ class RankGroup:
         while True:
             op, step, flags = self._control()
             if op == _STOP:
+                self._sync(flags, params, optimizer)
                 self.check(params)
                 return None
             if op == _CHECK:
@@ -179,9 +184,12 @@ class RankGroup:
             raise self._lost(exc) from None
         return out[0] / self.world
 
-    def stop(self, params: torch.Tensor) -> bool:
-        """Rank 0: tell the other ranks to stop, after comparing the replicas one last time."""
-        self._control(_STOP, 0, 0)
+    def stop(self, params: torch.Tensor, optimizer: Any, versions: tuple[int, int]) -> bool:
+        """Rank 0: tell the other ranks to stop, with what changed since the last step (a
+        round end after it, a commit), then compare the replicas one last time."""
+        flags = self._changed(versions)
+        self._control(_STOP, 0, flags)
+        self._sync(flags, params, optimizer)
         return self.check(params)
 
     def verify(self, params: torch.Tensor) -> bool:

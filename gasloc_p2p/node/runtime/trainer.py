@@ -264,22 +264,27 @@ class Trainer:
             self.stats.error = f"{type(exc).__name__}: {exc}"
             log.exception("training failed at step %d", self.stats.step)
         finally:
-            self._stop_ranks()
+            self.stop_ranks()
             self.stats.running = False
             self.finished.set()
 
-    def _stop_ranks(self) -> None:
+    def stop_ranks(self) -> bool:
         """Rank 0 of a multi-rank node: stop the other ranks (after one last comparison of the
-        replicas), unless one of them is gone already."""
+        replicas), unless one of them is gone already. True when the replicas agreed (or
+        there are no other ranks)."""
         ranks, self.ranks = self.ranks, None
         if ranks is None or self.stats.error.startswith("rank "):
-            return
+            return ranks is None
         try:
-            agree = ranks.stop(self.flat.buffer)
+            with self.lock.urgent(writes=False):
+                agree = ranks.stop(self.flat.buffer, self.optimizer,
+                                   (self.lock.writes, self._optimizer_epoch))
             log.info("stopped the node's %d ranks: replicas %s", ranks.world,
                      "identical" if agree else "DIFFERENT")
+            return agree
         except RankLost as exc:
             log.error("%s", exc)
+            return False
 
     def _limit_reached(self, started: float) -> bool:
         cfg = self.cfg
