@@ -65,7 +65,7 @@ corpus: setup
 # the size ladder (benchmarks/repro_ladder.py; make corpus first): CPU rungs here, GPU rungs
 # on one GPU (about 25 minutes on an H100)
 ladder-cpu: setup
-	$(PY) -m benchmarks.reproduce --only ladder-0.1m,ladder-0.4m
+	$(PY) -m benchmarks.reproduce --only ladder-0.1m,ladder-0.4m,ladder-0.4m-sweep
 
 ladder-gpu: setup
 	$(PY) -m benchmarks.reproduce --only ladder-5m,ladder-25m --seeds 0 --jobs 1

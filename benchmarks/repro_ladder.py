@@ -43,14 +43,26 @@ RUNGS: dict[str, tuple[str, SimConfig]] = {
 }
 CPU_PARTS = ("ladder-0.1m", "ladder-0.4m")
 GPU_PARTS = ("ladder-5m", "ladder-25m")
+# Off the eta / (1 - gamma) = 1 line: DiLoCo's Nesterov at gamma 0.9 and effective steps 1, 2,
+# 3 and 7 (DiLoCo's 0.7), against plain averaging, at the larger CPU rung.
+SWEEP = "ladder-0.4m-sweep"
+SWEEP_ETAS = (0.1, 0.2, 0.3, 0.7)
 TITLES = {part: f"The size ladder at {size} parameters: DiLoCo's Nesterov, plain averaging, "
                 "GASLoC with and without outer momentum"
           for part, (size, _) in RUNGS.items()}
+TITLES[SWEEP] = ("The size ladder at 0.4M parameters, off the eta / (1 - gamma) = 1 line: "
+                 "DiLoCo's Nesterov at gamma 0.9 and effective steps 1 to 7")
+PARTS = (*RUNGS, SWEEP)
 
 
 def rows(part: str) -> list[tuple[str, SimConfig]]:
-    _, base = RUNGS[part]
     r = dataclasses.replace
+    if part == SWEEP:
+        _, base = RUNGS["ladder-0.4m"]
+        return [("diloco plain averaging", r(base, algorithm="diloco", eta=1.0, gamma=0.0)),
+                *((f"diloco Nesterov g0.9 eta{eta:g} (effective step {eta / 0.1:.0f})",
+                   r(base, algorithm="diloco", eta=eta, gamma=0.9)) for eta in SWEEP_ETAS)]
+    _, base = RUNGS[part]
     return [
         ("diloco Nesterov 0.7/0.9", r(base, algorithm="diloco", eta=0.7, gamma=0.9)),
         ("diloco plain averaging", r(base, algorithm="diloco", eta=1.0, gamma=0.0)),

@@ -222,7 +222,7 @@ PARTS: dict[str, list[Row]] = {
     "gamma-graphs-16": _gamma_graphs(16, (0.0, 0.5, 0.9)),
     "codecs-8": repro_codecs.rows(BASE, 8),
     "codecs-16": repro_codecs.rows(BASE, 16),
-    **{part: repro_ladder.rows(part) for part in repro_ladder.RUNGS},
+    **{part: repro_ladder.rows(part) for part in repro_ladder.PARTS},
 }
 ARCHIVED = [p for p in TITLES if p not in PARTS]
 CONSENSUS_PARTS = ("consensus", "acid-consensus")  # they publish every 25th round only
@@ -478,7 +478,7 @@ def main() -> None:
                              workers=2, steps=4, eval_every=2, eval_batches=2, trace_batches=1)
             for _, cfg in PARTS[part]:
                 data = short.get("data", cfg.data)
-                if part in repro_ladder.RUNGS and not registry.is_built(data):
+                if part in repro_ladder.PARTS and not registry.is_built(data):
                     raise SystemExit(f"{part}: no corpus at {data}: build it with `make corpus`")
             items = [(part, name, dataclasses.replace(cfg, seed=s, **short), args.cache)
                      for name, cfg in PARTS[part] for s in seeds]

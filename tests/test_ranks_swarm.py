@@ -10,11 +10,14 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.tools.nodes import METRICS_LINE
 from gasloc_p2p.tools.procs import group_members
 from gasloc_p2p.tools.swarm import read_metrics
 from tests.daemon_helpers import write_corpus
+from tests.hf_helpers import documents, write_jsonl, write_llama_config, write_tokenizer
 from tests.node_helpers import scaled
 from tests.swarm_helpers import NodeProc, stopped_within
 
@@ -108,6 +111,39 @@ def test_a_dead_rank_stops_the_node_in_one_line_and_a_restart_resumes(tmp_path):
         again.terminate()
         assert stopped_within(again, scaled(60)) == 0
         assert re.search(r"stopped the node's 2 ranks: replicas identical", again.tail(20000))
+    finally:
+        for node in nodes:
+            node.stop(10)
+
+
+def test_a_two_rank_llama_node_syncs_with_a_one_rank_node_in_diloco(tmp_path):
+    """DiLoCo's round end runs after the step on rank 0 (hivemind's all-reduce, then the
+    outer step): the other rank gets its result before the next step. A Hugging Face Llama
+    under DDP."""
+    pytest.importorskip("transformers")
+    docs = documents(200)
+    flags = ["--model", str(write_llama_config(tmp_path / "llama")), "--data",
+             str(write_jsonl(tmp_path / "corpus.jsonl", docs)), "--tokenizer",
+             str(write_tokenizer(tmp_path / "tok", docs)), "--device", "cpu", "--algorithm",
+             "diloco", "--inner-steps", "10", "--batch-size", "4", "--seq-len", "32",
+             "--eval-interval-steps", "50"]
+    nodes: list[NodeProc] = []
+    try:
+        two = NodeProc("two", tmp_path, [*flags, "--nproc-per-node", "2"])
+        nodes.append(two)
+        peers = two.join_peers(scaled(90))
+        one = NodeProc("one", tmp_path, [*flags, "--peers", *peers])
+        nodes.append(one)
+
+        def synced(node: NodeProc) -> int:
+            found = re.findall(r"syncs ok/failed/solo f0:(\d+)/", node.tail(20000))
+            return int(found[-1]) if found else 0
+
+        _wait("3 DiLoCo syncs on both nodes", lambda: min(map(synced, nodes)) >= 3, 150)
+        for node in nodes:
+            node.terminate()
+            assert stopped_within(node, scaled(60)) == 0, node.tail(3000)
+        assert "stopped the node's 2 ranks: replicas identical" in two.tail(20000)
     finally:
         for node in nodes:
             node.stop(10)

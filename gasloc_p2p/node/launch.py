@@ -26,6 +26,9 @@ import time
 from collections.abc import Callable, Sequence
 
 STOP_GRACE_S = 30.0  # rank 0's clean stop (a checkpoint) before the launcher kills it
+# the other ranks, once rank 0 is gone: they have nothing to save and exit by themselves when
+# their next collective fails (at once); one still waiting to meet rank 0 is killed
+FOLLOWER_GRACE_S = 5.0
 POLL_S = 0.2
 
 
@@ -118,10 +121,11 @@ def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
             procs[0].wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             procs[0].kill()
+    deadline = time.monotonic() + FOLLOWER_GRACE_S
     for p in procs[1:]:
         if p.poll() is None:
             try:
-                p.wait(max(1.0, deadline - time.monotonic()))
+                p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
 
