@@ -12,7 +12,7 @@ import pytest
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.config_train import TrainConfig
-from gasloc_p2p.node.plan import bytes_per_param, model_buffers, model_shape, plan
+from gasloc_p2p.node.plan import bytes_per_param, model_buffers, model_shape, plan, report
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.trainer import Trainer
 from gasloc_p2p.node.stats import TrainStats
@@ -50,6 +50,22 @@ def test_device_bytes_per_param_in_gossip_mode():
         assert bytes_per_param(plan(cfg, "cpu", shape), "device", names) == 16.0
         # on CUDA AdamW steps in the backward pass: at most a layer's gradients at once
         assert 12.0 < bytes_per_param(plan(cfg, "cuda", shape), "device", names) < 16.0
+
+
+def test_a_rank_of_a_ddp_node_holds_all_gradients_and_its_share_of_the_activations():
+    """Under DDP (several ranks) AdamW does not step in the backward pass: a GPU holds every
+    gradient (DDP's buckets); each rank runs 1/K of the micro-batch."""
+    shape = model_shape("gpt", TrainConfig(n_layer=2, n_embd=64, n_head=2), 256)
+    cfg = NodeConfig()
+    one, two = (plan(dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, batch_size=8, nproc_per_node=k)), "cuda", shape) for k in (1, 2))
+    grads = ("gradients (during a step)",)
+    assert bytes_per_param(two, "device", grads) == 4.0 > bytes_per_param(one, "device", grads)
+    acts = ("activations (estimate)",)
+    assert bytes_per_param(two, "device", acts) * 2 == bytes_per_param(one, "device", acts)
+    assert two["ranks"] == 2 and "per GPU of 2" in report(two, None)
+    split = run_plan("--model", "gpt", "--micro-batch", "3", "--nproc-per-node", "2")
+    assert split.returncode == 2 and "--nproc-per-node=2" in split.stderr
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess[str]:

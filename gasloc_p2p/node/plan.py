@@ -124,7 +124,7 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
     """Activations, loss, exchange buffers and overheads: estimates (module docstring)."""
     t = cfg.train
     width = 2 if t.precision == "bf16" else 4
-    tokens = t.batch_size * t.seq_len  # one micro-batch
+    tokens = t.batch_size // t.nproc_per_node * t.seq_len  # one rank's share of a micro-batch
     per_layer = tokens * (20 * shape.hidden + 6 * shape.ffn) * width
     if t.activation_checkpointing:  # each layer's input (float32), one layer's full set
         acts = shape.n_layer * tokens * shape.hidden * 4 + per_layer
@@ -175,15 +175,18 @@ def plan(cfg: NodeConfig, device: str, shape: Shape, keep_anchor: bool = False
     outer = (cfg.diloco.async_config() if cfg.outer.algorithm != "gasloc"
              else cfg.outer.async_config())
     keep = keep_anchor or cfg.outer.algorithm != "gasloc"
-    # AdamW steps in the backward pass on CUDA with one micro-batch a step (BackwardAdamW)
+    # AdamW steps in the backward pass on CUDA with one micro-batch a step (BackwardAdamW);
+    # not under DDP (several ranks): the gradients live in its buckets, all at once
     grads = gradients_at_once(shape.numel, shape.largest, shape.n_layer,
-                              device != "cpu" and cfg.train.grad_accum == 1)
+                              device != "cpu" and cfg.train.grad_accum == 1
+                              and cfg.train.nproc_per_node == 1)
     buffers = (model_buffers(shape.numel, outer, keep, device, grads)
                + estimates(shape, cfg, device))
     steady = {where: sum(b.nbytes for b in buffers if b.where == where)
               for where in ("device", "host")}
     peaks = transients(shape, buffers)
     return {"shape": shape, "buffers": buffers, "steady": steady,
+            "ranks": cfg.train.nproc_per_node,
             "host_peak": steady["host"] + max(p.nbytes for p in peaks), "transients": peaks}
 
 
@@ -209,7 +212,10 @@ def report(result: dict[str, Any], device_memory: int | None) -> str:
         lines.append(f"{b.name:<40} {b.where:<7} {b.nbytes / GiB:7.2f} "
                      f"{b.nbytes / max(shape.numel, 1):8.2f}")
     dev, host = result["steady"]["device"], result["steady"]["host"]
-    lines += ["", f"device total {dev / GiB:.2f} GiB ({dev / shape.numel:.1f} B/param); "
+    ranks = result.get("ranks", 1)
+    where = (f"per GPU of {ranks} (DDP: each holds the model; rank 0's exchange staging "
+             "counted)" if ranks > 1 else "device")
+    lines += ["", f"{where} total {dev / GiB:.2f} GiB ({dev / shape.numel:.1f} B/param); "
                   f"host total {host / GiB:.2f} GiB, at most {result['host_peak'] / GiB:.2f} "
                   "GiB while building the model or writing a checkpoint"]
     if device_memory:
@@ -236,6 +242,9 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--gamma", type=float, default=0.0, help="outer momentum (a buffer if > 0)")
     p.add_argument("--codec", default="int8")
     p.add_argument("--cpu", action="store_true", help="plan a CPU node (everything on the host)")
+    p.add_argument("--nproc-per-node", type=_positive, default=1,
+                   help="GPUs of the node (DDP): the figures are per GPU, the micro-batch split "
+                        "over them")
     p.set_defaults(func=run_plan)
 
 
@@ -251,9 +260,13 @@ def run_plan(args: argparse.Namespace) -> int:
         cfg = NodeConfig()
         cfg = replace(cfg, train=replace(cfg.train, model=args.model, precision=args.precision,
                                          batch_size=args.micro_batch, seq_len=args.seq_len,
-                                         activation_checkpointing=args.activation_checkpointing),
+                                         activation_checkpointing=args.activation_checkpointing,
+                                         nproc_per_node=args.nproc_per_node),
                       outer=replace(cfg.outer, algorithm=args.algorithm, gamma=args.gamma),
                       gossip=replace(cfg.gossip, codec=CodecSpec.parse(args.codec).name))
+        if args.micro_batch % args.nproc_per_node:
+            raise ValueError(f"--micro-batch={args.micro_batch} does not split over "
+                             f"--nproc-per-node={args.nproc_per_node} GPUs")
         memory = parse_size(args.device_memory) if args.device_memory else None
         shape = model_shape(args.model, cfg.train)
     except (ValueError, ImportError, OSError) as exc:
