@@ -10,7 +10,10 @@ CPU, NCCL on GPUs) on the same model and the same node batch, split over the ran
   could run instead),
 
 each after ``--warmup`` steps, in this order, and prints tokens per second, the step time and
-the ratios. The issue's target is K ranks >= 1.7x one rank at K=2; on a CPU the ranks share
+the ratios. Then (``--exchanges N``, 0 to skip) the gossip traffic: a node of K ranks and a
+node of one rank in one swarm of real ``gasloc-node join`` processes, until each has committed
+N exchanges; it prints each node's payload bytes sent per committed exchange (one payload per
+exchange whatever the ranks: the two are the same). The issue's target is K ranks >= 1.7x one rank at K=2; on a CPU the ranks share
 the machine's memory bandwidth and cores with the gradient all-reduce (gloo, one bucket set
 per step), which is what limits it here.
 """
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig
+from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.launch import free_port, rank_env
 from gasloc_p2p.node.runtime.lock import TrainingLock
@@ -53,6 +57,14 @@ def worker(args: argparse.Namespace) -> int:
     """One process of a measurement (a single rank, or one of K)."""
     found = distributed_env()
     group = RankGroup(*found) if found is not None else None
+    try:
+        return _measure_here(args, group)
+    finally:
+        if group is not None:  # before the interpreter's teardown (gloo's threads)
+            group.close()
+
+
+def _measure_here(args: argparse.Namespace, group: RankGroup | None) -> int:
     if group is not None and not group.leader:
         return follow(group, follower_replica)
     cfg = _config(args, args.threads, group.world if group else 1)
@@ -93,6 +105,58 @@ def _shape(args: argparse.Namespace) -> list[str]:
             str(args.batch_size)]
 
 
+def counters(url: str) -> dict[str, float] | None:
+    """A node's exchange outcomes (ok, failed, busy, rejected) and payload bytes sent."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    out = {"sent": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "gasloc_exchanges_total":
+                out[s.labels["outcome"]] = s.value
+            elif s.name == "gasloc_sent_bytes_total":
+                out["sent"] += s.value
+    return out
+
+
+def traffic(args: argparse.Namespace) -> list[tuple[str, dict[str, float]]]:
+    """(node, its exchange counters and payload bytes sent) in a swarm of a K-rank node and a
+    1-rank node (the model of the step measurements, a few minutes)."""
+    from gasloc_p2p.tools.nodes import METRICS_LINE, NodeChild
+
+    cfg = _config(args, args.threads, 1)
+    flags = ["--data", cfg.data, "--device", "cpu", "--host", "127.0.0.1", "--n-layer",
+             str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
+             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+             "--no-init-from-swarm", "--inner-steps", "20"]
+    logs = Path(args.workdir)
+    nodes = [NodeChild("ranks", logs, [*flags, "--nproc-per-node", str(args.ranks)])]
+    try:
+        peers = nodes[0].join_peers(120)
+        nodes.append(NodeChild("single", logs, [*flags, "--peers", *peers]))
+        urls = [n.wait_for(METRICS_LINE, 120).group(1) for n in nodes]
+        deadline = time.monotonic() + 1200
+        while True:
+            views = [counters(u) for u in urls]
+            if all(v is not None and v.get("ok", 0) >= args.exchanges for v in views):
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"fewer than {args.exchanges} exchanges in 20 minutes")
+            time.sleep(1.0)
+        return [(name, v) for name, v in
+                zip((f"{args.ranks} ranks", "1 rank"), views, strict=True) if v is not None]
+    finally:
+        for node in nodes:
+            node.stop(30)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -105,11 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--workdir", default="runs/bench_ranks")
+    p.add_argument("--exchanges", type=int, default=10,
+                   help="committed exchanges per node in the traffic part (0: skip it)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args)
+        code = worker(args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # as gasloc-node does: DDP's teardown aborted 1 exit in a few
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     k, t = args.ranks, args.threads
     one = measure(args, 1, t)
@@ -126,6 +195,19 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("1 rank, all threads", k * t, whole))
     for name, threads, (tok_s, step_s, _) in rows:
         print(f"| {name} | {threads} | {step_s:.3f} | {tok_s:,.0f} | {tok_s / one[0]:.2f}x |")
+    if args.exchanges > 0:
+        payload = CodecSpec.parse("int8").codec().wire_bytes(one[2])
+        print(f"\n# gossip traffic: a swarm of a {k}-rank node and a 1-rank node, int8 payloads "
+              f"of {payload:,} bytes, after {args.exchanges}+ committed exchanges each. "
+              "Payloads sent: bytes sent / payload size. An initiator sends its payload with "
+              "its header, so an attempt answered BUSY (the peer is in another exchange) "
+              "sends one too; an exchange under way at the reading has sent its payload, not "
+              "yet committed.")
+        print("| node | exchanges applied / failed / busy | payloads sent |")
+        print("|---|---|---|")
+        for name, v in traffic(args):
+            print(f"| {name} | {v.get('ok', 0):.0f} / {v.get('failed', 0):.0f} / "
+                  f"{v.get('busy', 0):.0f} | {v['sent'] / payload:.2f} |")
     return 0
 
 

@@ -12,6 +12,7 @@ and its counters to OUT.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +32,14 @@ CORRECT_AT, SAVE_AT, RESTORE_AT, NAN_AT = (5, 21), 9, 13, 18
 def main(out: str, corpus: str, grad_accum: int, device: str) -> int:
     found = distributed_env()
     group = RankGroup(*found) if found is not None else None
+    try:
+        return _run(out, corpus, grad_accum, device, group)
+    finally:
+        if group is not None:  # before the interpreter's teardown (gloo's threads)
+            group.close()
+
+
+def _run(out: str, corpus: str, grad_accum: int, device: str, group: RankGroup | None) -> int:
     if group is not None and not group.leader:
         return follow(group, follower_replica)
     cfg = tiny_config(Path(corpus), inner_steps=8, grad_accum=grad_accum, batch_size=4,
@@ -67,4 +76,9 @@ def main(out: str, corpus: str, grad_accum: int, device: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))
+    code = main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # as gasloc-node does: no interpreter teardown (DDP's reducer outlives the process group
+    # there, and its threads' destruction aborted 1 exit in a few)
+    os._exit(code)
