@@ -198,11 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.exchanges > 0:
         payload = CodecSpec.parse("int8").codec().wire_bytes(one[2])
         print(f"\n# gossip traffic: a swarm of a {k}-rank node and a 1-rank node, int8 payloads "
-              f"of {payload:,} bytes, after {args.exchanges}+ committed exchanges each. "
-              "Payloads sent: bytes sent / payload size. An initiator sends its payload with "
-              "its header, so an attempt answered BUSY (the peer is in another exchange) "
-              "sends one too; an exchange under way at the reading has sent its payload, not "
-              "yet committed.")
+              f"of {payload:,} bytes, after {args.exchanges}+ applied exchanges each. "
+              "Payloads sent: payload bytes sent / payload size. Every exchange of the swarm "
+              "is between these two nodes, each sending one payload: equal counts mean one "
+              "payload per exchange from the K-rank node too, not K.")
         print("| node | exchanges applied / failed / busy | payloads sent |")
         print("|---|---|---|")
         for name, v in traffic(args):
