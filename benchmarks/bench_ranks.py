@@ -106,7 +106,8 @@ def _shape(args: argparse.Namespace) -> list[str]:
 
 
 def counters(url: str) -> dict[str, float] | None:
-    """A node's exchange outcomes (ok, failed, busy, rejected) and payload bytes sent."""
+    """A node's exchange outcomes (ok: applied with weight > 0; committed: with any weight;
+    failed, busy, rejected) and payload bytes sent."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -116,11 +117,13 @@ def counters(url: str) -> dict[str, float] | None:
             text = reply.read().decode()
     except OSError:
         return None
-    out = {"sent": 0.0}
+    out = {"sent": 0.0, "committed": 0.0}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "gasloc_exchanges_total":
                 out[s.labels["outcome"]] = s.value
+            elif s.name == "gasloc_exchanges_by_role_total":
+                out["committed"] += s.value
             elif s.name == "gasloc_sent_bytes_total":
                 out["sent"] += s.value
     return out
@@ -202,11 +205,11 @@ def main(argv: list[str] | None = None) -> int:
               "Payloads sent: payload bytes sent / payload size. Every exchange of the swarm "
               "is between these two nodes, each sending one payload: equal counts mean one "
               "payload per exchange from the K-rank node too, not K.")
-        print("| node | exchanges applied / failed / busy | payloads sent |")
+        print("| node | exchanges committed (applied: weight > 0) / failed | payloads sent |")
         print("|---|---|---|")
         for name, v in traffic(args):
-            print(f"| {name} | {v.get('ok', 0):.0f} / {v.get('failed', 0):.0f} / "
-                  f"{v.get('busy', 0):.0f} | {v['sent'] / payload:.2f} |")
+            print(f"| {name} | {v['committed']:.0f} ({v.get('ok', 0):.0f}) / "
+                  f"{v.get('failed', 0):.0f} | {v['sent'] / payload:.2f} |")
     return 0
 
 
