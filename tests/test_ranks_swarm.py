@@ -44,16 +44,22 @@ def _wait(what: str, check, timeout_s: float) -> None:
         time.sleep(0.3)
 
 
+def _pair(tmp_path: Path, flags: list[str], nodes: list[NodeProc]) -> tuple[NodeProc, NodeProc]:
+    """A node of 2 ranks, then a node of 1 joining it (appended to ``nodes`` as they start)."""
+    two = NodeProc("two", tmp_path, [*flags, "--nproc-per-node", "2"])
+    nodes.append(two)
+    peers = two.join_peers(scaled(90))
+    one = NodeProc("one", tmp_path, [*flags, "--peers", *peers])
+    nodes.append(one)
+    return two, one
+
+
 def test_a_two_rank_node_gossips_with_a_one_rank_node(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     flags = ["--data", str(corpus), *FLAGS]
     nodes: list[NodeProc] = []
     try:
-        two = NodeProc("two", tmp_path, [*flags, "--nproc-per-node", "2"])
-        nodes.append(two)
-        peers = two.join_peers(scaled(90))
-        one = NodeProc("one", tmp_path, [*flags, "--peers", *peers])
-        nodes.append(one)
+        two, _ = _pair(tmp_path, flags, nodes)
         urls = [n.wait_for(METRICS_LINE, scaled(90)).group(1) for n in nodes]
 
         def views():
@@ -129,11 +135,7 @@ def test_a_two_rank_llama_node_syncs_with_a_one_rank_node_in_diloco(tmp_path):
              "--eval-interval-steps", "50"]
     nodes: list[NodeProc] = []
     try:
-        two = NodeProc("two", tmp_path, [*flags, "--nproc-per-node", "2"])
-        nodes.append(two)
-        peers = two.join_peers(scaled(90))
-        one = NodeProc("one", tmp_path, [*flags, "--peers", *peers])
-        nodes.append(one)
+        two, _ = _pair(tmp_path, flags, nodes)
 
         def synced(node: NodeProc) -> int:
             found = re.findall(r"syncs ok/failed/solo f0:(\d+)/", node.tail(20000))
