@@ -278,6 +278,15 @@ def split_rows(x: torch.Tensor, micro: int, rank: int, world: int) -> torch.Tens
     return part.reshape(micro * (b // world), *x.shape[1:])
 
 
+def rows_on(x: torch.Tensor, micro: int, rank: int, world: int,
+            device: torch.device) -> torch.Tensor:
+    """:func:`split_rows` on ``device``: through pinned memory, asynchronously, on CUDA."""
+    part = split_rows(x, micro, rank, world)
+    if device.type == "cuda":
+        return part.pin_memory().to(device, non_blocking=True)
+    return part.to(device)
+
+
 def checksum(t: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
     """A checksum of a float32 tensor's bits (the sum of its words as integers, int64, on the
     tensor's device): equal bits give equal sums, and any float that changes changes it but
@@ -315,9 +324,9 @@ def follow(group: RankGroup, build: Callable[[Any], Replica]) -> int:
                 log.info("rank %d: stopped by rank 0", group.rank)
                 return 0
             step, x, y = got
-            loss = replica.inner.step(split_rows(x, cfg.grad_accum, group.rank, group.world),
-                                      split_rows(y, cfg.grad_accum, group.rank, group.world),
-                                      step)
+            mine = [rows_on(t, cfg.grad_accum, group.rank, group.world, replica.device)
+                    for t in (x, y)]
+            loss = replica.inner.step(*mine, step)
             group.mean(loss)
     except RankLost as exc:
         log.error("%s; this rank stops", exc)

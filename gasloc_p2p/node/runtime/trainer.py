@@ -38,7 +38,7 @@ from gasloc_p2p.model import layer_index
 from gasloc_p2p.model_spec import BuiltModel, build
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost, Replica, rank_device, split_rows
+from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost, Replica, rank_device, rows_on
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.protocol.guard import LossWatch
 from gasloc_p2p.train import (
@@ -311,7 +311,7 @@ class Trainer:
             if ranks is not None:  # the other ranks get what changed, then the batch
                 ranks.lead(st.step, x, y, self.flat.buffer, self.optimizer,
                            (self.lock.writes, self._optimizer_epoch))
-                x, y = (split_rows(t, cfg.grad_accum, 0, ranks.world).to(self.device)
+                x, y = (rows_on(t, cfg.grad_accum, 0, ranks.world, self.device)
                         for t in (x, y))
             if self.probe is not None:
                 self.probe.before_step()
