@@ -10,7 +10,8 @@ graph, H = 20, int8 payloads, 1000 inner steps per worker:
 4. GASLoC with outer momentum (mixed form) at equal effective step, gamma 0.5 / eta 0.5,
 5. GASLoC off the eta / (1 - gamma) = 1 line: DiLoCo's own 0.7 / 0.9 (effective step 7).
 
-CPU rungs (``make ladder-cpu``): the built-in GPT at 0.13M and 0.38M parameters on the
+CPU rungs (``make ladder-cpu``): the built-in GPT at 0.13M and 0.38M parameters (and 1.8M,
+``--only ladder-2m --seeds 0``: one seed, 80 CPU-minutes) on the
 byte-level corpus of the installed packages (``make corpus`` builds it: 4M tokens per run do
 not repeat in it, where Shakespeare's 1.1M repeat about four times). GPU rungs (``make
 ladder-gpu``): 4.9M and 25.5M parameters without the embeddings (9.0M and 33.7M with the
@@ -34,6 +35,8 @@ CPU_BASE = SimConfig(workers=8, steps=1000, H=20, graph="exponential", codec="in
 RUNGS: dict[str, tuple[str, SimConfig]] = {
     "ladder-0.1m": ("0.1M", dataclasses.replace(CPU_BASE, n_layer=2, n_embd=64, n_head=4)),
     "ladder-0.4m": ("0.4M", dataclasses.replace(CPU_BASE, n_layer=3, n_embd=96, n_head=4)),
+    # one seed: about 16 CPU-minutes a run here, 80 for the five arms
+    "ladder-2m": ("2M", dataclasses.replace(CPU_BASE, n_layer=4, n_embd=192, n_head=4)),
     "ladder-5m": ("5M", dataclasses.replace(
         CPU_BASE, data=BPE, n_layer=6, n_embd=256, n_head=8, seq_len=256, batch_size=16,
         steps=2000, eval_every=500, device="cuda", precision="bf16")),
