@@ -118,6 +118,9 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused_in_one_line():
     assert out.returncode == 2
     assert out.stderr == ("gasloc-node join: error: --batch-size=8: must split over "
                           "--nproc-per-node=3 ranks (a multiple of it)\n")
+    gpu = _join("--check", "--nproc-per-node", "2", "--device", "cuda:1")
+    assert gpu.returncode == 2 and gpu.stderr.count("\n") == 1
+    assert "--device='cuda:1'" in gpu.stderr and "use --device cuda or auto" in gpu.stderr
     ok = _join("--check", "--nproc-per-node", "2")
     assert ok.returncode == 0 and ", 2 ranks (DDP)" in ok.stdout, ok.stderr
 

@@ -106,6 +106,9 @@ class TrainConfig:
             need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         need(self.n_embd % self.n_head == 0, "n_embd", self.n_embd,
               f"must be divisible by --n-head={self.n_head}")
+        need(self.nproc_per_node == 1 or self.device in ("auto", "cpu", "cuda"), "device",
+             self.device, f"a node of --nproc-per-node={self.nproc_per_node} ranks runs on "
+             "cpu or cuda (each rank takes GPU LOCAL_RANK): use --device cuda or auto")
         need(self.batch_size % self.nproc_per_node == 0, "batch_size", self.batch_size,
              f"must split over --nproc-per-node={self.nproc_per_node} ranks (a multiple of it)")
         need(0 < self.lr < 1, "lr", self.lr, "needs 0 < lr < 1 (try 3e-3)")

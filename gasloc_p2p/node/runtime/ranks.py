@@ -331,3 +331,8 @@ def follow(group: RankGroup, build: Callable[[Any], Replica]) -> int:
     except RankLost as exc:
         log.error("%s; this rank stops", exc)
         return 1
+    except Exception as exc:  # its own failure (a device, memory): one line, then exit
+        log.error("rank %d of %d failed: %s: %s", group.rank, group.world, type(exc).__name__,
+                  exc)
+        log.debug("details", exc_info=True)
+        return 1
