@@ -91,8 +91,8 @@ def run_join(args: argparse.Namespace) -> int:
         ranks = distributed_env()
     except ValueError as exc:
         return _fail_config("join", exc)
-    if ranks is not None and ranks[0] > 0:
-        return _run_rank(*ranks)  # a rank > 0 takes everything from rank 0
+    if ranks is not None and ranks[0] > 0:  # a rank > 0 takes everything from rank 0
+        return 0 if check else _run_rank(*ranks)  # --check: rank 0 prints the summary
     try:
         from gasloc_p2p.node.cli_run import resolve
 
