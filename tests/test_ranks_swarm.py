@@ -61,6 +61,7 @@ def test_a_two_rank_node_gossips_with_a_one_rank_node(tmp_path):
     try:
         two, _ = _pair(tmp_path, flags, nodes)
         urls = [n.wait_for(METRICS_LINE, scaled(90)).group(1) for n in nodes]
+        assert "  ranks    2 on cpu (DDP" in two.tail(5000, stdout=True)
 
         def views():
             return [read_metrics(u) for u in urls]

@@ -325,6 +325,7 @@ def startup_block(node: Any, addrs: list[str]) -> str:
              f"  grpc     {node.endpoint}",
              *[f"  dht      {a}" for a in addrs[:3]],
              f"  metrics  {node.metrics.url or 'off (--metrics-port -1)'}",
+             *_rank_lines(node),
              f"  status   gasloc-node status --endpoint {node.endpoint}",
              f"  identity {node.signer.peer_id} "
              f"({node.cfg.network.identity_file or 'the key in the invitation'}, kept across "
@@ -335,6 +336,15 @@ def startup_block(node: Any, addrs: list[str]) -> str:
     else:
         lines += ["joined; other nodes may also join with:", f"  {hint}"]
     return "\n".join(lines)
+
+
+def _rank_lines(node: Any) -> list[str]:
+    """A node of several ranks: how many, on what (none for one rank)."""
+    ranks = getattr(node, "ranks", None)
+    if ranks is None or node.trainer is None:
+        return []
+    return [f"  ranks    {ranks.world} on {node.trainer.device.type} (DDP; this process is "
+            "rank 0, the node's only network side)"]
 
 
 def _run_lines(node: Any) -> list[str]:
