@@ -149,7 +149,7 @@ class RankGroup:
         flags = self._changed(versions)
         self._control(_STEP, step, flags)
         self._sync(flags, params, optimizer)
-        self._broadcast(torch.stack((x, y)))
+        self._broadcast(torch.stack((x, y)).long())  # the followers expect int64 [2, B, T]
 
     def _changed(self, versions: tuple[int, int]) -> int:
         flags = (_PARAMS if versions[0] != self._seen[0] else 0) | (
