@@ -137,6 +137,7 @@ class Trainer:
         ranks build their replicas with this one and follow its steps."""
         self.cfg = cfg
         self.ranks = ranks
+        self._ranks_lost = False  # a collective failed: the other ranks are not to be waited on
         self.lock = lock
         self.stats = stats
         # the gossip transport's counters of exchange work in flight (set by the gossip mode):
@@ -258,6 +259,7 @@ class Trainer:
                 if self.stats.step % self.cfg.eval_interval_steps == 0:
                     self._evaluate()
         except RankLost as exc:
+            self._ranks_lost = True
             self.stats.error = str(exc)
             log.error("training stopped at step %d: %s", self.stats.step, exc)
         except Exception as exc:
@@ -273,7 +275,7 @@ class Trainer:
         replicas), unless one of them is gone already. True when the replicas agreed (or
         there are no other ranks)."""
         ranks, self.ranks = self.ranks, None
-        if ranks is None or self.stats.error.startswith("rank "):
+        if ranks is None or self._ranks_lost:
             return ranks is None
         try:
             with self.lock.urgent(writes=False):
