@@ -489,7 +489,10 @@ def main() -> None:
                           f"{res['final']['val_loss']:.3f} ({res['wall_seconds']:.0f} s)",
                           flush=True)
             group = {name: group[name] for name, _ in PARTS[part] if name in group}
-        write_part(part, group, args.out, seeds)
+        # a rebuilt table names the seeds its runs have (a one-seed rung stays one seed)
+        used = (sorted({r["config"]["seed"] for runs in group.values() for r in runs})
+                if args.rebuild and group else seeds)
+        write_part(part, group, args.out, used)
         print(f"{part}: {(time.perf_counter() - started) / 60:.1f} min wall", flush=True)
     parts = [(args.out / f"{p}.md").read_text() for p in TITLES
              if (args.out / f"{p}.md").exists()]
