@@ -108,11 +108,6 @@ class RankGroup:
         self.host = torch.device("cpu")
         self._seen: tuple[int, int] = (-1, -1)  # (lock writes, optimizer epoch) last sent
 
-    @classmethod
-    def from_env(cls) -> RankGroup | None:
-        found = distributed_env()
-        return cls(*found) if found is not None else None
-
     @property
     def leader(self) -> bool:
         return self.rank == 0
