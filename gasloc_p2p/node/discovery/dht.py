@@ -51,6 +51,16 @@ def _install_fork_hook() -> None:
             _fork_hook_installed = True
 
 
+def _exit_text(code: int) -> str:
+    """``signal SIGSEGV`` or ``exit code 3``: how a child process ended."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
 def _descendants(pid: int) -> list[int]:
     """Live descendants of ``pid`` (children first), from /proc."""
     parents: dict[int, list[int]] = {}
@@ -143,6 +153,12 @@ class HivemindDiscovery(Discovery):
                 if deadline - time.monotonic() < 5.0:
                     raise
                 log.warning("the DHT was not ready after %.0f s; starting it again", wait)
+            except ChildProcessError as exc:
+                # seen once in a loaded test run: the forked DHT process died (SIGSEGV) before it
+                # was ready; a fresh fork starts normally
+                if deadline - time.monotonic() < 5.0:
+                    raise TimeoutError(f"the DHT could not start: {exc}") from None
+                log.warning("%s; starting it again", exc)
         self.dht_peer_id = self._dht.peer_id.to_base58()
         self.peer_id = self.peer_id or self.dht_peer_id
         watchdog = partial(_install_parent_watchdog, parent_pid=os.getpid(), period_s=1.0)
@@ -155,7 +171,20 @@ class HivemindDiscovery(Discovery):
                                  shutdown_timeout=DHT_SHUTDOWN_GRACE_S,
                                  record_validators=[validator])
         try:
-            self._dht.wait_until_ready(timeout=wait_s)
+            # in slices: a DHT process that dies before it is ready never answers, and waiting
+            # out the attempt for it would spend half the start timeout on a corpse
+            until = time.monotonic() + wait_s
+            while True:
+                try:
+                    self._dht.wait_until_ready(timeout=min(0.5, max(until - time.monotonic(), 0)))
+                    break
+                except TimeoutError:
+                    code = self._dht.exitcode
+                    if code is not None:
+                        raise ChildProcessError(
+                            f"the DHT process exited while starting ({_exit_text(code)})") from None
+                    if time.monotonic() >= until:
+                        raise
         except BaseException as exc:
             self._dht.shutdown()
             if "failed to connect to bootstrap peers" in str(exc):
