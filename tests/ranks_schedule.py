@@ -1,8 +1,9 @@
 """One node's trainer on a fixed schedule, as one process or as rank 0 of K (gloo, real ranks).
 
-``python -m tests.ranks_schedule OUT CORPUS GRAD_ACCUM DEVICE`` runs the schedule in one process, or,
+``python -m tests.ranks_schedule OUT CORPUS GRAD_ACCUM DEVICE [SHARDING]`` runs the schedule in one process, or,
 with the launcher's environment (``RANK``/``WORLD_SIZE``/...), as one rank of a multi-rank
-node: rank 0 drives the trainer, the others follow it (:func:`ranks.follow`). The schedule
+node (SHARDING ``ddp``: replicas; ``fsdp``: each rank holds rows of the model): rank 0 drives
+the trainer, the others follow it (:func:`ranks.follow`). The schedule
 writes the parameters between steps the way an exchange does (a correction under the
 training lock), takes GASLoC round ends, restores a checkpoint taken earlier (parameters and
 AdamW state replaced), and makes the loss non-finite once (a rollback clears the AdamW state).
@@ -29,22 +30,23 @@ TICKS = 30  # steps taken (a restore goes back in the step count; the ticks go o
 CORRECT_AT, SAVE_AT, RESTORE_AT, NAN_AT = (5, 21), 9, 13, 18
 
 
-def main(out: str, corpus: str, grad_accum: int, device: str) -> int:
+def main(out: str, corpus: str, grad_accum: int, device: str, sharding: str = "ddp") -> int:
     found = distributed_env()
     group = RankGroup(*found) if found is not None else None
     try:
-        return _run(out, corpus, grad_accum, device, group)
+        return _run(out, corpus, grad_accum, device, sharding, group)
     finally:
         if group is not None:  # before the interpreter's teardown (gloo's threads)
             group.close()
 
 
-def _run(out: str, corpus: str, grad_accum: int, device: str, group: RankGroup | None) -> int:
+def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
+         group: RankGroup | None) -> int:
     if group is not None and not group.leader:
         return follow(group, follower_replica)
     cfg = tiny_config(Path(corpus), inner_steps=8, grad_accum=grad_accum, batch_size=4,
                       n_embd=32, n_head=2, seq_len=32, warmup_steps=4, max_rollbacks=2,
-                      device=device).train
+                      device=device, sharding=sharding).train
     lock = TrainingLock()
     trainer = Trainer(cfg, AsyncConfig(eta=0.7, gamma=0.5, w=0.5), 1, lock, TrainStats(),
                       ranks=group)
@@ -76,7 +78,7 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, group: RankGroup |
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    code = main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *sys.argv[5:])
     sys.stdout.flush()
     sys.stderr.flush()
     # as gasloc-node does: no interpreter teardown (DDP's reducer outlives the process group

@@ -23,10 +23,11 @@ from tests.node_helpers import scaled
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _schedule(tmp: Path, corpus: Path, accum: int, world: int, device: str = "cpu") -> dict:
-    out = tmp / f"out-{world}-{accum}.pt"
+def _schedule(tmp: Path, corpus: Path, accum: int, world: int, device: str = "cpu",
+              sharding: str = "ddp") -> dict:
+    out = tmp / f"out-{world}-{accum}-{sharding}.pt"
     cmd = [sys.executable, "-m", "tests.ranks_schedule", str(out), str(corpus), str(accum),
-           device]
+           device, sharding]
     base = dict(os.environ, PYTHONPATH=str(ROOT))
     if world == 1:
         envs = [base]
@@ -45,12 +46,17 @@ def _schedule(tmp: Path, corpus: Path, accum: int, world: int, device: str = "cp
     return torch.load(out)
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, device="cpu"):
+@pytest.mark.parametrize("accum, sharding", [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sharding,
+                                                             device="cpu"):
+    """DDP: two replicas; FSDP2: each rank holds half the rows of every parameter, and rank
+    0's full copy (what the exchange engine and the outer state see) is filled from them and
+    handed back around every write (a commit, a round end, the restore, the rollback); the
+    AdamW state goes through a full gather at the save and a scatter at the restore."""
     corpus = write_corpus(tmp_path / "corpus")
     one = _schedule(tmp_path, corpus, accum, 1, device)
-    two = _schedule(tmp_path, corpus, accum, 2, device)
-    assert two["agree"] is True  # rank 1's parameters' bits are rank 0's at the stop
+    two = _schedule(tmp_path, corpus, accum, 2, device, sharding)
+    assert two["agree"] is True  # DDP: rank 1's parameters' bits are rank 0's at the stop
     # the schedule ran: round ends, one rollback, the restore went back in steps
     assert (one["rollbacks"], one["rounds"]) == (two["rollbacks"], two["rounds"]) == (1, 3)
     assert one["step"] == two["step"] == 26
@@ -104,7 +110,13 @@ def test_a_rank_takes_its_local_gpu():
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="needs 2 CUDA devices (NCCL ranks); make gpu-check runs it there")
 def test_two_gpu_ranks_take_one_gpu_steps_and_stay_identical(tmp_path):
-    test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, 2, device="cuda")
+    test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, 2, "ddp", device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices (NCCL ranks); make gpu-check runs it there")
+def test_two_gpu_ranks_sharded_take_one_gpu_steps(tmp_path):
+    test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, 2, "fsdp", device="cuda")
 
 
 def _join(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ fragment.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,14 +45,33 @@ class DriftProbe:
         self._counts = torch.tensor([float(p.numel()) for p in picks], device=theta.device)
         self._moved = torch.zeros(self._idx.numel(), device=theta.device)
         self._before: torch.Tensor | None = None
+        # how the sample is read where ``theta`` is not the model's (a sharded node's ranks)
+        self.read: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The sampled coordinates' positions in ``theta``."""
+        return self._idx
+
+    def read_with(self, read: Callable[[], torch.Tensor], device: torch.device) -> None:
+        """Read the sample with ``read()`` (float32 values at :attr:`positions`, on
+        ``device``) instead of from ``theta``; before the first step."""
+        self.read = read
+        self._owner, self._counts = self._owner.to(device), self._counts.to(device)
+        self._moved = self._moved.to(device)
+
+    def _values(self) -> torch.Tensor:
+        if self.read is not None:
+            return self.read()
+        return self.theta.detach().index_select(0, self._idx).float()
 
     def before_step(self) -> None:
-        self._before = self.theta.detach().index_select(0, self._idx).float()
+        self._before = self._values()
 
     def after_step(self) -> None:
         if self._before is None:
             return
-        after = self.theta.detach().index_select(0, self._idx).float()
+        after = self._values()
         self._moved.add_(after).sub_(self._before)
         self._before = None
 

@@ -190,7 +190,8 @@ def check_summary(cfg: NodeConfig) -> str:
         "configuration ok",
         f"  run       {cfg.discovery.run_id}",
         f"  model     {t.model}, seed {t.seed}, {t.precision} on {t.device}"
-        + (f", {t.nproc_per_node} ranks (DDP)" if t.nproc_per_node > 1 else ""),
+        + (f", {t.nproc_per_node} ranks ({t.sharding.upper()})" if t.nproc_per_node > 1
+           else ""),
         f"  data      {t.data or 'Shakespeare (downloaded)'}, tokenizer {t.tokenizer}",
         f"  training  batch {t.batch_size} x {t.seq_len} tokens, H {t.inner_steps}, lr {t.lr:g}",
         f"  outer     {algo}",
@@ -343,7 +344,9 @@ def _rank_lines(node: Any) -> list[str]:
     ranks = getattr(node, "ranks", None)
     if ranks is None or node.trainer is None:
         return []
-    return [f"  ranks    {ranks.world} on {node.trainer.device.type} (DDP; this process is "
+    how = ("FSDP2: each rank 1/K of the model; rank 0 keeps its full copy on the host"
+           if node.trainer.sharded is not None else "DDP")
+    return [f"  ranks    {ranks.world} on {node.trainer.device.type} ({how}; this process is "
             "rank 0, the node's only network side)"]
 
 

@@ -14,6 +14,7 @@ from gasloc_p2p.data.stream import stream_files
 from gasloc_p2p.model import GPTConfig
 from gasloc_p2p.model_spec import BUILTIN, PRESETS, ModelSource, gpt_config
 
+SHARDINGS = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16")
 DEVICE_RE = re.compile(r"cpu|mps|cuda(:\d+)?")
 
@@ -40,8 +41,12 @@ class TrainConfig:
                                  "state)", choices=PRECISIONS)
     grad_accum: int = opt(1, "micro-batches of --batch-size per inner step")
     nproc_per_node: int = opt(1, "ranks of this node (one per GPU; processes on a CPU): one "
-                                 "identity, each micro-batch split over the ranks (DDP); "
+                                 "identity, each micro-batch split over the ranks (see --sharding); "
                                  "docs/multi-gpu.md")
+    sharding: str = opt("ddp", "how a node of several ranks holds the model: ddp (each rank "
+                               "all of it) | fsdp (each rank 1/K of the parameters, gradients "
+                               "and AdamW state: a model larger than one GPU)",
+                        choices=SHARDINGS)
     compile: bool = opt(False, "torch.compile the model's forward (warmed up before the node "
                                "accepts exchanges)")
     activation_checkpointing: bool = opt(False, "recompute each layer's activations in the "
@@ -109,6 +114,10 @@ class TrainConfig:
         need(self.nproc_per_node == 1 or self.device in ("auto", "cpu", "cuda"), "device",
              self.device, f"a node of --nproc-per-node={self.nproc_per_node} ranks runs on "
              "cpu or cuda (each rank takes GPU LOCAL_RANK): use --device cuda or auto")
+        need(self.sharding in SHARDINGS, "sharding", self.sharding,
+             f"choose one of {SHARDINGS}")
+        need(self.sharding == "ddp" or not self.compile, "sharding", self.sharding,
+             "fsdp does not run with --compile yet: drop one")
         need(self.batch_size % self.nproc_per_node == 0, "batch_size", self.batch_size,
              f"must split over --nproc-per-node={self.nproc_per_node} ranks (a multiple of it)")
         need(0 < self.lr < 1, "lr", self.lr, "needs 0 < lr < 1 (try 3e-3)")

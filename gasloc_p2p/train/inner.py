@@ -69,11 +69,12 @@ class InnerLoop:
 
     def __init__(self, model: nn.Module, schedule: LRSchedule,
                  adamw: AdamWConfig | None = None, how: StepConfig | None = None,
-                 data_parallel: bool = False) -> None:
+                 data_parallel: bool = False, sharded: bool = False) -> None:
         """``data_parallel``: this process is one rank of a multi-rank node (the process
         group is initialised): the forward runs through ``DistributedDataParallel``, which
         averages the gradients over the ranks in the backward pass (construction is a
-        collective: every rank builds its loop at the same time)."""
+        collective: every rank builds its loop at the same time). ``sharded``: the model is
+        sharded over the ranks already (FSDP2: its backward reduce-scatters the gradients)."""
         self.model = model
         self.schedule = schedule
         self.adamw = adamw if adamw is not None else AdamWConfig()
@@ -81,7 +82,8 @@ class InnerLoop:
         # on CUDA with one micro-batch: each parameter stepped in the backward pass (not
         # under DDP: a parameter's gradient is complete only when its bucket is reduced)
         self.optimizer = build_adamw(model, schedule.lr, self.adamw,
-                                     in_backward=self.how.grad_accum == 1 and not data_parallel)
+                                     in_backward=self.how.grad_accum == 1 and not data_parallel
+                                     and not sharded)
         self.device = model_device(model)
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         wrapped: nn.Module = model

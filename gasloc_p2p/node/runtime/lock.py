@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -21,6 +21,9 @@ class TrainingLock:
         # urgent holds that may have written the parameters: a multi-rank node sends its
         # parameters to its other ranks before a step when this moved (node/runtime/ranks.py)
         self.writes = 0
+        # called by each urgent holder once it holds the lock, before it reads or writes (a
+        # sharded node fills its full copy of the parameters there: node/runtime/sharded.py)
+        self.on_hold: Callable[[], None] | None = None
 
     @contextmanager
     def urgent(self, writes: bool = True) -> Iterator[None]:
@@ -33,6 +36,8 @@ class TrainingLock:
             self._urgent_waiting -= 1
             self._held = True
         try:
+            if self.on_hold is not None:
+                self.on_hold()
             yield
         finally:
             if writes:

@@ -43,8 +43,11 @@ log = logging.getLogger(__name__)
 # sockets close); this bounds only a rank 0 that hangs alive.
 RANK_TIMEOUT_S = 1800.0
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-_STOP, _STEP, _CHECK = 0, 1, 2  # control operations
-_PARAMS, _OPTIMIZER = 1, 2  # control flags: what rank 0 broadcasts before the step
+# control operations: stop; a step; compare the replicas; (sharded) fill rank 0's full copy of
+# the parameters, evaluate, gather the AdamW state, set the drift probe's sample
+_STOP, _STEP, _CHECK, _PULL, _EVAL, _OPTSTATE, _PROBE_AT = 0, 1, 2, 3, 4, 5, 6
+# control flags: what rank 0 sends before the step; (sharded) sample the probe around it
+_PARAMS, _OPTIMIZER, _PROBE = 1, 2, 4
 MAX_CONFIG_BYTES = 1 << 20  # the node's settings, sent once at start-up
 
 
@@ -107,6 +110,11 @@ class RankGroup:
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.host = torch.device("cpu")
         self._seen: tuple[int, int] = (-1, -1)  # (lock writes, optimizer epoch) last sent
+        # --sharding fsdp: this rank's rows of the model (set once the replica is built); rank
+        # 0's AdamW state to hand the ranks at the next step (a restore; {} after a rollback)
+        self.sharded: Any = None
+        self.optimizer_to_send: dict[str, Any] | None = None
+        self._probe = False  # (sharded) the drift probe samples around every step
 
     @property
     def leader(self) -> bool:
@@ -135,13 +143,27 @@ class RankGroup:
         self._broadcast(buf)
         return obj if self.leader else pickle.loads(buf.numpy().tobytes())  # noqa: S301
 
+    def share_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rank 0's (x, y) int64 host batches on every rank (the validation set): their
+        shapes (small), then each batch as one tensor."""
+        shapes = self.share([tuple(x.shape) for x, _ in batches] if self.leader and batches
+                            is not None else None)
+        out = []
+        for i, shape in enumerate(shapes):
+            both = (torch.stack(batches[i]).long() if self.leader and batches is not None
+                    else torch.empty((2, *shape), dtype=torch.int64))
+            self._broadcast(both)
+            out.append((both[0], both[1]))
+        return out
+
     # ------------------------------------------------------------------ per step
     def lead(self, step: int, x: torch.Tensor, y: torch.Tensor, params: torch.Tensor,
              optimizer: Any, versions: tuple[int, int]) -> None:
         """Rank 0, before step ``step``: send the control message, the parameters and AdamW
         state if ``versions`` (lock writes, optimizer epoch) moved since the last step, then
         the node's batch ``x``, ``y`` (host tensors [B, T])."""
-        flags = self._changed(versions)
+        flags = self._changed(versions) | (_PROBE if self._probe else 0)
         self._control(_STEP, step, flags)
         self._sync(flags, params, optimizer)
         self._broadcast(torch.stack((x, y)).long())  # the followers expect int64 [2, B, T]
@@ -152,10 +174,13 @@ class RankGroup:
         self._seen = versions
         return flags
 
-    def follow_step(self, params: torch.Tensor, optimizer: Any,
-                    shape: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """A rank > 0, before a step: the step number and the node's batch; None on stop.
-        Checks requested by rank 0 (:meth:`check`) are answered on the way."""
+    def follow_step(self, replica: Replica,
+                    shape: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor, bool] | None:
+        """A rank > 0, before a step: the step number, the node's batch and whether to sample
+        the drift probe around the step; None on stop. Requests of rank 0's between steps
+        (compare, fill its copy, evaluate, gather the AdamW state) are answered on the way."""
+        params = replica.flat.buffer if replica.flat is not None else None
+        optimizer = replica.inner.optimizer
         while True:
             op, step, flags = self._control()
             if op == _STOP:
@@ -164,11 +189,21 @@ class RankGroup:
                 return None
             if op == _CHECK:
                 self.check(params)
-                continue
-            self._sync(flags, params, optimizer)
-            both = torch.empty((2, *shape), dtype=torch.int64)
-            self._broadcast(both)
-            return step, both[0], both[1]
+            elif op == _PULL:
+                self._collective(self.sharded.pull, None)
+            elif op == _EVAL:
+                self.evaluate(replica.inner, replica.val)
+            elif op == _OPTSTATE:
+                self._collective(self.sharded.optimizer_state, optimizer)
+            elif op == _PROBE_AT:
+                self._probe_at(None)
+            elif op == _STEP:
+                self._sync(flags, params, optimizer)
+                both = torch.empty((2, *shape), dtype=torch.int64)
+                self._broadcast(both)
+                return step, both[0], both[1], bool(flags & _PROBE)
+            else:
+                raise RankLost(f"rank {self.rank}: rank 0 sent an unknown request {op}")
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a scalar (this rank's loss) over the ranks."""
@@ -189,12 +224,79 @@ class RankGroup:
 
     def verify(self, params: torch.Tensor) -> bool:
         """Rank 0, between steps: compare the replicas (at a round end)."""
+        if self.sharded is not None:
+            return True  # each rank holds other rows: no replicas to compare
         self._control(_CHECK, 0, 0)
         return self.check(params)
 
-    def check(self, params: torch.Tensor) -> bool:
+    # ------------------------------------------------------------------ sharded (FSDP2)
+    def pull(self, mirror: torch.Tensor) -> None:
+        """Rank 0, between steps: fill its full copy of the parameters from the ranks'
+        rows (a reader of the flat buffer came after a step)."""
+        self._control(_PULL, 0, 0)
+        self._collective(self.sharded.pull, mirror)
+
+    def evaluate(self, inner: Any, val: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The validation loss of the sharded model, every rank evaluating its rows of each
+        batch (the whole batch, counted once, where the rows do not split); rank 0 asks."""
+        from gasloc_p2p.train import evaluate
+
+        if self.leader:
+            self._control(_EVAL, 0, 0)
+        sums = torch.zeros(2, dtype=torch.float64)
+        for x, y in val:
+            split = x.shape[0] % self.world == 0
+            mine = [split_rows(t, 1, self.rank, self.world) if split else t for t in (x, y)]
+            with inner.autocast():
+                loss = evaluate(inner.model, [(mine[0], mine[1])])
+            if split or self.leader:
+                sums += torch.tensor([loss * mine[1].numel(), mine[1].numel()],
+                                     dtype=torch.float64)
+        try:
+            dist.all_reduce(sums)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise self._lost(exc) from None
+        return float(sums[0] / sums[1])
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Rank 0: the node's full AdamW state on its host (a checkpoint)."""
+        self._control(_OPTSTATE, 0, 0)
+        out = self._collective(self.sharded.optimizer_state, optimizer)
+        assert out is not None
+        return out
+
+    def probe_at(self, idx: torch.Tensor) -> None:
+        """Rank 0: the drift probe's flat positions, sampled around every step from now."""
+        self._control(_PROBE_AT, 0, 0)
+        self._probe_at(idx)
+        self._probe = True
+
+    def _probe_at(self, idx: torch.Tensor | None) -> None:
+        size = torch.tensor([idx.numel() if idx is not None else 0])
+        self._broadcast(size)
+        if not 0 < int(size[0]) <= MAX_CONFIG_BYTES:
+            raise RankLost(f"rank 0 sent a probe of {int(size[0])} positions")
+        buf = idx.cpu().long() if idx is not None else torch.empty(int(size[0]),
+                                                                   dtype=torch.int64)
+        self._broadcast(buf)
+        self._collective(self.sharded.sample, buf)
+
+    def sample(self) -> torch.Tensor:
+        """Every rank (sharded, the probe on): the parameters at the probe's positions."""
+        return self._collective(self.sharded.sample, None)
+
+    def _collective(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise self._lost(exc) from None
+
+    def check(self, params: torch.Tensor | None) -> bool:
         """Every rank: an exact checksum of the parameters' bits, gathered; True when all
         agree. Rank 0 logs a disagreement (its next step broadcasts the parameters)."""
+        if self.sharded is not None:
+            return True
+        assert params is not None
         mine = checksum(params).to(self.host).reshape(1)
         every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         try:
@@ -216,7 +318,16 @@ class RankGroup:
         self._broadcast(msg)
         return int(msg[0]), int(msg[1]), int(msg[2])
 
-    def _sync(self, flags: int, params: torch.Tensor, optimizer: Any) -> None:
+    def _sync(self, flags: int, params: torch.Tensor | None, optimizer: Any) -> None:
+        if self.sharded is not None:
+            if flags & _PARAMS:  # rank 0's full copy (written since) into every rank's rows
+                self._collective(self.sharded.push, params if self.leader else None)
+            if flags & _OPTIMIZER:
+                state, self.optimizer_to_send = self.optimizer_to_send, None
+                self._collective(self.sharded.load_optimizer_state, optimizer,
+                                 (state or {}) if self.leader else None)
+            return
+        assert params is not None
         if flags & _PARAMS:
             self._broadcast(params)
         if flags & _OPTIMIZER:
@@ -295,34 +406,43 @@ def checksum(t: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
 
 @dataclasses.dataclass
 class Replica:
-    """What a rank > 0 holds: the model, its flat parameters and the inner loop (built by
-    :func:`gasloc_p2p.node.runtime.trainer.build_replica`)."""
+    """What a rank > 0 holds: its flat parameters (None when sharded: its rows live in the
+    model), the inner loop, the device and (sharded) the validation batches and its rows (built
+    by :func:`gasloc_p2p.node.runtime.trainer.follower_replica`)."""
 
     flat: Any
     inner: Any
     device: torch.device
+    val: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    sharded: Any = None
 
 
-def follow(group: RankGroup, build: Callable[[Any], Replica]) -> int:
+def follow(group: RankGroup, build: Callable[[Any, RankGroup], Replica]) -> int:
     """The life of a rank > 0: receive the node's settings and vocabulary from rank 0, build
     the replica, then step with rank 0 until it says stop. Returns the exit code (0 after a
     stop, 1 when rank 0 is gone)."""
     try:
         cfg, vocab = group.share(), group.share()
-        replica = build((cfg, vocab))
+        val = group.share_batches() if cfg.sharding == "fsdp" else []
+        replica = build((cfg, vocab), group)
+        replica.val = val
+        group.sharded = replica.sharded
         torch.set_num_threads(cfg.torch_threads)
         rows = cfg.batch_size * cfg.grad_accum
-        optimizer = replica.inner.optimizer
         while True:
-            got = group.follow_step(replica.flat.buffer, optimizer, (rows, cfg.seq_len))
+            got = group.follow_step(replica, (rows, cfg.seq_len))
             if got is None:
                 log.info("rank %d: stopped by rank 0", group.rank)
                 return 0
-            step, x, y = got
+            step, x, y, probe = got
             mine = [rows_on(t, cfg.grad_accum, group.rank, group.world, replica.device)
                     for t in (x, y)]
+            if probe:
+                group.sample()
             loss = replica.inner.step(*mine, step)
             group.mean(loss)
+            if probe:
+                group.sample()
     except RankLost as exc:
         log.error("%s; this rank stops", exc)
         return 1

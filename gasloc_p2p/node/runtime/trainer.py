@@ -22,7 +22,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from gasloc_p2p.model_spec import BuiltModel, build
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost, Replica, rank_device, rows_on
+from gasloc_p2p.node.runtime.sharded import Sharded, shard_model
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.protocol.guard import LossWatch
 from gasloc_p2p.train import (
@@ -84,25 +84,38 @@ def build_node_model(cfg: TrainConfig, vocab_size: int) -> BuiltModel:
 
 
 def build_replica(cfg: TrainConfig, vocab_size: int, device: torch.device,
-                  data_parallel: bool = False) -> tuple[BuiltModel, FlatParams, InnerLoop]:
+                  ranks: RankGroup | None = None,
+                  ) -> tuple[BuiltModel, FlatParams, InnerLoop, Sharded | None]:
     """The node's model on ``device``: one flat parameter buffer (built on the host, then
     moved: the device never holds two copies), activation checkpointing as asked, and the
-    inner loop (AdamW; through DDP with ``data_parallel``, a collective: every rank of the
-    node builds its replica at the same time)."""
+    inner loop (AdamW). On a rank of a multi-rank node (``ranks``; a collective: every rank
+    builds its replica at the same time) through DDP, or with ``--sharding fsdp`` sharded
+    over the ranks (:mod:`.sharded`): the flat buffer then stays on the host, a full copy of
+    the parameters apart from the model's rows (rank 0's, which the exchange engine and the
+    outer state work on)."""
     built = build_node_model(cfg, vocab_size)
-    flat = FlatParams(built.module).to(device)
-    built.module.to(device)  # the module's non-parameter buffers
     set_activation_checkpointing(built.module, cfg.activation_checkpointing)
     how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
-    inner = InnerLoop(built.module, *inner_settings(cfg), how=how, data_parallel=data_parallel)
-    return built, flat, inner
+    if ranks is not None and cfg.sharding == "fsdp":
+        flat = FlatParams(built.module)  # on the host: the layout, and rank 0's full copy
+        shard_model(built.module, device, ranks.world)
+        sharded = Sharded(built.module, flat.spans, ranks.rank, ranks.world)
+        inner = InnerLoop(built.module, *inner_settings(cfg), how=how, sharded=True)
+        return built, flat, inner, sharded
+    flat = FlatParams(built.module).to(device)
+    built.module.to(device)  # the module's non-parameter buffers
+    inner = InnerLoop(built.module, *inner_settings(cfg), how=how,
+                      data_parallel=ranks is not None)
+    return built, flat, inner, None
 
 
-def follower_replica(got: tuple[TrainConfig, int]) -> Replica:
+def follower_replica(got: tuple[TrainConfig, int], ranks: RankGroup) -> Replica:
     """A rank > 0's replica, from rank 0's settings and vocabulary size."""
     cfg, vocab = got
-    device = rank_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
-    _, flat, inner = build_replica(cfg, vocab, device, data_parallel=True)
+    device = rank_device(cfg.device, ranks.local_rank)
+    _, flat, inner, sharded = build_replica(cfg, vocab, device, ranks)
+    if sharded is not None:
+        return Replica(None, inner, device, sharded=sharded)  # its full copy is dropped
     return Replica(flat, inner, device)
 
 
@@ -152,8 +165,17 @@ class Trainer:
         if ranks is not None:  # the other ranks build the same replica
             ranks.share(cfg)
             ranks.share(self.data.tokenizer.vocab_size)
-        built, self.flat, self.inner = build_replica(
-            cfg, self.data.tokenizer.vocab_size, self.device, data_parallel=ranks is not None)
+            if cfg.sharding == "fsdp":  # and evaluate their rows of the validation batches
+                ranks.share_batches(self.data.val)
+        built, self.flat, self.inner, self.sharded = build_replica(
+            cfg, self.data.tokenizer.vocab_size, self.device, ranks)
+        # sharded: the flat buffer (rank 0's full copy) is behind the ranks' rows after a
+        # step; a reader arriving then (an exchange, a checkpoint) fills it first
+        self._copy_behind = False
+        if self.sharded is not None:
+            assert ranks is not None
+            ranks.sharded = self.sharded
+            lock.on_hold = self._catch_up
         self.model = built.module
         # Runs apart: architecture, theta_0 and the tokenizer (same ids must mean the same).
         self.fingerprint = hashlib.sha256(
@@ -311,6 +333,9 @@ class Trainer:
         t0 = time.perf_counter()
         with self.lock.step():
             if ranks is not None:  # the other ranks get what changed, then the batch
+                if self.sharded is not None and self.probe is not None \
+                        and self.probe.read is None:
+                    self._probe_ranks(ranks, self.probe)
                 ranks.lead(st.step, x, y, self.flat.buffer, self.optimizer,
                            (self.lock.writes, self._optimizer_epoch))
                 x, y = (rows_on(t, cfg.grad_accum, 0, ranks.world, self.device)
@@ -324,10 +349,12 @@ class Trainer:
                 self.probe.after_step()
             st.step += 1
             self._mark = mark
+            self._copy_behind = self.sharded is not None
             round_end = st.step % cfg.inner_steps == 0
             if round_end and ranks is not None:
                 ranks.verify(self.flat.buffer)  # the replicas took the same steps
             if round_end and self.round_end is None:
+                self._catch_up()
                 self.state.round_end()
                 self.lock.wrote()  # the other ranks get the new parameters before the next step
                 st.rounds = self.state.rounds
@@ -352,6 +379,18 @@ class Trainer:
         if round_end or self._good is None:
             self._keep_good()
         return st.train_loss
+
+    def _catch_up(self) -> None:
+        """Sharded: fill rank 0's full copy from the ranks' rows if a step moved them since
+        (the training lock's holder calls it before reading or writing the flat buffer)."""
+        if self._copy_behind and self.ranks is not None:
+            self.ranks.pull(self.flat.buffer)
+            self._copy_behind = False
+
+    def _probe_ranks(self, ranks: RankGroup, probe: DriftProbe) -> None:
+        """Sharded: the drift probe samples the ranks' rows (its positions sent once)."""
+        ranks.probe_at(probe.positions)
+        probe.read_with(ranks.sample, self.device)
 
     def _read_loss(self, loss: torch.Tensor, tokens: int) -> float:
         """The loss as a float: at once on a CPU; on CUDA the previous step's (the GPU runs
@@ -404,6 +443,8 @@ class Trainer:
                 self.state.anchor.copy_(theta)
             _copy(self.state.memory, memory)
             self.optimizer.state.clear()  # the moments may hold NaN too
+            if self.ranks is not None:
+                self.ranks.optimizer_to_send = {}  # sharded: every rank clears its rows'
             self._optimizer_epoch += 1
             self._late = None
         st.rollbacks += 1
@@ -414,12 +455,14 @@ class Trainer:
     def val_loss(self) -> float:
         """The validation loss of the current parameters (nats per token); blocking, and
         only while the trainer thread does not run (start-up checks)."""
+        if self.sharded is not None and self.ranks is not None:
+            with self.lock.step():  # a collective: none of an exchange's may interleave
+                return self.ranks.evaluate(self.inner, self.data.val)
         with self.inner.autocast():
             return evaluate(self.model, self.val)
 
     def _evaluate(self) -> None:
-        with self.inner.autocast():
-            loss = evaluate(self.model, self.val)
+        loss = self.val_loss()
         self.stats.val_loss = loss
         if math.isnan(self.stats.first_val_loss):
             self.stats.first_val_loss = loss
@@ -439,10 +482,19 @@ class Trainer:
                     "anchor": _host(st.anchor), "memory": _host(st.memory),
                     "momentum": st.cfg.momentum,
                     "train_config": dataclasses.asdict(self.cfg), "tokenizer": self._tok_doc(),
-                    "optimizer": _to_host(self.optimizer.state_dict()),
+                    "optimizer": self._optimizer_state(),
                     "generator": self._mark[0] if self._mark else self.generator.get_state(),
                     "data": self._mark[1] if self._mark else self._data_mark()[1],
                     "val_loss": self.stats.val_loss, "first_val_loss": self.stats.first_val_loss}
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The AdamW state on the host (sharded: gathered from the ranks, one format)."""
+        if self.sharded is None:
+            return _to_host(self.optimizer.state_dict())
+        if self.ranks is None:
+            raise RankLost("the node's ranks are stopped or gone: its sharded AdamW state "
+                           "cannot be gathered (the previous checkpoint is kept)")
+        return self.ranks.optimizer_state(self.optimizer)
 
     def _data_mark(self) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """The sampler's state between two batches: the generator and, for a streamed corpus,
@@ -472,7 +524,10 @@ class Trainer:
                                 else ckpt["theta"])
             self._restore_memory(ckpt.get("memory"))
             st.rounds = int(ckpt["rounds"])
-            self.optimizer.load_state_dict(ckpt["optimizer"])
+            if self.sharded is not None and self.ranks is not None:
+                self.ranks.optimizer_to_send = ckpt["optimizer"]  # every rank its rows
+            else:
+                self.optimizer.load_state_dict(ckpt["optimizer"])
             self._optimizer_epoch += 1
             self.generator.set_state(ckpt["generator"])
             if ckpt.get("data") is not None and hasattr(self.shard, "restore"):

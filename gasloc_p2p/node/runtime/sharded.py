@@ -1,0 +1,205 @@
+"""A node's model sharded over its ranks (FSDP2, ``--sharding fsdp``): for a model larger than
+one GPU.
+
+``torch.distributed.fsdp.fully_shard`` on every transformer layer and on the root: each rank
+holds dim-0 rows of every parameter (``torch.chunk`` of the rows over the K ranks), and so
+1/K of the parameters, gradients and AdamW moments on its GPU. The exchange engine, the outer
+state and the wire format stay those of a one-rank node, on rank 0's host, over the *full*
+flat parameter vector: rank 0 keeps a host copy of it (the flat buffer every other part of the
+node reads and writes, the "mirror"), which the ranks fill when a reader needs it
+(:meth:`Sharded.pull`: every parameter all-gathered, one at a time) and take their rows back
+from after a writer changed it (:meth:`Sharded.push`: every parameter scattered from rank 0).
+Both run only when the training lock says so: a pull when a holder arrives after a step, a
+push before the next step after a write. The ranks never see half an exchange: they take whole
+parameter sets, after rank 0 committed.
+
+The AdamW state stays sharded. A checkpoint holds its full state dict, gathered to rank 0's
+host (``torch.distributed.checkpoint.state_dict``), in the format of a one-rank node's, so a
+node resumes with any number of ranks; a restore hands it back the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gasloc_p2p.core.flat import Span
+
+log = logging.getLogger(__name__)
+
+
+def layer_stack(model: nn.Module) -> nn.ModuleList:
+    """The model's transformer layers: the built-in GPT's ``blocks`` or a Hugging Face model's
+    decoder layers (the one ``ModuleList`` of ``num_hidden_layers`` modules)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return blocks
+    hf_model = getattr(model, "hf", None)
+    count = getattr(getattr(hf_model, "config", None), "num_hidden_layers", None)
+    stacks = [m for m in (hf_model.modules() if hf_model is not None else ())
+              if isinstance(m, nn.ModuleList) and len(m) == count]
+    if len(stacks) != 1:
+        raise ValueError("this model has no stack of transformer layers to shard")
+    return stacks[0]
+
+
+def shard_model(model: nn.Module, device: torch.device, world: int) -> nn.Module:
+    """``fully_shard`` every layer, then the root (embeddings, head, final norm: tied weights
+    stay in one unit), over the node's ``world`` ranks on ``device``'s kind; in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in layer_stack(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class Sharded:
+    """One rank's view of the sharded parameters in the canonical flat order (``spans``: the
+    flat buffer's layout, the wire format). Every method is a collective."""
+
+    def __init__(self, model: nn.Module, spans: Sequence[Span], rank: int, world: int) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if [tuple(p.shape) for p in params] != [s.shape for s in spans]:
+            raise ValueError("the sharded model's parameters are not the flat buffer's")
+        self.model, self.params, self.spans = model, params, tuple(spans)
+        self.rank, self.world = rank, world
+        self._mesh = params[0].device_mesh  # type: ignore[attr-defined]
+        self._placements = params[0].placements  # type: ignore[attr-defined]
+        self._sample: tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]]] | None \
+            = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def local_bytes(self) -> int:
+        """Bytes of this rank's rows of the parameters."""
+        return sum(p.to_local().nbytes for p in self.params)  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def pull(self, mirror: torch.Tensor | None) -> None:
+        """Every parameter's full value into ``mirror`` (rank 0's flat host buffer; None on
+        the other ranks), one parameter at a time (at most one full parameter on a device)."""
+        for p, s in zip(self.params, self.spans, strict=True):
+            full = p.full_tensor()  # type: ignore[attr-defined]
+            if mirror is not None:
+                mirror[s.offset : s.offset + s.numel].copy_(full.reshape(-1))
+            del full
+
+    @torch.no_grad()
+    def push(self, mirror: torch.Tensor | None) -> None:
+        """Rank 0's ``mirror`` into every rank's rows (a scatter per parameter)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        for p, s in zip(self.params, self.spans, strict=True):
+            if mirror is not None:
+                full = mirror[s.offset : s.offset + s.numel].view(s.shape).to(self.device)
+            else:  # the values are rank 0's; this rank only names the shape
+                full = torch.empty(s.shape, dtype=p.dtype, device=self.device)
+            mine = distribute_tensor(full, self._mesh, self._placements, src_data_rank=0)
+            p.to_local().copy_(mine.to_local())  # type: ignore[attr-defined]
+            del full, mine
+
+    @torch.no_grad()
+    def sample(self, idx: torch.Tensor | None) -> torch.Tensor:
+        """The parameters at flat positions ``idx`` (the drift probe's sample), from the
+        ranks that hold them (each position on one rank; a sum of the others' zeros).
+        ``idx`` is given once (rank 0's, broadcast by the caller) and kept."""
+        if idx is not None:
+            self._sample = (idx, self._locate(idx.cpu()))
+        assert self._sample is not None, "sample: no positions given yet"
+        n = self._sample[0].numel()
+        out = torch.zeros(n, device=self.device)
+        for i, where, local in self._sample[1]:
+            out[where] = self.params[i].to_local().reshape(-1)[local].float()  # type: ignore
+        dist.all_reduce(out)
+        return out
+
+    def _locate(self, idx: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """For each parameter holding some of ``idx`` on this rank: (parameter, positions in
+        ``idx``, flat positions in this rank's rows)."""
+        out = []
+        for i, s in enumerate(self.spans):
+            inside = ((idx >= s.offset) & (idx < s.offset + s.numel)).nonzero().reshape(-1)
+            if not inside.numel():
+                continue
+            rows = s.shape[0] if s.shape else 1
+            row_len = s.numel // rows
+            chunk = -(-rows // self.world)  # torch.chunk's rows per rank
+            first, last = self.rank * chunk, min((self.rank + 1) * chunk, rows)
+            rel = idx[inside] - s.offset
+            mine = (rel >= first * row_len) & (rel < last * row_len)
+            if mine.any():
+                out.append((i, inside[mine].to(self.device),
+                            (rel[mine] - first * row_len).to(self.device)))
+        return out
+
+    # ------------------------------------------------------------------ AdamW state
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
+        """The full AdamW state on rank 0's host, in the format of ``optimizer.state_dict()``
+        of one unsharded AdamW over the same groups (None on the other ranks)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        full: dict[str, Any] = get_optimizer_state_dict(
+            self.model, optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        # what was not sharded (AdamW's step counts) comes back as the live tensor itself:
+        # copied, or the next steps would move the checkpoint's
+        live = {t.data_ptr() for st in optimizer.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor)}
+        for st in full["state"].values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.data_ptr() in live:
+                    st[k] = v.detach().to("cpu", copy=True)
+        return _by_index(full, self._names(optimizer))
+
+    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any] | None) -> None:
+        """Rank 0's full AdamW ``state`` (``optimizer.state_dict()`` format; None on the other
+        ranks) into every rank's rows; an empty state clears them all (a rollback)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        flag = torch.tensor([0 if state is None or state.get("state") else 1])
+        dist.broadcast(flag, 0)
+        if int(flag[0]):  # no moments: every rank starts them afresh
+            optimizer.state.clear()
+            return
+        full = _by_name(state, self._names(optimizer)) if state is not None else {}
+        set_optimizer_state_dict(
+            self.model, optimizer, full,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def _names(self, optimizer: Any) -> list[str]:
+        """The optimized parameters' names in the optimizer's order (its state dict's ids)."""
+        name = {id(p): n for n, p in self.model.named_parameters()}
+        return [name[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def _by_index(full: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A name-keyed optimizer state dict (``get_optimizer_state_dict``) as ``state_dict()``'s
+    integer ids."""
+    index = {n: i for i, n in enumerate(names)}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]]
+    return {"state": {index[n]: v for n, v in full["state"].items()}, "param_groups": groups}
+
+
+def _by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """:func:`_by_index` undone."""
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {names[int(i)]: v for i, v in state["state"].items()},
+            "param_groups": groups}
