@@ -38,7 +38,7 @@ from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.clock import Clock, WallClock, every
 from gasloc_p2p.node.runtime.identity import build_membership
 from gasloc_p2p.node.runtime.lock import TrainingLock
-from gasloc_p2p.node.runtime.ranks import RankGroup
+from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost
 from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
@@ -144,6 +144,7 @@ class Node:
             Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
             self.train_stats, self.mode.trainer_round_end(), self.mode.keeps_anchor,
             self.ranks)
+        trainer.keep_final_state = bool(cfg.checkpoint.checkpoint_dir)
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
         await asyncio.to_thread(trainer.warm_up)  # --compile: before any exchange can arrive
@@ -430,7 +431,11 @@ class Node:
 
     async def _checkpoint(self) -> None:
         assert self.trainer is not None
-        payload = await asyncio.to_thread(self.trainer.state_for_checkpoint)
+        try:
+            payload = await asyncio.to_thread(self.trainer.state_for_checkpoint)
+        except RankLost as exc:  # a sharded node whose ranks are gone
+            log.warning("checkpoint skipped: %s", exc)
+            return
         theta = payload["theta"]
         if not (math.isfinite(float(theta.amax())) and math.isfinite(float(theta.amin()))):
             log.error("parameters are not finite at step %d: checkpoint skipped, the previous "

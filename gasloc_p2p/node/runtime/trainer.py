@@ -172,6 +172,10 @@ class Trainer:
         # sharded: the flat buffer (rank 0's full copy) is behind the ranks' rows after a
         # step; a reader arriving then (an exchange, a checkpoint) fills it first
         self._copy_behind = False
+        # sharded, and a checkpoint follows the stop (the daemon sets it): the AdamW state is
+        # gathered from the ranks before they stop, for that checkpoint
+        self.keep_final_state = False
+        self._final_optimizer: dict[str, Any] | None = None
         if self.sharded is not None:
             assert ranks is not None
             ranks.sharded = self.sharded
@@ -301,10 +305,16 @@ class Trainer:
             return ranks is None
         try:
             with self.lock.urgent(writes=False):
+                if self.sharded is not None and self.keep_final_state:
+                    self._final_optimizer = ranks.optimizer_state(self.optimizer)
                 agree = ranks.stop(self.flat.buffer, self.optimizer,
                                    (self.lock.writes, self._optimizer_epoch))
-            log.info("stopped the node's %d ranks: replicas %s", ranks.world,
-                     "identical" if agree else "DIFFERENT")
+            if self.sharded is not None:
+                log.info("stopped the node's %d ranks (sharded; rank 0's full copy is "
+                         "current)", ranks.world)
+            else:
+                log.info("stopped the node's %d ranks: replicas %s", ranks.world,
+                         "identical" if agree else "DIFFERENT")
             return agree
         except RankLost as exc:
             log.error("%s", exc)
@@ -492,6 +502,8 @@ class Trainer:
         if self.sharded is None:
             return _to_host(self.optimizer.state_dict())
         if self.ranks is None:
+            if self._final_optimizer is not None:  # after the stop: what the ranks held
+                return self._final_optimizer
             raise RankLost("the node's ranks are stopped or gone: its sharded AdamW state "
                            "cannot be gathered (the previous checkpoint is kept)")
         return self.ranks.optimizer_state(self.optimizer)
