@@ -5,12 +5,17 @@ node's own trainer (:class:`Trainer` with DDP over real ``torch.distributed`` ra
 CPU, NCCL on GPUs) on the same model and the same node batch, split over the ranks:
 
 - 1 rank with ``--threads`` torch threads per rank (one device's worth),
-- K ranks with as many threads each,
+- K ranks with as many threads each, DDP (replicas), then FSDP2 (``--sharding fsdp``: each
+  rank holds 1/K of the model),
 - 1 rank with K x ``--threads`` threads (the whole machine to one process: what a CPU user
   could run instead),
 
 each after ``--warmup`` steps, in this order, and prints tokens per second, the step time and
-the ratios. Then (``--exchanges N``, 0 to skip) the gossip traffic: a node of K ranks and a
+the ratios; then what each rank holds, counted tensor by tensor after the timed steps
+(parameters, the gradients present at an optimizer step, AdamW moments: the training device's
+model-sized memory, activations apart; on a GPU also the allocator's peak) and what rank 0
+keeps in host memory (its full copy of the parameters when sharded, the outer state, theta_0,
+the rollback copy), in bytes per parameter of the model. Then (``--exchanges N``, 0 to skip) the gossip traffic: a node of K ranks and a
 node of one rank in one swarm of real ``gasloc-node join`` processes, until each has committed
 N exchanges; it prints each node's payload bytes sent per committed exchange (one payload per
 exchange whatever the ranks: the two are the same). The issue's target is K ranks >= 1.7x one rank at K=2; on a CPU the ranks share
@@ -21,11 +26,13 @@ per step), which is what limits it here.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +48,8 @@ from gasloc_p2p.node.stats import TrainStats
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _config(args: argparse.Namespace, threads: int, world: int) -> TrainConfig:
+def _config(args: argparse.Namespace, threads: int, world: int,
+            sharding: str = "ddp") -> TrainConfig:
     """The measured node: the built-in GPT on a corpus of this Python's own sources."""
     corpus = Path(args.workdir) / "corpus.txt"
     if not corpus.exists():
@@ -50,7 +58,8 @@ def _config(args: argparse.Namespace, threads: int, world: int) -> TrainConfig:
     gpus = torch.cuda.device_count()
     return TrainConfig(data=str(corpus), device="auto" if gpus >= args.ranks else "cpu", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                        seq_len=args.seq_len, batch_size=args.batch_size, torch_threads=threads,
-                       nproc_per_node=world, inner_steps=1000, warmup_steps=10, eval_batches=1)
+                       nproc_per_node=world, inner_steps=1000, warmup_steps=10, eval_batches=1,
+                       sharding=sharding)
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -66,9 +75,19 @@ def worker(args: argparse.Namespace) -> int:
 
 def _measure_here(args: argparse.Namespace, group: RankGroup | None) -> int:
     if group is not None and not group.leader:
-        return follow(group, follower_replica)
-    cfg = _config(args, args.threads, group.world if group else 1)
+        held: list[Any] = []
+
+        def build(got: Any, ranks: RankGroup) -> Any:
+            replica = follower_replica(got, ranks)
+            held.append(_Counted(replica.inner.model, replica.inner.optimizer))
+            return replica
+
+        code = follow(group, build)
+        Path(f"{args.out}.rank{group.rank}").write_text(json.dumps(held[0].figures()))
+        return code
+    cfg = _config(args, args.threads, group.world if group else 1, args.sharding)
     trainer = Trainer(cfg, AsyncConfig(), 1, TrainingLock(), TrainStats(), ranks=group)
+    counted = _Counted(trainer.model, trainer.optimizer)
     trainer.load_data(1)
     torch.set_num_threads(cfg.torch_threads)
     for _ in range(args.warmup):
@@ -79,14 +98,49 @@ def _measure_here(args: argparse.Namespace, group: RankGroup | None) -> int:
     dt = time.perf_counter() - t0
     trainer.stop_ranks()
     tokens = args.steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len
-    Path(args.out).write_text(f"{tokens / dt} {dt / args.steps} {trainer.flat.numel}\n")
+    host = {p.name: p.nbytes for p in trainer.placement() if p.where == "host"}
+    Path(args.out).write_text(json.dumps({
+        "tokens_per_s": tokens / dt, "step_s": dt / args.steps, "numel": trainer.flat.numel,
+        "ranks": [counted.figures()], "host": host}))
     return 0
 
 
-def measure(args: argparse.Namespace, world: int, threads: int) -> tuple[float, float, int]:
-    out = Path(args.workdir) / f"r{world}-t{threads}.txt"
+class _Counted:
+    """One rank's model-sized device tensors: its parameters (its rows, when sharded), the
+    gradients present when AdamW steps (largest seen), the AdamW moments."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+        self.model, self.optimizer, self.grads = model, optimizer, 0
+        step = optimizer.step
+
+        def counting_step(*a: Any, **kw: Any) -> Any:
+            self.grads = max(self.grads, sum(_local(p.grad).nbytes for p in model.parameters()
+                                             if p.grad is not None))
+            return step(*a, **kw)
+
+        optimizer.step = counting_step
+
+    def figures(self) -> dict[str, float]:
+        moments = sum(_local(t).nbytes for st in self.optimizer.state.values()
+                      for t in st.values() if isinstance(t, torch.Tensor) and t.numel() > 1)
+        out = {"parameters": float(sum(_local(p).nbytes for p in self.model.parameters())),
+               "gradients": float(self.grads), "moments": float(moments)}
+        if torch.cuda.is_available():
+            out["cuda_peak"] = float(torch.cuda.max_memory_allocated())
+        return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local rows (this rank's), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def measure(args: argparse.Namespace, world: int, threads: int,
+            sharding: str = "ddp") -> dict[str, Any]:
+    out = Path(args.workdir) / f"r{world}-t{threads}-{sharding}.json"
     cmd = [sys.executable, "-m", "benchmarks.bench_ranks", "--worker", "--out", str(out),
-           "--threads", str(threads), *_shape(args)]
+           "--threads", str(threads), "--sharding", sharding, *_shape(args)]
     base = dict(os.environ, PYTHONPATH=str(ROOT))
     port = free_port()
     envs = [base] if world == 1 else [rank_env(base, r, world, port) for r in range(world)]
@@ -94,8 +148,9 @@ def measure(args: argparse.Namespace, world: int, threads: int) -> tuple[float, 
     codes = [p.wait(timeout=1800) for p in procs]
     if any(codes):
         raise SystemExit(f"a rank failed: exit codes {codes}")
-    tok_s, step_s, numel = out.read_text().split()
-    return float(tok_s), float(step_s), int(numel)
+    found = json.loads(out.read_text())
+    found["ranks"] += [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(1, world)]
+    return found
 
 
 def _shape(args: argparse.Namespace) -> list[str]:
@@ -174,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="runs/bench_ranks")
     p.add_argument("--exchanges", type=int, default=10,
                    help="committed exchanges per node in the traffic part (0: skip it)")
+    p.add_argument("--sharding", default="ddp", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -186,20 +242,40 @@ def main(argv: list[str] | None = None) -> int:
     k, t = args.ranks, args.threads
     one = measure(args, 1, t)
     many = measure(args, k, t)
+    sharded = measure(args, k, t, "fsdp")
     gpu = torch.cuda.is_available()
     whole = None if gpu else measure(args, 1, k * t)
-    print(f"# bench_ranks: {one[2]:,} parameters, node batch {args.batch_size} x "
+    numel = one["numel"]
+    print(f"# bench_ranks: {numel:,} parameters, node batch {args.batch_size} x "
           f"{args.seq_len} tokens, {args.steps} timed steps, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}")
     print("| node | threads per rank | step (s) | tokens/s | vs 1 rank |")
     print("|---|---|---|---|---|")
-    rows = [("1 rank", t, one), (f"{k} ranks (DDP)", t, many)]
+    rows = [("1 rank", t, one), (f"{k} ranks (DDP)", t, many), (f"{k} ranks (FSDP2)", t, sharded)]
     if whole is not None:  # a CPU: the same cores as threads of one process
         rows.append(("1 rank, all threads", k * t, whole))
-    for name, threads, (tok_s, step_s, _) in rows:
-        print(f"| {name} | {threads} | {step_s:.3f} | {tok_s:,.0f} | {tok_s / one[0]:.2f}x |")
+    for name, threads, r in rows:
+        print(f"| {name} | {threads} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x |")
+    print("\n# what each rank holds on its training device (bytes per parameter of the model, "
+          "activations apart), and rank 0's host memory")
+    print("| node | rank | parameters | gradients (at the step) | AdamW moments | device total "
+          f"|{' allocator peak (GiB) |' if gpu else ''} rank 0's host: full copy + outer state "
+          "+ theta_0 + rollback |")
+    print("|---|---|---|---|---|---|" + ("---|" if gpu else "") + "---|")
+    for name, _, r in rows[:3]:
+        host = r["host"]
+        full = host.get("parameters, full copy (rank 0)", 0)
+        rest = sum(v for n, v in host.items() if n != "parameters, full copy (rank 0)")
+        for rank, f in enumerate(r["ranks"]):
+            dev = f["parameters"] + f["gradients"] + f["moments"]
+            peak = f" {f['cuda_peak'] / 2**30:.2f} |" if gpu else ""
+            print(f"| {name} | {rank} | {f['parameters'] / numel:.2f} | "
+                  f"{f['gradients'] / numel:.2f} | {f['moments'] / numel:.2f} | "
+                  f"{dev / numel:.2f} |{peak} "
+                  + (f"{full / numel:.0f} + {rest / numel:.1f} |" if rank == 0 else "|"))
     if args.exchanges > 0:
-        payload = CodecSpec.parse("int8").codec().wire_bytes(one[2])
+        payload = CodecSpec.parse("int8").codec().wire_bytes(numel)
         print(f"\n# gossip traffic: a swarm of a {k}-rank node and a 1-rank node, int8 payloads "
               f"of {payload:,} bytes, after {args.exchanges}+ applied exchanges each. "
               "Payloads sent: payload bytes sent / payload size. Every exchange of the swarm "

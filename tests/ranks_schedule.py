@@ -6,7 +6,8 @@ node (SHARDING ``ddp``: replicas; ``fsdp``: each rank holds rows of the model): 
 the trainer, the others follow it (:func:`ranks.follow`). The schedule
 writes the parameters between steps the way an exchange does (a correction under the
 training lock), takes GASLoC round ends, restores a checkpoint taken earlier (parameters and
-AdamW state replaced), and makes the loss non-finite once (a rollback clears the AdamW state).
+AdamW state replaced), and makes the loss non-finite once (a rollback clears the AdamW state), with the gossip
+guard's drift probe on.
 Rank 0 (or the single process) saves its parameters, whether the replicas agreed at the stop,
 and its counters to OUT.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig
+from gasloc_p2p.core.drift import DriftProbe
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, distributed_env, follow
 from gasloc_p2p.node.runtime.trainer import Trainer, follower_replica
@@ -51,6 +53,10 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
     trainer = Trainer(cfg, AsyncConfig(eta=0.7, gamma=0.5, w=0.5), 1, lock, TrainStats(),
                       ranks=group)
     trainer.load_data(7)
+    # the gossip guard's drift probe: sharded, it samples the ranks' rows around every step
+    drifts: list[dict[int, float]] = []
+    trainer.probe = DriftProbe(trainer.state.theta, trainer.fragments)
+    trainer.on_drift = drifts.append
     gen = torch.Generator().manual_seed(3)
     saved = None
     for tick in range(TICKS):
@@ -71,7 +77,7 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
         trainer.state.theta.add_(1e-3)
     agree = trainer.stop_ranks()
     torch.save({"theta": trainer.flat.buffer.cpu(), "theta0": trainer.theta0.float(),
-                "agree": agree,
+                "agree": agree, "drifts": drifts,
                 "rollbacks": trainer.stats.rollbacks, "step": trainer.stats.step,
                 "rounds": trainer.stats.rounds}, out)
     return 0

@@ -68,6 +68,25 @@ def test_a_rank_of_a_ddp_node_holds_all_gradients_and_its_share_of_the_activatio
     assert split.returncode == 2 and "--nproc-per-node=2" in split.stderr
 
 
+def test_a_rank_of_a_sharded_node_holds_its_rows_and_rank_0_a_full_copy_on_the_host():
+    """FSDP2 over K ranks: parameters, gradients and moments are 16/K bytes per parameter on
+    each GPU (plus the layers gathered for compute); rank 0 keeps the full parameters on the
+    host, and its exchange runs there."""
+    shape = model_shape("gpt", TrainConfig(n_layer=2, n_embd=64, n_head=2), 256)
+    cfg = NodeConfig()
+    plans = {k: plan(dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, batch_size=8, nproc_per_node=k, sharding=sharding)), "cuda", shape)
+        for k, sharding in ((2, "ddp"), (4, "fsdp"))}
+    rows = ("parameters (a rank's rows)", "gradients (a rank's rows)",
+            "adamw moments (a rank's rows)")
+    assert bytes_per_param(plans[4], "device", rows) == pytest.approx(16 / 4, rel=0.01)
+    assert bytes_per_param(plans[2], "device", rows) == 0  # DDP: the whole model per GPU
+    assert bytes_per_param(plans[4], "host", ("parameters, full copy (rank 0)",)) == 4.0
+    assert not [b for b in plans[4]["buffers"] if b.name.startswith("exchange")
+                and b.where == "device"]
+    assert "per GPU of 4 (FSDP2: each holds 1/4 of the model)" in report(plans[4], None)
+
+
 def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gasloc_p2p.cli", "plan", *args],
                           capture_output=True, text=True, timeout=120)

@@ -7,6 +7,7 @@ the other ranks before the next step: the replicas stay bit-identical.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -68,6 +69,15 @@ def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sh
     moved = (one["theta"] - one["theta0"]).abs().max().item()
     print(f"max |theta_1 - theta_2| {diff:.3g}, largest move {moved:.3g}")
     assert diff < 0.01 * moved, f"a 2-rank node drifted {diff} from a 1-rank node"
+    # the drift probe measured the same inner-step moves per round (sharded: sampled from
+    # the rank holding each coordinate)
+    assert len(one["drifts"]) == len(two["drifts"]) == 3
+    # (the round of the injected NaN measures NaN on both)
+    for a, b in zip(one["drifts"], two["drifts"], strict=True):
+        assert a.keys() == b.keys()
+        assert all(math.isnan(a[k]) == math.isnan(b[k]) for k in a), (a, b)
+        assert all(abs(a[k] - b[k]) < 0.01 * a[k] for k in a if not math.isnan(a[k])), (a, b)
+    assert sum(not math.isnan(v) and v > 0 for d in one["drifts"] for v in d.values()) == 2
 
 
 def test_rows_split_each_micro_batch_over_the_ranks():

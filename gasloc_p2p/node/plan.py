@@ -99,16 +99,28 @@ def _shape(module: torch.nn.Module, layers: int, hidden: int, ffn: int, vocab: i
 
 
 def model_buffers(numel: int, outer: AsyncConfig, keep_anchor: bool, device: str,
-                  grad_numel: int | None = None) -> list[Placed]:
+                  grad_numel: int | None = None, shards: int = 1,
+                  layer_numel: int = 0) -> list[Placed]:
     """Every model-sized buffer of a node and where it lives: the training state on the
     device, the outer state, theta_0 and the rollback copy on the host (pinned beside a GPU).
     The same rules the node allocates by (:class:`AsyncGaslocState`, :class:`Trainer`).
     ``grad_numel``: the gradient elements that exist at once (:func:`gradients_at_once`),
-    else all of them."""
+    else all of them. ``shards`` K > 1: FSDP2 over K ranks (``--sharding fsdp``): a rank holds
+    1/K of the parameters, gradients and moments, plus the full parameters of the layer it
+    computes and the one it prefetches (``layer_numel`` each); rank 0 keeps a full copy of
+    the parameters on the host."""
     dev = "device"  # the training device, whichever it is (a CPU node's host)
-    out = [Placed("parameters", 4 * numel, dev),
-           Placed("gradients (during a step)", 4 * (grad_numel or numel), dev),
-           Placed("adamw moments", 8 * numel, dev)]
+    if shards > 1:
+        rows = -(-numel // shards)
+        out = [Placed("parameters (a rank's rows)", 4 * rows, dev),
+               Placed("gradients (a rank's rows)", 4 * rows, dev),
+               Placed("adamw moments (a rank's rows)", 8 * rows, dev),
+               Placed("layers gathered (computed + prefetched)", 2 * 4 * layer_numel, dev),
+               Placed("parameters, full copy (rank 0)", 4 * numel, "host")]
+    else:
+        out = [Placed("parameters", 4 * numel, dev),
+               Placed("gradients (during a step)", 4 * (grad_numel or numel), dev),
+               Placed("adamw moments", 8 * numel, dev)]
     if keep_anchor or outer.reads_anchor:
         out.append(Placed("anchor", 4 * numel, "host"))
     if outer.gamma > 0:
@@ -145,7 +157,11 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
            # the head's and the embedding's gradients on their way into .grad: the
            # bfloat16 product, its float32 cast and the embedding's dense gradient
            Placed("vocabulary gradients in flight", 8 * shape.vocab * shape.hidden, dev)]
-    if cfg.outer.algorithm == "gasloc":
+    if cfg.outer.algorithm == "gasloc" and t.sharding == "fsdp" and t.nproc_per_node > 1:
+        # sharded: the engine works on rank 0's full copy, on the host
+        wire = cfg.gossip.codec_spec.codec().wire_bytes(shape.numel)
+        out.append(Placed("exchange: payloads + scratch", 4 * wire + 8 * ON_CPU_CHUNK, "host"))
+    elif cfg.outer.algorithm == "gasloc":
         spec = cfg.gossip.codec_spec
         wire = spec.codec().wire_bytes(shape.numel)
         chunk = min(shape.numel, ON_DEVICE_CHUNK if device != "cpu" else ON_CPU_CHUNK)
@@ -159,13 +175,14 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
     return out
 
 
-def transients(shape: Shape, buffers: list[Placed]) -> list[Placed]:
+def transients(shape: Shape, buffers: list[Placed], ranks: int = 1) -> list[Placed]:
     """Host memory that comes and goes: building the model (its parameters, the flat copy and
-    the seeded init's int32 sums of the largest tensor) and a checkpoint's host copies."""
+    the seeded init's int32 sums of the largest tensor; every rank of a node builds it whole
+    before it shards or moves it) and a checkpoint's host copies."""
     numel = shape.numel
     outer = sum(b.nbytes for b in buffers if b.name in ("anchor", "momentum memory"))
-    return [Placed("start-up: model + flat copy + init sums", 8 * numel + 4 * shape.largest,
-                   "host"),
+    return [Placed("start-up: model + flat copy + init sums, per rank",
+                   ranks * (8 * numel + 4 * shape.largest), "host"),
             Placed("checkpoint: parameters, AdamW, outer state", 12 * numel + outer, "host")]
 
 
@@ -180,13 +197,15 @@ def plan(cfg: NodeConfig, device: str, shape: Shape, keep_anchor: bool = False
     grads = gradients_at_once(shape.numel, shape.largest, shape.n_layer,
                               device != "cpu" and cfg.train.grad_accum == 1
                               and cfg.train.nproc_per_node == 1)
-    buffers = (model_buffers(shape.numel, outer, keep, device, grads)
+    shards = cfg.train.nproc_per_node if cfg.train.sharding == "fsdp" else 1
+    layer = max(shape.largest, shape.numel // max(shape.n_layer, 1))
+    buffers = (model_buffers(shape.numel, outer, keep, device, grads, shards, layer)
                + estimates(shape, cfg, device))
     steady = {where: sum(b.nbytes for b in buffers if b.where == where)
               for where in ("device", "host")}
-    peaks = transients(shape, buffers)
+    peaks = transients(shape, buffers, cfg.train.nproc_per_node)
     return {"shape": shape, "buffers": buffers, "steady": steady,
-            "ranks": cfg.train.nproc_per_node,
+            "ranks": cfg.train.nproc_per_node, "sharding": cfg.train.sharding,
             "host_peak": steady["host"] + max(p.nbytes for p in peaks), "transients": peaks}
 
 
@@ -213,8 +232,13 @@ def report(result: dict[str, Any], device_memory: int | None) -> str:
                      f"{b.nbytes / max(shape.numel, 1):8.2f}")
     dev, host = result["steady"]["device"], result["steady"]["host"]
     ranks = result.get("ranks", 1)
-    where = (f"per GPU of {ranks} (DDP: each holds the model; rank 0's exchange staging "
-             "counted)" if ranks > 1 else "device")
+    if ranks > 1 and result.get("sharding") == "fsdp":
+        where = f"per GPU of {ranks} (FSDP2: each holds 1/{ranks} of the model)"
+    elif ranks > 1:
+        where = (f"per GPU of {ranks} (DDP: each holds the model; rank 0's exchange staging "
+                 "counted)")
+    else:
+        where = "device"
     lines += ["", f"{where} total {dev / GiB:.2f} GiB ({dev / shape.numel:.1f} B/param); "
                   f"host total {host / GiB:.2f} GiB, at most {result['host_peak'] / GiB:.2f} "
                   "GiB while building the model or writing a checkpoint"]
@@ -243,8 +267,11 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--codec", default="int8")
     p.add_argument("--cpu", action="store_true", help="plan a CPU node (everything on the host)")
     p.add_argument("--nproc-per-node", type=_positive, default=1,
-                   help="GPUs of the node (DDP): the figures are per GPU, the micro-batch split "
+                   help="GPUs of the node: the figures are per GPU, the micro-batch split "
                         "over them")
+    p.add_argument("--sharding", default="ddp", choices=("ddp", "fsdp"),
+                   help="a node of several GPUs: ddp (each holds the model) or fsdp (each "
+                        "holds 1/K of it)")
     p.set_defaults(func=run_plan)
 
 
@@ -261,7 +288,8 @@ def run_plan(args: argparse.Namespace) -> int:
         cfg = replace(cfg, train=replace(cfg.train, model=args.model, precision=args.precision,
                                          batch_size=args.micro_batch, seq_len=args.seq_len,
                                          activation_checkpointing=args.activation_checkpointing,
-                                         nproc_per_node=args.nproc_per_node),
+                                         nproc_per_node=args.nproc_per_node,
+                                         sharding=args.sharding),
                       outer=replace(cfg.outer, algorithm=args.algorithm, gamma=args.gamma),
                       gossip=replace(cfg.gossip, codec=CodecSpec.parse(args.codec).name))
         if args.micro_batch % args.nproc_per_node:

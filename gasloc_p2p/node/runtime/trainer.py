@@ -229,15 +229,23 @@ class Trainer:
         outer state, theta_0 and the rollback copy on the host, "device" if a tensor of theirs
         is found on a GPU). On a CPU node both places are the same memory; the roles stay."""
         numel, out = self.flat.numel, []
-        out.append(Placed("parameters", self.flat.buffer.nbytes, "device"))
-        # gradients exist from a step's backward pass to its optimizer step (then freed); with
-        # AdamW stepped in the backward pass, about a layer's at once
-        grads = gradients_at_once(numel, max(p.numel() for p in self.model.parameters()),
-                                  self.n_layer, isinstance(self.optimizer, BackwardAdamW))
-        out.append(Placed("gradients (during a step)", 4 * grads, "device"))
-        moments = [t for st in self.optimizer.state.values() for t in st.values()
+        if self.sharded is not None:  # this rank's rows on the device; the full copy on the host
+            rows = self.sharded.local_bytes()
+            out.append(Placed("parameters (this rank's rows)", rows, "device"))
+            out.append(Placed("parameters, full copy (rank 0)", self.flat.buffer.nbytes, "host"))
+            # reduce-scattered: a rank keeps its rows' gradients from backward to the step
+            out.append(Placed("gradients (during a step)", rows, "device"))
+        else:
+            out.append(Placed("parameters", self.flat.buffer.nbytes, "device"))
+            # gradients exist from a step's backward pass to its optimizer step (then freed);
+            # with AdamW stepped in the backward pass, about a layer's at once
+            grads = gradients_at_once(numel, max(p.numel() for p in self.model.parameters()),
+                                      self.n_layer, isinstance(self.optimizer, BackwardAdamW))
+            out.append(Placed("gradients (during a step)", 4 * grads, "device"))
+        moments = [_local(t) for st in self.optimizer.state.values() for t in st.values()
                    if isinstance(t, torch.Tensor) and t.numel() > 1]
-        out.append(Placed("adamw moments", sum(t.nbytes for t in moments) or 8 * numel,
+        expect = 2 * (self.sharded.local_bytes() if self.sharded is not None else 4 * numel)
+        out.append(Placed("adamw moments", sum(t.nbytes for t in moments) or expect,
                           "device"))
         named = (("anchor", self.state.anchor), ("momentum memory", self.state.memory),
                  ("theta_0 (bfloat16)", self.theta0),
@@ -586,6 +594,12 @@ class Trainer:
 def _copy(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
     if dst is not None and src is not None:
         dst.copy_(src)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's rows on this rank (a DTensor's local part), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def _where(t: torch.Tensor) -> str:
