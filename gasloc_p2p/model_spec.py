@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gasloc_p2p.model import GPTConfig, build_model, model_fingerprint
+from gasloc_p2p.model import GPT, GPTConfig, build_model, model_fingerprint
 
 PRESETS: dict[str, tuple[int, int, int]] = {  # name -> (n_layer, n_embd, n_head)
     "gpt-mini": (2, 64, 2),
@@ -99,6 +99,22 @@ def _fingerprint(arch: dict[str, Any], module: nn.Module) -> str:
     doc = {"arch": arch, "params": params, "theta0": theta_digest(module)}
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def skeleton(spec: str, base: GPTConfig) -> nn.Module:
+    """The module :func:`build` gives for ``spec``, on the meta device: its names and shapes,
+    no values and no storage (a rank of a sharded node, which gets its rows from rank 0)."""
+    source = ModelSource.parse(spec)
+    if source.kind == "gpt":
+        with torch.device("meta"):
+            return GPT(gpt_config(source.where, base))
+    from gasloc_p2p import hf
+
+    tf = hf.transformers_module()
+    config = (hf.read_config(source.where) if source.kind == "config"
+              else tf.AutoConfig.from_pretrained(source.where))
+    with torch.device("meta"):
+        return hf.HFCausalLM(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
 
 def build(spec: str, base: GPTConfig, seed: int) -> BuiltModel:

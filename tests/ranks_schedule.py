@@ -45,7 +45,18 @@ def main(out: str, corpus: str, grad_accum: int, device: str, sharding: str = "d
 def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
          group: RankGroup | None) -> int:
     if group is not None and not group.leader:
-        return follow(group, follower_replica)
+        held = []
+
+        def build(got, ranks):
+            replica = follower_replica(got, ranks)
+            held.append(replica)
+            return replica
+
+        code = follow(group, build)
+        if held and held[0].sharded is not None:  # what this rank held: its rows only
+            torch.save({"rows_bytes": held[0].sharded.local_bytes(),
+                        "full_copy": held[0].flat is not None}, f"{out}.rank{group.rank}")
+        return code
     cfg = tiny_config(Path(corpus), inner_steps=8, grad_accum=grad_accum, batch_size=4,
                       n_embd=32, n_head=2, seq_len=32, warmup_steps=4, max_rollbacks=2,
                       device=device, sharding=sharding).train

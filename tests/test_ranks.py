@@ -58,6 +58,10 @@ def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sh
     one = _schedule(tmp_path, corpus, accum, 1, device)
     two = _schedule(tmp_path, corpus, accum, 2, device, sharding)
     assert two["agree"] is True  # DDP: rank 1's parameters' bits are rank 0's at the stop
+    if sharding == "fsdp":  # rank 1 built its model on the meta device and holds its rows
+        rank1 = torch.load(tmp_path / f"out-2-{accum}-fsdp.pt.rank1")
+        assert rank1["full_copy"] is False
+        assert rank1["rows_bytes"] == pytest.approx(4 * two["theta"].numel() / 2, rel=0.05)
     # the schedule ran: round ends, one rollback, the restore went back in steps
     assert (one["rollbacks"], one["rounds"]) == (two["rollbacks"], two["rounds"]) == (1, 3)
     assert one["step"] == two["step"] == 26

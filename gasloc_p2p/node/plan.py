@@ -177,8 +177,9 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
 
 def transients(shape: Shape, buffers: list[Placed], ranks: int = 1) -> list[Placed]:
     """Host memory that comes and goes: building the model (its parameters, the flat copy and
-    the seeded init's int32 sums of the largest tensor; every rank of a node builds it whole
-    before it shards or moves it) and a checkpoint's host copies."""
+    the seeded init's int32 sums of the largest tensor; ``ranks`` of a node build it whole
+    before they move it: all of them under DDP, rank 0 alone when sharded) and a checkpoint's
+    host copies."""
     numel = shape.numel
     outer = sum(b.nbytes for b in buffers if b.name in ("anchor", "momentum memory"))
     return [Placed("start-up: model + flat copy + init sums, per rank",
@@ -203,7 +204,7 @@ def plan(cfg: NodeConfig, device: str, shape: Shape, keep_anchor: bool = False
                + estimates(shape, cfg, device))
     steady = {where: sum(b.nbytes for b in buffers if b.where == where)
               for where in ("device", "host")}
-    peaks = transients(shape, buffers, cfg.train.nproc_per_node)
+    peaks = transients(shape, buffers, 1 if shards > 1 else cfg.train.nproc_per_node)
     return {"shape": shape, "buffers": buffers, "steady": steady,
             "ranks": cfg.train.nproc_per_node, "sharding": cfg.train.sharding,
             "host_peak": steady["host"] + max(p.nbytes for p in peaks), "transients": peaks}

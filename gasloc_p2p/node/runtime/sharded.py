@@ -85,6 +85,18 @@ class Sharded:
         return sum(p.to_local().nbytes for p in self.params)  # type: ignore[attr-defined]
 
     @torch.no_grad()
+    def materialize(self, mirror: torch.Tensor | None, device: torch.device) -> None:
+        """At start-up: a rank built on the meta device (``mirror`` None) gets storage for
+        its rows on ``device``, then every rank takes rank 0's buffers (rotary tables, masks)
+        and its rows of rank 0's ``mirror``."""
+        if mirror is None:
+            self.model.to_empty(device=device)
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+        for b in self.model.buffers():
+            dist.broadcast(b, 0)
+        self.push(mirror)
+
+    @torch.no_grad()
     def pull(self, mirror: torch.Tensor | None) -> None:
         """Every parameter's full value into ``mirror`` (rank 0's flat host buffer; None on
         the other ranks), one parameter at a time (at most one full parameter on a device)."""

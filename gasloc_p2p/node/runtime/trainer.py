@@ -34,7 +34,7 @@ from gasloc_p2p.core.drift import DriftProbe
 from gasloc_p2p.core.flat import FlatParams, Fragment, layer_fragments, whole
 from gasloc_p2p.data import BPETokenizer, TrainingData, load_training_data
 from gasloc_p2p.model import layer_index
-from gasloc_p2p.model_spec import BuiltModel, build
+from gasloc_p2p.model_spec import BuiltModel, build, skeleton
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost, Replica, rank_device, rows_on
@@ -93,20 +93,37 @@ def build_replica(cfg: TrainConfig, vocab_size: int, device: torch.device,
     over the ranks (:mod:`.sharded`): the flat buffer then stays on the host, a full copy of
     the parameters apart from the model's rows (rank 0's, which the exchange engine and the
     outer state work on)."""
-    built = build_node_model(cfg, vocab_size)
-    set_activation_checkpointing(built.module, cfg.activation_checkpointing)
     how = StepConfig(cfg.precision, cfg.grad_accum, cfg.compile)
     if ranks is not None and cfg.sharding == "fsdp":
-        flat = FlatParams(built.module)  # on the host: the layout, and rank 0's full copy
-        shard_model(built.module, device, ranks.world)
-        sharded = Sharded(built.module, flat.spans, ranks.rank, ranks.world)
-        inner = InnerLoop(built.module, *inner_settings(cfg), how=how, sharded=True)
-        return built, flat, inner, sharded
+        return _sharded_replica(cfg, vocab_size, device, ranks, how)
+    built = build_node_model(cfg, vocab_size)
+    set_activation_checkpointing(built.module, cfg.activation_checkpointing)
     flat = FlatParams(built.module).to(device)
     built.module.to(device)  # the module's non-parameter buffers
     inner = InnerLoop(built.module, *inner_settings(cfg), how=how,
                       data_parallel=ranks is not None)
     return built, flat, inner, None
+
+
+def _sharded_replica(cfg: TrainConfig, vocab_size: int, device: torch.device,
+                     ranks: RankGroup, how: StepConfig,
+                     ) -> tuple[Any, FlatParams, InnerLoop, Sharded]:
+    """:func:`build_replica` with ``--sharding fsdp``. Rank 0 builds the model on the host
+    (theta_0: its flat buffer stays there as the node's full copy); the other ranks build it
+    on the meta device (names and shapes, no storage: no rank but rank 0 ever holds the whole
+    model) and take their rows and the module's buffers from rank 0."""
+    if ranks.leader:
+        built: Any = build_node_model(cfg, vocab_size)
+        module = built.module
+    else:
+        built, module = None, skeleton(cfg.model, cfg.gpt(vocab_size))
+    set_activation_checkpointing(module, cfg.activation_checkpointing)
+    flat = FlatParams(module)  # rank 0: the full copy, on the host; else only the layout
+    shard_model(module, device, ranks.world)
+    sharded = Sharded(module, flat.spans, ranks.rank, ranks.world)
+    sharded.materialize(flat.buffer if ranks.leader else None, device)
+    inner = InnerLoop(module, *inner_settings(cfg), how=how, sharded=True)
+    return built, flat, inner, sharded
 
 
 def follower_replica(got: tuple[TrainConfig, int], ranks: RankGroup) -> Replica:
