@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -88,8 +89,17 @@ def test_a_rank_of_a_sharded_node_holds_its_rows_and_rank_0_a_full_copy_on_the_h
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gasloc_p2p.cli", "plan", *args],
-                          capture_output=True, text=True, timeout=120)
+    """``gasloc-node plan ARGS`` in this process (the command line's own parser and
+    handler; a process per call spent seconds on imports)."""
+    from gasloc_p2p.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["plan", *args])
+        except SystemExit as exc:  # argparse's errors
+            code = int(exc.code or 0)
+    return subprocess.CompletedProcess(["plan", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_plan_llama_1b_on_a_24gb_card(tmp_path):

@@ -7,6 +7,8 @@ the other ranks before the next step: the replicas stay bit-identical.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import subprocess
@@ -24,8 +26,13 @@ from tests.node_helpers import scaled
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_ONE_PROCESS: dict[tuple[int, str], dict] = {}  # the reference runs, shared by the tests
+
+
 def _schedule(tmp: Path, corpus: Path, accum: int, world: int, device: str = "cpu",
               sharding: str = "ddp") -> dict:
+    if world == 1 and (accum, device) in _ONE_PROCESS:
+        return _ONE_PROCESS[(accum, device)]
     out = tmp / f"out-{world}-{accum}-{sharding}.pt"
     cmd = [sys.executable, "-m", "tests.ranks_schedule", str(out), str(corpus), str(accum),
            device, sharding]
@@ -44,7 +51,10 @@ def _schedule(tmp: Path, corpus: Path, accum: int, world: int, device: str = "cp
             p.kill()
     for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
         assert p.returncode == 0, f"rank {r} of {world} exited {p.returncode}:\n{log[-4000:]}"
-    return torch.load(out)
+    found = torch.load(out)
+    if world == 1:
+        _ONE_PROCESS[(accum, device)] = found
+    return found
 
 
 @pytest.mark.parametrize("accum, sharding", [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
@@ -139,16 +149,36 @@ def _join(*flags: str, env: dict[str, str] | None = None) -> subprocess.Complete
                           env=dict(os.environ, **(env or {})))
 
 
+def _check(*flags: str) -> subprocess.CompletedProcess[str]:
+    """``gasloc-node join --check FLAGS`` in this process (it starts nothing)."""
+    from gasloc_p2p.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["join", *flags])
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return subprocess.CompletedProcess(flags, code, out.getvalue(), err.getvalue())
+
+
 def test_a_batch_that_does_not_split_over_the_ranks_is_refused_in_one_line():
-    out = _join("--check", "--nproc-per-node", "3", "--batch-size", "8")
+    out = _check("--check", "--nproc-per-node", "3", "--batch-size", "8")
     assert out.returncode == 2
     assert out.stderr == ("gasloc-node join: error: --batch-size=8: must split over "
                           "--nproc-per-node=3 ranks (a multiple of it)\n")
-    gpu = _join("--check", "--nproc-per-node", "2", "--device", "cuda:1")
+    gpu = _check("--check", "--nproc-per-node", "2", "--device", "cuda:1")
     assert gpu.returncode == 2 and gpu.stderr.count("\n") == 1
     assert "--device='cuda:1'" in gpu.stderr and "use --device cuda or auto" in gpu.stderr
-    ok = _join("--check", "--nproc-per-node", "2")
+    ok = _check("--check", "--nproc-per-node", "2")
     assert ok.returncode == 0 and ", 2 ranks (DDP)" in ok.stdout, ok.stderr
+    sharded = _check("--check", "--nproc-per-node", "2", "--sharding", "fsdp")
+    assert sharded.returncode == 0 and ", 2 ranks (FSDP)" in sharded.stdout, sharded.stderr
+    compiled = _check("--check", "--nproc-per-node", "2", "--sharding", "fsdp", "--compile")
+    assert compiled.returncode == 2 and compiled.stderr.count("\n") == 1
+    assert "--sharding='fsdp'" in compiled.stderr and "--compile" in compiled.stderr
+    wrong = _check("--check", "--sharding", "zero3")
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "ddp" in wrong.stderr
 
 
 def test_torchrun_with_another_world_size_than_the_flag_is_refused():
