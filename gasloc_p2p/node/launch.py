@@ -57,6 +57,7 @@ def _die_with_parent(sig: int) -> Callable[[], None]:
 
 
 def describe(code: int) -> str:
+    """``signal SIGKILL`` or ``exit code 3``: how a child process ended (its exit code)."""
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
