@@ -69,13 +69,14 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
     trainer.probe = DriftProbe(trainer.state.theta, trainer.fragments)
     trainer.on_drift = drifts.append
     gen = torch.Generator().manual_seed(3)
-    saved = None
+    saved, val = None, float("nan")
     for tick in range(TICKS):
         theta = trainer.state.theta
         if tick in CORRECT_AT:  # what a gossip commit does: a write under the lock
             with lock.urgent():
                 theta.add_(torch.randn(theta.numel(), generator=gen).to(theta.device) * 1e-3)
-        if tick == SAVE_AT:
+        if tick == SAVE_AT:  # an evaluation first: sharded, the ranks' collective forward
+            val = trainer.val_loss()
             saved = trainer.state_for_checkpoint()
         if tick == RESTORE_AT:
             assert saved is not None
@@ -88,7 +89,7 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
         trainer.state.theta.add_(1e-3)
     agree = trainer.stop_ranks()
     torch.save({"theta": trainer.flat.buffer.cpu(), "theta0": trainer.theta0.float(),
-                "agree": agree, "drifts": drifts,
+                "agree": agree, "drifts": drifts, "val": val,
                 "rollbacks": trainer.stats.rollbacks, "step": trainer.stats.step,
                 "rounds": trainer.stats.rounds}, out)
     return 0

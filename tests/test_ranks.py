@@ -86,6 +86,9 @@ def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sh
     # the drift probe measured the same inner-step moves per round (sharded: sampled from
     # the rank holding each coordinate)
     assert len(one["drifts"]) == len(two["drifts"]) == 3
+    # the validation loss before the save: each rank its rows of every batch (sharded: the
+    # evaluation leaves the model's rows in place, which the AdamW state gathered next needs)
+    assert abs(one["val"] - two["val"]) < 1e-4 * one["val"], (one["val"], two["val"])
     # (the round of the injected NaN measures NaN on both)
     for a, b in zip(one["drifts"], two["drifts"], strict=True):
         assert a.keys() == b.keys()

@@ -252,6 +252,7 @@ class RankGroup:
             if split or self.leader:
                 sums += torch.tensor([loss * mine[1].numel(), mine[1].numel()],
                                      dtype=torch.float64)
+        self.sharded.reshard()  # a forward without backward leaves the root's layers gathered
         try:
             dist.all_reduce(sums)
         except (RuntimeError, dist.DistBackendError) as exc:

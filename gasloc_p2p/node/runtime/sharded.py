@@ -84,6 +84,16 @@ class Sharded:
         """Bytes of this rank's rows of the parameters."""
         return sum(p.to_local().nbytes for p in self.params)  # type: ignore[attr-defined]
 
+    def reshard(self) -> None:
+        """Free every gathered layer (FSDP2 keeps the root's parameters gathered after a
+        forward that no backward follows, an evaluation: the model then names its full
+        tensors, not its rows, which the AdamW state dict cannot map)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     @torch.no_grad()
     def materialize(self, mirror: torch.Tensor | None, device: torch.device) -> None:
         """At start-up: a rank built on the meta device (``mirror`` None) gets storage for
