@@ -134,7 +134,10 @@ def gpt2_config(cfg: GPTConfig) -> Any:
     return tf.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.n_embd,
                          n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu",
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+                         layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                         # GPT-2's own 50256 lies outside this vocabulary; save() sets the
+                         # tokenizer's end-of-text id where it has one
+                         bos_token_id=None, eos_token_id=None)
 
 
 def gpt2_state_dict(model: GPT) -> dict[str, Tensor]:
@@ -186,6 +189,10 @@ def save(model: nn.Module, out: str | Path, tokenizer_json: str | None = None,
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     hf_model: Any = as_hf_model(model)
+    if eos_id is not None and isinstance(model, GPT):
+        for conf in (hf_model.config, getattr(hf_model, "generation_config", None)):
+            if conf is not None:
+                conf.eos_token_id = conf.bos_token_id = eos_id
     hf_model.save_pretrained(target, safe_serialization=True, max_shard_size=SHARD_SIZE)
     if tokenizer_json is not None:
         from tokenizers import Tokenizer
