@@ -16,6 +16,13 @@ takes the step a 1-rank node takes on the same batch (within float rounding of t
 a multi-rank node exchanges with any other node of the run. Its traffic is one payload per
 exchange, as for any node: only rank 0 speaks to peers.
 
+With ``--sharding fsdp`` (:mod:`.sharded`) the ranks hold rows of one model instead of
+replicas: "send the parameters" becomes "scatter rank 0's full copy into the ranks' rows",
+and rank 0 asks between steps for what its full copy, its evaluation, its checkpoints and the
+guard's drift probe need from the rows (the ``_PULL``, ``_EVAL``, ``_OPTSTATE`` and
+``_PROBE_AT`` requests, answered in :meth:`RankGroup.follow_step`). Every request is sent
+under the training lock, so the ranks meet each collective in rank 0's order.
+
 Collectives go through one process group with gloo for host tensors (control, batch, checks)
 and NCCL for CUDA tensors (parameters, AdamW state, DDP's gradients). A rank that dies makes
 the others' next collective fail: rank 0's trainer stops with an error naming the node's
