@@ -74,15 +74,17 @@ def test_a_two_rank_node_gossips_with_a_one_rank_node(tmp_path, sharding):
         def views():
             return [read_metrics(u) for u in urls]
 
-        _wait("6 exchanges on both nodes",
-              lambda: all(v is not None and v.ok >= 6 for v in views()), 150)
+        _wait("4 exchanges on both nodes",
+              lambda: all(v is not None and v.ok >= 4 for v in views()), 150)
         a, b = views()
         assert a is not None and b is not None
-        # one payload per exchange whatever the ranks: the 2-rank node's bytes per exchange
-        # are the 1-rank node's (both sides send one payload of the same model), not twice
-        # them; an exchange under way at the scrape counts bytes, not yet an exchange
-        per_a, per_b = a.sent_bytes / a.ok, b.sent_bytes / b.ok
-        assert 2 / 3 < per_a / per_b < 3 / 2, (per_a, per_b)
+        # one payload per exchange whatever the ranks: every exchange of this swarm is
+        # between these two nodes and each side sends one payload of the same model, so the
+        # two have sent the same bytes (K payloads would double the 2-rank node's), but for
+        # the payloads of an exchange under way at the scrape, or one that failed, on one side.
+        # (Per applied exchange is no measure: commits at weight 0 and failures send too.)
+        assert a.sent_bytes > 0 and 2 / 3 < a.sent_bytes / b.sent_bytes < 3 / 2, (
+            a.sent_bytes, b.sent_bytes)
         assert a.step > 0 and a.val_loss < 5.0
         for node in nodes:
             node.terminate()
@@ -157,7 +159,7 @@ def test_a_two_rank_llama_node_syncs_with_a_one_rank_node_in_diloco(tmp_path):
             found = re.findall(r"syncs ok/failed/solo f0:(\d+)/", node.tail(20000))
             return int(found[-1]) if found else 0
 
-        _wait("3 DiLoCo syncs on both nodes", lambda: min(map(synced, nodes)) >= 3, 150)
+        _wait("2 DiLoCo syncs on both nodes", lambda: min(map(synced, nodes)) >= 2, 150)
         for node in nodes:
             node.terminate()
             assert stopped_within(node, scaled(60)) == 0, node.tail(3000)

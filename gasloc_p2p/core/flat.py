@@ -63,6 +63,15 @@ class FlatParams:
     def numel(self) -> int:
         return self.buffer.numel()
 
+    def release(self, pin: bool = False) -> FlatParams:
+        """The module no longer uses the buffer (its parameters were replaced, e.g. sharded):
+        forget them, keeping the buffer and its layout; with ``pin`` move the buffer to pinned
+        host memory (the old one is freed: nothing else holds it). Returns self."""
+        self._params = []
+        if pin:
+            self.buffer = self.buffer.pin_memory()
+        return self
+
     def to(self, device: torch.device | str) -> FlatParams:
         """Move the buffer to ``device`` and re-point the parameters at it (one copy of the
         parameters on the device, never two); returns self."""

@@ -16,7 +16,6 @@ from typing import Any
 
 from gasloc_p2p.node.discovery.base import Discovery, PeerInfo, revocation_key, run_key
 from gasloc_p2p.node.discovery.records import make_validator, signed_value, verify_record
-from gasloc_p2p.node.launch import describe
 from gasloc_p2p.protocol.membership import RevocationList
 
 log = logging.getLogger(__name__)
@@ -50,6 +49,12 @@ def _install_fork_hook() -> None:
         if not _fork_hook_installed:
             os.register_at_fork(after_in_child=_default_signals_in_child)
             _fork_hook_installed = True
+
+
+def _ended(code: int) -> str:
+    """``signal SIGSEGV`` or ``exit code 3``: how the DHT process ended (its exit code)."""
+    names = {-s.value: s.name for s in signal.Signals}
+    return f"signal {names[code]}" if code in names else f"exit code {code}"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -173,7 +178,7 @@ class HivemindDiscovery(Discovery):
                     code = self._dht.exitcode
                     if code is not None:
                         raise ChildProcessError(
-                            f"the DHT process exited while starting ({describe(code)})") from None
+                            f"the DHT process exited while starting ({_ended(code)})") from None
                     if time.monotonic() >= until:
                         raise
         except BaseException as exc:

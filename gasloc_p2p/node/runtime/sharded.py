@@ -110,25 +110,33 @@ class Sharded:
     def pull(self, mirror: torch.Tensor | None) -> None:
         """Every parameter's full value into ``mirror`` (rank 0's flat host buffer; None on
         the other ranks), one parameter at a time (at most one full parameter on a device)."""
+        pinned = mirror is not None and mirror.is_pinned()
         for p, s in zip(self.params, self.spans, strict=True):
             full = p.full_tensor()  # type: ignore[attr-defined]
-            if mirror is not None:
-                mirror[s.offset : s.offset + s.numel].copy_(full.reshape(-1))
+            if mirror is not None:  # (freed tensors' memory is reused in stream order)
+                mirror[s.offset : s.offset + s.numel].copy_(full.reshape(-1),
+                                                            non_blocking=pinned)
             del full
+        if pinned:  # one wait for all the copies, before anything reads the copy
+            torch.cuda.current_stream(self.device).synchronize()
 
     @torch.no_grad()
     def push(self, mirror: torch.Tensor | None) -> None:
         """Rank 0's ``mirror`` into every rank's rows (a scatter per parameter)."""
         from torch.distributed.tensor import distribute_tensor
 
+        pinned = mirror is not None and mirror.is_pinned()
         for p, s in zip(self.params, self.spans, strict=True):
             if mirror is not None:
-                full = mirror[s.offset : s.offset + s.numel].view(s.shape).to(self.device)
+                full = mirror[s.offset : s.offset + s.numel].view(s.shape).to(
+                    self.device, non_blocking=pinned)
             else:  # the values are rank 0's; this rank only names the shape
                 full = torch.empty(s.shape, dtype=p.dtype, device=self.device)
             mine = distribute_tensor(full, self._mesh, self._placements, src_data_rank=0)
             p.to_local().copy_(mine.to_local())  # type: ignore[attr-defined]
             del full, mine
+        if pinned:  # the host may write the copy again only once the device has read it
+            torch.cuda.current_stream(self.device).synchronize()
 
     @torch.no_grad()
     def sample(self, idx: torch.Tensor | None) -> torch.Tensor:

@@ -120,6 +120,9 @@ def _sharded_replica(cfg: TrainConfig, vocab_size: int, device: torch.device,
     set_activation_checkpointing(module, cfg.activation_checkpointing)
     flat = FlatParams(module)  # rank 0: the full copy, on the host; else only the layout
     shard_model(module, device, ranks.world)
+    # the module holds its rows now; rank 0's copy goes to pinned memory beside a GPU (its
+    # fills and hand-backs copy every parameter between the host and the device)
+    flat.release(pin=ranks.leader and device.type == "cuda")
     sharded = Sharded(module, flat.spans, ranks.rank, ranks.world)
     sharded.materialize(flat.buffer if ranks.leader else None, device)
     inner = InnerLoop(module, *inner_settings(cfg), how=how, sharded=True)
