@@ -98,12 +98,14 @@ def test_a_two_rank_node_gossips_with_a_one_rank_node(tmp_path, sharding):
 
 
 def test_a_dead_rank_stops_the_node_in_one_line_and_a_restart_resumes(tmp_path):
-    """A sharded node (FSDP2): its checkpoints hold the AdamW state gathered from the ranks;
-    the restart gives every rank its rows back."""
+    """A sharded node (FSDP2, its layers' activations recomputed in the backward pass): its
+    checkpoints hold the AdamW state gathered from the ranks; the restart gives every rank its
+    rows back."""
     corpus = write_corpus(tmp_path / "corpus")
     ckdir = tmp_path / "ckpt"
     flags = ["--data", str(corpus), *FLAGS, "--nproc-per-node", "2", "--sharding", "fsdp",
-             "--checkpoint-dir", str(ckdir), "--checkpoint-interval-s", "1"]
+             "--activation-checkpointing", "--checkpoint-dir", str(ckdir),
+             "--checkpoint-interval-s", "1"]
     nodes: list[NodeProc] = []
     try:
         first = NodeProc("first", tmp_path, flags)
