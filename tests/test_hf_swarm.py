@@ -42,7 +42,14 @@ def test_two_nodes_train_and_gossip_a_llama_on_jsonl(tmp_path):
             return all(i.exchanges_ok_initiator >= 1 and i.exchanges_ok_responder >= 1
                        and i.val_loss < i.first_val_loss - 0.3 for i in infos)
 
-        wait_for(trained_and_gossiped, 180, "both nodes to learn and to gossip in both roles")
+        try:
+            wait_for(trained_and_gossiped, 180, "both nodes to learn and to gossip in both roles")
+        except AssertionError as exc:  # say where each node stood (one CI run timed out)
+            raise AssertionError(f"{exc}\n" + "\n".join(
+                f"{n.name}: step {i.step}, val {i.first_val_loss:.3f} -> {i.val_loss:.3f}, "
+                f"exchanges ok {i.exchanges_ok_initiator}/{i.exchanges_ok_responder}\n"
+                f"{n.tail(2500)}"
+                for n, i in ((n, n.info()) for n in nodes))) from None
         infos = [n.info() for n in nodes]
         assert infos[0].validation_set == infos[1].validation_set != ""
         assert infos[0].validation_set.startswith("json:corpus.jsonl field=text tokenizer=bpe")
