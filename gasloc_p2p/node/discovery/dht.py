@@ -135,11 +135,14 @@ class HivemindDiscovery(Discovery):
         # our records are checked inside the DHT too: honest DHT nodes refuse to store a forged
         # or overwriting record, and drop one that another DHT node returns
         validator = make_validator(self.key, self.verifier, self.max_ttl_s, self.revoked_key)
-        # A DHT process that is not ready in half the start timeout is shut down and started
-        # once more: on a loaded machine a start was seen to hang for the whole timeout
-        # (tests/test_node_security.py, 2026-11-27, load 3.6), where starts take seconds.
+        # A DHT process that is not ready within an attempt is shut down (killed with its
+        # p2pd if need be) and started again: on a loaded machine a start was seen to hang
+        # for the whole timeout (tests/test_node_security.py, 2026-11-27, load 3.6), where
+        # starts take seconds.
         deadline = time.monotonic() + self.start_timeout_s
-        attempt = max(self.start_timeout_s / 2, min(self.start_timeout_s, 15.0))
+        # (attempts of 20 s at least, a quarter of the timeout: a DHT that starts takes 1-3 s
+        # here even loaded; two hangs in a row were seen with attempts of half the timeout)
+        attempt = min(self.start_timeout_s, max(20.0, self.start_timeout_s / 4))
         while True:
             wait = min(attempt, deadline - time.monotonic())
             try:
@@ -182,7 +185,8 @@ class HivemindDiscovery(Discovery):
                     if time.monotonic() >= until:
                         raise
         except BaseException as exc:
-            self._dht.shutdown()
+            dht, self._dht = self._dht, None  # a later stop has nothing left to stop
+            self._shutdown(dht)
             if "failed to connect to bootstrap peers" in str(exc):
                 raise ConnectionError(
                     f"no bootstrap peer answered (--peers {' '.join(self.initial_peers)}): "
@@ -271,6 +275,8 @@ class HivemindDiscovery(Discovery):
         hivemind_log.setLevel(logging.ERROR)  # its "terminating it the hard way": said below
         try:
             dht.shutdown()
+        except OSError:  # its control pipe is closed already: the kill below still applies
+            pass
         finally:
             hivemind_log.setLevel(level)
         dht.join(2.0)
