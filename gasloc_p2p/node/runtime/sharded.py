@@ -20,7 +20,6 @@ node resumes with any number of ranks; a restore hands it back the same way.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +28,6 @@ import torch.distributed as dist
 from torch import nn
 
 from gasloc_p2p.core.flat import Span
-
-log = logging.getLogger(__name__)
 
 
 def layer_stack(model: nn.Module) -> nn.ModuleList:

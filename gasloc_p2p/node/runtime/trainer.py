@@ -38,7 +38,7 @@ from gasloc_p2p.model_spec import BuiltModel, build, skeleton
 from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost, Replica, rank_device, rows_on
-from gasloc_p2p.node.runtime.sharded import Sharded, shard_model
+from gasloc_p2p.node.runtime.sharded import Sharded, layer_stack, shard_model
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.protocol.guard import LossWatch
 from gasloc_p2p.train import (
@@ -652,13 +652,12 @@ def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
     if hasattr(model, "checkpointing"):
         setattr(model, "checkpointing", True)  # noqa: B010 (any module with the switch)
         return
-    hf_model = getattr(model, "hf", None)
-    count = getattr(getattr(hf_model, "config", None), "num_hidden_layers", None)
-    stacks = [m for m in (hf_model.modules() if hf_model is not None else ())
-              if isinstance(m, torch.nn.ModuleList) and len(m) == count]
-    if len(stacks) != 1:
-        raise ValueError("--activation-checkpointing: this model has no checkpointable layers")
-    for layer in stacks[0]:
+    try:
+        layers = layer_stack(model)
+    except ValueError:
+        raise ValueError("--activation-checkpointing: this model has no checkpointable "
+                         "layers") from None
+    for layer in layers:
         layer.forward = _checkpointed(layer.forward)
 
 
