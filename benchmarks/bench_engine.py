@@ -28,7 +28,8 @@ from gasloc_p2p.protocol.engine import ON_DEVICE_CHUNK
 
 
 def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3,
-                  stream_payloads: bool | None = None) -> dict[str, float]:
+                  stream_payloads: bool | None = None,
+                  kernels: bool | None = None) -> dict[str, float]:
     """One side's prepare + check + commit on ``device`` (best of ``reps``, wall clock), split
     into its parts: the host SHA-256 of our payload (the peer's is computed by the session as its
     chunks arrive, overlapping the network), and on a GPU (one profiled exchange) the
@@ -36,8 +37,11 @@ def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3,
     ``numel`` float32 values. The peer's payload sits in a pinned receive buffer, as the
     session leaves it. ``busy``: while another thread keeps the device multiplying matrices
     (training's load). ``stream_payloads``: the engine's choice (None: streamed int8
-    payloads on a GPU; False: both payloads kept on the device, for the side-by-side figure)."""
-    a, b = engines(numel, 0, device=device, stream_payloads=stream_payloads)
+    payloads on a GPU; False: both payloads kept on the device, for the side-by-side figure).
+    ``kernels``: streamed int8 through the fused Triton kernels (None: where available) or
+    the eager passes (False)."""
+    a, b = engines(numel, 0, device=device, stream_payloads=stream_payloads, kernels=kernels)
+    a.warm_up(CodecSpec.parse("int8"))
     streaming = a.streams(CodecSpec.parse("int8"))
     spec = CodecSpec.parse("int8")
     pb = b.prepare("A", 0, spec)
@@ -78,7 +82,7 @@ def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3,
     return {"numel": numel, "exchange_s": best, "copy_s": copy_s, "ratio": best / copy_s,
             "digest_s": digest_s, "kernels_s": kernels_s, "copies_s": copies_s,
             "kernel_ratio": kernels_s / copy_s, "payload_bytes": len(pb.payload),
-            "streamed": streaming}
+            "streamed": streaming, "fused": streaming and a.kernels}
 
 
 def _device_times(fn: object) -> tuple[float, float]:
@@ -114,7 +118,9 @@ def _sync(device: str) -> None:
 
 
 def describe(r: dict[str, float]) -> str:
-    return (f"{'streamed' if r.get('streamed') else 'payloads on the device'}: exchange {r['exchange_s'] * 1e3:.1f} ms wall, of which SHA-256 of our payload "
+    how = ("payloads on the device" if not r.get("streamed")
+           else "streamed, fused kernels" if r.get("fused") else "streamed, eager passes")
+    return (f"{how}: exchange {r['exchange_s'] * 1e3:.1f} ms wall, of which SHA-256 of our payload "
             f"{r['digest_s'] * 1e3:.1f} ms; kernels {r['kernels_s'] * 1e3:.2f} ms, payload copies "
             f"over PCIe {r['copies_s'] * 1e3:.2f} ms ({r['payload_bytes'] / 2**20:.0f} MiB "
             f"each); device copy of the fp32 model {r['copy_s'] * 1e3:.2f} ms: kernels "

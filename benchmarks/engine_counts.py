@@ -49,10 +49,12 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
 
 
 def engines(numel: int, chunk: int, device: str = "cpu",
-            stream_payloads: bool | None = None) -> list[ExchangeEngine]:
+            stream_payloads: bool | None = None,
+            kernels: bool | None = None) -> list[ExchangeEngine]:
     """Two engines of ``numel`` parameters on ``device`` (their theta_0 on the host, as a
     node keeps it); ``chunk`` 0: the device's default; ``stream_payloads``: the engine's
-    (None: streamed int8 payloads on a GPU)."""
+    (None: streamed int8 payloads on a GPU); ``kernels``: the engine's (None: the fused
+    Triton kernels on a GPU)."""
     out = []
 
     def randn(seed: int, std: float) -> torch.Tensor:  # drawn where it is used (1B: seconds)
@@ -65,7 +67,7 @@ def engines(numel: int, chunk: int, device: str = "cpu",
         theta = randn(seed, 1e-3).add_(theta0).add_(common)
         state = AsyncGaslocState(theta, theta, AsyncConfig(), host="cpu")
         engine = ExchangeEngine(state, host0, [whole(numel)], NoLock(), chunk or None,
-                                stream_payloads)
+                                stream_payloads, kernels)
         engine.guard = UpdateGuard(GuardRule(trust_after=1, round_budget=1e30,
                                              block_budget=1e30))
         engine.guard.round_end({0: 1.0})  # a drift that admits these nodes' distance

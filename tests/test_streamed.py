@@ -16,6 +16,7 @@ import torch
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment, whole
+from gasloc_p2p.protocol import fused
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
 
@@ -26,7 +27,7 @@ STRIDED = Fragment(0, [(0, 1500), (4000, 5000), (11000, NUMEL - 11000)])
 
 
 def _pair(device: str, stream: bool | None, outer: AsyncConfig, fragment: Fragment,
-          chunk: int | None) -> list[ExchangeEngine]:
+          chunk: int | None, kernels: bool | None = False) -> list[ExchangeEngine]:
     engines = []
     theta0 = torch.randn(NUMEL, generator=torch.Generator().manual_seed(9))
     for seed in (0, 1):
@@ -35,7 +36,7 @@ def _pair(device: str, stream: bool | None, outer: AsyncConfig, fragment: Fragme
         state = AsyncGaslocState(theta, theta0.to(device), outer)
         state.theta.add_(0.05)
         engine = ExchangeEngine(state, theta0.to(torch.bfloat16), [fragment], NoLock(), chunk,
-                                stream_payloads=stream)
+                                stream_payloads=stream, kernels=kernels)
         engine.guard = UpdateGuard(GuardRule(trust_after=1, round_budget=1e30,
                                              block_budget=1e30))
         engine.guard.round_end({0: 1.0})
@@ -108,7 +109,7 @@ def test_an_absurd_payload_is_refused_before_any_device_work():
                          ids=["theta-itself", "anchor"])
 def test_streamed_payloads_on_cuda_give_the_same_bytes_and_states(outer):
     """On a GPU (the default there: streamed) against payloads kept on the device."""
-    compiled = _pair("cuda", None, outer, whole(NUMEL), 4096)
+    compiled = _pair("cuda", None, outer, whole(NUMEL), 4096, kernels=None)
     assert compiled[0].streams(CodecSpec.of("int8", 256))
     got = _exchanges(compiled, NUMEL)
     kept = _exchanges(_pair("cuda", False, outer, whole(NUMEL), 4096), NUMEL)
@@ -116,3 +117,47 @@ def test_streamed_payloads_on_cuda_give_the_same_bytes_and_states(outer):
     assert all(torch.equal(x, y) for x, y in zip(got[2], kept[2], strict=True))
     for x, y in zip(got[1], kept[1], strict=True):
         assert x == pytest.approx(y, rel=1e-5)
+
+
+FUSED_ON = "cuda" if torch.cuda.is_available() else "cpu"
+NO_TRITON = pytest.mark.skipif(
+    not fused.usable(torch.device(FUSED_ON)),
+    reason="the fused kernels need Triton and a GPU, or TRITON_INTERPRET=1 on a CPU (PyTorch's "
+           "CPU wheels come without Triton)")
+
+
+@NO_TRITON
+@pytest.mark.parametrize("outer", [AsyncConfig(), AsyncConfig(eta=0.7)],
+                         ids=["theta-itself", "anchor"])
+@pytest.mark.parametrize("fragment", [whole(NUMEL), STRIDED], ids=["whole", "strided"])
+@pytest.mark.parametrize("chunk", [4096, None], ids=["chunks", "one-pass"])
+def test_fused_kernels_give_the_eager_bytes_and_states(outer, fragment, chunk):
+    """Triton's kernels (engine.kernels) against the eager passes on the same device: the same
+    payloads and states bit for bit, both sides' ||c|| equal (c_i = -c_j: no fused
+    multiply-add), the guard's clips and the norms close (summed in another order)."""
+    eager = _exchanges(_pair(FUSED_ON, True, outer, fragment, chunk, False), fragment.numel)
+    pair = _pair(FUSED_ON, True, outer, fragment, chunk, True)
+    pair[0].warm_up(CodecSpec.of("int8", 256))
+    got = _exchanges(pair, fragment.numel)
+    assert got[0] == eager[0]
+    assert all(torch.equal(x, y) for x, y in zip(got[2], eager[2], strict=True))
+    for x, y in zip(got[1], eager[1], strict=True):
+        assert x == pytest.approx(y, rel=1e-5)
+
+
+@NO_TRITON
+def test_the_fused_encoder_refuses_a_non_finite_iterate_and_rounds_half_to_even():
+    engine = _pair(FUSED_ON, True, AsyncConfig(), whole(NUMEL), 4096, True)[0]
+    spec = CodecSpec.of("int8", 256)
+    theta = engine.state.theta
+    halves = (torch.arange(256.0) - 128) / 2  # -64, -63.5, ..., 63.5
+    theta[:256] = halves.to(theta.device)
+    theta[0] = -127.0  # absmax 127: scale 1, the code of x.5 is x rounded half to even
+    out = engine.prepare("B", 0, spec)
+    codes = torch.frombuffer(bytearray(out.encoded.data[:256].numpy()), dtype=torch.int8)
+    want = halves.round()
+    want[0] = -127
+    assert torch.equal(codes.float(), want)
+    theta[NUMEL - 3] = float("inf")  # in the partial last block
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        engine.prepare("B", 0, spec)

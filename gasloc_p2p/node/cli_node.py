@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -18,7 +19,9 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -303,8 +306,15 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = N
 
 class _StopDeadline:
     """Once armed, the process ends within ``seconds`` whatever blocks its stop (SIGTERM never
-    hangs; its bounded steps add up to about 20 s): faulthandler then writes every thread's
-    stack to stderr, which shows where it hung, and exits 1. ``seconds`` 0: never."""
+    hangs; its bounded steps add up to about 20 s): a watchdog thread then writes every
+    thread's stack to stderr, which shows where it hung, and exits 1. ``seconds`` 0: never.
+
+    The watchdog reads the stacks holding the GIL (``sys._current_frames``): faulthandler's
+    dump, taken without it, crashed the process (SIGSEGV) once in a test when a thread
+    ended during the dump. faulthandler stays as the backstop, ``BACKSTOP_S`` later, for a
+    thread that never gives the GIL back."""
+
+    BACKSTOP_S = 10.0
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -313,7 +323,21 @@ class _StopDeadline:
     def arm(self) -> None:
         if self.seconds > 0 and not self.armed:
             self.armed = True
-            faulthandler.dump_traceback_later(self.seconds, exit=True)
+            threading.Thread(target=self._expire, name="stop-deadline", daemon=True).start()
+            faulthandler.dump_traceback_later(self.seconds + self.BACKSTOP_S, exit=True)
+
+    def _expire(self) -> None:
+        time.sleep(self.seconds)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        out = [f"the stop outlasted --stop-deadline-s {self.seconds:g}; every thread's stack "
+               "(most recent call last):"]
+        for ident, frame in sys._current_frames().items():
+            out.append(f"Thread 0x{ident:x} ({names.get(ident, '?')}):")
+            out += [line.rstrip("\n") for line in traceback.format_stack(frame)]
+        with contextlib.suppress(Exception):
+            sys.stderr.write("\n".join(out) + "\n")
+            sys.stderr.flush()
+        os._exit(1)
 
 
 def startup_block(node: Any, addrs: list[str]) -> str:

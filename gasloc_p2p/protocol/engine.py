@@ -48,7 +48,7 @@ from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.wire import payload_buffer, payload_digest
-from gasloc_p2p.protocol import streamed
+from gasloc_p2p.protocol import fused, streamed
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
 
 ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
@@ -114,13 +114,16 @@ class ExchangeEngine:
 
     def __init__(self, state: AsyncGaslocState, theta0: torch.Tensor,
                  fragments: Sequence[Fragment], lock: UrgentLock,
-                 chunk: int | None = None, stream_payloads: bool | None = None) -> None:
+                 chunk: int | None = None, stream_payloads: bool | None = None,
+                 kernels: bool | None = None) -> None:
         """theta0: ``[numel]`` initial parameters, the same on every node of the run (kept by
         reference, never modified; a bfloat16 host copy will do: it only anchors the guard's
         screens). ``stream_payloads``: int8 exchanges stream both payloads through chunk-sized
         device staging (:mod:`gasloc_p2p.protocol.streamed`) instead of keeping them on the
         device from the check to the commit (None: on a GPU; True: also on a CPU, where the
-        tests check that path against the other byte for byte)."""
+        tests check that path against the other byte for byte). ``kernels``: streamed
+        exchanges run :mod:`fused`'s Triton kernels (None: where :func:`fused.usable`; else
+        the eager passes of :mod:`streamed`, the same bits)."""
         self.state = state
         self.theta0 = theta0
         self.fragments = list(fragments)
@@ -131,6 +134,7 @@ class ExchangeEngine:
         self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
         self.stream_payloads = stream_payloads
+        self.kernels = fused.usable(self.device) if kernels is None else kernels
 
     def streams(self, spec: CodecSpec) -> bool:
         """Whether exchanges of ``spec`` stream their payloads (int8 only)."""
@@ -210,9 +214,10 @@ class ExchangeEngine:
     def _prepare_streamed(self, peer_id: str, fragment: Fragment, spec: CodecSpec,
                           payload: bytearray | memoryview, encoded: Encoded,
                           block: str) -> Prepared:
-        """:meth:`prepare` on whole blocks (:mod:`streamed`): each chunk encoded from theta's memory
-        itself where it is one piece and no anchor is kept (else from one copy, zero-padded
-        to whole blocks), into device staging, then one asynchronous copy to the payload."""
+        """:meth:`prepare` on whole blocks (:mod:`streamed`, or :mod:`fused`'s one kernel per
+        chunk): each chunk encoded from theta's memory itself where it is one piece and no
+        anchor is kept (else from one copy; the eager passes zero-pad it to whole blocks),
+        into device staging, then one asynchronous copy to the payload."""
         bs, step = spec.block_size, chunk_elems(spec, self.device, self.chunk)
         rows0 = -(-min(step, fragment.numel) // bs)
         with self.lock.urgent(writes=False), self._on_stream():
@@ -224,19 +229,22 @@ class ExchangeEngine:
             for pos, n, pieces in fragment.chunks(step):
                 rows = -(-n // bs)
                 start = pieces[0][0]
-                if (len(pieces) == 1 and n == rows * bs and self.state.anchor is None
-                        and self.state.theta.dtype == torch.float32):
-                    xb = self.state.theta[start : start + n].view(rows, bs)
+                itself = (len(pieces) == 1 and self.state.anchor is None
+                          and self.state.theta.dtype == torch.float32)
+                if itself and (self.kernels or n == rows * bs):
+                    x = self.state.theta[start : start + n]
                 else:
                     if work is None:
                         work = torch.empty(rows0 * bs, device=self.device)
-                    x = work[: rows * bs]
-                    if n < rows * bs:
+                    x = work[: n if self.kernels else rows * bs]
+                    if n < x.numel():
                         x[n:].zero_()
                     for s, length, o in pieces:
                         self.state.public_chunk(s, s + length, out=x[o : o + length])
-                    xb = x.view(rows, bs)
-                streamed.encode_rows(xb, scales[:rows], codes[:rows], finite)
+                if self.kernels:
+                    fused.encode(x, bs, scales, codes.view(-1), finite)
+                else:
+                    streamed.encode_rows(x.view(rows, bs), scales[:rows], codes[:rows], finite)
                 host = encoded.view(pos, n)
                 host.scales.copy_(scales[:rows], non_blocking=True)
                 host.data.copy_(codes.view(-1)[:n].view(torch.uint8), non_blocking=True)
@@ -323,18 +331,23 @@ class ExchangeEngine:
         with self._on_stream():
             sums = torch.zeros(4, device=self.device)
             base: torch.Tensor | None = None
+            part: torch.Tensor | None = None
             for _pos, n, pieces, mc, ms, tc, ts in self._walk(fragment, spec,
                                                                    prep.encoded, received):
                 rows = mc.shape[0]
                 if base is None:
                     base = torch.empty(rows * bs, dtype=self.theta0.dtype, device=self.device)
-                t0 = base[: rows * bs]
-                if n < rows * bs:
+                    part = fused.scratch(rows * bs, self.device) if self.kernels else None
+                t0 = base[: n if self.kernels else rows * bs]
+                if n < t0.numel():
                     t0[n:].zero_()
                 for start, length, o in pieces:  # displacements from theta_0 (bfloat16)
                     t0[o : o + length].copy_(self.theta0[start : start + length],
                                              non_blocking=True)
-                sums += streamed.screen_rows(mc, ms, tc, ts, t0.view(rows, bs))
+                if part is not None:
+                    sums += fused.screen(mc.view(-1), ms, tc.view(-1), ts, t0, bs, part)
+                else:
+                    sums += streamed.screen_rows(mc, ms, tc, ts, t0.view(rows, bs))
         prep.clip = self._judge(prep, *read(list(sums.unbind())))
 
     def _screen_sums(self, prep: Prepared, mine_enc: Encoded,
@@ -448,17 +461,57 @@ class ExchangeEngine:
 
     def _commit_streamed(self, prep: Prepared, received: Encoded, weight: float) -> float:
         """:meth:`commit` with both payloads streamed through device staging: per chunk the
-        correction and its square, then the adds."""
+        correction and its square, then the adds (with :mod:`fused`'s kernel, added into
+        theta in the same pass where theta is the only target and the chunk one piece)."""
+        targets = self.state.correction_targets()
+        into = (weight > 0 and len(targets) == 1 and targets[0][1] == 1.0
+                and self.state.theta.dtype == torch.float32)
         with self.lock.urgent(), self._on_stream():
             square = torch.zeros((), device=self.device)
-            for _pos, _n, pieces, mc, ms, tc, ts in self._walk(
+            c: torch.Tensor | None = None
+            part: torch.Tensor | None = None
+            for _pos, n, pieces, mc, ms, tc, ts in self._walk(
                     prep.fragment, prep.encoded.spec, prep.encoded, received):
-                c, sq = streamed.correction_rows(mc, ms, tc, ts, weight)
-                square += sq
+                if not self.kernels:
+                    c, sq = streamed.correction_rows(mc, ms, tc, ts, weight)
+                    square += sq
+                else:
+                    bs = prep.encoded.block_size
+                    if part is None:
+                        part = fused.scratch(mc.numel(), self.device)
+                    if into and len(pieces) == 1:
+                        start = pieces[0][0]
+                        square += fused.correct(mc.view(-1), ms, tc.view(-1), ts, weight, bs,
+                                                self.state.theta[start : start + n], True, part)
+                        continue
+                    if c is None:
+                        c = torch.empty(mc.numel(), device=self.device)
+                    square += fused.correct(mc.view(-1), ms, tc.view(-1), ts, weight, bs,
+                                            c[:n], False, part)
                 if weight > 0:
+                    assert c is not None
                     for start, length, o in pieces:
                         self.state.add_chunk(start, c[o : o + length])
         return self._committed(prep, square)
+
+    def warm_up(self, spec: CodecSpec) -> None:
+        """Compile the fused kernels for ``spec`` before the first exchange (a second or two
+        on a GPU, else spent under the training lock by the first commit): one small
+        exchange's kernels on scratch tensors, nothing shared touched."""
+        if not (self.kernels and self.streams(spec)):
+            return
+        bs, dev = spec.block_size, self.device
+        for n in (2 * bs, 2 * bs - 1):  # Triton specialises on sizes divisible by 16
+            x = torch.zeros(n, device=dev)
+            scales, codes = torch.empty(2, device=dev), torch.empty(2 * bs, dtype=torch.int8,
+                                                                    device=dev)
+            fused.encode(x, bs, scales, codes, torch.ones((), dtype=torch.bool, device=dev))
+            part = fused.scratch(n, dev)
+            fused.screen(codes, scales, codes, scales, x.to(self.theta0.dtype), bs, part)
+            for add in (True, False):
+                fused.correct(codes, scales, codes, scales, 0.5, bs, x, add, part)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
 
 def _refuse_magnitude(top: float) -> None:

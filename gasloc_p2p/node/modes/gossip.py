@@ -332,6 +332,7 @@ class GossipMode(Mode):
         cfg, trainer = ctx.cfg, ctx.trainer
         self.ctx = ctx
         engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, ctx.lock)
+        await asyncio.to_thread(engine.warm_up, cfg.gossip.codec_spec)  # before any exchange
         self._exchanger = GossipTransport(ctx.me, engine, cfg.gossip, cfg.outer.async_config(),
                                     stats=ctx.exchange_stats)
         trainer.exchange_work = ctx.exchange_stats  # quiet steps, for the utilization
