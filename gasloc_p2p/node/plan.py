@@ -14,9 +14,10 @@ exchange's transient buffers are estimates, stated as such:
 - the loss: the logits of the whole micro-batch (in the forward's precision, their float32
   upcast, log-softmax and gradients),
   or of one chunk of ``hf.LOSS_CHUNK_TOKENS`` tokens where the loss is chunked (Hugging Face models, vocabulary >= 32k);
-- an exchange (gossip): with int8 payloads on a GPU (streamed) chunk-sized staging and
-  temporaries, 20 bytes per element of one chunk (codes of both payloads, theta_0's chunk, a
-  zero-padded copy, two decoded chunks); otherwise both payloads on the device from the check
+- an exchange (gossip): with int8 payloads on a GPU (streamed through the fused Triton
+  kernels that PyTorch's CUDA wheels can run) chunk-sized staging, at most
+  ``fused.STAGING_BYTES`` (6) bytes per element of one chunk (codes of both payloads and
+  theta_0's chunk, or the correction); otherwise both payloads on the device from the check
   to the commit and the engine's scratch (8 bytes per element of one chunk);
 - the vocabulary's gradients on their way into ``.grad`` (8 bytes per embedding entry);
 - CUDA's context and the allocator's slack: 0.75 GiB;
@@ -43,6 +44,7 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.runtime.trainer import Placed
+from gasloc_p2p.protocol import fused
 from gasloc_p2p.protocol.engine import ON_CPU_CHUNK, ON_DEVICE_CHUNK
 from gasloc_p2p.train.optim import gradients_at_once
 
@@ -166,7 +168,7 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
         wire = spec.codec().wire_bytes(shape.numel)
         chunk = min(shape.numel, ON_DEVICE_CHUNK if device != "cpu" else ON_CPU_CHUNK)
         if spec.name == "int8" and device != "cpu":  # streamed payloads: staging only
-            out.append(Placed("exchange: chunk staging", 20 * chunk, dev))
+            out.append(Placed("exchange: chunk staging", fused.STAGING_BYTES * chunk, dev))
         else:
             out.append(Placed("exchange: both payloads + scratch", 2 * wire + 8 * chunk, dev))
         out.append(Placed("exchange: payload buffers", 2 * wire, "host"))

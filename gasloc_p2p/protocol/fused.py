@@ -1,8 +1,9 @@
 """The int8 exchange's tensor work as three fused Triton kernels, for the engine on a GPU.
 
 The eager passes of :mod:`gasloc_p2p.protocol.streamed` read and write each chunk about 20
-times (measured on an H100: 22x a device copy of the model's float32 bytes per exchange at 1.2B
-parameters, against a target of 5x). Each kernel here makes one pass:
+times: on an H200, 76.7 ms of kernels per exchange at 1.2B parameters, 31.8x a device copy of
+the model's float32 bytes (target: 5x); these kernels took 7.1 ms, 3.0x (docs/results/gpu.md).
+Each kernel here makes one pass:
 
 - :func:`encode`: a block's absolute maximum, its scale and its codes from one read of the
   values (5 bytes an element: 4 read, 1 written), and the "every block finite" flag;
@@ -39,6 +40,10 @@ ROUNDER = 12582912.0  # 1.5 * 2^23: (y + R) - R rounds |y| < 2^22 half to even i
 ELEMS = 4096  # elements per program of the screen and the correction
 WARPS = 8
 NO_FMA = {"enable_fp_fusion": False}  # every product and sum rounded on its own, as eagerly
+# device bytes per element of one chunk an exchange adds at most (gasloc-node plan): the
+# commit's codes of both payloads and, where theta is not its only target, the correction
+# (1 + 1 + 4); the check's codes and theta_0's bfloat16 chunk (4); scales are 4/block_size
+STAGING_BYTES = 6
 
 
 def usable(device: torch.device) -> bool:
