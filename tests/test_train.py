@@ -115,3 +115,24 @@ def test_adamw_in_backward_takes_the_steps_of_one_adamw():
     assert len(restored.state) == len(list(a.parameters()))
     restored.state.clear()
     assert len(restored.state) == 0
+
+
+def test_a_dropped_adamw_in_backward_frees_its_state_and_parameters():
+    """The gradient hooks live where the garbage collector cannot see them: a hook holding
+    the optimizer strongly kept it, its moments and the parameters alive after the node was
+    dropped (1.5 GiB of a 135M node on a GPU)."""
+    import gc
+    import weakref
+
+    from gasloc_p2p.model import GPT, GPTConfig
+    from gasloc_p2p.train.optim import AdamWConfig, BackwardAdamW, param_groups
+
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_embd=32, n_head=2))
+    hooked = BackwardAdamW(param_groups(model, AdamWConfig()), 1e-2, (0.9, 0.95))
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x)[1].backward()
+    assert len(hooked.state) > 0
+    refs = [weakref.ref(hooked), weakref.ref(next(model.parameters()))]
+    del model, hooked
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True]

@@ -8,6 +8,7 @@ and decays only tensors of two or more dimensions (linear weights and embeddings
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,9 +104,16 @@ class BackwardAdamW:
                 p.register_post_accumulate_grad_hook(self._hook(opt))
 
     def _hook(self, opt: torch.optim.AdamW) -> Any:
+        """The hook of ``opt``'s parameter. It holds both weakly: the parameter keeps its hooks
+        where the garbage collector cannot see them (autograd's C++ side), so a strong reference
+        would keep the optimizer, its state and the parameters alive for good once dropped
+        (a GPU check measured 1.5 GiB of a 135M node left on the device)."""
+        owner, ref = weakref.ref(self), weakref.ref(opt)
+
         def step(p: torch.Tensor) -> None:
-            if self.active:
-                opt.step()
+            me, o = owner(), ref()
+            if me is not None and o is not None and me.active:
+                o.step()
                 p.grad = None
         return step
 
