@@ -161,3 +161,24 @@ def test_the_fused_encoder_refuses_a_non_finite_iterate_and_rounds_half_to_even(
     theta[NUMEL - 3] = float("inf")  # in the partial last block
     with pytest.raises(ValueError, match="NaN or Inf"):
         engine.prepare("B", 0, spec)
+
+
+def test_kernels_that_do_not_build_leave_the_eager_passes(monkeypatch):
+    """Triton builds its launcher with a C compiler at the first launch: where that fails the
+    engine says why and keeps the eager passes, whose bytes and states are the same."""
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment "
+                           "variable.\nmore")
+
+    monkeypatch.setattr(fused, "encode", no_compiler)
+    pair = _pair("cpu", True, AsyncConfig(), whole(NUMEL), 4096, True)
+    assert pair[0].warm_up(CodecSpec.of("int8", 256)) == (
+        "RuntimeError: Failed to find C compiler. Please specify via CC environment variable.")
+    assert not pair[0].kernels
+    pair[1].kernels = False
+    got = _exchanges(pair, NUMEL)
+    want = _exchanges(_pair("cpu", True, AsyncConfig(), whole(NUMEL), 4096, False), NUMEL)
+    assert got[0] == want[0]
+    assert all(torch.equal(x, y) for x, y in zip(got[2], want[2], strict=True))
+    assert _pair("cpu", True, AsyncConfig(), whole(NUMEL), 4096, False)[0].warm_up(
+        CodecSpec.of("int8", 256)) is None  # nothing to build

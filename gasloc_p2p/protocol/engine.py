@@ -494,24 +494,31 @@ class ExchangeEngine:
                         self.state.add_chunk(start, c[o : o + length])
         return self._committed(prep, square)
 
-    def warm_up(self, spec: CodecSpec) -> None:
+    def warm_up(self, spec: CodecSpec) -> str | None:
         """Compile the fused kernels for ``spec`` before the first exchange (a second or two
         on a GPU, else spent under the training lock by the first commit): one small
-        exchange's kernels on scratch tensors, nothing shared touched."""
+        exchange's kernels on scratch tensors, nothing shared touched. If they do not build
+        (Triton needs a C compiler at its first launch), the engine keeps the eager passes
+        (the same bits) and the reason is returned for the caller to log."""
         if not (self.kernels and self.streams(spec)):
-            return
+            return None
         bs, dev = spec.block_size, self.device
-        for n in (2 * bs, 2 * bs - 1):  # Triton specialises on sizes divisible by 16
-            x = torch.zeros(n, device=dev)
-            scales, codes = torch.empty(2, device=dev), torch.empty(2 * bs, dtype=torch.int8,
-                                                                    device=dev)
-            fused.encode(x, bs, scales, codes, torch.ones((), dtype=torch.bool, device=dev))
-            part = fused.scratch(n, dev)
-            fused.screen(codes, scales, codes, scales, x.to(self.theta0.dtype), bs, part)
-            for add in (True, False):
-                fused.correct(codes, scales, codes, scales, 0.5, bs, x, add, part)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        try:
+            for n in (2 * bs, 2 * bs - 1):  # Triton specialises on sizes divisible by 16
+                x = torch.zeros(n, device=dev)
+                scales = torch.empty(2, device=dev)
+                codes = torch.empty(2 * bs, dtype=torch.int8, device=dev)
+                fused.encode(x, bs, scales, codes, torch.ones((), dtype=torch.bool, device=dev))
+                part = fused.scratch(n, dev)
+                fused.screen(codes, scales, codes, scales, x.to(self.theta0.dtype), bs, part)
+                for add in (True, False):
+                    fused.correct(codes, scales, codes, scales, 0.5, bs, x, add, part)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        except Exception as e:  # noqa: BLE001 - whatever stops Triton, the eager passes remain
+            self.kernels = False
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return None
 
 
 def _refuse_magnitude(top: float) -> None:

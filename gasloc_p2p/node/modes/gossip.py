@@ -332,7 +332,10 @@ class GossipMode(Mode):
         cfg, trainer = ctx.cfg, ctx.trainer
         self.ctx = ctx
         engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, ctx.lock)
-        await asyncio.to_thread(engine.warm_up, cfg.gossip.codec_spec)  # before any exchange
+        failed = await asyncio.to_thread(engine.warm_up, cfg.gossip.codec_spec)  # before any exchange
+        if failed:
+            log.warning("the fused exchange kernels did not build (%s); exchanges run the eager "
+                        "passes (the same bytes, about 10x the device time)", failed)
         self._exchanger = GossipTransport(ctx.me, engine, cfg.gossip, cfg.outer.async_config(),
                                     stats=ctx.exchange_stats)
         trainer.exchange_work = ctx.exchange_stats  # quiet steps, for the utilization
