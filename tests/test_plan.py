@@ -49,8 +49,12 @@ def test_device_bytes_per_param_in_gossip_mode():
         names = ("parameters", "gradients (during a step)", "adamw moments", "anchor",
                  "momentum memory", "theta_0 (bfloat16)", "rollback copy", "rollback memory")
         assert bytes_per_param(plan(cfg, "cpu", shape), "device", names) == 16.0
-        # on CUDA AdamW steps in the backward pass: at most a layer's gradients at once
-        assert 12.0 < bytes_per_param(plan(cfg, "cuda", shape), "device", names) < 16.0
+        # on CUDA AdamW steps in the backward pass, in buckets of up to 2^24 elements: a
+        # model smaller than a bucket holds all its gradients at once, a larger one a layer's
+        # and a bucket's
+        assert bytes_per_param(plan(cfg, "cuda", shape), "device", names) == 16.0
+        big = model_shape("gpt", TrainConfig(n_layer=24, n_embd=1024, n_head=16), 256)
+        assert 12.0 < bytes_per_param(plan(cfg, "cuda", big), "device", names) < 12.5
 
 
 def test_a_rank_of_a_ddp_node_holds_all_gradients_and_its_share_of_the_activations():
@@ -61,7 +65,11 @@ def test_a_rank_of_a_ddp_node_holds_all_gradients_and_its_share_of_the_activatio
     one, two = (plan(dataclasses.replace(cfg, train=dataclasses.replace(
         cfg.train, batch_size=8, nproc_per_node=k)), "cuda", shape) for k in (1, 2))
     grads = ("gradients (during a step)",)
-    assert bytes_per_param(two, "device", grads) == 4.0 > bytes_per_param(one, "device", grads)
+    big = model_shape("gpt", TrainConfig(n_layer=24, n_embd=1024, n_head=16), 256)
+    one_big, two_big = (plan(dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, batch_size=8, nproc_per_node=k)), "cuda", big) for k in (1, 2))
+    assert bytes_per_param(two_big, "device", grads) == 4.0 > bytes_per_param(
+        one_big, "device", grads)  # (a model below one bucket holds them all either way)
     acts = ("activations (estimate)",)
     assert bytes_per_param(two, "device", acts) * 2 == bytes_per_param(one, "device", acts)
     assert two["ranks"] == 2 and "per GPU of 2" in report(two, None)

@@ -78,22 +78,30 @@ def test_evaluate_needs_batches_and_restores_the_mode():
     assert not model.training
 
 
-def test_adamw_in_backward_takes_the_steps_of_one_adamw():
-    """BackwardAdamW (a fused AdamW per parameter, stepped by the gradient-accumulation hook;
-    the CUDA path) against one fused AdamW over the same groups, on the CPU: the same
-    parameters bit for bit, no gradient left after the backward pass, and a state dict one
-    AdamW loads."""
+@pytest.mark.parametrize("bucket", [None, 3000], ids=["default-buckets", "small-buckets"])
+def test_adamw_in_backward_takes_the_steps_of_one_adamw(bucket, monkeypatch):
+    """BackwardAdamW (fused AdamW over buckets of parameters, stepped by the
+    gradient-accumulation hook of each bucket's last one; the CUDA path) against one fused
+    AdamW over the same groups, on the CPU: the same parameters bit for bit, no gradient left
+    after the step, and a state dict one AdamW loads. Small buckets: many of them, and one
+    holding a parameter the loss never reaches (stepped by ``step`` after the backward)."""
     from gasloc_p2p.model import GPT, GPTConfig
+    from gasloc_p2p.train import optim
     from gasloc_p2p.train.optim import AdamWConfig, BackwardAdamW, param_groups
 
+    if bucket is not None:
+        monkeypatch.setattr(optim, "BUCKET_ELEMS", bucket)
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_embd=32, n_head=2)
     torch.manual_seed(0)
     a = GPT(cfg)
     b = GPT(cfg)
+    for m in (a, b):
+        m.unused = torch.nn.Parameter(torch.ones(3))  # no gradient ever
     b.load_state_dict(a.state_dict())
     whole = torch.optim.AdamW(param_groups(a, AdamWConfig()), lr=1e-2, betas=(0.9, 0.95),
                               fused=True)
     hooked = BackwardAdamW(param_groups(b, AdamWConfig()), 1e-2, (0.9, 0.95))
+    assert (len(hooked.optimizers) == 2) == (bucket is None)  # one bucket per group, or many
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randint(0, 64, (2, 16), generator=gen)
@@ -103,16 +111,18 @@ def test_adamw_in_backward_takes_the_steps_of_one_adamw():
         whole.zero_grad()
         _, loss = b(x, x)
         loss.backward()
-        assert all(p.grad is None for p in b.parameters())  # stepped and dropped
         hooked.step()
+        assert all(p.grad is None for p in b.parameters())  # stepped and dropped
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     saved = hooked.state_dict()
     assert saved["state"].keys() == whole.state_dict()["state"].keys()
     other = torch.optim.AdamW(param_groups(a, AdamWConfig()), lr=1e-2)
     other.load_state_dict(saved)
-    restored = BackwardAdamW(param_groups(GPT(cfg), AdamWConfig()), 1e-2, (0.9, 0.95))
+    fresh = GPT(cfg)
+    fresh.unused = torch.nn.Parameter(torch.ones(3))
+    restored = BackwardAdamW(param_groups(fresh, AdamWConfig()), 1e-2, (0.9, 0.95))
     restored.load_state_dict(whole.state_dict())
-    assert len(restored.state) == len(list(a.parameters()))
+    assert len(restored.state) == len(list(a.parameters())) - 1  # the unused one has none
     restored.state.clear()
     assert len(restored.state) == 0
 
