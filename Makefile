@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
-	bench-chaos bench-poison bench-tamper bench-soak bench-external bench-external-1000 bench-projection bench-engine bench-ranks reproduce \
+	bench-chaos bench-poison bench-tamper bench-soak bench-external bench-external-1000 bench-projection bench-engine bench-optim bench-ranks reproduce \
 	gpu-check proto corpus ladder-cpu ladder-gpu clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
@@ -102,6 +102,9 @@ gpu-check:
 bench-engine: setup
 	$(PY) -m benchmarks.bench_engine
 
+bench-optim: setup
+	$(PY) -m benchmarks.bench_optim
+
 bench-trainer-memory: setup
 	nice -n 10 $(PY) -m benchmarks.bench_trainer_memory
 
@@ -174,7 +177,7 @@ bench-projection: setup
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
 	bench-byzantine bench-direction bench-chaos bench-poison bench-tamper bench-soak bench-external \
-	bench-external-1000 bench-projection bench-engine bench-ranks
+	bench-external-1000 bench-projection bench-engine bench-optim bench-ranks
 
 reproduce: setup
 	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,codecs-8,codecs-16

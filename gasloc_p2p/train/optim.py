@@ -109,7 +109,7 @@ class BackwardAdamW:
     arrives: one optimizer call per bucket, not per parameter, whose Python a GPU step waits
     for (272 calls a step for a 135M Llama; a step of a 30-layer model took 2.6-2.8x the host
     time of one AdamW's step with an optimizer per parameter, 1.0-1.1x with buckets:
-    ``python -m benchmarks.bench_optim``, docs/benchmarks.md). The same update
+    ``make bench-optim``, docs/benchmarks.md). The same update
     as one AdamW over all parameters (AdamW is elementwise); for one micro-batch per step
     (gradient accumulation needs the whole gradient). ``state_dict`` and ``load_state_dict``
     use the format of one ``torch.optim.AdamW`` over the same groups: checkpoints move
