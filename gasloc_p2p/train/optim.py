@@ -50,9 +50,9 @@ def param_groups(model: nn.Module, cfg: AdamWConfig) -> list[dict[str, Any]]:
 def build_adamw(model: nn.Module, lr: float, cfg: AdamWConfig,
                 in_backward: bool = False) -> torch.optim.AdamW | BackwardAdamW:
     """AdamW over ``model``'s trainable parameters, grouped by :func:`param_groups`. On a CUDA
-    device fused, and with ``in_backward`` a :class:`BackwardAdamW` (each parameter stepped
-    as its gradient completes). On the CPU the default for-each implementation: the simulator
-    and the daemon take bit-identical steps there."""
+    device fused, and with ``in_backward`` a :class:`BackwardAdamW` (buckets of parameters
+    stepped as their gradients complete). On the CPU PyTorch's default (the single-tensor
+    loop for CPU tensors): the simulator and the daemon take bit-identical steps there."""
     groups = param_groups(model, cfg)
     if next(model.parameters()).device.type != "cuda":
         return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas)
