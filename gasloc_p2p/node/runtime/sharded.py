@@ -7,8 +7,9 @@ holds dim-0 rows of every parameter (``torch.chunk`` of the rows over the K rank
 state and the wire format stay those of a one-rank node, on rank 0's host, over the *full*
 flat parameter vector: rank 0 keeps a host copy of it (the flat buffer every other part of the
 node reads and writes, the "mirror"), which the ranks fill when a reader needs it
-(:meth:`Sharded.pull`: every parameter all-gathered, one at a time) and take their rows back
-from after a writer changed it (:meth:`Sharded.push`: every parameter scattered from rank 0).
+(:meth:`Sharded.pull`: every parameter's rows gathered to rank 0, one at a time) and take
+their rows back from after a writer changed it (:meth:`Sharded.push`: scattered from rank 0).
+Only rank 0 ever holds a whole parameter on its device, one at a time.
 Both run only when the training lock says so: a pull when a holder arrives after a step, a
 push before the next step after a write. The ranks never see half an exchange: they take whole
 parameter sets, after rank 0 committed.
@@ -69,7 +70,6 @@ class Sharded:
         self.model, self.params, self.spans = model, params, tuple(spans)
         self.rank, self.world = rank, world
         self._mesh = params[0].device_mesh  # type: ignore[attr-defined]
-        self._placements = params[0].placements  # type: ignore[attr-defined]
         self._sample: tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]]] | None \
             = None
 
@@ -106,32 +106,63 @@ class Sharded:
     @torch.no_grad()
     def pull(self, mirror: torch.Tensor | None) -> None:
         """Every parameter's full value into ``mirror`` (rank 0's flat host buffer; None on
-        the other ranks), one parameter at a time (at most one full parameter on a device)."""
+        the other ranks), one parameter at a time: each rank's rows gathered to rank 0 alone
+        (the other ranks never hold more than their rows, and nothing travels to them)."""
         pinned = mirror is not None and mirror.is_pinned()
         for p, s in zip(self.params, self.spans, strict=True):
-            full = p.full_tensor()  # type: ignore[attr-defined]
+            rows, full = self._gather_rows(p.to_local(), s.shape)  # type: ignore[attr-defined]
             if mirror is not None:  # (freed tensors' memory is reused in stream order)
-                mirror[s.offset : s.offset + s.numel].copy_(full.reshape(-1),
+                mirror[s.offset : s.offset + s.numel].copy_(full[:rows].reshape(-1),
                                                             non_blocking=pinned)
             del full
         if pinned:  # one wait for all the copies, before anything reads the copy
             torch.cuda.current_stream(self.device).synchronize()
 
+    def _chunk(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """``(rows, c)``: a parameter's rows and the rows of one rank's ``torch.chunk`` share
+        (the last ranks may hold fewer, or none)."""
+        rows = shape[0]
+        return rows, -(-rows // self.world)
+
+    def _gather_rows(self, local: torch.Tensor, shape: tuple[int, ...]
+                     ) -> tuple[int, torch.Tensor]:
+        """Every rank's rows of one parameter, padded to equal shares, gathered to rank 0:
+        ``(rows, [world * c, ...])`` there (the first ``rows`` are the parameter), ``(rows,
+        the padded share)`` elsewhere."""
+        rows, c = self._chunk(shape)
+        share = local
+        if local.shape[0] != c:
+            share = local.new_zeros((c, *shape[1:]))
+            share[: local.shape[0]] = local
+        group = self._mesh.get_group()
+        if self.rank == 0:
+            out = local.new_empty((self.world * c, *shape[1:]))
+            dist.gather(share.contiguous(), list(out.chunk(self.world)), dst=0, group=group)
+            return rows, out
+        dist.gather(share.contiguous(), None, dst=0, group=group)
+        return rows, share
+
     @torch.no_grad()
     def push(self, mirror: torch.Tensor | None) -> None:
-        """Rank 0's ``mirror`` into every rank's rows (a scatter per parameter)."""
-        from torch.distributed.tensor import distribute_tensor
-
+        """Rank 0's ``mirror`` into every rank's rows, one parameter at a time: rank 0
+        scatters equal padded shares (the other ranks hold one share, never the whole
+        parameter)."""
         pinned = mirror is not None and mirror.is_pinned()
+        group = self._mesh.get_group()
         for p, s in zip(self.params, self.spans, strict=True):
+            local = p.to_local()  # type: ignore[attr-defined]
+            rows, c = self._chunk(s.shape)
+            share = local.new_empty((c, *s.shape[1:]))
             if mirror is not None:
-                full = mirror[s.offset : s.offset + s.numel].view(s.shape).to(
-                    self.device, non_blocking=pinned)
-            else:  # the values are rank 0's; this rank only names the shape
-                full = torch.empty(s.shape, dtype=p.dtype, device=self.device)
-            mine = distribute_tensor(full, self._mesh, self._placements, src_data_rank=0)
-            p.to_local().copy_(mine.to_local())  # type: ignore[attr-defined]
-            del full, mine
+                full = local.new_zeros((self.world * c, *s.shape[1:]))
+                full[:rows].copy_(mirror[s.offset : s.offset + s.numel].view(s.shape),
+                                  non_blocking=pinned)
+                dist.scatter(share, list(full.chunk(self.world)), src=0, group=group)
+                del full
+            else:
+                dist.scatter(share, None, src=0, group=group)
+            local.copy_(share[: local.shape[0]])
+            del share
         if pinned:  # the host may write the copy again only once the device has read it
             torch.cuda.current_stream(self.device).synchronize()
 
