@@ -27,6 +27,8 @@ Used by :class:`~gasloc_p2p.protocol.engine.ExchangeEngine` on CUDA where Triton
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -51,8 +53,6 @@ def usable(device: torch.device) -> bool:
     device under Triton's interpreter (``TRITON_INTERPRET=1``, the tests on a CPU)."""
     if triton is None:
         return False
-    import os
-
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
