@@ -63,8 +63,11 @@ def test_device_and_precision_flags_are_validated():
         with pytest.raises(ConfigError, match=f"--{next(iter(bad)).replace('_', '-')}="):
             NodeConfig(train=dataclasses.replace(TrainConfig(), **bad)).validate()
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available"):
+        with pytest.raises(ValueError, match="^--device cuda:0: CUDA is not available"):
             resolve_device("cuda:0")
+    else:
+        with pytest.raises(ValueError, match="^--device cuda:99: this machine has"):
+            resolve_device("cuda:99")
 
 
 def test_compile_flag_wraps_the_forward_and_shares_parameters():

@@ -49,9 +49,14 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r}: CUDA is not available on this machine (try cpu)")
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (try --device "
+                         "cpu, or PyTorch's CUDA build)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s), numbered from 0")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {name!r}: MPS is not available on this machine (try cpu)")
+        raise ValueError(f"--device {name}: MPS is not available on this machine (try --device "
+                         "cpu)")
     return device
 
 
