@@ -66,6 +66,7 @@ Write = Callable[[pb.ExchangeMsg], Awaitable[None]]
 T = TypeVar("T")
 _MAX_PENALIZED = 1024  # peers remembered as penalized (bounded memory)
 _MAX_GOOD = 4096  # peers remembered as having committed an exchange here
+_ABORT_WRITE_S = 1.0  # a failed exchange's last write (the Abort, or the payload write in flight)
 
 
 def remote_address(context: Any) -> str:
@@ -292,9 +293,25 @@ class GossipTransport:
         finally:
             self._guards.pop(id(session), None)
             for sender in tasks:
-                if not sender.done():
-                    sender.cancel()
-                await asyncio.gather(sender, return_exceptions=True)
+                await self._stop_sender(sender, write_lock)
+
+    @staticmethod
+    async def _stop_sender(sender: asyncio.Task[None], write_lock: asyncio.Lock) -> None:
+        """Cancel our payload's sender between two writes, not inside one: a write cancelled
+        while gRPC still carries it leaves the stream unable to take the Abort that follows
+        (the peer then saw the stream end with no reason, once in a loaded test run). The
+        wait for the write in flight is bounded: a peer that stopped reading gets no Abort."""
+        locked = False
+        if not sender.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(write_lock.acquire(), _ABORT_WRITE_S)
+                locked = True
+            sender.cancel()
+        try:
+            await asyncio.gather(sender, return_exceptions=True)
+        finally:
+            if locked:
+                write_lock.release()
 
     async def _pump_loop(self, stream: MessageStream, session: ExchangeSession,
                          todo: deque[Action], write: Write,
@@ -396,7 +413,7 @@ class GossipTransport:
     @staticmethod
     async def _try_write(stream: MessageStream, msg: pb.ExchangeMsg) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(stream.write(msg), 1.0)
+            await asyncio.wait_for(stream.write(msg), _ABORT_WRITE_S)
 
     def _record(self, initiator: bool, outcome: Outcome, started: float) -> Outcome:
         st, took = self.stats, time.monotonic() - started
