@@ -504,8 +504,10 @@ class ExchangeEngine:
             return None
         bs, dev = spec.block_size, self.device
         try:
-            for n in (2 * bs, 2 * bs - 1):  # Triton specialises on sizes divisible by 16
-                x = torch.zeros(n, device=dev)
+            # Triton specialises on sizes divisible by 16 and on 16-byte aligned pointers (a
+            # fragment's piece may start anywhere in theta)
+            for n, off in ((2 * bs, 0), (2 * bs - 1, 0), (2 * bs, 1)):
+                x = torch.zeros(n + off, device=dev)[off:]
                 scales = torch.empty(2, device=dev)
                 codes = torch.empty(2 * bs, dtype=torch.int8, device=dev)
                 fused.encode(x, bs, scales, codes, torch.ones((), dtype=torch.bool, device=dev))
