@@ -336,6 +336,8 @@ class GossipMode(Mode):
         if failed:
             log.warning("the fused exchange kernels did not build (%s); exchanges run the eager "
                         "passes (the same bytes, about 10x the device time)", failed)
+        elif engine.kernels and engine.streams(cfg.gossip.codec_spec):
+            log.info("exchanges run fused Triton kernels on %s", engine.device)
         self._exchanger = GossipTransport(ctx.me, engine, cfg.gossip, cfg.outer.async_config(),
                                     stats=ctx.exchange_stats)
         trainer.exchange_work = ctx.exchange_stats  # quiet steps, for the utilization
