@@ -502,25 +502,31 @@ class ExchangeEngine:
         (the same bits) and the reason is returned for the caller to log."""
         if not (self.kernels and self.streams(spec)):
             return None
-        bs, dev = spec.block_size, self.device
+        dev = self.device
         try:
-            # Triton specialises on sizes divisible by 16 and on 16-byte aligned pointers (a
-            # fragment's piece may start anywhere in theta)
-            for n, off in ((2 * bs, 0), (2 * bs - 1, 0), (2 * bs, 1)):
-                x = torch.zeros(n + off, device=dev)[off:]
-                scales = torch.empty(2, device=dev)
-                codes = torch.empty(2 * bs, dtype=torch.int8, device=dev)
-                fused.encode(x, bs, scales, codes, torch.ones((), dtype=torch.bool, device=dev))
-                part = fused.scratch(n, dev)
-                fused.screen(codes, scales, codes, scales, x.to(self.theta0.dtype), bs, part)
-                for add in (True, False):
-                    fused.correct(codes, scales, codes, scales, 0.5, bs, x, add, part)
+            with self._on_stream():  # (also makes theta's GPU the current one, as Triton needs)
+                self._compile(spec)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         except Exception as e:  # noqa: BLE001 - whatever stops Triton, the eager passes remain
             self.kernels = False
             return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         return None
+
+    def _compile(self, spec: CodecSpec) -> None:
+        """One small exchange's fused kernels on scratch tensors (:meth:`warm_up`). Triton
+        specialises on sizes divisible by 16 and on 16-byte aligned pointers (a fragment's
+        piece may start anywhere in theta): both kinds are compiled."""
+        bs, dev = spec.block_size, self.device
+        for n, off in ((2 * bs, 0), (2 * bs - 1, 0), (2 * bs, 1)):
+            x = torch.zeros(n + off, device=dev)[off:]
+            scales = torch.empty(2, device=dev)
+            codes = torch.empty(2 * bs, dtype=torch.int8, device=dev)
+            fused.encode(x, bs, scales, codes, torch.ones((), dtype=torch.bool, device=dev))
+            part = fused.scratch(n, dev)
+            fused.screen(codes, scales, codes, scales, x.to(self.theta0.dtype), bs, part)
+            for add in (True, False):
+                fused.correct(codes, scales, codes, scales, 0.5, bs, x, add, part)
 
 
 def _refuse_magnitude(top: float) -> None:
