@@ -4,7 +4,8 @@ Offline (byte tokenizer, a corpus of the standard library's sources written on t
 configs written here), about 10 minutes on one H100. Each part prints its figures and adds a
 JSON record to ``--records``; the last step writes ``docs/results/gpu.md`` from them.
 
-- ``tests``: the CUDA tests (tests/test_cuda.py, tests/test_device_paths.py);
+- ``tests``: the CUDA tests (tests/test_cuda.py, test_device_paths.py, test_streamed.py,
+  test_train.py);
 - ``memory``: a node training a 135M Llama (SmolLM-135M shape) in bf16: device bytes per
   parameter at rest, a step's peak, what a checkpoint and a state snapshot add
   (``torch.cuda.max_memory_allocated``), the plan's figure beside; the same for the
@@ -490,7 +491,7 @@ def part_tests() -> list[dict[str, Any]]:
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/test_cuda.py", "tests/test_device_paths.py",
-                           "tests/test_streamed.py"],
+                           "tests/test_streamed.py", "tests/test_train.py"],
                           capture_output=True, text=True, env=env)
     summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
     print(f"CUDA tests: {summary}", flush=True)
@@ -531,7 +532,7 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
         if r["part"] in EXTRA:
             continue  # a diagnostic: printed, not tabled
         if r["part"] == "tests":
-            lines.append(f"| CUDA tests (test_cuda, test_device_paths, test_streamed) | {r['summary']} | "
+            lines.append(f"| CUDA tests (test_cuda, test_device_paths, test_streamed, test_train) | {r['summary']} | "
                          "all pass |")
         elif r["part"] == "memory":
             what = (f"{r['model']} Llama bf16, micro-batch {r['batch']} x {r['seq_len']}"

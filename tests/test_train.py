@@ -78,13 +78,16 @@ def test_evaluate_needs_batches_and_restores_the_mode():
     assert not model.training
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device (make gpu-check runs it there)"))])
 @pytest.mark.parametrize("bucket", [None, 3000], ids=["default-buckets", "small-buckets"])
-def test_adamw_in_backward_takes_the_steps_of_one_adamw(bucket, monkeypatch):
+def test_adamw_in_backward_takes_the_steps_of_one_adamw(bucket, device, monkeypatch):
     """BackwardAdamW (fused AdamW over buckets of parameters, stepped by the
     gradient-accumulation hook of each bucket's last one; the CUDA path) against one fused
-    AdamW over the same groups, on the CPU: the same parameters bit for bit, no gradient left
-    after the step, and a state dict one AdamW loads. Small buckets: many of them, and one
-    holding a parameter the loss never reaches (stepped by ``step`` after the backward)."""
+    AdamW over the same groups: the same parameters bit for bit, no gradient left after the
+    step, and a state dict one AdamW loads. Small buckets: many of them, and one holding a
+    parameter the loss never reaches (stepped by ``step`` after the backward)."""
     from gasloc_p2p.model import GPT, GPTConfig
     from gasloc_p2p.train import optim
     from gasloc_p2p.train.optim import AdamWConfig, BackwardAdamW, param_groups
@@ -98,13 +101,14 @@ def test_adamw_in_backward_takes_the_steps_of_one_adamw(bucket, monkeypatch):
     for m in (a, b):
         m.unused = torch.nn.Parameter(torch.ones(3))  # no gradient ever
     b.load_state_dict(a.state_dict())
+    a, b = a.to(device), b.to(device)
     whole = torch.optim.AdamW(param_groups(a, AdamWConfig()), lr=1e-2, betas=(0.9, 0.95),
                               fused=True)
     hooked = BackwardAdamW(param_groups(b, AdamWConfig()), 1e-2, (0.9, 0.95))
     assert (len(hooked.optimizers) == 2) == (bucket is None)  # one bucket per group, or many
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x = torch.randint(0, 64, (2, 16), generator=gen)
+        x = torch.randint(0, 64, (2, 16), generator=gen).to(device)
         _, loss = a(x, x)
         loss.backward()
         whole.step()
@@ -120,6 +124,7 @@ def test_adamw_in_backward_takes_the_steps_of_one_adamw(bucket, monkeypatch):
     other.load_state_dict(saved)
     fresh = GPT(cfg)
     fresh.unused = torch.nn.Parameter(torch.ones(3))
+    fresh.to(device)
     restored = BackwardAdamW(param_groups(fresh, AdamWConfig()), 1e-2, (0.9, 0.95))
     restored.load_state_dict(whole.state_dict())
     assert len(restored.state) == len(list(a.parameters())) - 1  # the unused one has none
