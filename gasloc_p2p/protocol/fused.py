@@ -16,7 +16,7 @@ The values are the eager codec's bit for bit: the scale and the factor are IEEE 
 (``div_rn``), each decoded value one product, the correction one subtraction and one product
 (compiled with floating-point contraction off, so no fused multiply-add changes a rounding and
 ``c_i = -c_j`` holds to the bit), codes rounded half to even (adding and subtracting
-``1.5 * 2^23``, exact below ``2^22``; a code is at most 127). ``tests/test_fused.py`` checks
+``1.5 * 2^23``, exact below ``2^22``; a code is at most 127). ``tests/test_streamed.py`` checks
 payloads, states and norms against the eager path byte for byte (on a GPU, or on a CPU under
 ``TRITON_INTERPRET=1``). Sums (the screen's, ``||c||^2``) are summed in another order than
 eager ones: the same on both sides of an exchange, not the same bits as the eager path's.
@@ -30,6 +30,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from gasloc_p2p.protocol.streamed import LEVELS, MIN_ABSMAX
 
 try:
     import triton
@@ -59,7 +61,8 @@ def usable(device: torch.device) -> bool:
 if triton is not None:
     @triton.jit
     def _encode(x_ptr, scales_ptr, codes_ptr, finite_ptr, n, min_absmax,
-                BS: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr):
+                BS: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                LEVELS: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         idx = row * BS + offs
@@ -69,7 +72,7 @@ if triton is not None:
         absmax = tl.max(a, axis=0)
         bad = tl.sum(((x != x) | (a == float("inf"))).to(tl.int32), axis=0)
         ok = absmax >= min_absmax
-        levels = tl.full((), 127.0, tl.float32)
+        levels = tl.full((), LEVELS, tl.float32)
         scale = tl.where(ok, tl.div_rn(absmax, levels), 0.0)
         factor = tl.where(ok, tl.div_rn(levels, absmax), 0.0)
         q = (x * factor + ROUND) - ROUND
@@ -127,12 +130,11 @@ def encode(x: torch.Tensor, bs: int, scales: torch.Tensor, codes: torch.Tensor,
     """Int8-encode the ``n`` contiguous values of ``x`` (float32) into ``scales`` (float32,
     at least ``ceil(n / bs)``) and ``codes`` (int8, at least ``n``), as ``Int8Codec`` does;
     clears ``finite`` (a bool scalar) if a block holds NaN or Inf."""
-    from gasloc_p2p.protocol.streamed import MIN_ABSMAX
-
     n = x.numel()
     rows = -(-n // bs)
     _encode[(rows,)](x, scales, codes, finite.view(torch.uint8), n, MIN_ABSMAX, BS=bs,
-                     BLOCK=triton.next_power_of_2(bs), ROUND=ROUNDER, num_warps=4, **NO_FMA)
+                     BLOCK=triton.next_power_of_2(bs), ROUND=ROUNDER, LEVELS=LEVELS, num_warps=4,
+                     **NO_FMA)
 
 
 def screen(mc: torch.Tensor, ms: torch.Tensor, tc: torch.Tensor, ts: torch.Tensor,
