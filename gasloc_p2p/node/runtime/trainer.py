@@ -396,6 +396,7 @@ class Trainer:
                 self.state.round_end()
                 self.lock.wrote()  # the other ranks get the new parameters before the next step
                 st.rounds = self.state.rounds
+            writes = self.lock.writes  # what the loss below judges: the state as of now
         if round_end and self.probe is not None and self.on_drift is not None:
             self.on_drift(self.probe.round_end())
         value = self._read_loss(loss.detach(), tokens)
@@ -414,8 +415,9 @@ class Trainer:
         st.train_loss = value
         if self.round_end is not None and (round_end or self.round_end_every_step):
             self.round_end()  # after the timing: tokens/s stays compute throughput
+            writes = self.lock.writes  # the mode's own outer step belongs to the kept state
         if round_end or self._good is None:
-            self._keep_good()
+            self._keep_good(writes)
         return st.train_loss
 
     def _catch_up(self) -> None:
@@ -439,10 +441,17 @@ class Trainer:
         return float(late[0] if late is not None else loss)  # the first step: at once
 
     # ------------------------------------------------------------------ rollback
-    def _keep_good(self) -> None:
+    def _keep_good(self, writes: int | None = None) -> None:
         """Remember theta and the outer memory of a round end reached with finite values (in
-        host memory: a rollback copy on the device would cost 4 bytes per parameter)."""
-        with self.lock.urgent():
+        host memory: a rollback copy on the device would cost 4 bytes per parameter).
+        ``writes``: the training lock's write count when the step that judged this state
+        ended; if anything wrote since (a gossip commit, an injected push), the state is not
+        the one the loss judged and the previous copy stays (a push landing between a round
+        end's loss check and this copy became the "good" state: the rollback then restored
+        it, 1 test run in 8 under load)."""
+        with self.lock.urgent(writes=False):
+            if writes is not None and self.lock.writes != writes and self._good is not None:
+                return
             st = self.state
             # one scalar (float64: no overflow), not a model-sized boolean tensor on the device
             if not bool(torch.isfinite(st.theta.sum(dtype=torch.float64))):
