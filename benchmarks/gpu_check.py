@@ -42,6 +42,7 @@ import torch
 
 GiB = 1 << 30
 PARTS = ("tests", "memory", "throughput", "engine", "nodes", "ranks")
+WINDOW = 100  # steps per throughput window (40 left the ratios within 7% noise on an H200)
 EXTRA = ("trace", "profile")  # diagnostics, on request
 LLAMA_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
               "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -203,11 +204,25 @@ def measure_node(name: str, paths: dict[str, Path], kw: dict[str, Any]) -> dict[
 
 
 def part_throughput(paths: dict[str, Path]) -> list[dict[str, Any]]:
-    """Tokens/s alone, with exchanges at the daemon's rate and back to back (one process)."""
+    """Tokens/s alone, with exchanges at the daemon's rate and back to back (one process),
+    eager and then with ``--compile`` (a compiled step leaves the GPU less idle time for
+    the exchange's kernels to hide in)."""
+    rows = []
+    for compile_ in (False, True):
+        rows += _throughput(paths, compile_)
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _throughput(paths: dict[str, Path], compile_: bool) -> list[dict[str, Any]]:
     from gasloc_p2p.core.codecs import CodecSpec
     from gasloc_p2p.protocol.engine import ExchangeEngine
 
-    node = trainer(paths["135m"], paths["corpus"])
+    node = trainer(paths["135m"], paths["corpus"], compile=compile_)
+    node.warm_up()
     spec = CodecSpec.parse("int8")
     engine = ExchangeEngine(node.state, node.theta0, node.fragments, node.lock)
     peer = engine.prepare("peer", 0, spec)
@@ -249,15 +264,17 @@ def part_throughput(paths: dict[str, Path]) -> list[dict[str, Any]]:
         return rate, done[0]
 
     rows = []
-    solo = [steps(40, 0)[0]]
+    solo = [steps(WINDOW, 0)[0]]
     for label, every in (("2 per 20-step round", 10), ("back to back", -1)):
-        rate, count = steps(40, every)
-        solo.append(steps(40, 0)[0])  # solo again, interleaved: drift cancels
+        rate, count = steps(WINDOW, every)
+        solo.append(steps(WINDOW, 0)[0])  # solo again, interleaved: drift cancels
         ref = sum(solo[-2:]) / 2
         rows.append({"part": "throughput", "label": label, "tokens_per_s": rate,
-                     "solo_tokens_per_s": ref, "ratio": rate / ref, "exchanges": count})
-        print(f"throughput 135M bf16, exchanges {label}: {rate:,.0f} tokens/s vs solo "
-              f"{ref:,.0f} = {rate / ref:.3f} ({count} exchanges in 40 steps)", flush=True)
+                     "solo_tokens_per_s": ref, "ratio": rate / ref, "exchanges": count,
+                     "compile": compile_})
+        print(f"throughput 135M bf16{' compiled' if compile_ else ''}, exchanges {label}: "
+              f"{rate:,.0f} tokens/s vs solo "
+              f"{ref:,.0f} = {rate / ref:.3f} ({count} exchanges in {WINDOW} steps)", flush=True)
     return rows
 
 
@@ -283,7 +300,8 @@ def part_engine() -> list[dict[str, Any]]:
 
 
 def part_nodes(paths: dict[str, Path], root: Path) -> list[dict[str, Any]]:
-    """Two real nodes on the GPU over loopback: train, gossip, checkpoint; export; load."""
+    """Two real nodes on the GPU over loopback, one eager and one with ``--compile``: train,
+    gossip, checkpoint; export; load."""
     from gasloc_p2p.tools.nodes import NodeChild
 
     flags = ["--model", str(paths["135m"]), "--data", str(paths["corpus"]), "--tokenizer",
@@ -301,7 +319,7 @@ def part_nodes(paths: dict[str, Path], root: Path) -> list[dict[str, Any]]:
         nodes.append(seed)
         peers = seed.join_peers(180)
         nodes.append(NodeChild("gpu1", root, [*flags, "--checkpoint-dir", str(root / "ckpt1"),
-                                              "--peers", *peers]))
+                                              "--compile", "--peers", *peers]))
         for node in nodes:
             node.wait_up(180)
         deadline = time.monotonic() + 150  # until both exchanged a few times, at most this
@@ -547,7 +565,8 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
                 f"{r['step_peak_gib']:.2f} GiB, {r['node_peak_gib']:.2f} GiB; "
                 f"{r['plan_device_gib']:.2f} GiB | 1B: fits 24 GiB |"]
         elif r["part"] == "throughput":
-            lines.append(f"| 135M tokens/s with exchanges {r['label']} / solo | "
+            lines.append(f"| 135M tokens/s{' (--compile)' if r.get('compile') else ''} "
+                         f"with exchanges {r['label']} / solo | "
                          f"{r['tokens_per_s']:,.0f} / {r['solo_tokens_per_s']:,.0f} = "
                          f"{r['ratio']:.3f} | >= 0.95 |")
         elif r["part"] == "engine":
@@ -572,7 +591,8 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
             lines.append(f"| a node of 2 GPU ranks (tests/test_ranks.py; bench_ranks) | "
                          f"{r['summary']}; {' / '.join(r.get('bench', []))} | pass, >= 1.7x |")
         elif r["part"] == "nodes":
-            lines.append(f"| two `gasloc-node join` on one GPU, 135M bf16, steps {r['steps']} | "
+            lines.append(f"| two `gasloc-node join` on one GPU, 135M bf16 (the second with "
+                         f"`--compile`), steps {r['steps']} | "
                          f"exit {r['exit_codes']}, exchanges {r['exchanges']}, tokens/s "
                          f"{[round(x) for x in r['tokens_per_s']]}; export of the average "
                          f"loads in transformers (loss {r['export_loss']:.2f}) | train, gossip, "

@@ -77,6 +77,34 @@ def test_compile_flag_wraps_the_forward_and_shares_parameters():
         StepConfig(precision="fp16")
 
 
+def test_a_compile_that_cannot_build_is_one_line_naming_the_flag(tmp_path):
+    """torch.compile fails at the first call (no C compiler, an unsupported op) with a
+    message dozens of lines long: the node's warm-up says so in one line naming --compile,
+    and the parameters have not moved."""
+    from gasloc_p2p.node.runtime.trainer import Trainer
+    from gasloc_p2p.node.stats import TrainStats
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = TrainConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16, batch_size=2, compile=True,
+                      data=str(corpus), tokenizer="byte")
+    node = Trainer(cfg, AsyncConfig(), 1, TrainingLock(), TrainStats())
+    node.load_data(0)
+    before = node.flat.buffer.clone()
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("InductorError: CppCompileError: C++ compile error\n" + "x\n" * 50)
+
+    node.inner.forward = broken  # type: ignore[assignment]
+    with pytest.raises(ConfigError) as info:
+        node.warm_up()
+    text = str(info.value)
+    assert text.startswith("--compile: torch.compile could not build the model on cpu "
+                           "(RuntimeError: InductorError: CppCompileError")
+    assert "\n" not in text and text.endswith("run without --compile")
+    assert torch.equal(node.flat.buffer, before)
+
+
 @NO_CUDA
 def test_bf16_autocast_step_on_cuda():
     loop = _loop("cuda", precision="bf16")

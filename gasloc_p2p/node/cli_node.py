@@ -291,8 +291,8 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = N
             print(startup_block(node, addrs), flush=True)
             await node.wait()
             deadline.arm()  # also when a step or time limit ends the run
-    except DataError as exc:  # the data flags cannot be read: as a configuration error
-        print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)
+    except (DataError, ConfigError) as exc:  # the data flags cannot be read, --compile
+        print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)  # cannot build
         return 2
     except Exception as exc:
         log.error("node failed: %s: %s", type(exc).__name__, exc)

@@ -32,6 +32,7 @@ import torch
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState, host_buffer, spans
 from gasloc_p2p.core.drift import DriftProbe
 from gasloc_p2p.core.flat import FlatParams, Fragment, layer_fragments, whole
+from gasloc_p2p.core.options import ConfigError
 from gasloc_p2p.data import BPETokenizer, TrainingData, load_training_data
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.model_spec import BuiltModel, build, skeleton
@@ -281,13 +282,18 @@ class Trainer:
             return  # several ranks: DDP compiles in the first step, on every rank
         gen = torch.Generator().manual_seed(0)
         x, y = self.shard.batch(self.cfg.batch_size, self.cfg.seq_len, gen)
-        with self.inner.autocast():
-            _, loss = self.inner.forward(x.to(self.device), y.to(self.device))
-        assert loss is not None
         if isinstance(self.optimizer, BackwardAdamW):
             self.optimizer.active = False  # the parameters must not move
         try:
+            with self.inner.autocast():
+                _, loss = self.inner.forward(x.to(self.device), y.to(self.device))
+            assert loss is not None
             loss.backward()
+        except Exception as exc:  # a compiler or toolchain error, dozens of lines long
+            first = next((line for line in str(exc).splitlines() if line.strip()), "")
+            raise ConfigError(f"--compile: torch.compile could not build the model on "
+                              f"{self.device} ({type(exc).__name__}: {first[:200]}); run "
+                              "without --compile") from exc
         finally:
             if isinstance(self.optimizer, BackwardAdamW):
                 self.optimizer.active = True
