@@ -71,7 +71,11 @@ class Member:
 
     def __init__(self, dht, codec: str, prefix: str) -> None:
         cfg = cfg_for(codec)
-        self.averager = HivemindAverager(dht, max(f.numel for f in FRAGS), prefix, cfg)
+        width = max(f.numel for f in FRAGS)
+        sparse = cfg.sparse_spec()
+        if sparse is not None:  # an all-gather: message bytes as float32s (as the mode sizes it)
+            width = -(-sparse.wire_bytes(width) // 4)
+        self.averager = HivemindAverager(dht, width, prefix, cfg)
         self.averager.start()
         t0 = theta0()
         self.state = AsyncGaslocState(t0.clone(), t0, AsyncConfig(eta=0.7, gamma=0.9,
@@ -119,6 +123,85 @@ def test_lossy_syncs_leave_every_fragment_bit_identical(dhts, codec):
             for m in members:
                 m.close()
     pytest.fail("hivemind failed a sync in each of 3 attempts")
+
+
+def test_sparse_syncs_all_gather_and_leave_every_fragment_bit_identical(dhts):
+    """A sparse --diloco-codec on real averagers: every member receives every member's
+    message bytes through the reducers' relays, in the same order, and so takes the same
+    outer step; each sends about its own message n - 1 times and receives n - 1 messages."""
+    codec = "topk2:40"
+    for attempt in range(3):  # a hivemind deadline missed under load: start over
+        prefix = averaging_prefix(f"sparse{attempt}", "f" * 64, codec, "stream3")
+        members = [Member(dht, codec, prefix) for dht in dhts]
+        try:
+            if _sync_all(members):
+                for m in members:
+                    assert [s.ok for s in m.rounds.stats] == [2, 1, 1]
+                    assert [s.last_group_size for s in m.rounds.stats] == [N, N, N]
+                ref = members[0].state
+                assert ref.anchor is not None and not torch.equal(ref.anchor, theta0())
+                for m in members[1:]:
+                    assert m.state.anchor is not None
+                    assert torch.equal(m.state.anchor, ref.anchor)
+                    assert torch.equal(m.state.memory, ref.memory)
+                # 4 syncs. A member takes in at least the n - 1 other messages (as a reducer's
+                # relays, or as inputs of its own share); the group puts out each message to
+                # the n - 1 other reducers (its parts) and n - 1 times again (the relays):
+                # (n - 1)(n + 1) messages a sync, where an ideal all-gather sends n (n - 1).
+                wire = members[0].averager.message_bytes  # the padded message
+                for m in members:
+                    assert m.averager.bytes_received() >= 4 * wire * (N - 1), wire
+                sent = sum(m.averager.bytes_sent() for m in members)
+                got = sum(m.averager.bytes_received() for m in members)
+                assert got <= sent <= 4 * wire * (N - 1) * (N + 1) * 1.05, (sent, got, wire)
+                return
+        finally:
+            for m in members:
+                m.close()
+    pytest.fail("hivemind failed a sync in each of 3 attempts")
+
+
+def test_one_all_gather_delivers_every_message_in_one_order(dhts):
+    """Three real averagers all-gather messages of distinct random bytes (any bit pattern,
+    NaNs as float32 included): every member gets all three, byte for byte, in the same
+    order, keyed by the member that sent each."""
+    from gasloc_p2p.core.sparse import SparseSpec
+
+    size = SparseSpec.parse("topk2:123").wire_bytes(50_000)
+    numel = -(-size // 4)
+    messages = [bytes(torch.randint(0, 256, (size,), dtype=torch.uint8,
+                                    generator=torch.Generator().manual_seed(i)).numpy())
+                for i in range(N)]
+    for attempt in range(3):
+        prefix = averaging_prefix(f"gather{attempt}", "f" * 64, "topk2:123", "diloco")
+        averagers = [HivemindAverager(dht, numel, prefix, cfg_for("topk2:123")) for dht in dhts]
+        results: list = [None] * N
+        try:
+            for a in averagers:
+                a.start()
+            stop = threading.Event()
+
+            def run(i: int) -> None:
+                results[i] = averagers[i].allgather(messages[i], {"i": i}, N, stop)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(N)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(scaled(120))
+        finally:
+            for a in averagers:
+                a.close()
+        if all(r is not None and r.ok for r in results):
+            break
+    else:
+        pytest.fail(f"hivemind failed the all-gather in each of 3 attempts: {results}")
+    order = list(results[0].gathered)
+    padded = [m + bytes(4 * numel - size) for m in messages]
+    for r in results:
+        assert list(r.gathered) == order and len(r.messages) == N
+        by_sender = {r.gathered[p]["i"]: msg for p, msg in zip(order, r.messages, strict=True)}
+        assert by_sender == dict(enumerate(padded))
 
 
 def _check_identical(members: list[Member], codec: str) -> None:

@@ -309,7 +309,10 @@ async def stray_exchange(node: Node, other: Node) -> int:
 
 
 # ------------------------------------------------------------------ real processes
-DILOCO = ["--algorithm", "diloco", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32",
+# the sparse payload (an all-gather with error feedback): the fp32 and lossy all-reduces run
+# through real averagers in tests/test_node_averaging_identical.py and the streaming swarm
+DILOCO = ["--algorithm", "diloco", "--diloco-codec", "topk2:123",
+          "--n-layer", "1", "--n-embd", "32", "--seq-len", "32",
           "--batch-size", "4", "--inner-steps", "5", "--eval-interval-steps", "20",
           "--matchmaking-time-s", "2", "--request-timeout-s", "1", "--averaging-timeout-s", "8",
           "--log-interval-s", "3"]  # tuning flags travel as GASLOC_* (tools.nodes.split_tuning)

@@ -49,7 +49,7 @@ class ExactMeanHub(InMemoryAveragingHub):
 
     def _close(self, session: _Session) -> None:
         super()._close(session)  # (its mean sums in arrival order: replaced below, under the lock)
-        if session.mean is not None:
+        if session.mean is not None and session.mean.numel():  # (not an all-gather's)
             tensors = [session.members[p][0] for p in sorted(session.members)]
             mean = torch.zeros_like(tensors[0])
             for t in tensors:
@@ -139,6 +139,86 @@ def test_daemon_rounds_equal_the_simulator_bit_for_bit(tau, alpha, averagers):
         assert w.rounds.info_fields()["fragment_syncs"][1]["offset"] == 2
     for w in workers:  # as a stopping node: the syncs still in flight give up at once
         w.stop.set()
+        w.rounds.finish()
+
+
+@pytest.mark.parametrize(("codec", "tau", "averagers"),
+                         [("topk2:3", 0, 3), ("topk1:2", 1, 1), ("dense2", 2, 1)])
+def test_sparse_syncs_equal_the_simulators_sparseloco_bit_for_bit(codec, tau, averagers):
+    """A sparse --diloco-codec: each node's error feedback, its message as bytes through the
+    all-gather, the mean of every member's message in the group's order: the simulator's
+    SparseLoCo step (core.compress), bit for bit, over two periods (the residual carried)."""
+    n = 3
+    sim = StreamingDiloco(theta0(), FRAGS, StreamingConfig(H=H, tau=tau, eta=ETA, gamma=GAMMA,
+                                                           codec=codec))
+    thetas = theta0().expand(n, NUMEL).clone()
+    hubs = [ExactMeanHub(matchmaking_time_s=scaled(30)) for _ in range(averagers)]
+    workers = [Worker(f"w{i}", hubs, n - 1, diloco_cfg(tau, diloco_codec=codec))
+               for i in range(n)]
+    for step in range(1, 2 * H + 1):
+        for i in range(n):
+            thetas[i].add_(noise(step, i))
+        for f in sim.due(step):
+            sim.begin(f, step, thetas)
+        sim.land(step, thetas)
+        run_lockstep(workers, range(step, step + 1))
+        for i, w in enumerate(workers):
+            assert torch.equal(w.state.theta, thetas[i]), (step, i)
+            if not sim.pending:
+                assert torch.equal(w.state.anchor, sim.global_params), step
+    for w in workers:
+        in_flight = [int(f in w.rounds.pending) for f in range(len(FRAGS))]
+        assert [s.ok + p for s, p in zip(w.rounds.stats, in_flight, strict=True)] == [2, 1, 1]
+        worker = int(w.rounds.averagers[0].peer_id[1:])
+        for f, ef in w.rounds.feedback.items():  # what the messages left out, still there
+            if f not in w.rounds.pending:  # (a sync in flight compresses in its own thread)
+                assert torch.equal(ef.error, sim.feedback[(worker, f)].error), f
+        w.stop.set()
+        w.rounds.finish()
+    assert not torch.equal(workers[0].state.anchor, theta0())
+
+
+def test_sparse_syncs_that_fail_apply_the_own_message_and_keep_the_rest():
+    """No group: the node applies its own decoded message (the group of one), and what the
+    message left out stays in its error feedback for the next sync."""
+    hubs = [InMemoryAveragingHub(matchmaking_time_s=0.2) for _ in FRAGS]
+    lonely = Worker("lonely", hubs, 1, diloco_cfg(0, diloco_codec="topk2:3"))
+    ref = StreamingDiloco(theta0(), FRAGS, StreamingConfig(H=H, tau=0, eta=ETA, gamma=GAMMA,
+                                                           codec="topk2:3"))
+    thetas = theta0().expand(1, NUMEL).clone()
+    for step in range(1, 2 * H + 1):
+        thetas[0].add_(noise(step, 0))
+        for f in ref.due(step):
+            ref.begin(f, step, thetas)
+        ref.land(step, thetas)
+        lonely.step(step, 0)
+    assert torch.equal(lonely.state.anchor, ref.global_params)
+    assert [s.failed for s in lonely.rounds.stats] == [2, 1, 1]
+    assert all(bool(ef.error.abs().sum() > 0) for ef in lonely.rounds.feedback.values())
+    lonely.rounds.finish()
+
+
+def test_a_groupmates_malformed_message_fails_the_sync():
+    """Indices out of order, a wrong length: the sync fails (the own message is applied)
+    before anything decodes the groupmate's bytes."""
+    from gasloc_p2p.core.sparse import SparseSpec
+
+    spec = SparseSpec.parse("topk2:3")
+
+    class Liar(InMemoryAveragingHub):
+        def _average(self, peer_id, tensor, gather, target, stop):
+            if peer_id == "bad" and tensor.dtype == torch.uint8:
+                tensor = tensor.clone()
+                tensor[-3:] = 255  # the last indices: out of their chunk
+            return super()._average(peer_id, tensor, gather, target, stop)
+
+    hub = Liar(matchmaking_time_s=scaled(5))
+    good = Worker("good", [hub], 1, diloco_cfg(0, diloco_codec=str(spec)))
+    bad = Worker("bad", [hub], 1, diloco_cfg(0, diloco_codec=str(spec)))
+    run_lockstep([good, bad], range(1, H + 1))  # fragment 0 syncs after step 6
+    assert good.rounds.stats[0].failures == {"a groupmate's message": 1}
+    assert good.rounds.stats[0].ok == 0
+    for w in (good, bad):
         w.rounds.finish()
 
 
@@ -239,8 +319,16 @@ def test_config_flags_and_validation():
     mode = make_mode("streaming-diloco")
     assert isinstance(mode, DilocoMode) and mode.name == "streaming-diloco"
     assert make_mode("diloco").name == "diloco"  # the same mode, one fragment
+    sparse = build_config(parser.parse_args(["--diloco-codec", "topk2:123"]), environ={})
+    assert str(sparse.diloco.sparse_spec()) == "topk2:123"
+    assert str(build_config(parser.parse_args(["--diloco-codec", "dense2"]),
+                            environ={}).diloco.sparse_spec()) == "dense2"
     bad = [(["--algorithm", "streaming-diloco", "--tau", "20"], "--tau"),  # H = 20
-           (["--merge-alpha", "1.5"], "--merge-alpha"), (["--tau", "-1"], "--tau")]
+           (["--merge-alpha", "1.5"], "--merge-alpha"), (["--tau", "-1"], "--tau"),
+           (["--diloco-codec", "randk2:123"], "--diloco-codec='randk2:123': randk needs"),
+           (["--diloco-codec", "topk3:12"], "--diloco-codec='topk3:12': choose one of"),
+           (["--diloco-codec", "topk2:5000"], r"k must be in \[1, chunk=4096\]"),
+           (["--diloco-codec", "int9"], "--diloco-codec='int9': choose one of")]
     for argv, flag in bad:
         with pytest.raises(ConfigError, match=flag):
             build_config(parser.parse_args(argv), environ={})

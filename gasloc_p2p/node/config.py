@@ -19,6 +19,7 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
 from gasloc_p2p.core.options import ConfigError as ConfigError  # part of this module's API
 from gasloc_p2p.core.options import check_outer_step, need, opt
+from gasloc_p2p.core.sparse import SELECTIONS, SparseSpec
 from gasloc_p2p.node.config_network import (  # the sections live in three modules, one API
     DiscoveryConfig,
     NetworkConfig,
@@ -216,9 +217,11 @@ class DilocoConfig:
 
     diloco_eta: float = opt(0.7, "DiLoCo outer learning rate (Nesterov SGD)")
     diloco_gamma: float = opt(0.9, "DiLoCo outer momentum (Nesterov)")
-    diloco_codec: str = opt("fp32", f"all-reduce payload: {' | '.join(DILOCO_CODECS)} "
-                                    "(the project's codecs inside hivemind averaging; fp4 = "
-                                    "E3M0)")
+    diloco_codec: str = opt("fp32", f"sync payload: {' | '.join(DILOCO_CODECS)} (an "
+                                    "all-reduce, the project's codecs inside hivemind "
+                                    "averaging; fp4 = E3M0), or sparse topkB:K / denseB (an "
+                                    "all-gather with error feedback, SparseLoCo's; e.g. "
+                                    "topk2:123: the top 3% of every 4096 values at 2 bits)")
     tau: int = opt(1, "streaming-diloco: inner steps a fragment's all-reduce overlaps before "
                       "it merges (0: blocking; must be < --inner-steps)")
     merge_alpha: float = opt(0.0, "streaming-diloco: weight of the local fragment when merging "
@@ -247,8 +250,17 @@ class DilocoConfig:
 
     def validate(self) -> None:
         check_outer_step(self.diloco_eta, self.diloco_gamma, "diloco_eta", "diloco_gamma")
-        need(self.diloco_codec in DILOCO_CODECS, "diloco_codec", self.diloco_codec,
-              f"choose one of {DILOCO_CODECS}")
+        if self.diloco_codec not in DILOCO_CODECS:
+            choose = f"choose one of {DILOCO_CODECS} or a sparse topkB:K / denseB"
+            try:
+                spec = self.sparse_spec()
+            except ValueError as exc:
+                detail = "" if str(exc) == "not a codec" else f" ({exc})"
+                raise ConfigError(f"--diloco-codec={self.diloco_codec!r}: {choose}{detail}"
+                                  ) from None
+            need(spec is not None and spec.select != "randk", "diloco_codec", self.diloco_codec,
+                 "randk needs a seed per sender, which the all-gather does not carry: use "
+                 "topkB:K or denseB (the simulator has randk)")
         need(self.tau >= 0, "tau", self.tau, "must be >= 0")
         need(0.0 <= self.merge_alpha <= 1.0, "merge_alpha", self.merge_alpha, "must be in [0, 1]")
         need(self.min_group_size >= 2, "min_group_size", self.min_group_size, "must be >= 2")
@@ -269,6 +281,15 @@ class DilocoConfig:
         need(self.averaging_timeout_s > self.matchmaking_time_s, "averaging_timeout_s",
               self.averaging_timeout_s,
               f"must exceed matchmaking_time_s={self.matchmaking_time_s}")
+
+    def sparse_spec(self) -> SparseSpec | None:
+        """The sparse payload of ``--diloco-codec`` (syncs are all-gathers with error
+        feedback), None for the all-reduce codecs; ValueError for a malformed one."""
+        if self.diloco_codec in DILOCO_CODECS:
+            return None
+        if not self.diloco_codec.startswith(SELECTIONS):
+            raise ValueError("not a codec")
+        return SparseSpec.parse(self.diloco_codec)
 
 
 @dataclass(frozen=True)

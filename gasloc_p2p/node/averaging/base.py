@@ -15,6 +15,7 @@ round that finds no group, times out or is cancelled by ``stop`` returns a faile
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping
@@ -29,11 +30,16 @@ _POLL_S = 0.05  # how often a waiting round checks the stop event
 @dataclass(frozen=True, eq=False)
 class AveragingResult:
     """One averaging attempt. ``averaged``: ``[numel]`` float32 group mean, None on failure;
-    ``gathered``: each member's ``gather`` payload by peer id (this node included)."""
+    ``gathered``: each member's ``gather`` payload by peer id (this node included), in the
+    group's order (the same on every member); ``messages``: after an all-gather, each
+    member's message in that order; ``own``: what this node applies if the round failed
+    (None: its own outer gradient)."""
 
     averaged: torch.Tensor | None
     gathered: Mapping[str, Any] = field(default_factory=dict)
     error: str = ""
+    messages: tuple[bytes, ...] = ()
+    own: torch.Tensor | None = None
 
     @property
     def ok(self) -> bool:
@@ -46,6 +52,9 @@ class AveragingResult:
     @classmethod
     def failed(cls, error: str) -> AveragingResult:
         return cls(None, {}, error)
+
+    def with_own(self, own: torch.Tensor) -> AveragingResult:
+        return dataclasses.replace(self, own=own)
 
 
 class Averager(abc.ABC):
@@ -65,6 +74,14 @@ class Averager(abc.ABC):
         ``gather``: a small msgpack-able dict delivered to every groupmate; ``target_group_size``:
         the group is complete (no more waiting) at this many members; ``stop``: give up now.
         """
+
+    def allgather(self, message: bytes, gather: Mapping[str, Any], target_group_size: int,
+                  stop: threading.Event) -> AveragingResult:
+        """Deliver ``message`` (exactly :attr:`message_bytes` long) to whoever is gathering
+        now and collect theirs: a result whose ``messages`` are every member's, this node's
+        included, in the group's order (``averaged`` is an empty tensor). Only averagers
+        built for an all-gather (a sparse ``--diloco-codec``) have it."""
+        raise NotImplementedError(f"{type(self).__name__} does not all-gather")
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -134,15 +151,20 @@ class InMemoryAveragingHub:
         if session.mean is None:
             return AveragingResult.failed(f"no group: {len(session.members)} peer(s) in the "
                                           f"matchmaking window, {self.min_group_size} needed")
-        return AveragingResult(session.mean.clone(),
-                               {pid: g for pid, (_, g) in session.members.items()})
+        gathered = {pid: g for pid, (_, g) in sorted(session.members.items())}
+        if tensor.dtype == torch.uint8:  # an all-gather: the messages in the group's order
+            return AveragingResult(tensor.new_empty(0), gathered, messages=tuple(
+                bytes(session.members[pid][0].numpy()) for pid in gathered))
+        return AveragingResult(session.mean.clone(), gathered)
 
     def _close(self, session: _Session) -> None:
         session.closed = True
         if self._open is session:
             self._open = None
         if len(session.members) >= self.min_group_size:
-            session.mean = torch.stack([t for t, _ in session.members.values()]).mean(dim=0)
+            tensors = [t for t, _ in session.members.values()]
+            session.mean = (tensors[0].new_empty(0) if tensors[0].dtype == torch.uint8
+                            else torch.stack(tensors).mean(dim=0))
         self._cond.notify_all()
 
 
@@ -159,6 +181,12 @@ class InMemoryAverager(Averager):
     def average(self, tensor: torch.Tensor, gather: Mapping[str, Any], target_group_size: int,
                 stop: threading.Event) -> AveragingResult:
         return self.hub._average(self.peer_id, tensor, gather, target_group_size, stop)
+
+    def allgather(self, message: bytes, gather: Mapping[str, Any], target_group_size: int,
+                  stop: threading.Event) -> AveragingResult:
+        data = torch.frombuffer(bytearray(message), dtype=torch.uint8) if message \
+            else torch.empty(0, dtype=torch.uint8)
+        return self.hub._average(self.peer_id, data, gather, target_group_size, stop)
 
     def close(self) -> None:
         pass

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from gasloc_p2p.core.codecs import CodecSpec
-from gasloc_p2p.core.wire import Encoded
+from gasloc_p2p.core.sparse import SELECTIONS
+from gasloc_p2p.core.wire import Encoded, raw_bytes
 
 SLOT = "QUANTILE_8BIT"  # the CompressionType value CodecCompression takes over
 
@@ -41,9 +42,11 @@ def compression_class() -> Any:
 
         compression_type = runtime_pb2.CompressionType.Value(SLOT)
 
-        def __init__(self, spec: CodecSpec) -> None:
+        def __init__(self, spec: CodecSpec | None) -> None:
+            """``spec`` None: the all-gather's raw bytes (:attr:`gathers`)."""
             self.spec = spec
-            self.codec = spec.codec()
+            self.codec = spec.codec() if spec is not None else None
+            self.gathers = spec is None
             self.sent = multiprocessing.Value("q", 0)  # shared with the forked averager
             self.received = multiprocessing.Value("q", 0)
 
@@ -60,14 +63,27 @@ def compression_class() -> Any:
         def encode_part(self, tensor: torch.Tensor) -> Any:
             """``tensor`` (any shape) as a hivemind ``Tensor`` message; not counted."""
             flat = tensor.detach().reshape(-1).float()
-            return runtime_pb2.Tensor(compression=self.compression_type,
-                                      buffer=self.codec.encode(flat).to_bytes(),
+            if self.codec is None:  # the all-gather's message bytes, as they are
+                data = raw_bytes(flat.view(torch.uint8))
+            else:
+                data = self.codec.encode(flat).to_bytes()
+            return runtime_pb2.Tensor(compression=self.compression_type, buffer=data,
                                       size=tensor.shape, dtype="float32",
                                       requires_grad=tensor.requires_grad)
 
         def decode_part(self, serialized_tensor: Any) -> torch.Tensor:
             """The float32 tensor of an :meth:`encode_part` message; not counted. Raises
-            ValueError when the buffer's length does not match the declared size."""
+            ValueError when the buffer's length does not match the declared size. All-gather
+            (:attr:`gathers`): the buffer's bytes as a flat float32 tensor of whatever length
+            they have (a part, or a reducer's relay of every member's part): the runner
+            checks its size (:mod:`.uniform`)."""
+            if self.codec is None:
+                buf = serialized_tensor.buffer
+                if len(buf) % 4:
+                    raise ValueError(f"a gathered part of {len(buf)} bytes (not float32s)")
+                return (torch.frombuffer(bytearray(buf), dtype=torch.float32) if buf
+                        else torch.empty(0))
+            assert self.spec is not None
             shape = torch.Size(serialized_tensor.size)
             enc = Encoded.from_bytes(self.spec.name, shape.numel(), self.spec.block_size,
                                      serialized_tensor.buffer)
@@ -77,6 +93,8 @@ def compression_class() -> Any:
             _add(self.sent, nbytes)
 
         def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+            if self.codec is None:
+                return 1.0
             numel = max(info.descriptor.numel(), 1)
             return self.codec.wire_bytes(numel) / (4 * numel)
 
@@ -87,7 +105,7 @@ def compression_class() -> Any:
             return int(self.received.value)
 
         def __repr__(self) -> str:
-            return f"CodecCompression({self.spec})"
+            return f"CodecCompression({self.spec if self.spec is not None else 'gather'})"
 
     return CodecCompression
 
@@ -99,7 +117,10 @@ def _add(counter: Any, nbytes: int) -> None:
 
 def make_compression(codec: str) -> Any:
     """A :class:`CodecCompression` for ``codec`` (fp32 | fp16 | int8 | int4 | fp4, default
-    block size)."""
+    block size), or for an all-gather's raw message bytes (a sparse codec: the node encodes
+    its message itself, see :mod:`gasloc_p2p.node.modes.diloco_rounds`)."""
+    if codec.startswith(SELECTIONS):
+        return compression_class()(None)
     return compression_class()(CodecSpec.of(codec))
 
 

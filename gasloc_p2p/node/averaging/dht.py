@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05  # how often a waiting round checks the stop event
 _WATCHDOG_PERIOD_S = 1.0  # the averager process checks this often that the node still lives
 _LOCKED = "averaged buffer locked"
+GATHERED, MESSAGES = "gasloc_gathered", "gasloc_messages"  # an all-gather's step result
 
 
 @functools.cache
@@ -52,7 +53,19 @@ def _averager_class() -> Any:
 
         async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any,
                                           group_id: Any = None, **kwargs: Any) -> None:
-            await run_uniform_allreduce(self, tensors, group_info, group_id, **kwargs)
+            self._gasloc_messages = await run_uniform_allreduce(self, tensors, group_info,
+                                                                group_id, **kwargs)
+
+        async def _aggregate_with_group(self, group_info: Any, min_vector_size: int,
+                                        **kwargs: Any) -> Any:
+            """hivemind's, plus an all-gather's messages: the step's result carries them
+            to the node's process (the gathered metadata under ``GATHERED``)."""
+            self._gasloc_messages = None
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            messages, self._gasloc_messages = self._gasloc_messages, None
+            if messages is None:
+                return gathered
+            return {GATHERED: gathered, MESSAGES: messages}
 
         async def _gasloc_set_target(self, size: int | None) -> None:
             self._matchmaking.target_group_size = size
@@ -79,9 +92,11 @@ class HivemindAverager(Averager):
     """hivemind ``DecentralizedAverager`` over one shared-memory ``[numel]`` buffer, on ``dht``."""
 
     def __init__(self, dht: Any, numel: int, prefix: str, cfg: DilocoConfig) -> None:
-        """``prefix``: from :func:`averaging_prefix` (with ``cfg.diloco_codec``)."""
+        """``prefix``: from :func:`averaging_prefix` (with ``cfg.diloco_codec``); ``numel``:
+        float32 values averaged (an all-gather, a sparse codec: its messages' bytes / 4)."""
         self.dht = dht
         self.numel = numel
+        self.message_bytes = 4 * numel
         self.prefix = prefix
         self.cfg = cfg
         self.peer_id = dht.peer_id.to_base58()
@@ -139,6 +154,29 @@ class HivemindAverager(Averager):
                 return AveragingResult.failed(_LOCKED)
             averaged = buf.clone()
         return AveragingResult(averaged, {_peer_name(p): g for p, g in gathered.items()})
+
+    def allgather(self, message: bytes, gather: Mapping[str, Any], target_group_size: int,
+                  stop: threading.Event) -> AveragingResult:
+        if not self.compression.gathers:
+            raise NotImplementedError(f"{self.cfg.diloco_codec} syncs all-reduce")
+        if len(message) > self.message_bytes:
+            raise ValueError(f"a message of {len(message)} bytes for {self.message_bytes}")
+        padded = torch.zeros(self.numel)
+        padded.view(torch.uint8)[:len(message)] = torch.frombuffer(
+            bytearray(message), dtype=torch.uint8) if message else torch.empty(0, dtype=torch.uint8)
+        result = self.average(padded, gather, target_group_size, stop)
+        if not result.ok:
+            return result
+        got = result.gathered.get(GATHERED), result.gathered.get(MESSAGES)
+        if not isinstance(got[0], Mapping) or not isinstance(got[1], list):
+            return AveragingResult.failed("the all-gather returned no messages")
+        gathered = {_peer_name(p): g for p, g in got[0].items()}
+        messages = dict(got[1])
+        if set(messages) != set(gathered) or any(len(m) != self.message_bytes
+                                                 for m in messages.values()):
+            return AveragingResult.failed("the all-gather's messages do not match its group")
+        return AveragingResult(torch.empty(0), {p: gathered[p] for p in messages},
+                               messages=tuple(messages.values()))
 
     def bytes_sent(self) -> int:
         return int(self.compression.bytes_sent())

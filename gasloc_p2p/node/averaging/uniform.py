@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 GROUP_TAG = "u1"  # in the group key: the uniform all-reduce, version 1
+GATHER_RELAY_BYTES = 1 << 21  # all-gather: a reducer's relay of one part, all members' bytes
 
 
 @functools.cache
@@ -57,10 +58,72 @@ def runner_class() -> Any:
         """hivemind's runner, but every member keeps the reducer's one encoding of the mean."""
 
         def __init__(self, *, compression: Any, **kwargs: Any) -> None:
+            self.gathers = bool(getattr(compression, "gathers", False))
+            if self.gathers:  # a relay carries every member's part: keep it small
+                members = max(len(kwargs["ordered_peer_ids"]), 1)
+                kwargs["part_size_bytes"] = max(1024, GATHER_RELAY_BYTES // members) // 4 * 4
             super().__init__(compression=compression, **kwargs)
             self.codec = compression  # a CodecCompression (same codec group-wide: group key)
             self.tensor_part_container.return_deltas = False  # results, not deltas
             self._encoded: dict[int, asyncio.Future[Any]] = {}  # part index -> message
+            if self.gathers:
+                self._init_gather()
+
+        # ------------------------------------------------------------ all-gather
+        def _init_gather(self) -> None:
+            """All-gather (a sparse ``--diloco-codec``): the "tensor" is this member's message
+            bytes (as float32s); a reducer relays every sender's bytes of each part of its
+            share, in sender order, and every member copies them into :attr:`rows`: each
+            member's whole message. Nothing is summed that anyone keeps."""
+            container = self.tensor_part_container
+            self.senders = len(self.sender_peer_ids)
+            self.total = container.total_size
+            self.rows = torch.zeros(self.senders, self.total)  # every member's message
+            self.filled = 0  # values of rows received, per member row
+            self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # (part, sender) -> part
+            self._where: dict[tuple[int, int], tuple[int, int]] = {}  # (peer, part) -> span
+            start = 0
+            for peer_index, parts in enumerate(container._input_parts_by_peer):
+                for part_index, (part, _) in enumerate(parts):  # in vector order
+                    self._where[(peer_index, part_index)] = (start, part.numel())
+                    start += part.numel()
+            register = container.register_processed_part
+
+            def take(peer_index: int, part_index: int, part: torch.Tensor) -> None:
+                """A reducer's relay: every sender's bytes of one part, into the rows."""
+                begin, numel = self._where[(peer_index, part_index)]
+                own = container._input_parts_by_peer[peer_index][part_index][0]
+                if part is own:  # a failed reducer: hivemind keeps the local part (counted)
+                    register(peer_index, part_index, part)
+                    return
+                if part.numel() != numel * self.senders:
+                    raise AllreduceException(f"a relay of {part.numel()} values for a part of "
+                                             f"{numel} and {self.senders} senders")
+                self.rows[:, begin:begin + numel] = part.view(self.senders, numel)
+                self.filled += numel
+                register(peer_index, part_index, own)
+
+            container.register_processed_part = take  # type: ignore[method-assign]
+
+        def _relay(self, part_index: int) -> Any:
+            """Every sender's bytes of this reducer's part ``part_index``, in sender order (each
+            sender's part arrived before the reducer finished the part)."""
+            try:
+                parts = [self._inputs.pop((part_index, s)) for s in range(self.senders)]
+            except KeyError:
+                raise AllreduceException(f"a sender's part {part_index} is missing") from None
+            relay = torch.cat(parts)
+            return self.codec.encode_part(relay)
+
+        def messages(self) -> list[tuple[str, bytes]]:
+            """(peer id, message bytes) of every sender, in sender order (the group's, the
+            same on every member), once the runner finished."""
+            if self.filled != self.total:
+                raise AllreduceException(f"{self.total - self.filled} of {self.total} gathered "
+                                         "values did not arrive")
+            return [(peer.to_base58() if hasattr(peer, "to_base58") else str(peer),
+                     bytes(row.view(torch.uint8).numpy()))
+                    for peer, row in zip(self.sender_peer_ids, self.rows, strict=True)]
 
         async def encoded_part(self, part_index: int, averaged: torch.Tensor) -> Any:
             """The averaged part ``part_index`` of this reducer's share, encoded once.
@@ -70,7 +133,8 @@ def runner_class() -> Any:
             future = self._encoded.get(part_index)
             if future is None:
                 loop = asyncio.get_running_loop()
-                future = loop.run_in_executor(None, self.codec.encode_part, averaged)
+                future = (loop.run_in_executor(None, self._relay, part_index) if self.gathers
+                          else loop.run_in_executor(None, self.codec.encode_part, averaged))
                 self._encoded[part_index] = future
             return await asyncio.shield(future)  # one sender's cancellation spares the rest
 
@@ -81,6 +145,8 @@ def runner_class() -> Any:
             peer_index = self.ordered_peer_ids.index(peer_id)
             sender_index = self.sender_peer_ids.index(peer_id)
             for part_index, part in enumerate(self.parts_for_local_averaging):
+                if self.gathers:
+                    self._inputs[(part_index, sender_index)] = part
                 averaged = await self.tensor_part_reducer.accumulate_part(
                     sender_index, part_index, part, weight=self.weight)
                 msg = await self.encoded_part(part_index, averaged)
@@ -95,8 +161,8 @@ def runner_class() -> Any:
             part_index = 0
             try:
                 async for index, tensor_part, weight in amap_in_executor(
-                        lambda item: self._decode_input(item, shapes), _numbered(stream),
-                        max_prefetch=self.tensor_part_container.prefetch):
+                        lambda item: self._decode_input(item, shapes, sender_index),
+                        _numbered(stream), max_prefetch=self.tensor_part_container.prefetch):
                     if index != part_index:  # cannot happen: amap keeps the order
                         raise AllreduceException("parts out of order")
                     try:
@@ -113,9 +179,10 @@ def runner_class() -> Any:
                 if part_index != self.tensor_part_reducer.num_parts:
                     await self._ban_sender(self.sender_peer_ids[sender_index])
 
-        def _decode_input(self, item: tuple[int, Any],
-                          shapes: Sequence[torch.Size]) -> tuple[int, torch.Tensor, float]:
-            """A sender's part: our codec only, the size this share's part must have."""
+        def _decode_input(self, item: tuple[int, Any], shapes: Sequence[torch.Size],
+                          sender_index: int = -1) -> tuple[int, torch.Tensor, float]:
+            """A sender's part: our codec only, the size this share's part must have (an
+            all-gather keeps its bytes for the relay)."""
             index, msg = item
             part = msg.tensor_part
             if index >= len(shapes) or tuple(part.size) != tuple(shapes[index]):
@@ -125,7 +192,12 @@ def runner_class() -> Any:
             weight = float(msg.weight)
             if not 0.0 <= weight <= 1.0:  # the project's members all weigh 1
                 raise AllreduceException(f"part {index} has weight {weight}")
-            return index, self.codec.extract(part), weight
+            if self.gathers and len(part.buffer) != 4 * shapes[index].numel():
+                raise AllreduceException(f"part {index} has {len(part.buffer)} bytes")
+            tensor = self.codec.extract(part)
+            if self.gathers:
+                self._inputs[(index, sender_index)] = tensor
+            return index, tensor, weight
 
     return UniformAllReduceRunner
 
@@ -138,10 +210,13 @@ async def _numbered(stream: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]
 
 
 async def run_uniform_allreduce(averager: Any, tensors: Sequence[torch.Tensor], group_info: Any,
-                                group_id: bytes | None = None, **kwargs: Any) -> None:
+                                group_id: bytes | None = None, **kwargs: Any
+                                ) -> list[tuple[str, bytes]] | None:
     """``DecentralizedAverager._run_allreduce_inplace_`` with :class:`UniformAllReduceRunner`:
     ``tensors`` are overwritten with the group's result, and only when every share of it
-    arrived (otherwise AllreduceException: the round fails and nothing changes)."""
+    arrived (otherwise AllreduceException: the round fails and nothing changes). An
+    all-gather leaves ``tensors`` as they are and returns every sender's (peer id, message
+    bytes), in sender order."""
     from hivemind.averaging.allreduce import AveragingMode
     from hivemind.averaging.partition import AllreduceException
 
@@ -153,11 +228,14 @@ async def run_uniform_allreduce(averager: Any, tensors: Sequence[torch.Tensor], 
     if runner.modes[group_info.peer_ids.index(averager.peer_id)] == AveragingMode.AUX:
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")
-        return
+        return None
     results = [result async for result in runner]
     missing = runner.tensor_part_container.failed_size
     if missing or len(results) != len(tensors):
         raise AllreduceException(f"{missing} of {runner.tensor_part_container.total_size} "
                                  "averaged values did not arrive")
+    if runner.gathers:
+        return runner.messages()
     for tensor, result in zip(tensors, results, strict=True):
         tensor.copy_(result)
+    return None

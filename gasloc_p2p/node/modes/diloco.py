@@ -102,8 +102,12 @@ class DilocoMode(Mode):
             if dht is None:
                 raise RuntimeError(f"--algorithm {self.name} needs the hivemind DHT discovery")
             part = "diloco" if len(fragments) == 1 else f"stream{len(fragments)}"
+            width = max(f.numel for f in fragments)
+            sparse = cfg.diloco.sparse_spec()
+            if sparse is not None:  # an all-gather of messages: their bytes, as float32s
+                width = -(-sparse.wire_bytes(width) // 4)
             self.averagers = [HivemindAverager(
-                dht, max(f.numel for f in fragments), averaging_prefix(
+                dht, width, averaging_prefix(
                     cfg.discovery.run_id, trainer.fingerprint, cfg.diloco.diloco_codec, part),
                 cfg.diloco)]
         self._averaging = True  # close even half-started averagers (close is safe twice)

@@ -40,6 +40,7 @@ unchanged; ``rounds`` is the sum of the fragments' epochs.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -49,8 +50,11 @@ from typing import Any
 
 import torch
 
+from gasloc_p2p.core import sparse
 from gasloc_p2p.core.async_state import AsyncGaslocState
+from gasloc_p2p.core.compress import ErrorFeedback, mean_of
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.sparse import SparsePayload
 from gasloc_p2p.core.streaming import (
     FragmentSchedule,
     fragment_outer_grad,
@@ -156,6 +160,10 @@ class DilocoRounds:
         self.endpoint = endpoint
         self.fetch_state = fetch_state
         self.epochs = [0] * len(self.fragments)
+        # a sparse --diloco-codec: syncs all-gather messages; each fragment's error feedback
+        # (SparseLoCo's accumulator, on the anchor's device: the host) made at its first sync
+        self.sparse = cfg.sparse_spec()
+        self.feedback: dict[int, ErrorFeedback] = {}
         self.stats = [FragmentStats(self.schedule.offset(f), frag.numel)
                       for f, frag in enumerate(self.fragments)]
         self.pending: dict[int, _Sync] = {}
@@ -202,12 +210,13 @@ class DilocoRounds:
         except Exception as exc:  # a bug in the averager: fail soft, as a failed group
             result = AveragingResult.failed(f"{type(exc).__name__}: {exc}")
         waited = time.monotonic() - t0
+        own = result.own if result is not None and result.own is not None else sync.own
         reference = self._reference(result) if result is not None and result.ok else None
         if result is not None and reference is not None:
             result = self._align(f, sync, result, reference[1])
             reference = reference if result.ok else None
         in_step = reference is not None and self._in_step(sync, *reference)
-        grad = result.averaged if result is not None and result.averaged is not None else sync.own
+        grad = result.averaged if result is not None and result.averaged is not None else own
         frag, st = self.fragments[f], self.state
         with self.lock.urgent(), torch.no_grad():
             new_global = fragment_outer_step(frag, self.anchor, st.memory, grad,
@@ -251,15 +260,51 @@ class DilocoRounds:
         gather = {"epoch": epoch, "digest": digest, "endpoint": self.endpoint(), "fragment": f,
                   "vstep": vstep}
         averager = self._averager(f)
-        if self.shared:  # zero-padded to the largest fragment
-            own = torch.cat([own, own.new_zeros(self.width - own.numel())])
         sent, received = averager.bytes_sent(), averager.bytes_received()
-        result = averager.average(own, gather, peers + 1, self.stop)
+        if self.sparse is not None:
+            result = self._gather(f, own, gather, peers + 1, averager)
+        else:
+            if self.shared:  # zero-padded to the largest fragment
+                own = torch.cat([own, own.new_zeros(self.width - own.numel())])
+            result = averager.average(own, gather, peers + 1, self.stop)
+            if result.averaged is not None and self.shared:
+                result = dataclasses.replace(result,
+                                             averaged=result.averaged[:self.fragments[f].numel])
         self.stats[f].bytes_sent += averager.bytes_sent() - sent
         self.stats[f].bytes_received += averager.bytes_received() - received
-        if result.averaged is not None and self.shared:
-            result = AveragingResult(result.averaged[:self.fragments[f].numel], result.gathered)
         return result
+
+    def _gather(self, f: int, delta: torch.Tensor, gather: Mapping[str, Any], target: int,
+                averager: Averager) -> AveragingResult:
+        """A sparse sync (SparseLoCo): ``delta`` enters fragment ``f``'s error feedback, the
+        message taken from it goes to every groupmate, and the mean of every member's decoded
+        message, summed in the group's order, is the outer gradient: the same bits on every
+        member. Whatever happens, ``own`` is this node's decoded message (what it applies if
+        the group failed: the rest of ``delta`` waits in the accumulator for a later sync).
+        A groupmate's message is validated like any peer payload (size from our own fragment,
+        finite bounded scales, indices in range and increasing) before anything decodes it."""
+        spec, numel = self.sparse, self.fragments[f].numel
+        assert spec is not None
+        ef = self.feedback.get(f)
+        if ef is None:
+            ef = self.feedback[f] = ErrorFeedback(spec, numel, 1.0, delta.device)
+        message = ef.compress(delta)
+        mine = sparse.decode(message).to(delta.dtype)
+        result = averager.allgather(message.to_bytes(), gather, target, self.stop)
+        if not result.ok:
+            return result.with_own(mine)
+        size = spec.wire_bytes(numel)
+        try:  # a shared averager's messages are padded to the largest fragment's
+            payloads = [SparsePayload.from_bytes(spec, numel, memoryview(m)[:size])
+                        for m in result.messages]
+        except ValueError as exc:
+            return AveragingResult.failed(f"a groupmate's message: {exc}").with_own(mine)
+        if len(payloads) != len(result.gathered):
+            return AveragingResult.failed("messages and members differ").with_own(mine)
+        mean = mean_of(payloads).to(delta.dtype)
+        if not bool(torch.isfinite(mean).all()):
+            return AveragingResult.failed("the messages' mean is not finite").with_own(mine)
+        return AveragingResult(mean, result.gathered, own=mine)
 
     def _align(self, f: int, sync: _Sync, result: AveragingResult,
                ref: Mapping[str, Any]) -> AveragingResult:
