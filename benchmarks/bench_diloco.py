@@ -1,7 +1,8 @@
 """DiLoCo in the daemon: wall time of one averaging round on loopback (`--algorithm diloco`).
 
 Usage: python -m benchmarks.bench_diloco [--nodes 2] [--rounds 10] [--inner-steps 20]
-                                         [--codec fp32] [--data PATH] [-- more join flags]
+                                         [--codecs fp32 topk2:123] [--data PATH]
+                                         [-- more join flags]
 
 Starts ``--nodes`` `gasloc-node join --algorithm diloco` processes on 127.0.0.1 (default model
 unless extra flags say otherwise, torch threads 1 each), lets every node average twice (warm-up),
@@ -9,7 +10,11 @@ then measures over the next ``--rounds`` averaged rounds of every node, from its
 - averaging s/round: the trainer thread's wait for matchmaking plus the hivemind all-reduce of
   the outer gradient (it includes waiting for the slowest node: the cost DiLoCo pays);
 - round s: wall time per outer epoch (H inner steps, evaluations and the averaging);
-- other s/round: the rest of a round, mostly the H inner steps.
+- other s/round: the rest of a round, mostly the H inner steps;
+- sent and received B/round: payload bytes a node put on and took off the wire per round
+  (hivemind parts and, for a sparse codec's all-gather, the reducers' relays), and the fp32
+  outer gradient's size over the bytes sent.
+Each of ``--codecs`` runs its own swarm, one after the other.
 Timings on shared 2-core machines vary by about 30% run to run.
 """
 
@@ -49,12 +54,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="averaged rounds measured")
     parser.add_argument("--inner-steps", type=int, default=NodeConfig().train.inner_steps,
                         help="H of every node")
-    parser.add_argument("--codec", default="fp32", help="--diloco-codec of every node")
+    parser.add_argument("--codecs", nargs="+", default=["fp32"],
+                        help="--diloco-codec of every node; one swarm per codec")
     parser.add_argument("--data", default="", help="corpus (default: Shakespeare, downloaded)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("extra", nargs="*", help="more gasloc-node join flags (after --)")
     args = parser.parse_args()
-    flags = [*(["--data", args.data] if args.data else []), "--diloco-codec", args.codec,
+    for codec in args.codecs:
+        run(args, codec)
+
+
+def run(args: argparse.Namespace, codec: str) -> None:
+    flags = [*(["--data", args.data] if args.data else []), "--diloco-codec", codec,
              "--inner-steps", str(args.inner_steps), *args.extra]
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
@@ -75,19 +86,23 @@ def main() -> None:
         finally:
             for n in nodes:
                 n.stop(30)
-    print(f"DiLoCo averaging on loopback: {len(nodes)} nodes, {numel:,} parameters "
-          f"({numel * 4 / 1e6:.2f} MB fp32 outer gradient, --diloco-codec {args.codec}), "
+    print(f"\nDiLoCo averaging on loopback: {len(nodes)} nodes, {numel:,} parameters "
+          f"({numel * 4 / 1e6:.2f} MB fp32 outer gradient, --diloco-codec {codec}), "
           f"H = {args.inner_steps}, torch threads 1 per node {' '.join(args.extra)}")
     print(f"{'node':<5} {'rounds ok':>9} {'failed':>6} {'averaging s/round':>17} "
-          f"{'round s':>8} {'other s/round':>13} {'group':>5}")
+          f"{'round s':>8} {'other s/round':>13} {'group':>5} {'sent B/round':>12} "
+          f"{'received B/round':>16} {'fp32 / sent':>11}")
     for n, a, b in zip(nodes, first, last, strict=True):
         waited = (b.averaging_rounds_ok + b.averaging_rounds_failed
                   - a.averaging_rounds_ok - a.averaging_rounds_failed)
         avg_s = (b.total_averaging_s - a.total_averaging_s) / max(1, waited)
         round_s = (t1 - t0) / max(1, b.outer_epoch - a.outer_epoch)
+        sent = (b.bytes_sent - a.bytes_sent) / max(1, waited)
+        got = (b.bytes_received - a.bytes_received) / max(1, waited)
         print(f"{n.name:<5} {b.averaging_rounds_ok - a.averaging_rounds_ok:>9} "
               f"{b.averaging_rounds_failed - a.averaging_rounds_failed:>6} {avg_s:>17.3f} "
-              f"{round_s:>8.2f} {round_s - avg_s:>13.2f} {b.last_group_size:>5}")
+              f"{round_s:>8.2f} {round_s - avg_s:>13.2f} {b.last_group_size:>5} "
+              f"{sent:>12,.0f} {got:>16,.0f} {4 * numel / max(sent, 1):>11.1f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-DILOCOS = ("gasloc-diloco", "gasloc-diloco-avg", "torchft-diloco", "hivemind")
+DILOCOS = ("gasloc-diloco", "gasloc-diloco-avg", "gasloc-diloco-topk", "torchft-diloco", "hivemind")
 COMPARED = DILOCOS  # the default GASLoC against each of these
 
 

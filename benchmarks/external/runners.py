@@ -4,7 +4,8 @@ on loopback), wait for them to train ``spec.steps`` steps, and collect what they
 Systems (:data:`SYSTEMS`): ``gasloc`` (``gasloc-node join`` with its defaults), ``gasloc-diloco``
 (the same daemon, ``--algorithm diloco``), ``gasloc-solo`` (no gossip) and
 ``gasloc-diloco-avg`` (DiLoCo mode with plain averaging, eta 1 and gamma 0, the outer step the
-simulator found best; these two not in "all"), ``torchft-diloco`` (a lighthouse and one replica group
+simulator found best), ``gasloc-diloco-topk`` (the same with SparseLoCo's payload, ``--diloco-codec
+topk2:123``: an all-gather of the top 3% at 2 bits with error feedback; these three not in "all"), ``torchft-diloco`` (a lighthouse and one replica group
 per node, gloo on CPU), ``hivemind`` (``hivemind.Optimizer`` with local updates). Every node's
 result has its eval curve, bytes counted at its veth (kernel counters; None on loopback), bytes
 its program counted or estimated, and the peak resident memory of its process group.
@@ -38,7 +39,7 @@ SYSTEMS = ("gasloc", "gasloc-diloco", "torchft-diloco", "hivemind")
 # not in "all": the same nodes without gossip (--exchanges-per-round 0), a compute-only control;
 # DiLoCo mode with plain averaging. (gasloc-bw and gasloc-paced ran --peer-choice bandwidth and
 # --pacing compute, retired after commit db57895: docs/results/peer-choice.md, pacing.md.)
-OPTIONAL_SYSTEMS = ("gasloc-solo", "gasloc-diloco-avg")
+OPTIONAL_SYSTEMS = ("gasloc-solo", "gasloc-diloco-avg", "gasloc-diloco-topk")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -129,8 +130,10 @@ class _Run:
         if self.system == "gasloc-diloco":
             flags += ["--algorithm", "diloco", "--diloco-eta", str(self.spec.diloco_eta),
                       "--diloco-gamma", str(self.spec.diloco_gamma)]
-        if self.system == "gasloc-diloco-avg":
+        if self.system in ("gasloc-diloco-avg", "gasloc-diloco-topk"):
             flags += ["--algorithm", "diloco", "--diloco-eta", "1", "--diloco-gamma", "0"]
+        if self.system == "gasloc-diloco-topk":
+            flags += ["--diloco-codec", "topk2:123"]
         return flags
 
     def bootstrap(self, timeout_s: float) -> list[str]:
@@ -143,7 +146,7 @@ class _Run:
         peers = self.bootstrap(timeout_s)
         self.children += [self._node_in_ns(i, peers) for i in range(len(self.hosts))]
 
-    _start_gasloc_diloco = _start_gasloc_diloco_avg = _start_gasloc
+    _start_gasloc_diloco = _start_gasloc_diloco_avg = _start_gasloc_diloco_topk = _start_gasloc
     _start_gasloc_bw = _start_gasloc_solo = _start_gasloc_paced = _start_gasloc
 
     def _node_in_ns(self, i: int, peers: list[str]) -> NodeChild:
