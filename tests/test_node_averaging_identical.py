@@ -328,3 +328,20 @@ def _check_reducer() -> None:
     with pytest.raises(AllreduceException):  # more parts than the share has
         runner._decode_input((2, data(comp.encode_part(x))), shapes)
     runner.finalize()
+
+
+def test_an_all_gather_refuses_a_group_larger_than_its_own_target():
+    """A leader picks the group, and an all-gather holds every member's message: a group
+    beyond this node's own target fails before anything is allocated for it."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.partition import AllreduceException
+
+    from gasloc_p2p.node.averaging.compression import make_compression
+    from gasloc_p2p.node.averaging.uniform import run_uniform_allreduce
+
+    group = SimpleNamespace(group_id=b"g", peer_ids=[f"p{i}" for i in range(5)])
+    with pytest.raises(AllreduceException, match="a group of 5 for an all-gather; this node "
+                                                 "gathers at most 3"):
+        asyncio.run(run_uniform_allreduce(None, [torch.zeros(8)], group, max_members=3,
+                                          compression=make_compression("topk2:41")))

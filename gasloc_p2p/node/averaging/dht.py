@@ -53,8 +53,9 @@ def _averager_class() -> Any:
 
         async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any,
                                           group_id: Any = None, **kwargs: Any) -> None:
-            self._gasloc_messages = await run_uniform_allreduce(self, tensors, group_info,
-                                                                group_id, **kwargs)
+            self._gasloc_messages = await run_uniform_allreduce(
+                self, tensors, group_info, group_id,
+                max_members=self._matchmaking.target_group_size, **kwargs)
 
         async def _aggregate_with_group(self, group_info: Any, min_vector_size: int,
                                         **kwargs: Any) -> Any:

@@ -210,17 +210,24 @@ async def _numbered(stream: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]
 
 
 async def run_uniform_allreduce(averager: Any, tensors: Sequence[torch.Tensor], group_info: Any,
-                                group_id: bytes | None = None, **kwargs: Any
-                                ) -> list[tuple[str, bytes]] | None:
+                                group_id: bytes | None = None, max_members: int | None = None,
+                                **kwargs: Any) -> list[tuple[str, bytes]] | None:
     """``DecentralizedAverager._run_allreduce_inplace_`` with :class:`UniformAllReduceRunner`:
     ``tensors`` are overwritten with the group's result, and only when every share of it
     arrived (otherwise AllreduceException: the round fails and nothing changes). An
     all-gather leaves ``tensors`` as they are and returns every sender's (peer id, message
-    bytes), in sender order."""
+    bytes), in sender order; it holds every member's message, so a group larger than
+    ``max_members`` (this node's own target: a leader picks the group) fails before
+    anything is allocated."""
     from hivemind.averaging.allreduce import AveragingMode
     from hivemind.averaging.partition import AllreduceException
 
     group_id = group_info.group_id if group_id is None else group_id
+    members = len(group_info.peer_ids)
+    if getattr(kwargs.get("compression"), "gathers", False) and max_members is not None \
+            and members > max_members:
+        raise AllreduceException(f"a group of {members} for an all-gather; this node gathers "
+                                 f"at most {max_members} messages")
     runner = runner_class()(p2p=averager._p2p, servicer_type=type(averager),
                             prefix=averager.prefix, tensors=tensors, group_id=group_id,
                             ordered_peer_ids=group_info.peer_ids, **kwargs)
