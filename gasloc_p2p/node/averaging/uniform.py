@@ -103,7 +103,7 @@ def runner_class() -> Any:
                 self.filled += numel
                 register(peer_index, part_index, own)
 
-            container.register_processed_part = take  # type: ignore[method-assign]
+            container.register_processed_part = take
 
         def _relay(self, part_index: int) -> Any:
             """Every sender's bytes of this reducer's part ``part_index``, in sender order (each
