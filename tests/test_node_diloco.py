@@ -252,7 +252,8 @@ def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, cap
         reg, hub = InMemoryRegistry(), InMemoryAveragingHub(matchmaking_time_s=scaled(2))
         hub.fail_at("node-b", 3)  # one failed round on b: a waits out the window, fails too
         flags = {"algorithm": "diloco", "n_layer": 1, "n_embd": 32, "seq_len": 32,
-                 "batch_size": 4, "inner_steps": 5, "eval_interval_steps": 20}
+                 "batch_size": 4, "inner_steps": 5, "eval_interval_steps": 20,
+                 "diloco_codec": "topk2:123"}  # (fp32: the rounds' tests above)
         a = Node(tiny_config(corpus, **flags, checkpoint_dir=str(tmp_path)),
                  InMemoryDiscovery(reg, "gasloc", "node-a"),
                  DilocoMode("diloco", [hub.averager("node-a")]))
@@ -290,6 +291,16 @@ def test_two_in_process_nodes_average_and_resync_over_grpc(corpus, tmp_path, cap
         saved = ckpt.load(tmp_path)  # written at stop: the epoch travels with the anchor
         assert saved is not None and saved["rounds"] == ra.epochs[0]
         assert torch.equal(saved["anchor"], a.trainer.state.anchor)
+        # and what the sparse messages left out (the error feedback), restored on resume
+        assert torch.equal(saved["mode_state"]["error_feedback"]["0"], ra.feedback[0].error)
+        c = Node(tiny_config(corpus, **flags, checkpoint_dir=str(tmp_path),
+                             max_steps=int(saved["step"])),  # resumes, takes no step
+                 InMemoryDiscovery(reg, "gasloc", "node-c"),
+                 DilocoMode("diloco", [hub.averager("node-c")]))
+        async with c:
+            assert isinstance(c.mode, DilocoMode) and c.mode.rounds is not None
+            assert torch.equal(c.mode.rounds.feedback[0].error, ra.feedback[0].error)
+            assert c.train_stats.step == saved["step"]
 
     run(main(), timeout_s=120)
     assert built == []  # no exchanger, peer book or gossip loop was ever built

@@ -198,6 +198,37 @@ def test_sparse_syncs_that_fail_apply_the_own_message_and_keep_the_rest():
     lonely.rounds.finish()
 
 
+def test_the_error_feedback_survives_a_checkpoint_and_a_misfit_is_dropped(tmp_path, caplog):
+    """What the messages left out is in the node's checkpoint (the mode's state, torch.save
+    with weights_only loading) and comes back on resume; an accumulator that does not fit
+    (wrong size, NaN, an unknown fragment) is dropped with a warning, never loaded."""
+    from gasloc_p2p.node.runtime import checkpoint as ckpt
+
+    hubs = [InMemoryAveragingHub(matchmaking_time_s=0.2) for _ in FRAGS]
+    cfg = diloco_cfg(0, diloco_codec="topk2:3")
+    lonely = Worker("lonely", hubs, 1, cfg)
+    run_lockstep([lonely], range(1, 2 * H + 1))
+    saved = lonely.rounds.feedback_state()
+    assert sorted(saved) == ["0", "1", "2"] and all(bool(t.abs().sum() > 0)
+                                                     for t in saved.values())
+    ckpt.save_atomic({"mode_state": {"error_feedback": saved}}, tmp_path)
+    loaded = ckpt.load(tmp_path)["mode_state"]["error_feedback"]
+    fresh = Worker("fresh", hubs, 1, cfg)
+    fresh.rounds.restore_feedback(loaded)
+    assert sorted(fresh.rounds.feedback) == [0, 1, 2]
+    for f, t in saved.items():
+        assert torch.equal(fresh.rounds.feedback[int(f)].error, t)
+    bad = {"0": torch.full((10,), float("nan")), "1": torch.zeros(11), "7": torch.zeros(10),
+           "2": saved["2"]}
+    other = Worker("other", hubs, 1, cfg)
+    with caplog.at_level("WARNING"):
+        other.rounds.restore_feedback(bad)
+    assert sorted(other.rounds.feedback) == [2]
+    assert sum("does not fit this node" in r.getMessage() for r in caplog.records) == 3
+    for w in (lonely, fresh, other):
+        w.rounds.finish()
+
+
 def test_a_groupmates_malformed_message_fails_the_sync():
     """Indices out of order, a wrong length: the sync fails (the own message is applied)
     before anything decodes the groupmate's bytes."""

@@ -18,7 +18,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -202,6 +202,8 @@ class Node:
                                         self.trainer.flat.numel,
                                         ckpt.checkpoint_path(cp.checkpoint_dir))
                 await asyncio.to_thread(self.trainer.restore, saved)
+                if isinstance(saved.get("mode_state"), Mapping):
+                    self.mode.restore_state(saved["mode_state"])
                 log.info("resumed from %s at step %d", ckpt.checkpoint_path(cp.checkpoint_dir),
                          self.train_stats.step)
                 return
@@ -436,6 +438,9 @@ class Node:
         except RankLost as exc:  # a sharded node whose ranks are gone
             log.warning("checkpoint skipped: %s", exc)
             return
+        extra = await asyncio.to_thread(self.mode.checkpoint_state)
+        if extra:
+            payload["mode_state"] = extra
         theta = payload["theta"]
         if not (math.isfinite(float(theta.amax())) and math.isfinite(float(theta.amin()))):
             log.error("parameters are not finite at step %d: checkpoint skipped, the previous "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -109,6 +109,14 @@ class Mode(abc.ABC):
 
     def adopted(self, meta: pb.StateMeta) -> None:  # noqa: B027 (optional hook)
         """At start-up the trainer adopted a peer's downloaded state described by ``meta``."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The mode's own state for the node's checkpoint (host tensors, string keys; blocking:
+        run in a thread); nothing by default."""
+        return {}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (optional hook)
+        """Take back what :meth:`checkpoint_state` wrote (the node resumed its checkpoint)."""
 
     @abc.abstractmethod
     def snapshot(self) -> StateSnapshot:

@@ -19,7 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -144,6 +144,16 @@ class DilocoMode(Mode):
 
     def adopted(self, meta: pb.StateMeta) -> None:
         self._started().set_epoch(int(meta.rounds))
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """A sparse payload's error feedback (what the messages left out so far)."""
+        feedback = self.rounds.feedback_state() if self.rounds is not None else {}
+        return {"error_feedback": feedback} if feedback else {}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        saved = state.get("error_feedback")
+        if isinstance(saved, Mapping):
+            self._started().restore_feedback(saved)
 
     def snapshot(self) -> StateSnapshot:
         """The anchor (every fragment's global copy, shared by nodes in step; not mid-round

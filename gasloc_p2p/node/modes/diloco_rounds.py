@@ -68,6 +68,7 @@ from gasloc_p2p.node.stats import FragmentStats, TrainStats
 
 log = logging.getLogger(__name__)
 DIGEST_PARTS = 8  # contiguous chunks per tensor in the digest
+MAX_FEEDBACK = 1e6  # largest |value| of a restored accumulator (the checkpoint's own limit)
 DIGEST_REL_TOL = 1e-4  # relative to the chunk's norm: far above float32 rounding of averaging
 
 #: endpoint -> (epoch, anchor [numel], Nesterov buffer [numel] or None) of that node; blocking.
@@ -164,6 +165,7 @@ class DilocoRounds:
         # (SparseLoCo's accumulator, on the anchor's device: the host) made at its first sync
         self.sparse = cfg.sparse_spec()
         self.feedback: dict[int, ErrorFeedback] = {}
+        self._feedback_lock = threading.Lock()  # a sync's thread against a checkpoint's copy
         self.stats = [FragmentStats(self.schedule.offset(f), frag.numel)
                       for f, frag in enumerate(self.fragments)]
         self.pending: dict[int, _Sync] = {}
@@ -285,10 +287,11 @@ class DilocoRounds:
         finite bounded scales, indices in range and increasing) before anything decodes it."""
         spec, numel = self.sparse, self.fragments[f].numel
         assert spec is not None
-        ef = self.feedback.get(f)
-        if ef is None:
-            ef = self.feedback[f] = ErrorFeedback(spec, numel, 1.0, delta.device)
-        message = ef.compress(delta)
+        with self._feedback_lock:
+            ef = self.feedback.get(f)
+            if ef is None:
+                ef = self.feedback[f] = ErrorFeedback(spec, numel, 1.0, delta.device)
+            message = ef.compress(delta)
         mine = sparse.decode(message).to(delta.dtype)
         result = averager.allgather(message.to_bytes(), gather, target, self.stop)
         if not result.ok:
@@ -386,6 +389,37 @@ class DilocoRounds:
         s.resyncs += 1
         log.info("fragment %d: adopted the state of %s at epoch %d", f, ref["endpoint"],
                  self.epochs[f])
+
+    # ------------------------------------------------------------------ checkpoints
+    def feedback_state(self) -> dict[str, torch.Tensor]:
+        """Each fragment's error-feedback accumulator (what its messages left out so far), a
+        copy by fragment index, for the node's checkpoint."""
+        with self._feedback_lock:
+            return {str(f): ef.error.clone() for f, ef in sorted(self.feedback.items())}
+
+    def restore_feedback(self, saved: Mapping[str, Any]) -> None:
+        """Take back :meth:`feedback_state`'s accumulators. One that does not fit this node
+        (another payload, fragment size or split; non-finite or huge values) is dropped with a
+        warning: its fragment starts from zero, as a fresh node's."""
+        if self.sparse is None:
+            if saved:
+                log.warning("the checkpoint's error feedback is unused: --diloco-codec %s "
+                            "sends no sparse messages", self.cfg.diloco_codec)
+            return
+        for key, t in saved.items():
+            f = int(key) if str(key).isdigit() else -1
+            if not 0 <= f < len(self.fragments) or not isinstance(t, torch.Tensor) \
+                    or t.dtype != torch.float32 or t.shape != (self.fragments[f].numel,) \
+                    or not bool(torch.isfinite(t).all()) \
+                    or (t.numel() and float(t.abs().max()) > MAX_FEEDBACK):
+                log.warning("the checkpoint's error feedback for fragment %s does not fit this "
+                            "node: that fragment's starts from zero", key)
+                continue
+            with self._feedback_lock:
+                ef = ErrorFeedback(self.sparse, self.fragments[f].numel, 1.0,
+                                   self.anchor.device)
+                ef.error.copy_(t)
+                self.feedback[f] = ef
 
     # ------------------------------------------------------------------ views
     def set_epoch(self, rounds: int) -> None:
