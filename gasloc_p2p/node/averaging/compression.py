@@ -8,6 +8,9 @@ delta it sends back with the same enum). The enum has no free value, so :func:`i
 the averager's own process (:meth:`HivemindAverager` forks it); the group key includes the codec
 name, so every member of a group decodes that slot with the same codec.
 
+A sparse codec's all-gather uses the same slot for raw bytes (``CodecCompression(None)``:
+the node encodes its message itself; :mod:`.uniform` relays it).
+
 Each encoded part is ``Encoded.to_bytes()`` (scales then data, see :mod:`gasloc_p2p.core.wire`);
 the bytes put on the wire and taken off it are added to two counters shared with the node's
 process. The all-reduce (:mod:`.uniform`) encodes each averaged part once and sends the same

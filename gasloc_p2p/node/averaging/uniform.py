@@ -26,6 +26,13 @@ reducer's own part enters its sum unencoded); the mean is thus computed once per
 place, and the bytes it is sent as are what everyone keeps. Deterministic decoding
 (``tests/test_codecs.py``) makes the decoded values equal everywhere.
 
+All-gather (a sparse ``--diloco-codec``, SparseLoCo's sync): the "tensor" is each member's
+message bytes, viewed as float32s and sent raw; a reducer relays every sender's bytes of each
+part of its share, in sender order, and every member copies the relays into one row per
+member: each member's whole message, the same bytes in the same order everywhere. The mode
+decodes and averages them (:mod:`gasloc_p2p.node.modes.diloco_rounds`). A group larger than
+this node's own target fails before the rows are allocated (a leader picks the group).
+
 Wire bytes: every encoded part a member sends (inputs and averaged parts) is counted once per
 send in :class:`~gasloc_p2p.node.averaging.compression.CodecCompression`'s counters; received parts
 are counted on decode. Members running hivemind's stock runner must never meet members running
