@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.compress import parse_codec
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.tools.nodes import NodeChild
 
@@ -79,15 +80,21 @@ def measure(args: argparse.Namespace, tau: int) -> dict[str, object]:
 
 def report(tau: int, run: dict[str, object], codec: str) -> tuple[float, float, float]:
     """Print one run's table; returns (steps/s, stalled share, peak bandwidth reduction), means
-    over nodes. The reduction compares a whole-model all-reduce with the same codec (computed:
-    ``2 (n-1)/n * wire_bytes(numel)``) with the largest measured bytes of one fragment's sync."""
+    over nodes. The reduction compares a whole-model sync with the same codec (computed: an
+    all-reduce's ``2 (n-1)/n * wire_bytes(numel)``, a sparse all-gather's ``(n-1)(n+1)/n``
+    messages) with the largest measured bytes of one fragment's sync."""
     first: list[pb.InfoReply] = run["first"]  # type: ignore[assignment]
     last: list[pb.InfoReply] = run["last"]  # type: ignore[assignment]
     seconds = float(run["seconds"])  # type: ignore[arg-type]
     numel, n = int(run["numel"]), len(last)  # type: ignore[call-overload]
-    whole = 2 * (n - 1) / n * CodecSpec.of(codec).codec().wire_bytes(numel)
+    spec = parse_codec(codec)
+    if isinstance(spec, CodecSpec):  # an all-reduce: 2 (n - 1) / n of the vector
+        whole = 2 * (n - 1) / n * spec.codec().wire_bytes(numel)
+    else:  # a sparse all-gather: (n - 1)(n + 1) / n messages per node on average
+        assert spec is not None
+        whole = (n - 1) * (n + 1) / n * spec.wire_bytes(numel)
     print(f"\n--tau {tau}: {n} nodes, {numel:,} parameters, window {seconds:.0f} s; a "
-          f"whole-model {codec} all-reduce: {whole:,.0f} bytes per node")
+          f"whole-model {codec} sync: {whole:,.0f} bytes per node")
     print(f"{'node':<5} {'steps/s':>7} {'stalled %':>9} {'syncs ok':>8} {'failed':>6} "
           f"{'peak B/sync':>11}  bytes/sync per fragment (numel)")
     rows = []
