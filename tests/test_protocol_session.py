@@ -220,3 +220,34 @@ def test_a_payload_changed_in_transit_fails_its_signed_digest(monkeypatch, keep_
         MemoryExchange(a, b, 1).run()
     assert tampered
     assert torch.equal(a[1].state.theta, theta_a) and torch.equal(b[1].state.theta, theta_b)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 1 << 22, (1 << 22) + 1, 3 * (1 << 22) + 5])
+def test_the_payload_digest_is_the_same_for_any_split_and_moves_with_any_byte(nbytes):
+    """The signed payload digest (a SHA-256 tree over 4 MiB leaves, the leaves hashed in
+    parallel) equals what a receiver computes chunk by chunk, whatever the chunks; a changed
+    byte in any leaf, or a different length with the same bytes, changes it."""
+    import hashlib
+
+    from gasloc_p2p.core.wire import DIGEST_LEAF, PayloadHasher, payload_digest
+
+    rng = random.Random(nbytes)
+    data = bytearray(rng.randbytes(nbytes))
+    whole = payload_digest(data)
+    for cuts in ([], [1], [nbytes // 3, nbytes // 2], sorted(rng.sample(range(nbytes + 1), 5))
+                 if nbytes > 5 else []):
+        hasher, last = PayloadHasher(), 0
+        for cut in [*cuts, nbytes]:
+            hasher.update(data[last:cut])
+            last = cut
+        assert hasher.digest() == whole, cuts
+    leaves = [hashlib.sha256(data[i:i + DIGEST_LEAF]).digest()
+              for i in range(0, nbytes, DIGEST_LEAF)]
+    assert whole == hashlib.sha256(b"gasloc-payload-tree-v1" + nbytes.to_bytes(8, "little")
+                                   + b"".join(leaves)).digest()
+    if nbytes:
+        for at in {0, nbytes // 2, nbytes - 1}:
+            changed = bytearray(data)
+            changed[at] ^= 1
+            assert payload_digest(changed) != whole, at
+    assert payload_digest(data + b"\0") != whole

@@ -13,8 +13,11 @@ The value of each code is documented in :mod:`gasloc_p2p.core.codecs`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import functools
 import hashlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,12 +61,64 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 
 
 DIGEST_BYTES = 32  # SHA-256
+DIGEST_LEAF = 1 << 22  # bytes per leaf of a payload's digest tree
+_DIGEST_TAG = b"gasloc-payload-tree-v1"
+_HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+@functools.cache
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for the leaves of a large payload (hashlib releases the GIL while it hashes)."""
+    return concurrent.futures.ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="digest")
+
+
+def _leaf(data: memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _root(nbytes: int, leaves: list[bytes]) -> bytes:
+    return hashlib.sha256(_DIGEST_TAG + nbytes.to_bytes(8, "little") + b"".join(leaves)).digest()
 
 
 def payload_digest(data: bytes | bytearray | memoryview) -> bytes:
-    """The SHA-256 of a payload: what a sender signs in its Header, so a payload changed on the
-    path (a CRC can be kept by re-choosing 4 bytes) never matches."""
-    return hashlib.sha256(data).digest()
+    """The digest of a payload that a sender signs in its Header, so a payload changed on the
+    path (a CRC can be kept by re-choosing 4 bytes) never matches: SHA-256 over a tag, the
+    length and the SHA-256 of each :data:`DIGEST_LEAF`-byte leaf. The leaves of a large
+    payload are hashed in parallel (one SHA-256 of 1.2 GB took 985 ms on one core of an H200's
+    host); :class:`PayloadHasher` computes the same digest chunk by chunk."""
+    view = memoryview(data).cast("B")
+    n = view.nbytes
+    leaves = [view[i:i + DIGEST_LEAF] for i in range(0, n, DIGEST_LEAF)]
+    if len(leaves) > 1 and _HASH_THREADS > 1:
+        return _root(n, list(_hash_pool().map(_leaf, leaves)))
+    return _root(n, [_leaf(leaf) for leaf in leaves])
+
+
+class PayloadHasher:
+    """:func:`payload_digest` of bytes that arrive in pieces (as a receiver reads chunks off the
+    wire, hashing each while the rest is in flight); any split gives the same digest."""
+
+    def __init__(self) -> None:
+        self._leaves: list[bytes] = []
+        self._leaf = hashlib.sha256()
+        self._in_leaf = 0
+        self._total = 0
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            take = min(view.nbytes, DIGEST_LEAF - self._in_leaf)
+            self._leaf.update(view[:take])
+            self._in_leaf += take
+            self._total += take
+            view = view[take:]
+            if self._in_leaf == DIGEST_LEAF:
+                self._leaves.append(self._leaf.digest())
+                self._leaf, self._in_leaf = hashlib.sha256(), 0
+
+    def digest(self) -> bytes:
+        tail = [self._leaf.digest()] if self._in_leaf else []
+        return _root(self._total, self._leaves + tail)
 
 
 def payload_buffer(nbytes: int, pin: bool = False) -> bytearray | memoryview:

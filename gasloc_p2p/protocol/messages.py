@@ -26,7 +26,7 @@ from gasloc_p2p.safelog import safe
 # for the initiator's proof of key; 5: payloads are Q(p) (no per-peer references, no link
 # versions); 6: payload SHA-256, requests bound to their target; 7: TLS, certificates in the
 # signed records, requests carry a challenge the server issued
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_CHUNK_BYTES = 1 << 20  # protocol limit on one Chunk's payload (1 MiB)
 # Block sizes a responder accepts besides its own: a peer's header never picks another one, so
 # it cannot make this node allocate (or cache codecs for) sizes of its choosing.

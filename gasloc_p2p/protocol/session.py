@@ -31,11 +31,11 @@ there is no second Header, and the responder's payload follows its Header at onc
 from __future__ import annotations
 
 import enum
-import hashlib
 from dataclasses import dataclass
 
 from gasloc_p2p.core.async_state import exchange_weight
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
+from gasloc_p2p.core.wire import PayloadHasher
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import (
     Action,
@@ -149,7 +149,7 @@ class ExchangeSession:
         # the peer's payload, allocated at its announced (checked) size
         self._buf: bytearray | memoryview = bytearray()
         self._filled = 0
-        self._hash = hashlib.sha256()  # of the payload bytes received so far (as they arrive)
+        self._hash = PayloadHasher()  # of the payload bytes received so far (as they arrive)
         self._received: Encoded | None = None
         self._my_rounds: int | None = None
         self._peer_rounds: int | None = None
