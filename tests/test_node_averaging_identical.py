@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -188,26 +189,8 @@ def test_one_all_gather_delivers_every_message_in_one_order(dhts):
 
 def _gather_once(dhts: list, messages: list[bytes], numel: int, run_id: str) -> list:
     """One all-gather of ``messages`` by three fresh averagers; each member's result."""
-    prefix = averaging_prefix(run_id, "f" * 64, "topk2:123", "diloco")
-    averagers = [HivemindAverager(dht, numel, prefix, cfg_for("topk2:123")) for dht in dhts]
-    results: list = [None] * N
-    try:
-        for a in averagers:
-            a.start()
-        stop = threading.Event()
-
-        def run(i: int) -> None:
-            results[i] = averagers[i].allgather(messages[i], {"i": i}, N, stop)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(N)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(scaled(120))
-    finally:
-        for a in averagers:
-            a.close()
-    return results
+    return _each_member(dhts, "topk2:123", numel, run_id, lambda a, i, stop: a.allgather(
+        messages[i], {"i": i}, N, stop))
 
 
 def _check_identical(members: list[Member], codec: str) -> None:
@@ -262,8 +245,16 @@ def _average_once(dhts: list, codec: str, inputs: list[torch.Tensor], run_id: st
     """One all-reduce of ``inputs`` by three fresh averagers; each member's result (None if
     its thread did not finish). On a loaded machine a groupmate's part can miss its deadline
     ("averaged values did not arrive"); the caller then starts over under a new prefix."""
+    return _each_member(dhts, codec, NUMEL, run_id, lambda a, i, stop: a.average(
+        inputs[i], {"i": i}, N, stop))
+
+
+def _each_member(dhts: list, codec: str, numel: int, run_id: str,
+                 call: Callable[[HivemindAverager, int, threading.Event], Any]) -> list:
+    """``call(averager, i, stop)`` on three fresh averagers at once, one thread each; their
+    results (None where a thread did not finish)."""
     prefix = averaging_prefix(run_id, "f" * 64, codec, "diloco")
-    averagers = [HivemindAverager(dht, NUMEL, prefix, cfg_for(codec)) for dht in dhts]
+    averagers = [HivemindAverager(dht, numel, prefix, cfg_for(codec)) for dht in dhts]
     results: list = [None] * N
     try:
         for a in averagers:
@@ -271,7 +262,7 @@ def _average_once(dhts: list, codec: str, inputs: list[torch.Tensor], run_id: st
         stop = threading.Event()
 
         def run(i: int) -> None:
-            results[i] = averagers[i].average(inputs[i], {"i": i}, N, stop)
+            results[i] = call(averagers[i], i, stop)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(N)]
         for t in threads:

@@ -104,6 +104,25 @@ def run_lockstep(workers: list[Worker], steps: range) -> None:
             assert not t.is_alive()
 
 
+def run_beside_the_simulator(sim: StreamingDiloco, workers: list[Worker]) -> None:
+    """Two periods of the same steps in ``sim`` and in the daemon's rounds of ``workers``
+    (every fragment syncs and lands at least once): equal thetas after every step, equal
+    anchors and Nesterov buffers whenever no sync is in flight."""
+    thetas = theta0().expand(len(workers), NUMEL).clone()
+    for step in range(1, 2 * H + 1):
+        for i in range(len(workers)):
+            thetas[i].add_(noise(step, i))
+        for f in sim.due(step):
+            sim.begin(f, step, thetas)
+        sim.land(step, thetas)
+        run_lockstep(workers, range(step, step + 1))
+        for i, w in enumerate(workers):
+            assert torch.equal(w.state.theta, thetas[i]), (step, i)
+            if not sim.pending:  # the simulator steps its global copy at the start, the node
+                assert torch.equal(w.state.anchor, sim.global_params), step  # at the landing
+                assert torch.equal(w.state.memory, sim.memory), step
+
+
 def diloco_cfg(tau: int, alpha: float = 0.0, **kw) -> DilocoConfig:
     return DilocoConfig(diloco_eta=ETA, diloco_gamma=GAMMA, tau=tau, merge_alpha=alpha, **kw)
 
@@ -115,21 +134,9 @@ def test_daemon_rounds_equal_the_simulator_bit_for_bit(tau, alpha, averagers):
     n = 3
     sim = StreamingDiloco(theta0(), FRAGS, StreamingConfig(H=H, tau=tau, alpha=alpha, eta=ETA,
                                                            gamma=GAMMA, codec="none"))
-    thetas = theta0().expand(n, NUMEL).clone()
     hubs = [ExactMeanHub(matchmaking_time_s=scaled(30)) for _ in range(averagers)]  # a busy box
     workers = [Worker(f"w{i}", hubs, n - 1, diloco_cfg(tau, alpha)) for i in range(n)]
-    for step in range(1, 2 * H + 1):  # every fragment syncs and lands at least once
-        for i in range(n):
-            thetas[i].add_(noise(step, i))
-        for f in sim.due(step):
-            sim.begin(f, step, thetas)
-        sim.land(step, thetas)
-        run_lockstep(workers, range(step, step + 1))
-        for i, w in enumerate(workers):
-            assert torch.equal(w.state.theta, thetas[i]), (step, i)
-            if not sim.pending:  # the simulator steps its global copy at the start, the node
-                assert torch.equal(w.state.anchor, sim.global_params), step  # at the landing
-                assert torch.equal(w.state.memory, sim.memory), step
+    run_beside_the_simulator(sim, workers)
     for w in workers:
         assert [s.last_start_step for s in w.rounds.stats] == [12, 8, 10]  # offsets 0, 2, 4
         in_flight = [int(f in w.rounds.pending) for f in range(len(FRAGS))]  # tau > 0: f0
@@ -151,21 +158,10 @@ def test_sparse_syncs_equal_the_simulators_sparseloco_bit_for_bit(codec, tau, av
     n = 3
     sim = StreamingDiloco(theta0(), FRAGS, StreamingConfig(H=H, tau=tau, eta=ETA, gamma=GAMMA,
                                                            codec=codec))
-    thetas = theta0().expand(n, NUMEL).clone()
     hubs = [ExactMeanHub(matchmaking_time_s=scaled(30)) for _ in range(averagers)]
     workers = [Worker(f"w{i}", hubs, n - 1, diloco_cfg(tau, diloco_codec=codec))
                for i in range(n)]
-    for step in range(1, 2 * H + 1):
-        for i in range(n):
-            thetas[i].add_(noise(step, i))
-        for f in sim.due(step):
-            sim.begin(f, step, thetas)
-        sim.land(step, thetas)
-        run_lockstep(workers, range(step, step + 1))
-        for i, w in enumerate(workers):
-            assert torch.equal(w.state.theta, thetas[i]), (step, i)
-            if not sim.pending:
-                assert torch.equal(w.state.anchor, sim.global_params), step
+    run_beside_the_simulator(sim, workers)
     for w in workers:
         in_flight = [int(f in w.rounds.pending) for f in range(len(FRAGS))]
         assert [s.ok + p for s, p in zip(w.rounds.stats, in_flight, strict=True)] == [2, 1, 1]
