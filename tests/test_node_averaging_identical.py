@@ -111,55 +111,55 @@ def _sync_all(members: list[Member]) -> bool:
     return all(s.failed + s.solo == 0 for m in members for s in m.rounds.stats)
 
 
-@pytest.mark.parametrize("codec", ["fp4", "int8"])
-def test_lossy_syncs_leave_every_fragment_bit_identical(dhts, codec):
-    for attempt in range(3):  # a hivemind deadline missed under load: start over
-        prefix = averaging_prefix(f"identical{attempt}", "f" * 64, codec, "stream3")
+def _sync_and_check(dhts: list, codec: str, name: str,
+                    check: Callable[[list[Member], str], None]) -> None:
+    """Three members sync every fragment (:func:`_sync_all`) and ``check`` them; a sync that
+    hivemind failed under load starts the whole attempt over, three times at most."""
+    for attempt in range(3):
+        prefix = averaging_prefix(f"{name}{attempt}", "f" * 64, codec, "stream3")
         members = [Member(dht, codec, prefix) for dht in dhts]
         try:
             if _sync_all(members):
-                _check_identical(members, codec)
+                check(members, codec)
                 return
         finally:
             for m in members:
                 m.close()
     pytest.fail("hivemind failed a sync in each of 3 attempts")
+
+
+@pytest.mark.parametrize("codec", ["fp4", "int8"])
+def test_lossy_syncs_leave_every_fragment_bit_identical(dhts, codec):
+    _sync_and_check(dhts, codec, "identical", _check_identical)
 
 
 def test_sparse_syncs_all_gather_and_leave_every_fragment_bit_identical(dhts):
     """A sparse --diloco-codec on real averagers: every member receives every member's
     message bytes through the reducers' relays, in the same order, and so takes the same
     outer step; each sends about its own message n - 1 times and receives n - 1 messages."""
-    codec = "topk2:40"
-    for attempt in range(3):  # a hivemind deadline missed under load: start over
-        prefix = averaging_prefix(f"sparse{attempt}", "f" * 64, codec, "stream3")
-        members = [Member(dht, codec, prefix) for dht in dhts]
-        try:
-            if _sync_all(members):
-                for m in members:
-                    assert [s.ok for s in m.rounds.stats] == [2, 1, 1]
-                    assert [s.last_group_size for s in m.rounds.stats] == [N, N, N]
-                ref = members[0].state
-                assert ref.anchor is not None and not torch.equal(ref.anchor, theta0())
-                for m in members[1:]:
-                    assert m.state.anchor is not None
-                    assert torch.equal(m.state.anchor, ref.anchor)
-                    assert torch.equal(m.state.memory, ref.memory)
-                # 4 syncs. A member takes in at least the n - 1 other messages (as a reducer's
-                # relays, or as inputs of its own share); the group puts out each message to
-                # the n - 1 other reducers (its parts) and n - 1 times again (the relays):
-                # (n - 1)(n + 1) messages a sync, where an ideal all-gather sends n (n - 1).
-                wire = members[0].averager.message_bytes  # the padded message
-                for m in members:
-                    assert m.averager.bytes_received() >= 4 * wire * (N - 1), wire
-                sent = sum(m.averager.bytes_sent() for m in members)
-                got = sum(m.averager.bytes_received() for m in members)
-                assert got <= sent <= 4 * wire * (N - 1) * (N + 1) * 1.05, (sent, got, wire)
-                return
-        finally:
-            for m in members:
-                m.close()
-    pytest.fail("hivemind failed a sync in each of 3 attempts")
+    _sync_and_check(dhts, "topk2:40", "sparse", _check_gathered)
+
+
+def _check_gathered(members: list[Member], codec: str) -> None:
+    for m in members:
+        assert [s.ok for s in m.rounds.stats] == [2, 1, 1]
+        assert [s.last_group_size for s in m.rounds.stats] == [N, N, N]
+    ref = members[0].state
+    assert ref.anchor is not None and not torch.equal(ref.anchor, theta0())
+    for m in members[1:]:
+        assert m.state.anchor is not None
+        assert torch.equal(m.state.anchor, ref.anchor)
+        assert torch.equal(m.state.memory, ref.memory)
+    # 4 syncs. A member takes in at least the n - 1 other messages (as a reducer's relays, or
+    # as inputs of its own share); the group puts out each message to the n - 1 other
+    # reducers (its parts) and n - 1 times again (the relays): (n - 1)(n + 1) messages a
+    # sync, where an ideal all-gather sends n (n - 1).
+    wire = members[0].averager.message_bytes  # the padded message
+    for m in members:
+        assert m.averager.bytes_received() >= 4 * wire * (N - 1), wire
+    sent = sum(m.averager.bytes_sent() for m in members)
+    got = sum(m.averager.bytes_received() for m in members)
+    assert got <= sent <= 4 * wire * (N - 1) * (N + 1) * 1.05, (sent, got, wire)
 
 
 def test_one_all_gather_delivers_every_message_in_one_order(dhts):
