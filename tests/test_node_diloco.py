@@ -359,7 +359,12 @@ def test_three_diloco_processes_average_through_hivemind(tmp_path: Path):
             return all(i.averaging_rounds_ok >= 10 and i.last_group_size >= 2
                        for i in (n.info() for n in nodes))
 
-        wait_for(averaged, 60, "10 averaged rounds in groups of >= 2 on every node", 1.0)
+        try:
+            wait_for(averaged, 60, "10 averaged rounds in groups of >= 2 on every node", 1.0)
+        except AssertionError as exc:  # say where each node stood
+            stood = [(n.name, i.step, i.averaging_rounds_ok, i.averaging_rounds_failed,
+                      i.averaging_rounds_solo) for n, i in ((n, n.info()) for n in nodes)]
+            raise AssertionError(f"{exc}; (node, step, ok, failed, solo): {stood}") from None
         diff = wait_for(lambda: anchors_agree(nodes), 20,
                         "identical anchors at one epoch on every node", 0.05)
         print(f"anchors at one epoch agree: largest difference {diff[0]:.3g}")

@@ -53,9 +53,10 @@ def _averager_class() -> Any:
 
         async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any,
                                           group_id: Any = None, **kwargs: Any) -> None:
+            target = self._matchmaking.target_group_size
             self._gasloc_messages = await run_uniform_allreduce(
                 self, tensors, group_info, group_id,
-                max_members=self._matchmaking.target_group_size, **kwargs)
+                max_members=gather_cap(target) if target else None, **kwargs)
 
         async def _aggregate_with_group(self, group_info: Any, min_vector_size: int,
                                         **kwargs: Any) -> Any:
@@ -77,6 +78,14 @@ def _averager_class() -> Any:
             os._exit(0)
 
     return GaslocAverager
+
+
+def gather_cap(target: int) -> int:
+    """The largest group an all-gather joins when this node aims at groups of ``target``: a
+    leader picks the group, and every member's message is held at once, so the size is
+    bounded by this node's own figure; with room for a swarm that grew since this node last
+    counted it (a cap of exactly ``target`` refused honest groups and stalled their rounds)."""
+    return 2 * target + 8
 
 
 def averaging_prefix(run_id: str, fingerprint: str, codec: str = "",

@@ -31,7 +31,8 @@ message bytes, viewed as float32s and sent raw; a reducer relays every sender's 
 part of its share, in sender order, and every member copies the relays into one row per
 member: each member's whole message, the same bytes in the same order everywhere. The mode
 decodes and averages them (:mod:`gasloc_p2p.node.modes.diloco_rounds`). A group larger than
-this node's own target fails before the rows are allocated (a leader picks the group).
+``max_members`` (from this node's own target, :func:`.dht.gather_cap`) fails before the rows
+are allocated (a leader picks the group).
 
 Wire bytes: every encoded part a member sends (inputs and averaged parts) is counted once per
 send in :class:`~gasloc_p2p.node.averaging.compression.CodecCompression`'s counters; received parts
@@ -224,7 +225,7 @@ async def run_uniform_allreduce(averager: Any, tensors: Sequence[torch.Tensor], 
     arrived (otherwise AllreduceException: the round fails and nothing changes). An
     all-gather leaves ``tensors`` as they are and returns every sender's (peer id, message
     bytes), in sender order; it holds every member's message, so a group larger than
-    ``max_members`` (this node's own target: a leader picks the group) fails before
+    ``max_members`` (from this node's own target: a leader picks the group) fails before
     anything is allocated."""
     from hivemind.averaging.allreduce import AveragingMode
     from hivemind.averaging.partition import AllreduceException
