@@ -31,6 +31,11 @@ averaged outer gradient bit for bit, lossy codecs included (:mod:`gasloc_p2p.nod
 uniform`), so members in step hold equal fragments. Each fragment keeps its own epoch (outer
 steps along the shared history, never going down).
 
+A sparse ``--diloco-codec`` (``topkB:K``, ``denseB``) replaces the all-reduce with SparseLoCo's
+all-gather (:meth:`DilocoRounds._gather`): the outer gradient enters the fragment's error
+feedback, the node sends the message taken from it, and every member averages every member's
+message in the group's order, as the simulator does (``core.streaming``), bit for bit.
+
 State lives in the node's :class:`AsyncGaslocState` with the "local" momentum form: ``anchor``
 holds every fragment's global copy and ``memory`` every fragment's Nesterov buffer (none at
 gamma 0), in the parameters' layout, so checkpoints, resume and late-join downloads work
