@@ -137,3 +137,28 @@ def test_plan_refuses_bad_input_in_one_line():
         done = run_plan("--model", "gpt", flag, value)
         assert done.returncode == 2
         assert done.stderr.strip().count("\n") == 0 and flag in done.stderr, done.stderr
+
+
+def test_plan_counts_a_diloco_nodes_averaging_and_error_feedback():
+    """A DiLoCo node holds hivemind's shared vector on the host; with a sparse payload its
+    error feedback (4 B/param) and the all-gather's messages instead; a bad payload is one
+    line naming --diloco-codec."""
+    shape = model_shape("gpt", TrainConfig(n_layer=2, n_embd=64, n_head=2), 256)
+    for codec in ("fp32", "topk2:123"):
+        cfg = NodeConfig()
+        cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, algorithm="diloco"),
+                                  diloco=dataclasses.replace(cfg.diloco, diloco_codec=codec))
+        held = {b.name: b for b in plan(cfg, "cuda", shape)["buffers"]}
+        assert not any(name.startswith("exchange") for name in held)  # no gossip
+        if codec == "fp32":
+            assert held["averaging: the shared outer gradient"].nbytes == 4 * shape.numel
+        else:
+            ef = held["error feedback (sparse payload)"]
+            assert ef.nbytes == 4 * shape.numel and ef.where == "host"
+            message = held["averaging: the message and 8 members' (all-gather)"].nbytes
+            assert 0 < message < 9 * 0.02 * 4 * shape.numel  # 3% at 2 bits + indices, x 9
+    done = run_plan("--model", "gpt", "--algorithm", "diloco", "--diloco-codec", "topk2:123")
+    assert done.returncode == 0 and "error feedback (sparse payload)" in done.stdout
+    bad = run_plan("--model", "gpt", "--algorithm", "diloco", "--diloco-codec", "randk2:9")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--diloco-codec='randk2:9'" in bad.stderr

@@ -172,6 +172,15 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
         else:
             out.append(Placed("exchange: both payloads + scratch", 2 * wire + 8 * chunk, dev))
         out.append(Placed("exchange: payload buffers", 2 * wire, "host"))
+    else:  # the DiLoCo modes: hivemind's shared vector (the outer gradient, or the message)
+        sparse = cfg.diloco.sparse_spec()
+        if sparse is None:
+            out.append(Placed("averaging: the shared outer gradient", 4 * shape.numel, "host"))
+        else:
+            message = sparse.wire_bytes(shape.numel)
+            out += [Placed("error feedback (sparse payload)", 4 * shape.numel, "host"),
+                    Placed("averaging: the message and 8 members' (all-gather)",
+                           9 * message, "host")]
     if device != "cpu":
         out.append(Placed("CUDA context, allocator slack", CUDA_OVERHEAD, "device"))
     return out
@@ -268,6 +277,8 @@ def add_plan_parser(sub: Any) -> None:
                                                              "streaming-diloco"))
     p.add_argument("--gamma", type=float, default=0.0, help="outer momentum (a buffer if > 0)")
     p.add_argument("--codec", default="int8")
+    p.add_argument("--diloco-codec", default="fp32",
+                   help="DiLoCo modes' payload (a sparse one keeps an error feedback)")
     p.add_argument("--cpu", action="store_true", help="plan a CPU node (everything on the host)")
     p.add_argument("--nproc-per-node", type=_positive, default=1,
                    help="GPUs of the node: the figures are per GPU, the micro-batch split "
@@ -294,7 +305,9 @@ def run_plan(args: argparse.Namespace) -> int:
                                          nproc_per_node=args.nproc_per_node,
                                          sharding=args.sharding),
                       outer=replace(cfg.outer, algorithm=args.algorithm, gamma=args.gamma),
+                      diloco=replace(cfg.diloco, diloco_codec=args.diloco_codec),
                       gossip=replace(cfg.gossip, codec=CodecSpec.parse(args.codec).name))
+        cfg.diloco.validate()
         if args.micro_batch % args.nproc_per_node:
             raise ValueError(f"--micro-batch={args.micro_batch} does not split over "
                              f"--nproc-per-node={args.nproc_per_node} GPUs")
