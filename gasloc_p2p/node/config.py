@@ -17,9 +17,10 @@ from dataclasses import dataclass, field, fields
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
+from gasloc_p2p.core.compress import parse_codec
 from gasloc_p2p.core.options import ConfigError as ConfigError  # part of this module's API
 from gasloc_p2p.core.options import check_outer_step, need, opt
-from gasloc_p2p.core.sparse import SELECTIONS, SparseSpec
+from gasloc_p2p.core.sparse import SparseSpec
 from gasloc_p2p.node.config_network import (  # the sections live in three modules, one API
     DiscoveryConfig,
     NetworkConfig,
@@ -287,9 +288,10 @@ class DilocoConfig:
         feedback), None for the all-reduce codecs; ValueError for a malformed one."""
         if self.diloco_codec in DILOCO_CODECS:
             return None
-        if not self.diloco_codec.startswith(SELECTIONS):
+        spec = parse_codec(self.diloco_codec)  # ValueError for a malformed one
+        if not isinstance(spec, SparseSpec):
             raise ValueError("not a codec")
-        return SparseSpec.parse(self.diloco_codec)
+        return spec
 
 
 @dataclass(frozen=True)

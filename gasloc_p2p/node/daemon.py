@@ -202,8 +202,8 @@ class Node:
                                         self.trainer.flat.numel,
                                         ckpt.checkpoint_path(cp.checkpoint_dir))
                 await asyncio.to_thread(self.trainer.restore, saved)
-                if isinstance(saved.get("mode_state"), Mapping):
-                    self.mode.restore_state(saved["mode_state"])
+                if isinstance(saved.get("mode_state"), Mapping):  # model-sized: off the loop
+                    await asyncio.to_thread(self.mode.restore_state, saved["mode_state"])
                 log.info("resumed from %s at step %d", ckpt.checkpoint_path(cp.checkpoint_dir),
                          self.train_stats.step)
                 return

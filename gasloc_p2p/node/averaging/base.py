@@ -77,10 +77,11 @@ class Averager(abc.ABC):
 
     def allgather(self, message: bytes, gather: Mapping[str, Any], target_group_size: int,
                   stop: threading.Event) -> AveragingResult:
-        """Deliver ``message`` (exactly :attr:`message_bytes` long) to whoever is gathering
-        now and collect theirs: a result whose ``messages`` are every member's, this node's
-        included, in the group's order (``averaged`` is an empty tensor). Only averagers
-        built for an all-gather (a sparse ``--diloco-codec``) have it."""
+        """Deliver ``message`` to whoever is gathering now and collect theirs: a result whose
+        ``messages`` are every member's, this node's included, in the group's order
+        (``averaged`` is an empty tensor; an averager of a fixed message size returns them
+        zero-padded to it). Only averagers built for an all-gather (a sparse
+        ``--diloco-codec``) have it."""
         raise NotImplementedError(f"{type(self).__name__} does not all-gather")
 
     @abc.abstractmethod

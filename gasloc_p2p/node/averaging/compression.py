@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from gasloc_p2p.core.codecs import CodecSpec
-from gasloc_p2p.core.sparse import SELECTIONS
+from gasloc_p2p.core.compress import parse_codec
+from gasloc_p2p.core.sparse import SparseSpec
 from gasloc_p2p.core.wire import Encoded, raw_bytes
 
 SLOT = "QUANTILE_8BIT"  # the CompressionType value CodecCompression takes over
@@ -122,7 +123,7 @@ def make_compression(codec: str) -> Any:
     """A :class:`CodecCompression` for ``codec`` (fp32 | fp16 | int8 | int4 | fp4, default
     block size), or for an all-gather's raw message bytes (a sparse codec: the node encodes
     its message itself, see :mod:`gasloc_p2p.node.modes.diloco_rounds`)."""
-    if codec.startswith(SELECTIONS):
+    if isinstance(parse_codec(codec), SparseSpec):
         return compression_class()(None)
     return compression_class()(CodecSpec.of(codec))
 
