@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 import time
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -199,3 +201,20 @@ async def settle(aw: Awaitable[Any]) -> BaseException | Any:
         return await aw
     except BaseException as exc:  # noqa: BLE001 - tests inspect it
         return exc
+
+
+def moment_elements_per_file(where: Path) -> dict[str, int]:
+    """AdamW moment elements (exp_avg and exp_avg_sq) each file of a DCP checkpoint holds,
+    from its metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    meta = FileSystemReader(str(where)).read_metadata()
+    out: dict[str, int] = {}
+    for key, m in meta.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata) and key.endswith(("exp_avg", "exp_avg_sq")):
+            for chunk in m.chunks:
+                info = meta.storage_data[MetadataIndex(key, chunk.offsets)]
+                out[info.relative_path] = out.get(info.relative_path, 0) + math.prod(
+                    chunk.sizes)
+    return out

@@ -22,6 +22,8 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.drift import DriftProbe
+from gasloc_p2p.node.config import TrainConfig
+from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, distributed_env, follow
 from gasloc_p2p.node.runtime.trainer import Trainer, follower_replica
@@ -57,13 +59,12 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
             torch.save({"rows_bytes": held[0].sharded.local_bytes(),
                         "full_copy": held[0].flat is not None}, f"{out}.rank{group.rank}")
         return code
-    cfg = tiny_config(Path(corpus), inner_steps=8, grad_accum=grad_accum, batch_size=4,
-                      n_embd=32, n_head=2, warmup_steps=4, max_rollbacks=2,
-                      seq_len=33,  # the position table: 33 rows, sharded 17 + 16
-                      device=device, sharding=sharding).train
+    cfg = schedule_config(corpus, grad_accum, device, sharding)
     lock = TrainingLock()
-    trainer = Trainer(cfg, AsyncConfig(eta=0.7, gamma=0.5, w=0.5), 1, lock, TrainStats(),
-                      ranks=group)
+    trainer = Trainer(cfg, OUTER, 1, lock, TrainStats(), ranks=group)
+    # the checkpoint taken at SAVE_AT, written as the daemon does (sharded: the ranks write
+    # their rows of the AdamW state beside it)
+    trainer.checkpoint_dir = f"{out}.ckpt"
     trainer.load_data(7)
     # the gossip guard's drift probe: sharded, it samples the ranks' rows around every step
     drifts: list[dict[int, float]] = []
@@ -79,6 +80,7 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
         if tick == SAVE_AT:  # an evaluation first: sharded, the ranks' collective forward
             val = trainer.val_loss()
             saved = trainer.state_for_checkpoint()
+            ckpt.save_atomic(saved, trainer.checkpoint_dir)
         if tick == RESTORE_AT:
             assert saved is not None
             trainer.restore(saved)
@@ -92,8 +94,21 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
     torch.save({"theta": trainer.flat.buffer.cpu(), "theta0": trainer.theta0.float(),
                 "agree": agree, "drifts": drifts, "val": val,
                 "rollbacks": trainer.stats.rollbacks, "step": trainer.stats.step,
-                "rounds": trainer.stats.rounds}, out)
+                "rounds": trainer.stats.rounds, "checkpoint": trainer.checkpoint_dir}, out)
     return 0
+
+
+OUTER = AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
+
+
+def schedule_config(corpus: str | Path, grad_accum: int, device: str,
+                    sharding: str) -> TrainConfig:
+    """The schedule's training settings (a test builds the same trainer to resume from the
+    schedule's checkpoint)."""
+    return tiny_config(Path(corpus), inner_steps=8, grad_accum=grad_accum, batch_size=4,
+                       n_embd=32, n_head=2, warmup_steps=4, max_rollbacks=2,
+                       seq_len=33,  # the position table: 33 rows, sharded 17 + 16
+                       device=device, sharding=sharding).train
 
 
 if __name__ == "__main__":

@@ -52,6 +52,74 @@ def test_a_checkpoint_with_nan_or_foreign_shapes_fails_in_one_line(corpus, tmp_p
         assert "\n" not in str(info.value) and "move it away" in str(info.value)
 
 
+def _sharded_save(directory, model, opt, poison=False):
+    """A sharded node's AdamW directory, as its ranks write it (here one process, DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, opt)
+    if poison:
+        sd = {"state": {k: {n: (t.clone().fill_(float("nan")) if n == "exp_avg" else t)
+                            for n, t in v.items()} for k, v in sd["state"].items()},
+              "param_groups": sd["param_groups"]}
+    name = ckpt.new_sharded_name(directory)
+    dcp.save(sd, checkpoint_id=str(directory / name), no_dist=True)
+    return name
+
+
+def test_a_sharded_adamw_checkpoint_is_checked_read_whole_and_pruned_in_order(tmp_path):
+    """The AdamW directory a sharded node's ranks write beside node.pt: checked before use
+    (present, complete, the model's size, finite), read whole by a node of one rank, and
+    removed once a later checkpoint names a later directory (never one made after it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(4, 6)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    numel = sum(p.numel() for p in model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    first = _sharded_save(tmp_path, model, opt)
+    second = _sharded_save(tmp_path, model, opt, poison=True)
+    third = _sharded_save(tmp_path, model, opt)
+    assert [first, second, third] == [f"optim-000000000{i}" for i in (1, 2, 3)]
+    # read whole: the very state dict of the optimizer
+    whole = ckpt.read_sharded_optimizer(tmp_path / first, names,
+                                        opt.state_dict()["param_groups"])
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(whole)
+    want = opt.state_dict()["state"]
+    got = fresh.state_dict()["state"]
+    assert got.keys() == want.keys() == set(range(len(names)))
+    assert all(torch.equal(got[i][k], want[i][k]) for i in want for k in want[i])
+    with pytest.raises(ckpt.CheckpointError, match="parameters this model lacks"):
+        ckpt.read_sharded_optimizer(tmp_path / first, names[1:], [])
+    # checked before use: one line each
+    payload = {"fingerprint": "f", "step": 1, "rounds": 0, "tokens": 0, "momentum": "none",
+               "generator": torch.zeros(1), "theta": torch.zeros(numel), "anchor": None,
+               "memory": None}
+    path = ckpt.checkpoint_path(tmp_path)
+    ckpt.validate({**payload, "optimizer": {"sharded": first}}, "f", numel, path)
+    for name, size, why in ((second, numel, "optimizer 0.weight.exp_avg holds NaN"),
+                            (first, numel + 1, f"holds {numel} moments, the model {numel + 1}"),
+                            ("optim-0000000009", numel, "missing or incomplete"),
+                            ("../elsewhere", numel, "missing or incomplete")):
+        bad = {**payload, "theta": torch.zeros(size), "optimizer": {"sharded": name}}
+        with pytest.raises(ckpt.CheckpointError, match=why) as info:
+            ckpt.validate(bad, "f", size, path)
+        assert "\n" not in str(info.value) and "move it away" in str(info.value)
+    # a one-rank node's checkpoint (no directory named) removes nothing; one naming the
+    # second removes the first, not the third (made after it: the ranks' state at a stop)
+    ckpt.save_atomic({**payload, "optimizer": opt.state_dict()}, tmp_path)
+    assert sorted(d.name for d in tmp_path.glob("optim-*")) == [first, second, third]
+    ckpt.save_atomic({**payload, "optimizer": {"sharded": second}}, tmp_path)
+    assert sorted(d.name for d in tmp_path.glob("optim-*")) == [second, third]
+    ckpt.discard({"optimizer": {"sharded": third}}, tmp_path)
+    assert [d.name for d in tmp_path.glob("optim-*")] == [second]
+    assert ckpt.new_sharded_name(tmp_path) == "optim-0000000003"
+
+
 def test_an_unwritable_checkpoint_directory_is_counted_and_reported(corpus, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the directory should be")

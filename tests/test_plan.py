@@ -94,6 +94,10 @@ def test_a_rank_of_a_sharded_node_holds_its_rows_and_rank_0_a_full_copy_on_the_h
     assert not [b for b in plans[4]["buffers"] if b.name.startswith("exchange")
                 and b.where == "device"]
     assert "per GPU of 4 (FSDP2: each holds 1/4 of the model)" in report(plans[4], None)
+    # a checkpoint's host copies: the AdamW state only where it is not written by each rank
+    saved = {k: next(b for b in p["transients"] if b.name.startswith("checkpoint")) for k, p in
+             plans.items()}
+    assert saved[2].nbytes - saved[4].nbytes == 8 * shape.numel
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess[str]:

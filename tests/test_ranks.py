@@ -19,9 +19,14 @@ import pytest
 import torch
 
 from gasloc_p2p.node.launch import describe, free_port, rank_env
+from gasloc_p2p.node.runtime import checkpoint as ckpt
+from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import checksum, distributed_env, rank_device, split_rows
+from gasloc_p2p.node.runtime.trainer import Trainer
+from gasloc_p2p.node.stats import TrainStats
+from tests import ranks_schedule
 from tests.daemon_helpers import write_corpus
-from tests.node_helpers import scaled
+from tests.node_helpers import moment_elements_per_file, scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +68,8 @@ def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sh
     """DDP: two replicas; FSDP2: each rank holds half the rows of every parameter, and rank
     0's full copy (what the exchange engine and the outer state see) is filled from them and
     handed back around every write (a commit, a round end, the restore, the rollback); the
-    AdamW state goes through a full gather at the save and a scatter at the restore."""
+    AdamW state is saved by each rank (its rows, torch.distributed.checkpoint) and read back in
+    rows at the restore."""
     corpus = write_corpus(tmp_path / "corpus")
     one = _schedule(tmp_path, corpus, accum, 1, device)
     two = _schedule(tmp_path, corpus, accum, 2, device, sharding)
@@ -72,6 +78,7 @@ def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sh
         rank1 = torch.load(tmp_path / f"out-2-{accum}-fsdp.pt.rank1")
         assert rank1["full_copy"] is False
         assert rank1["rows_bytes"] == pytest.approx(4 * two["theta"].numel() / 2, rel=0.05)
+        _check_sharded_checkpoint(corpus, accum, one, two)
     # the schedule ran: round ends, one rollback, the restore went back in steps
     assert (one["rollbacks"], one["rounds"]) == (two["rollbacks"], two["rounds"]) == (1, 3)
     assert one["step"] == two["step"] == 26
@@ -95,6 +102,37 @@ def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sh
         assert all(math.isnan(a[k]) == math.isnan(b[k]) for k in a), (a, b)
         assert all(abs(a[k] - b[k]) < 0.01 * a[k] for k in a if not math.isnan(a[k])), (a, b)
     assert sum(not math.isnan(v) and v > 0 for d in one["drifts"] for v in d.values()) == 2
+
+
+def _check_sharded_checkpoint(corpus: Path, accum: int, one: dict, two: dict) -> None:
+    """The sharded node's checkpoint: each rank wrote its rows of the AdamW state (DCP, one
+    file per rank, nothing gathered); a node of one rank resumes it and holds the moments the
+    one-process run held at the same step."""
+    saved = ckpt.load(two["checkpoint"])
+    name = ckpt.sharded_name(saved["optimizer"])
+    assert name is not None, saved["optimizer"].keys()
+    where = Path(two["checkpoint"]) / name
+    files = sorted(f.name for f in where.iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
+    per_file = moment_elements_per_file(where)  # each rank its rows: about half
+    assert sum(per_file.values()) == 2 * two["theta"].numel(), per_file
+    assert all(0.4 < v / (2 * two["theta"].numel()) < 0.6 for v in per_file.values()), per_file
+    cfg = ranks_schedule.schedule_config(corpus, accum, "cpu", "ddp")
+    trainer = Trainer(cfg, ranks_schedule.OUTER, 1, TrainingLock(), TrainStats())
+    trainer.checkpoint_dir = two["checkpoint"]
+    ckpt.validate(saved, trainer.fingerprint, trainer.flat.numel,
+                  ckpt.checkpoint_path(two["checkpoint"]))
+    trainer.restore(saved)
+    got = trainer.optimizer.state_dict()["state"]
+    want = ckpt.load(one["checkpoint"])["optimizer"]["state"]
+    assert got.keys() == want.keys() and len(got) == len(list(trainer.model.parameters()))
+    for i in want:
+        assert float(got[i]["step"]) == float(want[i]["step"]) == ranks_schedule.SAVE_AT
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = got[i][key], want[i][key]
+            assert a.shape == b.shape
+            scale = b.abs().max().item()
+            assert (a - b).abs().max().item() <= 1e-3 * scale + 1e-30, (i, key)
 
 
 def test_rows_split_each_micro_batch_over_the_ranks():

@@ -18,7 +18,7 @@ from gasloc_p2p.tools.procs import group_members
 from gasloc_p2p.tools.swarm import read_metrics
 from tests.daemon_helpers import write_corpus
 from tests.hf_helpers import documents, write_jsonl, write_llama_config, write_tokenizer
-from tests.node_helpers import scaled
+from tests.node_helpers import moment_elements_per_file, scaled
 from tests.swarm_helpers import NodeProc, stopped_within
 
 FLAGS = ("--device", "cpu", "--eval-interval-steps", "40", "--batch-size", "8", "--seq-len", "32",
@@ -99,8 +99,8 @@ def test_a_two_rank_node_gossips_with_a_one_rank_node(tmp_path, sharding):
 
 def test_a_dead_rank_stops_the_node_in_one_line_and_a_restart_resumes(tmp_path):
     """A sharded node (FSDP2, its layers' activations recomputed in the backward pass): its
-    checkpoints hold the AdamW state gathered from the ranks; the restart gives every rank its
-    rows back."""
+    checkpoints hold the AdamW state each rank wrote (its rows); the restart gives every rank
+    its rows back."""
     corpus = write_corpus(tmp_path / "corpus")
     ckdir = tmp_path / "ckpt"
     flags = ["--data", str(corpus), *FLAGS, "--nproc-per-node", "2", "--sharding", "fsdp",
@@ -125,9 +125,12 @@ def test_a_dead_rank_stops_the_node_in_one_line_and_a_restart_resumes(tmp_path):
               lambda: not [p for p in group_members(first.pid) if p != first.pid], 15)
         saved = ckpt.load(ckdir)
         assert saved is not None and saved["step"] > 0
-        moments = saved["optimizer"]["state"]
-        # the full AdamW state: as many elements as the model (not one rank's half)
-        assert sum(m["exp_avg"].numel() for m in moments.values()) == saved["theta"].numel()
+        # the AdamW state: each rank wrote its rows (torch.distributed.checkpoint), the two
+        # files hold both moments of every parameter, complete and readable
+        ckpt.validate(saved, saved["fingerprint"], saved["theta"].numel(),
+                      ckpt.checkpoint_path(ckdir))
+        per_file = moment_elements_per_file(ckdir / ckpt.sharded_name(saved["optimizer"]))
+        assert len(per_file) == 2 and sum(per_file.values()) == 2 * saved["theta"].numel()
 
         again = NodeProc("again", tmp_path, flags)
         nodes.append(again)
@@ -137,6 +140,10 @@ def test_a_dead_rank_stops_the_node_in_one_line_and_a_restart_resumes(tmp_path):
         again.terminate()
         assert stopped_within(again, scaled(60)) == 0, again.tail(6000)
         assert STOPPED["fsdp"] in again.tail(20000)
+        # one AdamW directory left: the last checkpoint's (the earlier ones, and what the
+        # killed node may have left half-written, are removed)
+        last = ckpt.sharded_name(ckpt.load(ckdir)["optimizer"])
+        assert [d.name for d in ckdir.glob("optim-*")] == [last]
     finally:
         for node in nodes:
             node.stop(10)

@@ -144,7 +144,7 @@ class Node:
             Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
             self.train_stats, self.mode.trainer_round_end(), self.mode.keeps_anchor,
             self.ranks)
-        trainer.keep_final_state = bool(cfg.checkpoint.checkpoint_dir)
+        trainer.checkpoint_dir = cfg.checkpoint.checkpoint_dir
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
         await asyncio.to_thread(trainer.warm_up)  # --compile: before any exchange can arrive
@@ -438,6 +438,11 @@ class Node:
         except RankLost as exc:  # a sharded node whose ranks are gone
             log.warning("checkpoint skipped: %s", exc)
             return
+        except ckpt.CheckpointError as exc:  # a sharded node's ranks could not write
+            self.train_stats.checkpoint_failures += 1
+            log.warning("%s (gasloc_checkpoint_failures_total %d)", exc,
+                        self.train_stats.checkpoint_failures)
+            return
         extra = await asyncio.to_thread(self.mode.checkpoint_state)
         if extra:
             payload["mode_state"] = extra
@@ -445,6 +450,7 @@ class Node:
         if not (math.isfinite(float(theta.amax())) and math.isfinite(float(theta.amin()))):
             log.error("parameters are not finite at step %d: checkpoint skipped, the previous "
                       "one is kept", payload["step"])
+            await asyncio.to_thread(ckpt.discard, payload, self.cfg.checkpoint.checkpoint_dir)
             return
         try:
             path = await asyncio.to_thread(ckpt.save_atomic, payload,

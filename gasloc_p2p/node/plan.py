@@ -186,16 +186,20 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
     return out
 
 
-def transients(shape: Shape, buffers: list[Placed], ranks: int = 1) -> list[Placed]:
+def transients(shape: Shape, buffers: list[Placed], ranks: int = 1,
+               sharded: bool = False) -> list[Placed]:
     """Host memory that comes and goes: building the model (its parameters, the flat copy and
     the seeded init's int32 sums of the largest tensor; ``ranks`` of a node build it whole
     before they move it: all of them under DDP, rank 0 alone when sharded) and a checkpoint's
-    host copies."""
+    host copies (sharded, the AdamW state is not among them: each rank writes its rows, a
+    tensor at a time)."""
     numel = shape.numel
     outer = sum(b.nbytes for b in buffers if b.name in ("anchor", "momentum memory"))
+    saved = (Placed("checkpoint: parameters, outer state (AdamW: the ranks' files)",
+                    4 * numel + outer, "host") if sharded else
+             Placed("checkpoint: parameters, AdamW, outer state", 12 * numel + outer, "host"))
     return [Placed("start-up: model + flat copy + init sums, per rank",
-                   ranks * (8 * numel + 4 * shape.largest), "host"),
-            Placed("checkpoint: parameters, AdamW, outer state", 12 * numel + outer, "host")]
+                   ranks * (8 * numel + 4 * shape.largest), "host"), saved]
 
 
 def plan(cfg: NodeConfig, device: str, shape: Shape, keep_anchor: bool = False
@@ -215,7 +219,8 @@ def plan(cfg: NodeConfig, device: str, shape: Shape, keep_anchor: bool = False
                + estimates(shape, cfg, device))
     steady = {where: sum(b.nbytes for b in buffers if b.where == where)
               for where in ("device", "host")}
-    peaks = transients(shape, buffers, 1 if shards > 1 else cfg.train.nproc_per_node)
+    peaks = transients(shape, buffers, 1 if shards > 1 else cfg.train.nproc_per_node,
+                       sharded=shards > 1)
     return {"shape": shape, "buffers": buffers, "steady": steady,
             "ranks": cfg.train.nproc_per_node, "sharding": cfg.train.sharding,
             "host_peak": steady["host"] + max(p.nbytes for p in peaks), "transients": peaks}

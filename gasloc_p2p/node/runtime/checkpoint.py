@@ -3,6 +3,14 @@
 A crash or a full disk during the write leaves the previous checkpoint intact: ``os.replace``
 is atomic on POSIX within one file system. :class:`CheckpointError` carries an actionable
 message; the daemon logs it and keeps training.
+
+A node sharded over its ranks (FSDP2) keeps its AdamW state out of ``node.pt``: every rank
+writes its rows of it with ``torch.distributed.checkpoint`` (DCP) into a directory beside it,
+``optim-<number>`` (numbered in the order they are made), complete (DCP writes its
+``.metadata`` last) before ``node.pt`` names it (``{"sharded": name}`` in the ``optimizer``
+field). Once the new ``node.pt`` is in place the directories made before the one it names are
+removed (a later one may be on its way: the state saved as the ranks stop). DCP reshards at load: the node resumes with any
+number of ranks, and a one-rank node reads the whole state (:func:`read_sharded_optimizer`).
 """
 
 from __future__ import annotations
@@ -12,7 +20,10 @@ import errno
 import logging
 import math
 import os
+import re
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +32,8 @@ import torch
 log = logging.getLogger(__name__)
 FILENAME = "node.pt"
 MAX_ABS_VALUE = 1e6  # as the exchange engine's limit on decoded values
+SHARDED = "sharded"  # the optimizer field of a sharded node's checkpoint: {SHARDED: dir name}
+_SHARDED_NAME = re.compile(r"optim-([0-9]{10})")
 
 
 class CheckpointError(RuntimeError):
@@ -32,8 +45,11 @@ def checkpoint_path(directory: str | Path) -> Path:
 
 
 def save_atomic(payload: dict[str, Any], directory: str | Path) -> Path:
-    """Write ``payload`` (torch.save) to ``directory/node.pt`` atomically; returns the path."""
+    """Write ``payload`` (torch.save) to ``directory/node.pt`` atomically; returns the path.
+    Then the sharded AdamW directories made before the one it names are removed (on a
+    failure, the one it names: nothing else names it)."""
     target = checkpoint_path(directory)
+    keep = _number(sharded_name(payload.get("optimizer")))
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".node-", suffix=".tmp", dir=target.parent)
@@ -49,11 +65,92 @@ def save_atomic(payload: dict[str, Any], directory: str | Path) -> Path:
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        discard(payload, directory)
         hint = ("the disk is full: free space or pass another --checkpoint-dir"
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "check the directory")
         raise CheckpointError(f"checkpoint to {target} failed ({exc.strerror}); the previous "
                               f"checkpoint is kept; {hint}") from exc
+    for old in target.parent.glob("optim-*"):
+        number = _number(old.name)
+        if keep is not None and number is not None and number < keep:
+            shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _number(name: str | None) -> int | None:
+    match = _SHARDED_NAME.fullmatch(name) if name is not None else None
+    return int(match.group(1)) if match else None
+
+
+def sharded_name(optimizer: Any) -> str | None:
+    """The directory name of a sharded node's AdamW state (``{"sharded": name}``), else
+    None (a one-rank node's ``optimizer.state_dict()``)."""
+    if isinstance(optimizer, dict) and set(optimizer) == {SHARDED}:
+        return str(optimizer[SHARDED])
+    return None
+
+
+def new_sharded_name(directory: str | Path) -> str:
+    """A directory name for the next sharded AdamW state in ``directory``: numbered after
+    every one there (the trainer makes them one at a time, under its lock)."""
+    found = [_number(d.name) for d in Path(directory).glob("optim-*")]
+    return f"optim-{max((n for n in found if n is not None), default=0) + 1:010d}"
+
+
+def discard(payload: dict[str, Any], directory: str | Path) -> None:
+    """Remove the sharded AdamW directory of a checkpoint that was not written."""
+    name = sharded_name(payload.get("optimizer"))
+    if _number(name) is not None:
+        assert name is not None
+        shutil.rmtree(Path(directory) / name, ignore_errors=True)
+
+
+def _sharded_entries(path: Path) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """parameter name -> {AdamW key -> (shape, dtype)} of the tensors DCP saved in ``path``
+    (its metadata alone: nothing is read but that file)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"cannot read the sharded AdamW state {path} ({exc}); move the "
+                              "checkpoint away to start fresh") from exc
+    out: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+    for key, m in meta.items():
+        if key.startswith("state.") and isinstance(m, TensorStorageMetadata):
+            name, _, what = key[len("state."):].rpartition(".")
+            out.setdefault(name, {})[what] = (tuple(m.size), m.properties.dtype)
+    return out
+
+
+def _read_sharded(path: Path, name: str,
+                  entries: dict[str, tuple[tuple[int, ...], torch.dtype]]
+                  ) -> dict[str, torch.Tensor]:
+    """One parameter's whole AdamW tensors, read from every rank's file in ``path`` in this
+    process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in entries.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"state": {name: out}}, checkpoint_id=str(path), no_dist=True)
+    return out
+
+
+def read_sharded_optimizer(path: str | Path, names: list[str],
+                           param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sharded node's AdamW state (DCP, written by any number of ranks) as one unsharded
+    AdamW's ``state_dict()`` over the parameters ``names`` (in the optimizer's order), with the
+    reader's own ``param_groups``: how a node of one rank (or of DDP replicas) resumes it."""
+    entries = _sharded_entries(Path(path))
+    unknown = sorted(set(entries) - set(names))
+    if unknown:
+        raise CheckpointError(f"the sharded AdamW state {path} holds parameters this model "
+                              f"lacks ({unknown[0]}, ...); move the checkpoint away")
+    state = {i: _read_sharded(Path(path), n, entries[n]) for i, n in enumerate(names)
+             if n in entries}
+    return {"state": state, "param_groups": param_groups}
 
 
 _TENSORS = ("theta", "anchor", "memory")
@@ -87,6 +184,28 @@ def validate(payload: dict[str, Any], fingerprint: str, numel: int, path: str | 
         _check_values(t, name, bad)
     for key, t in _optimizer_tensors(payload["optimizer"]):
         _check_values(t, f"optimizer {key}", bad)
+    shards = sharded_name(payload["optimizer"])
+    if shards is not None:
+        _validate_sharded(Path(path).parent, shards, numel, bad)
+
+
+def _validate_sharded(directory: Path, name: str, numel: int, bad: Any) -> None:
+    """The sharded AdamW state ``node.pt`` names: a plain name, complete (DCP's metadata),
+    one pair of moments the size of the model, finite; read one parameter at a time."""
+    where = directory / name
+    if not _SHARDED_NAME.fullmatch(name) or not (where / ".metadata").is_file():
+        raise bad(f"its sharded AdamW state {where} is missing or incomplete")
+    try:
+        entries = _sharded_entries(where)
+    except CheckpointError as exc:
+        raise bad(str(exc).split(" (", 1)[0]) from exc
+    moments = sum(math.prod(e["exp_avg"][0]) for e in entries.values() if "exp_avg" in e)
+    if entries and moments != numel:
+        raise bad(f"its sharded AdamW state holds {moments} moments, the model {numel}")
+    for pname, e in entries.items():
+        for key, t in _read_sharded(where, pname, e).items():
+            if t.dim() > 0:  # (as for a one-rank checkpoint: the moments, not the counts)
+                _check_values(t, f"optimizer {pname}.{key}", bad)
 
 
 def _check_values(t: torch.Tensor, name: str, bad: Any) -> None:

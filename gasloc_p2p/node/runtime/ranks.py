@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 RANK_TIMEOUT_S = 1800.0
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # control operations: stop; a step; compare the replicas; (sharded) fill rank 0's full copy of
-# the parameters, evaluate, gather the AdamW state, set the drift probe's sample
+# the parameters, evaluate, save the AdamW state (each rank its rows), set the drift probe's
+# sample
 _STOP, _STEP, _CHECK, _PULL, _EVAL, _OPTSTATE, _PROBE_AT = 0, 1, 2, 3, 4, 5, 6
 # control flags: what rank 0 sends before the step; (sharded) sample the probe around it
 _PARAMS, _OPTIMIZER, _PROBE = 1, 2, 4
@@ -185,7 +186,7 @@ class RankGroup:
                     shape: tuple[int, int]) -> tuple[int, torch.Tensor, torch.Tensor, bool] | None:
         """A rank > 0, before a step: the step number, the node's batch and whether to sample
         the drift probe around the step; None on stop. Requests of rank 0's between steps
-        (compare, fill its copy, evaluate, gather the AdamW state) are answered on the way."""
+        (compare, fill its copy, evaluate, save the AdamW state) are answered on the way."""
         params = replica.flat.buffer if replica.flat is not None else None
         optimizer = replica.inner.optimizer
         while True:
@@ -201,7 +202,10 @@ class RankGroup:
             elif op == _EVAL:
                 self.evaluate(replica.inner, replica.val)
             elif op == _OPTSTATE:
-                self._collective(self.sharded.optimizer_state, optimizer)
+                path = self.share()
+                if not isinstance(path, str):
+                    raise RankLost(f"rank 0 sent a checkpoint path of type {type(path)}")
+                self._collective(self.sharded.save_optimizer, optimizer, path)
             elif op == _PROBE_AT:
                 self._probe_at(None)
             elif op == _STEP:
@@ -266,12 +270,12 @@ class RankGroup:
             raise self._lost(exc) from None
         return float(sums[0] / sums[1])
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Rank 0: the node's full AdamW state on its host (a checkpoint)."""
+    def save_optimizer(self, optimizer: Any, path: str) -> str:
+        """Rank 0: every rank writes its rows of the AdamW state into the directory ``path``
+        (a checkpoint: :meth:`Sharded.save_optimizer`); "" or why it failed."""
         self._control(_OPTSTATE, 0, 0)
-        out = self._collective(self.sharded.optimizer_state, optimizer)
-        assert out is not None
-        return out
+        self.share(path)
+        return str(self._collective(self.sharded.save_optimizer, optimizer, path))
 
     def probe_at(self, idx: torch.Tensor) -> None:
         """Rank 0: the drift probe's flat positions, sampled around every step from now."""

@@ -14,9 +14,11 @@ Both run only when the training lock says so: a pull when a holder arrives after
 push before the next step after a write. The ranks never see half an exchange: they take whole
 parameter sets, after rank 0 committed.
 
-The AdamW state stays sharded. A checkpoint holds its full state dict, gathered to rank 0's
-host (``torch.distributed.checkpoint.state_dict``), in the format of a one-rank node's, so a
-node resumes with any number of ranks; a restore hands it back the same way.
+The AdamW state stays sharded, in checkpoints too: every rank writes its rows with
+``torch.distributed.checkpoint`` (:meth:`Sharded.save_optimizer`), nothing gathers it; DCP
+reshards at load, so the node resumes with any number of ranks (a one-rank node reads the whole
+state: :func:`gasloc_p2p.node.runtime.checkpoint.read_sharded_optimizer`). A one-rank node's
+checkpoint (the full state) is handed to the ranks by a broadcast from rank 0.
 """
 
 from __future__ import annotations
@@ -201,41 +203,50 @@ class Sharded:
         return out
 
     # ------------------------------------------------------------------ AdamW state
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
-        """The full AdamW state on rank 0's host, in the format of ``optimizer.state_dict()``
-        of one unsharded AdamW over the same groups (None on the other ranks)."""
+    def save_optimizer(self, optimizer: Any, path: str) -> str:
+        """Every rank writes its rows of the AdamW state into the directory ``path`` with
+        ``torch.distributed.checkpoint`` (one file per rank, then DCP's metadata). Returns ""
+        or, on every rank alike, why a rank could not write (a full disk): DCP gathers every
+        rank's outcome."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        self.reshard()  # the state dict maps rows, not gathered layers
+        try:
+            dcp.save(get_optimizer_state_dict(self.model, optimizer), checkpoint_id=path)
+        except CheckpointException as exc:  # (a BaseException)
+            failures = getattr(exc, "failures", {}) or {}
+            why = next((str(e) for e in failures.values()), str(exc)) or type(exc).__name__
+            return why.strip().splitlines()[-1][:200] if why.strip() else "unknown"
+        return ""
+
+    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any] | None) -> None:
+        """Rank 0's AdamW ``state`` (None on the other ranks) into every rank's rows: a
+        sharded checkpoint (``{"sharded": directory}``: each rank reads its rows, DCP
+        reshards whatever number of ranks wrote it), a full state (``optimizer.state_dict()``
+        format: broadcast from rank 0), or an empty one (every rank clears its moments: a
+        rollback)."""
+        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
-        )
-
-        full: dict[str, Any] = get_optimizer_state_dict(
-            self.model, optimizer,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank != 0:
-            return None
-        # what was not sharded (AdamW's step counts) comes back as the live tensor itself:
-        # copied, or the next steps would move the checkpoint's
-        live = {t.data_ptr() for st in optimizer.state.values() for t in st.values()
-                if isinstance(t, torch.Tensor)}
-        for st in full["state"].values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.data_ptr() in live:
-                    st[k] = v.detach().to("cpu", copy=True)
-        return _by_index(full, self._names(optimizer))
-
-    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any] | None) -> None:
-        """Rank 0's full AdamW ``state`` (``optimizer.state_dict()`` format; None on the other
-        ranks) into every rank's rows; an empty state clears them all (a rollback)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
             set_optimizer_state_dict,
         )
 
-        flag = torch.tensor([0 if state is None or state.get("state") else 1])
+        where = [state["sharded"] if state is not None and set(state) == {"sharded"} else None]
+        kind = 2 if where[0] is not None else 0 if state is None or state.get("state") else 1
+        flag = torch.tensor([kind])
         dist.broadcast(flag, 0)
-        if int(flag[0]):  # no moments: every rank starts them afresh
+        if int(flag[0]) == 1:  # no moments: every rank starts them afresh
             optimizer.state.clear()
+            return
+        if int(flag[0]) == 2:
+            dist.broadcast_object_list(where, 0)
+            self.reshard()
+            into = get_optimizer_state_dict(self.model, optimizer)
+            dcp.load(into, checkpoint_id=str(where[0]))
+            set_optimizer_state_dict(self.model, optimizer, into)
             return
         full = _by_name(state, self._names(optimizer)) if state is not None else {}
         set_optimizer_state_dict(
@@ -248,16 +259,9 @@ class Sharded:
         return [name[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
-def _by_index(full: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """A name-keyed optimizer state dict (``get_optimizer_state_dict``) as ``state_dict()``'s
-    integer ids."""
-    index = {n: i for i, n in enumerate(names)}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]]
-    return {"state": {index[n]: v for n, v in full["state"].items()}, "param_groups": groups}
-
-
 def _by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """:func:`_by_index` undone."""
+    """An ``optimizer.state_dict()`` (integer ids) keyed by parameter names, as
+    ``set_optimizer_state_dict`` takes it."""
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
     return {"state": {names[int(i)]: v for i, v in state["state"].items()},
             "param_groups": groups}

@@ -25,6 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from gasloc_p2p.data import BPETokenizer, TrainingData, load_training_data
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.model_spec import BuiltModel, build, skeleton
 from gasloc_p2p.node.config import TrainConfig
+from gasloc_p2p.node.runtime import checkpoint as ckpt_files
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost, Replica, rank_device, rows_on
 from gasloc_p2p.node.runtime.sharded import Sharded, layer_stack, shard_model
@@ -193,9 +195,10 @@ class Trainer:
         # sharded: the flat buffer (rank 0's full copy) is behind the ranks' rows after a
         # step; a reader arriving then (an exchange, a checkpoint) fills it first
         self._copy_behind = False
-        # sharded, and a checkpoint follows the stop (the daemon sets it): the AdamW state is
-        # gathered from the ranks before they stop, for that checkpoint
-        self.keep_final_state = False
+        # where checkpoints go (the daemon sets it). Sharded, each rank writes its rows of the
+        # AdamW state there (a directory beside node.pt), also before the ranks stop, for the
+        # checkpoint that follows the stop
+        self.checkpoint_dir = ""
         self._final_optimizer: dict[str, Any] | None = None
         if self.sharded is not None:
             assert ranks is not None
@@ -339,8 +342,11 @@ class Trainer:
             return ranks is None
         try:
             with self.lock.urgent(writes=False):
-                if self.sharded is not None and self.keep_final_state:
-                    self._final_optimizer = ranks.optimizer_state(self.optimizer)
+                if self.sharded is not None and self.checkpoint_dir:
+                    try:
+                        self._final_optimizer = self._save_sharded(ranks)
+                    except ckpt_files.CheckpointError as exc:  # the ranks stop all the same
+                        log.warning("%s", exc)
                 agree = ranks.stop(self.flat.buffer, self.optimizer,
                                    (self.lock.writes, self._optimizer_epoch))
             if self.sharded is not None:
@@ -541,15 +547,35 @@ class Trainer:
                     "val_loss": self.stats.val_loss, "first_val_loss": self.stats.first_val_loss}
 
     def _optimizer_state(self) -> dict[str, Any]:
-        """The AdamW state on the host (sharded: gathered from the ranks, one format)."""
+        """The AdamW state on the host; sharded, written by the ranks beside the checkpoint
+        (``{"sharded": directory name}``)."""
         if self.sharded is None:
             return _to_host(self.optimizer.state_dict())
         if self.ranks is None:
-            if self._final_optimizer is not None:  # after the stop: what the ranks held
+            if self._final_optimizer is not None:  # after the stop: what the ranks wrote
                 return self._final_optimizer
             raise RankLost("the node's ranks are stopped or gone: its sharded AdamW state "
-                           "cannot be gathered (the previous checkpoint is kept)")
-        return self.ranks.optimizer_state(self.optimizer)
+                           "cannot be saved (the previous checkpoint is kept)")
+        return self._save_sharded(self.ranks)
+
+    def _save_sharded(self, ranks: RankGroup) -> dict[str, Any]:
+        """Every rank's rows of the AdamW state into a new directory beside the checkpoint
+        (none while no step made moments: they would be started by the save)."""
+        if not self.optimizer.state:  # every rank's state is empty alike (a rollback, start)
+            return {"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"]}
+        if not self.checkpoint_dir:
+            raise ValueError("a sharded node saves its AdamW state beside its checkpoint: "
+                             "set its checkpoint directory first")
+        name = ckpt_files.new_sharded_name(self.checkpoint_dir)
+        marker = {ckpt_files.SHARDED: name}
+        failed = ranks.save_optimizer(self.optimizer, str(Path(self.checkpoint_dir) / name))
+        if failed:
+            ckpt_files.discard({"optimizer": marker}, self.checkpoint_dir)
+            raise ckpt_files.CheckpointError(
+                f"the ranks could not write their AdamW state to {self.checkpoint_dir} "
+                f"({failed}); the previous checkpoint is kept; free space or pass another "
+                "--checkpoint-dir")
+        return marker
 
     def _data_mark(self) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """The sampler's state between two batches: the generator and, for a streamed corpus,
@@ -579,10 +605,7 @@ class Trainer:
                                 else ckpt["theta"])
             self._restore_memory(ckpt.get("memory"))
             st.rounds = int(ckpt["rounds"])
-            if self.sharded is not None and self.ranks is not None:
-                self.ranks.optimizer_to_send = ckpt["optimizer"]  # every rank its rows
-            else:
-                self.optimizer.load_state_dict(ckpt["optimizer"])
+            self._restore_optimizer(ckpt["optimizer"])
             self._optimizer_epoch += 1
             self.generator.set_state(ckpt["generator"])
             if ckpt.get("data") is not None and hasattr(self.shard, "restore"):
@@ -593,6 +616,24 @@ class Trainer:
             self.stats.val_loss = float(ckpt["val_loss"])
             self.stats.first_val_loss = float(ckpt["first_val_loss"])
             self._good = None
+
+    def _restore_optimizer(self, saved: dict[str, Any]) -> None:
+        """The AdamW state of a checkpoint: a one-rank node's state dict, or the directory
+        a sharded node's ranks wrote (read in rows by ranks, whole by a node of one)."""
+        name = ckpt_files.sharded_name(saved)
+        if name is not None:
+            where = str(Path(self.checkpoint_dir) / name)
+            if self.sharded is not None and self.ranks is not None:
+                self.ranks.optimizer_to_send = {ckpt_files.SHARDED: where}
+                return
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+            saved = ckpt_files.read_sharded_optimizer(
+                where, order, self.optimizer.state_dict()["param_groups"])
+        if self.sharded is not None and self.ranks is not None:
+            self.ranks.optimizer_to_send = saved  # every rank its rows, from rank 0's
+        else:
+            self.optimizer.load_state_dict(saved)
 
     def _restore_memory(self, memory: torch.Tensor | None) -> None:
         """The outer memory from a checkpoint or a peer (under the lock). A node that keeps
