@@ -118,6 +118,9 @@ def test_a_sharded_adamw_checkpoint_is_checked_read_whole_and_pruned_in_order(tm
     ckpt.discard({"optimizer": {"sharded": third}}, tmp_path)
     assert [d.name for d in tmp_path.glob("optim-*")] == [second]
     assert ckpt.new_sharded_name(tmp_path) == "optim-0000000003"
+    # a node that is not sharded (it resumed a sharded node's checkpoint) removes them all
+    ckpt.save_atomic({**payload, "optimizer": opt.state_dict()}, tmp_path, sharded=False)
+    assert not list(tmp_path.glob("optim-*"))
 
 
 def test_an_unwritable_checkpoint_directory_is_counted_and_reported(corpus, tmp_path):

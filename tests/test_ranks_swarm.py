@@ -142,8 +142,18 @@ def test_a_dead_rank_stops_the_node_in_one_line_and_a_restart_resumes(tmp_path):
         assert STOPPED["fsdp"] in again.tail(20000)
         # one AdamW directory left: the last checkpoint's (the earlier ones, and what the
         # killed node may have left half-written, are removed)
-        last = ckpt.sharded_name(ckpt.load(ckdir)["optimizer"])
-        assert [d.name for d in ckdir.glob("optim-*")] == [last]
+        last = ckpt.load(ckdir)
+        assert [d.name for d in ckdir.glob("optim-*")] == [ckpt.sharded_name(last["optimizer"])]
+        # a node of one rank resumes it too (reads the ranks' files whole), and its own
+        # checkpoints leave none of them
+        plain = flags[:flags.index("--nproc-per-node")] + flags[flags.index("--sharding") + 2:]
+        solo = NodeProc("solo", tmp_path, [*plain, "--max-steps", str(last["step"] + 4)])
+        nodes.append(solo)
+        found = solo.wait_for(r"resumed from \S+ at step (\d+)", scaled(90), stdout=False)
+        assert int(found.group(1)) == int(last["step"])
+        assert solo.proc.wait(timeout=scaled(60)) == 0, solo.tail(6000)
+        assert ckpt.load(ckdir)["step"] == last["step"] + 4
+        assert not list(ckdir.glob("optim-*"))
     finally:
         for node in nodes:
             node.stop(10)

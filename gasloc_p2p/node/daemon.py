@@ -454,7 +454,8 @@ class Node:
             return
         try:
             path = await asyncio.to_thread(ckpt.save_atomic, payload,
-                                           self.cfg.checkpoint.checkpoint_dir)
+                                           self.cfg.checkpoint.checkpoint_dir,
+                                           self.trainer.sharded is not None)
             self.train_stats.checkpoints_written += 1
             log.debug("checkpoint written to %s at step %d", path, payload["step"])
         except ckpt.CheckpointError as exc:

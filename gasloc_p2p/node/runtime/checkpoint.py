@@ -44,12 +44,15 @@ def checkpoint_path(directory: str | Path) -> Path:
     return Path(directory) / FILENAME
 
 
-def save_atomic(payload: dict[str, Any], directory: str | Path) -> Path:
+def save_atomic(payload: dict[str, Any], directory: str | Path, sharded: bool = True) -> Path:
     """Write ``payload`` (torch.save) to ``directory/node.pt`` atomically; returns the path.
     Then the sharded AdamW directories made before the one it names are removed (on a
-    failure, the one it names: nothing else names it)."""
+    failure, the one it names: nothing else names it); a node that is not ``sharded`` (it
+    makes none: one resumed from a sharded node's checkpoint) removes them all."""
     target = checkpoint_path(directory)
     keep = _number(sharded_name(payload.get("optimizer")))
+    if not sharded and keep is None:
+        keep = 1 << 62
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".node-", suffix=".tmp", dir=target.parent)
