@@ -71,7 +71,7 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
     trainer.probe = DriftProbe(trainer.state.theta, trainer.fragments)
     trainer.on_drift = drifts.append
     gen = torch.Generator().manual_seed(3)
-    saved, val = None, float("nan")
+    saved, val, failed = None, float("nan"), ""
     for tick in range(TICKS):
         theta = trainer.state.theta
         if tick in CORRECT_AT:  # what a gossip commit does: a write under the lock
@@ -79,6 +79,8 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
                 theta.add_(torch.randn(theta.numel(), generator=gen).to(theta.device) * 1e-3)
         if tick == SAVE_AT:  # an evaluation first: sharded, the ranks' collective forward
             val = trainer.val_loss()
+            if sharding == "fsdp":  # ranks that cannot write: that checkpoint fails, they go on
+                failed = _blocked_save(trainer, Path(f"{out}.blocked"))
             saved = trainer.state_for_checkpoint()
             ckpt.save_atomic(saved, trainer.checkpoint_dir)
         if tick == RESTORE_AT:
@@ -94,11 +96,26 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
     torch.save({"theta": trainer.flat.buffer.cpu(), "theta0": trainer.theta0.float(),
                 "agree": agree, "drifts": drifts, "val": val,
                 "rollbacks": trainer.stats.rollbacks, "step": trainer.stats.step,
-                "rounds": trainer.stats.rounds, "checkpoint": trainer.checkpoint_dir}, out)
+                "rounds": trainer.stats.rounds, "checkpoint": trainer.checkpoint_dir,
+                "failed_save": failed}, out)
     return 0
 
 
 OUTER = AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
+
+
+def _blocked_save(trainer: Trainer, blocked: Path) -> str:
+    """A sharded checkpoint into a directory no rank can write (a file stands where it should
+    be): the one-line error rank 0 gets (every rank saw the failure and goes on)."""
+    blocked.write_text("a file where the checkpoint directory should be")
+    kept, trainer.checkpoint_dir = trainer.checkpoint_dir, str(blocked)
+    try:
+        trainer.state_for_checkpoint()
+    except ckpt.CheckpointError as exc:
+        return str(exc)
+    finally:
+        trainer.checkpoint_dir = kept
+    return "no error"
 
 
 def schedule_config(corpus: str | Path, grad_accum: int, device: str,

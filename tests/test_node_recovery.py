@@ -67,10 +67,13 @@ def _sharded_save(directory, model, opt, poison=False):
     return name
 
 
-def test_a_sharded_adamw_checkpoint_is_checked_read_whole_and_pruned_in_order(tmp_path):
+@pytest.mark.parametrize("batch", [256 << 20, 64])  # one read, or one per parameter
+def test_a_sharded_adamw_checkpoint_is_checked_read_whole_and_pruned_in_order(tmp_path,
+                                                                           monkeypatch, batch):
     """The AdamW directory a sharded node's ranks write beside node.pt: checked before use
     (present, complete, the model's size, finite), read whole by a node of one rank, and
     removed once a later checkpoint names a later directory (never one made after it)."""
+    monkeypatch.setattr(ckpt, "_READ_BYTES", batch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

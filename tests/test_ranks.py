@@ -79,6 +79,9 @@ def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sh
         assert rank1["full_copy"] is False
         assert rank1["rows_bytes"] == pytest.approx(4 * two["theta"].numel() / 2, rel=0.05)
         _check_sharded_checkpoint(corpus, accum, one, two)
+        # a checkpoint the ranks could not write failed in one line, and the schedule went on
+        assert "the ranks could not write their AdamW state" in two["failed_save"]
+        assert "\n" not in two["failed_save"], two["failed_save"]
     # the schedule ran: round ends, one rollback, the restore went back in steps
     assert (one["rollbacks"], one["rounds"]) == (two["rollbacks"], two["rounds"]) == (1, 3)
     assert one["step"] == two["step"] == 26

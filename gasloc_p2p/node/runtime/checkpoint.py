@@ -127,17 +127,36 @@ def _sharded_entries(path: Path) -> dict[str, dict[str, tuple[tuple[int, ...], t
     return out
 
 
-def _read_sharded(path: Path, name: str,
-                  entries: dict[str, tuple[tuple[int, ...], torch.dtype]]
-                  ) -> dict[str, torch.Tensor]:
-    """One parameter's whole AdamW tensors, read from every rank's file in ``path`` in this
-    process (no process group)."""
+_READ_BYTES = 256 << 20  # a validation reads the AdamW state in batches of about this size
+
+
+def _read_sharded(path: Path, entries: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+                  ) -> dict[str, dict[str, torch.Tensor]]:
+    """Some parameters' whole AdamW tensors (``entries``: name -> key -> (shape, dtype)),
+    read from every rank's file in ``path`` in this process (no process group)."""
     import torch.distributed.checkpoint as dcp
 
-    out = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in entries.items()}
+    out = {n: {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in e.items()}
+           for n, e in entries.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load({"state": {name: out}}, checkpoint_id=str(path), no_dist=True)
+        dcp.load({"state": out}, checkpoint_id=str(path), no_dist=True)
+    return out
+
+
+def _batches(entries: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+             ) -> list[dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]]:
+    """``entries`` in batches of about ``_READ_BYTES`` (one parameter at least): one DCP
+    read each (a read per parameter cost 17 ms of planning: 3.6 s at 100M parameters)."""
+    out: list[dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]] = [{}]
+    size = 0
+    for name, e in entries.items():
+        nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in e.values())
+        if out[-1] and size + nbytes > _READ_BYTES:
+            out.append({})
+            size = 0
+        out[-1][name] = e
+        size += nbytes
     return out
 
 
@@ -151,8 +170,8 @@ def read_sharded_optimizer(path: str | Path, names: list[str],
     if unknown:
         raise CheckpointError(f"the sharded AdamW state {path} holds parameters this model "
                               f"lacks ({unknown[0]}, ...); move the checkpoint away")
-    state = {i: _read_sharded(Path(path), n, entries[n]) for i, n in enumerate(names)
-             if n in entries}
+    whole = _read_sharded(Path(path), entries)
+    state = {i: whole[n] for i, n in enumerate(names) if n in whole}
     return {"state": state, "param_groups": param_groups}
 
 
@@ -194,7 +213,7 @@ def validate(payload: dict[str, Any], fingerprint: str, numel: int, path: str | 
 
 def _validate_sharded(directory: Path, name: str, numel: int, bad: Any) -> None:
     """The sharded AdamW state ``node.pt`` names: a plain name, complete (DCP's metadata),
-    one pair of moments the size of the model, finite; read one parameter at a time."""
+    one pair of moments the size of the model, finite; read in batches of about 256 MiB."""
     where = directory / name
     if not _SHARDED_NAME.fullmatch(name) or not (where / ".metadata").is_file():
         raise bad(f"its sharded AdamW state {where} is missing or incomplete")
@@ -205,10 +224,11 @@ def _validate_sharded(directory: Path, name: str, numel: int, bad: Any) -> None:
     moments = sum(math.prod(e["exp_avg"][0]) for e in entries.values() if "exp_avg" in e)
     if entries and moments != numel:
         raise bad(f"its sharded AdamW state holds {moments} moments, the model {numel}")
-    for pname, e in entries.items():
-        for key, t in _read_sharded(where, pname, e).items():
-            if t.dim() > 0:  # (as for a one-rank checkpoint: the moments, not the counts)
-                _check_values(t, f"optimizer {pname}.{key}", bad)
+    for batch in _batches(entries):
+        for pname, tensors in _read_sharded(where, batch).items():
+            for key, t in tensors.items():
+                if t.dim() > 0:  # (as for a one-rank checkpoint: the moments, not the counts)
+                    _check_values(t, f"optimizer {pname}.{key}", bad)
 
 
 def _check_values(t: torch.Tensor, name: str, bad: Any) -> None:
