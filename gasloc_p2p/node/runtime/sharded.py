@@ -215,10 +215,11 @@ class Sharded:
         self.reshard()  # the state dict maps rows, not gathered layers
         try:
             dcp.save(get_optimizer_state_dict(self.model, optimizer), checkpoint_id=path)
-        except CheckpointException as exc:  # (a BaseException)
-            failures = getattr(exc, "failures", {}) or {}
-            why = next((str(e) for e in failures.values()), str(exc)) or type(exc).__name__
-            return why.strip().splitlines()[-1][:200] if why.strip() else "unknown"
+        except CheckpointException as exc:  # (a BaseException); failures: rank -> (error, stack)
+            failed = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+            first = failed[0] if failed else exc
+            text = " ".join(str(first).split())[:200]
+            return f"rank {min(exc.failures, default=0)}: {type(first).__name__}: {text}"
         return ""
 
     def load_optimizer_state(self, optimizer: Any, state: dict[str, Any] | None) -> None:
