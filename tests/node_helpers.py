@@ -218,3 +218,20 @@ def moment_elements_per_file(where: Path) -> dict[str, int]:
                 out[info.relative_path] = out.get(info.relative_path, 0) + math.prod(
                     chunk.sizes)
     return out
+
+
+def plain_dht(addrs: list | None = None) -> Any:
+    """A hivemind DHT on loopback (no validator), ready within a bounded wait: one whose
+    process stalls while starting (seen once on a loaded machine) is shut down and replaced,
+    as the node does for its own."""
+    import hivemind
+
+    for _ in range(3):
+        dht = hivemind.DHT(initial_peers=addrs or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                           start=True, await_ready=False, shutdown_timeout=5)
+        try:
+            dht.wait_until_ready(timeout=scaled(20))
+            return dht
+        except TimeoutError:
+            dht.shutdown()
+    raise AssertionError("a hivemind DHT did not start in 3 attempts")

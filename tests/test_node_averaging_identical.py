@@ -15,6 +15,7 @@ counted as sent and received agree across the group. About 40 s.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +31,7 @@ from gasloc_p2p.node.config import DilocoConfig
 from gasloc_p2p.node.modes.diloco_rounds import DilocoRounds
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.stats import TrainStats
-from tests.node_helpers import scaled
+from tests.node_helpers import plain_dht, scaled
 
 NUMEL, H, N = 6000, 6, 3
 FRAGS = [Fragment(0, [(0, 1000), (3000, 1000)]), Fragment(1, [(1000, 1000), (4000, 1000)]),
@@ -39,12 +40,8 @@ FRAGS = [Fragment(0, [(0, 1000), (3000, 1000)]), Fragment(1, [(1000, 1000), (400
 
 @pytest.fixture(scope="module")
 def dhts() -> Iterator[list]:
-    import hivemind
-
-    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    nodes = [first] + [hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
-                                    initial_peers=first.get_visible_maddrs())
-                       for _ in range(N - 1)]
+    first = plain_dht()
+    nodes = [first] + [plain_dht(first.get_visible_maddrs()) for _ in range(N - 1)]
     try:
         yield nodes
     finally:
@@ -190,7 +187,7 @@ def test_one_all_gather_delivers_every_message_in_one_order(dhts):
 def _gather_once(dhts: list, messages: list[bytes], numel: int, run_id: str) -> list:
     """One all-gather of ``messages`` by three fresh averagers; each member's result."""
     return _each_member(dhts, "topk2:123", numel, run_id, lambda a, i, stop: a.allgather(
-        messages[i], {"i": i}, N, stop))
+        messages[i], {"i": i}, N, stop), cfg=quick("topk2:123"))
 
 
 def _check_identical(members: list[Member], codec: str) -> None:
@@ -246,15 +243,25 @@ def _average_once(dhts: list, codec: str, inputs: list[torch.Tensor], run_id: st
     its thread did not finish). On a loaded machine a groupmate's part can miss its deadline
     ("averaged values did not arrive"); the caller then starts over under a new prefix."""
     return _each_member(dhts, codec, NUMEL, run_id, lambda a, i, stop: a.average(
-        inputs[i], {"i": i}, N, stop))
+        inputs[i], {"i": i}, N, stop), cfg=quick(codec))
+
+
+def quick(codec: str) -> DilocoConfig:
+    """:func:`cfg_for` with an attempt that gives up within a minute: a group that missed its
+    members under load waited out hivemind's retries for 60 s before the next attempt (seen in
+    a full parallel run; 0.4 s alone)."""
+    return dataclasses.replace(cfg_for(codec), averaging_timeout_s=scaled(15),
+                               allreduce_timeout_s=scaled(30))
 
 
 def _each_member(dhts: list, codec: str, numel: int, run_id: str,
-                 call: Callable[[HivemindAverager, int, threading.Event], Any]) -> list:
+                 call: Callable[[HivemindAverager, int, threading.Event], Any],
+                 cfg: DilocoConfig | None = None) -> list:
     """``call(averager, i, stop)`` on three fresh averagers at once, one thread each; their
     results (None where a thread did not finish)."""
     prefix = averaging_prefix(run_id, "f" * 64, codec, "diloco")
-    averagers = [HivemindAverager(dht, numel, prefix, cfg_for(codec)) for dht in dhts]
+    cfg = cfg if cfg is not None else cfg_for(codec)
+    averagers = [HivemindAverager(dht, numel, prefix, cfg) for dht in dhts]
     results: list = [None] * N
     try:
         for a in averagers:

@@ -42,6 +42,7 @@ from tests.node_helpers import (
     full_state,
     gossip_config,
     make_peer,
+    plain_dht,
     run,
     scaled,
     settle,
@@ -552,7 +553,6 @@ def test_real_dht_keeps_the_owners_record_against_an_overwrite():
     validator) stores X's record with another endpoint and a long expiration. The honest DHT
     nodes refuse to store it and drop it from the attacker's answers, so a reader still sees X's
     own record (with a read-side check only, X would vanish for the attacker's expiration)."""
-    import hivemind
     from hivemind.utils import get_dht_time
 
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery
@@ -574,7 +574,7 @@ def test_real_dht_keeps_the_owners_record_against_an_overwrite():
                             cert=cert_for(owner.peer_id))
             await x.announce(info, 20.0)
             assert await reader.peers() == [info]
-            attacker = await asyncio.to_thread(_plain_dht, hivemind, addrs)
+            attacker = await asyncio.to_thread(plain_dht, addrs)
             far = get_dht_time() + 1000.0
             forged = {**signed_value(x.key, info, owner, far - 980.0), "expires": far,
                       "endpoint": "6.6.6.6:1"}
@@ -591,21 +591,6 @@ def test_real_dht_keeps_the_owners_record_against_an_overwrite():
                 await d.stop()
 
     run(main(), timeout_s=120)
-
-
-def _plain_dht(hivemind, addrs):
-    """A hivemind DHT without the run's validator (an attacker's), ready within a bounded
-    wait: one whose process stalls while starting (seen once on a loaded machine) is shut down
-    and replaced, as the node does for its own."""
-    for _ in range(3):
-        dht = hivemind.DHT(initial_peers=addrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                           start=True, await_ready=False, shutdown_timeout=5)
-        try:
-            dht.wait_until_ready(timeout=scaled(20))
-            return dht
-        except TimeoutError:
-            dht.shutdown()
-    raise AssertionError("a plain hivemind DHT did not start in 3 attempts")
 
 
 def test_a_dht_process_that_dies_while_starting_is_started_again(tmp_path, monkeypatch, caplog):

@@ -9,8 +9,9 @@ writes its rows of it with ``torch.distributed.checkpoint`` (DCP) into a directo
 ``optim-<number>`` (numbered in the order they are made), complete (DCP writes its
 ``.metadata`` last) before ``node.pt`` names it (``{"sharded": name}`` in the ``optimizer``
 field). Once the new ``node.pt`` is in place the directories made before the one it names are
-removed (a later one may be on its way: the state saved as the ranks stop). DCP reshards at load: the node resumes with any
-number of ranks, and a one-rank node reads the whole state (:func:`read_sharded_optimizer`).
+removed (a later one may be on its way: the state saved as the ranks stop). DCP reshards at
+load: the node resumes with any number of ranks, and a one-rank node reads the whole state
+(:func:`read_sharded_optimizer`).
 """
 
 from __future__ import annotations
@@ -103,8 +104,7 @@ def new_sharded_name(directory: str | Path) -> str:
 def discard(payload: dict[str, Any], directory: str | Path) -> None:
     """Remove the sharded AdamW directory of a checkpoint that was not written."""
     name = sharded_name(payload.get("optimizer"))
-    if _number(name) is not None:
-        assert name is not None
+    if name is not None and _number(name) is not None:
         shutil.rmtree(Path(directory) / name, ignore_errors=True)
 
 

@@ -216,10 +216,11 @@ class Sharded:
         try:
             dcp.save(get_optimizer_state_dict(self.model, optimizer), checkpoint_id=path)
         except CheckpointException as exc:  # (a BaseException); failures: rank -> (error, stack)
-            failed = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
-            first = failed[0] if failed else exc
+            rank = min(exc.failures, default=0)
+            first = exc.failures.get(rank, exc)
+            first = first[0] if isinstance(first, tuple) else first
             text = " ".join(str(first).split())[:200]
-            return f"rank {min(exc.failures, default=0)}: {type(first).__name__}: {text}"
+            return f"rank {rank}: {type(first).__name__}: {text}"
         return ""
 
     def load_optimizer_state(self, optimizer: Any, state: dict[str, Any] | None) -> None:
@@ -246,7 +247,9 @@ class Sharded:
             dist.broadcast_object_list(where, 0)
             self.reshard()
             into = get_optimizer_state_dict(self.model, optimizer)
-            dcp.load(into, checkpoint_id=str(where[0]))
+            # the moments and counts only: the hyperparameters stay this run's, as for a node
+            # of one rank reading the same files
+            dcp.load({"state": into["state"]}, checkpoint_id=str(where[0]))
             set_optimizer_state_dict(self.model, optimizer, into)
             return
         full = _by_name(state, self._names(optimizer)) if state is not None else {}
