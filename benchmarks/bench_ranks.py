@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -96,13 +97,38 @@ def _measure_here(args: argparse.Namespace, group: RankGroup | None) -> int:
     for _ in range(args.steps):
         trainer.step()
     dt = time.perf_counter() - t0
+    costs = _exchange_costs(trainer)
     trainer.stop_ranks()
     tokens = args.steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len
     host = {p.name: p.nbytes for p in trainer.placement() if p.where == "host"}
     Path(args.out).write_text(json.dumps({
         "tokens_per_s": tokens / dt, "step_s": dt / args.steps, "numel": trainer.flat.numel,
-        "ranks": [counted.figures()], "host": host}))
+        "ranks": [counted.figures()], "host": host, **costs}))
     return 0
+
+
+def _exchange_costs(trainer: Trainer, repeats: int = 5) -> dict[str, float]:
+    """What an exchange costs the node's training beyond a one-rank node's, medians of
+    ``repeats``: reading the parameters after a step (sharded: every rank's rows gathered into
+    rank 0's copy; else nothing), and a write's hand-back (the step after a write minus a plain
+    step: sharded, rank 0's copy scattered into the rows; DDP, the parameters broadcast)."""
+    fill, plain, after_write = [], [], []
+    for _ in range(repeats):
+        trainer.step()
+        t0 = time.perf_counter()
+        with trainer.lock.urgent(writes=False):  # a reader: an exchange's prepare
+            pass
+        fill.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        trainer.step()
+        plain.append(time.perf_counter() - t0)
+        with trainer.lock.urgent():  # a writer: a commit
+            pass
+        t0 = time.perf_counter()
+        trainer.step()
+        after_write.append(time.perf_counter() - t0)
+    return {"fill_s": statistics.median(fill),
+            "handback_s": statistics.median(after_write) - statistics.median(plain)}
 
 
 class _Counted:
@@ -274,8 +300,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f['gradients'] / numel:.2f} | {f['moments'] / numel:.2f} | "
                   f"{dev / numel:.2f} |{peak} "
                   + (f"{full / numel:.0f} + {rest / numel:.1f} |" if rank == 0 else "|"))
+    payload = CodecSpec.parse("int8").codec().wire_bytes(numel)
+    print("\n# what an exchange costs the node's training beyond its payload (medians of 5; "
+          "a sharded node keeps one full copy of the parameters on rank 0's host: filled "
+          "from the rows before an exchange reads it, handed back after a commit), against "
+          "the int8 payload's time on a 100 Mbit/s link")
+    print("| node | fill before a read (s) | hand-back after a write (s) | "
+          "int8 payload at 100 Mbit/s (s) |")
+    print("|---|---|---|---|")
+    for name, _, r in rows[:3]:
+        print(f"| {name} | {r['fill_s']:.4f} | {r['handback_s']:.4f} | "
+              f"{payload * 8 / 1e8:.3f} |")
     if args.exchanges > 0:
-        payload = CodecSpec.parse("int8").codec().wire_bytes(numel)
         print(f"\n# gossip traffic: a swarm of a {k}-rank node and a 1-rank node, int8 payloads "
               f"of {payload:,} bytes, after {args.exchanges}+ applied exchanges each. "
               "Payloads sent: payload bytes sent / payload size. Every exchange of the swarm "
