@@ -136,3 +136,16 @@ def test_an_unreadable_data_file_stops_the_node_with_one_line(tmp_path):
     assert result.returncode == 2, result.stderr
     assert one_line(result).startswith(
         f"gasloc-node join: error: --data {str(bad)!r}: cannot read it as JSON Lines")
+
+
+def test_a_checkpoint_dir_that_cannot_be_a_directory_names_the_flag(tmp_path):
+    """A file where the checkpoint directory (or a folder above it) should be: one line naming
+    --checkpoint-dir, exit 2, before anything starts."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result, _ = run_cli("join", "--host", "127.0.0.1", "--metrics-port", "-1",
+                        "--checkpoint-dir", str(blocker / "ckpt"))
+    assert result.returncode == 2, result.stderr
+    assert one_line(result) == (f"gasloc-node join: error: --checkpoint-dir={blocker / 'ckpt'}: "
+                                "cannot use it as a directory (Not a directory); pass another "
+                                "one")

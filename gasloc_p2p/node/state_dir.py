@@ -38,6 +38,11 @@ def default_identity(cfg: NodeConfig) -> str:
             return ""
     if cfg.checkpoint.checkpoint_dir:
         folder = Path(cfg.checkpoint.checkpoint_dir)
+        try:
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise OSError(f"--checkpoint-dir={folder}: cannot use it as a directory "
+                          f"({exc.strerror}); pass another one") from None
     else:
         folder = data_home() / "gasloc_p2p" / "nodes" / cfg.discovery.run_id
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
