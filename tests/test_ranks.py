@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import math
 import os
 import subprocess
@@ -223,6 +224,19 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused_in_one_line():
     assert "--sharding='fsdp'" in compiled.stderr and "--compile" in compiled.stderr
     wrong = _check("--check", "--sharding", "zero3")
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "ddp" in wrong.stderr
+
+
+def test_sharding_a_node_of_one_rank_is_a_warning_naming_the_missing_flag(caplog):
+    with caplog.at_level(logging.WARNING):
+        out = _check("--check", "--sharding", "fsdp")
+    assert out.returncode == 0, out.stderr
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(m.startswith("--sharding fsdp: a node of one rank") and "--nproc-per-node" in m
+               for m in said), said
+    with caplog.at_level(logging.WARNING):
+        caplog.clear()
+        _check("--check", "--sharding", "fsdp", "--nproc-per-node", "2")
+    assert not [r for r in caplog.records if "--sharding fsdp" in r.getMessage()]
 
 
 def test_torchrun_with_another_world_size_than_the_flag_is_refused():

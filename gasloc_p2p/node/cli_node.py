@@ -106,10 +106,13 @@ def run_join(args: argparse.Namespace) -> int:
         _check_ports(cfg)
     except (ConfigError, OSError, TimeoutError) as exc:
         return _fail_config("join", exc)
+    world = cfg.train.nproc_per_node
+    if ranks is None and world == 1 and cfg.train.sharding == "fsdp":
+        log.warning("--sharding fsdp: a node of one rank holds the whole model (nothing to "
+                    "shard); add --nproc-per-node K to shard it over K GPUs")
     if check:
         print(check_summary(cfg))
         return 0
-    world = cfg.train.nproc_per_node
     if ranks is None and world > 1:
         from gasloc_p2p.node.launch import launch
 
