@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
 
 from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.options import ConfigError
 from gasloc_p2p.core.wire import payload_digest
+from gasloc_p2p.node.config import GossipConfig
 from gasloc_p2p.node.transport.tls import secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
@@ -306,6 +309,51 @@ def test_upload_cap_slows_the_transfer():
     run(main())
 
 
+def test_a_payload_slower_than_the_fixed_deadlines_completes_on_a_slow_link():
+    """A node whose upload takes 4 s (capped at 0.2 Mbit/s, as a slow home uplink) with a
+    whole-exchange deadline of 2 s and a message timeout of 1.5 s: both grow by its payload's
+    time on the slowest link it plans for, so the exchange completes (with fixed deadlines it
+    failed: a 1 GB payload at 1B parameters took 800 s at 10 Mbit/s against 120 s)."""
+
+    async def main():
+        slow = gossip_config(max_upload_mbps=0.2, codec="fp32", chunk_bytes=16 * 1024,
+                             exchange_timeout_s=2.0, header_timeout_s=1.5,
+                             chunk_timeout_s=1.5, commit_timeout_s=1.5)
+        a, b = await make_peer("A", 1, slow), await make_peer("B", 2)
+        try:
+            payload = 4 * a.engine.fragments[0].numel
+            upload_s = payload * 8 / 0.2e6
+            assert upload_s > 3.0
+            assert a.exchanger.deadline_s == pytest.approx(2.0 + upload_s)
+            a.exchanger.bucket.burst = 0.0  # every byte waits for its tokens
+            a.exchanger.bucket._tokens = 0.0
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            outcome = await a.exchange(b, 0)
+            took = loop.time() - t0
+            assert outcome.weight > 0 and a.exchanger.stats.ok_initiator == 1, outcome
+            assert took >= 0.9 * upload_s > slow.exchange_timeout_s, took
+            await wait_until(lambda: b.exchanger.stats.ok_responder == 1, what="B's commit")
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_deadlines_grow_with_this_nodes_own_bytes_on_the_slowest_link():
+    g = GossipConfig()
+    assert g.min_link_mbps == 10.0
+    assert g.transfer_s(10**9) == pytest.approx(800.0)  # 1 GB at 10 Mbit/s
+    assert replace(g, max_upload_mbps=2.0).transfer_s(10**9) == pytest.approx(4000.0)
+    assert replace(g, max_upload_mbps=50.0).transfer_s(10**9) == pytest.approx(800.0)
+    assert replace(g, min_link_mbps=0.0).transfer_s(10**9) == 0.0
+    # a state download: parameters and memory in float32
+    assert g.download_deadline_s(10**9) == pytest.approx(g.download_timeout_s + 6400.0)
+    with pytest.raises(ConfigError, match="--min-link-mbps=-1.0: must be >= 0"):
+        replace(g, min_link_mbps=-1.0).validate()
+
+
 @pytest.mark.parametrize("block_size", [2, 6, 1 << 16, 1 << 30])
 def test_header_block_size_outside_the_allowed_set_is_rejected(block_size):
     """A peer's header never chooses how much memory the responder's codec uses."""
@@ -331,3 +379,20 @@ def test_header_block_size_outside_the_allowed_set_is_rejected(block_size):
             await b.close()
 
     run(main())
+
+
+def test_an_all_reduce_deadline_grows_with_its_traffic_on_the_slowest_link():
+    """DiLoCo: a 1B model's fp32 all-reduce moves about 8 GB up per node; its deadline is the
+    fixed all-reduce timeout plus that on the slowest link, for hivemind and for the node's
+    own wait."""
+    from types import SimpleNamespace
+
+    from gasloc_p2p.node.averaging.dht import HivemindAverager
+    from gasloc_p2p.node.config import DilocoConfig
+
+    dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
+    cfg = DilocoConfig()
+    upload = 2 * 4 * 10**9
+    averager = HivemindAverager(dht, 10**9, "p", cfg, GossipConfig().transfer_s(upload))
+    assert averager.allreduce_s == pytest.approx(cfg.allreduce_timeout_s + 6400.0)
+    assert HivemindAverager(dht, 10**9, "p", cfg).allreduce_s == cfg.allreduce_timeout_s

@@ -80,6 +80,10 @@ class GossipConfig:
                            advanced=True)
     max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)",
                                  group="network")
+    min_link_mbps: float = opt(10.0, "slowest link an exchange or a state download is given "
+                                     "time for: their deadlines grow by the bytes' time at this "
+                                     "rate (or at --max-upload-mbps, if lower; 0: fixed "
+                                     "deadlines)", group="network", advanced=True)
     chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)",
                            advanced=True)
     busy_retries: int = opt(3, "other peers tried after a BUSY answer", advanced=True)
@@ -206,6 +210,23 @@ class GossipConfig:
         for name in ("header_timeout_s", "chunk_timeout_s", "commit_timeout_s"):
             need(getattr(self, name) < self.exchange_timeout_s, name, getattr(self, name),
                   f"must be shorter than exchange_timeout_s={self.exchange_timeout_s}")
+        need(math.isfinite(self.min_link_mbps) and self.min_link_mbps >= 0, "min_link_mbps",
+             self.min_link_mbps, "must be >= 0 megabits/s (0: fixed deadlines)")
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` (this node's own size of what it sends or fetches: never a
+        peer's figure) take at the slowest rate this node plans for: ``min_link_mbps``, or the
+        upload cap when lower; 0 with ``min_link_mbps`` 0."""
+        if self.min_link_mbps <= 0:
+            return 0.0
+        rate = min(r for r in (self.min_link_mbps, self.max_upload_mbps) if r > 0)
+        return nbytes * 8 / (rate * 1e6)
+
+    def download_deadline_s(self, numel: int) -> float:
+        """The deadline of a state download for a model of ``numel`` parameters (this node's):
+        ``download_timeout_s`` plus the largest state's time (parameters and momentum memory,
+        float32) on the slowest link."""
+        return self.download_timeout_s + self.transfer_s(8 * numel)
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,8 @@ class Node:
         stub = self.channels.stub(peer.endpoint, peer.cert)
         try:
             meta, params, memory = await download_state(
-                stub, self.me, self.cfg.gossip.download_timeout_s, numel)
+                stub, self.me, self.cfg.gossip.download_deadline_s(numel), numel,
+                self.cfg.network.info_timeout_s)
             info = await fetch_info(stub, self.cfg.network.info_timeout_s, signer)
         except Exception as exc:  # any failure: try the next donor
             log.warning("state download from %s failed: %s", safe(peer.peer_id),

@@ -82,11 +82,15 @@ from gasloc_p2p.protocol.messages import (
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Seconds to wait for the peer's Header, for any one message of the transfer, for Commit."""
+    """Seconds to wait for the peer's Header, for any one message of the transfer, for Commit;
+    ``send_s``: how much longer than one message our own payload may still take to go out once
+    the peer's arrived (its time on the slowest link the node plans for: links are often
+    faster down than up)."""
 
     header_s: float
     chunk_s: float
     commit_s: float
+    send_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -174,8 +178,9 @@ class ExchangeSession:
         if self.stage is Stage.HEADER:
             side = "responder" if self.role is Role.INITIATOR else "initiator"
             return f"the {side}'s Header", t.header_s
-        if self.stage is Stage.TRANSFER:
-            return "payload", t.chunk_s
+        if self.stage is Stage.TRANSFER:  # once the peer's payload is in, its Ready follows
+            # the end of ours, which may still be on its way up
+            return "payload", t.chunk_s + (0.0 if self.receiving_payload else t.send_s)
         if self.stage is Stage.COMMIT:
             return "Commit", t.commit_s
         return None
@@ -415,7 +420,8 @@ class ExchangeSession:
         if self._received is None or self._peer_rounds is None:
             return []
         self.stage = Stage.FLUSH
-        return [FlushPayload(self.rules.timeouts.chunk_s)]
+        t = self.rules.timeouts
+        return [FlushPayload(t.chunk_s + t.send_s)]
 
     def _check_commit(self, signature: bytes) -> None:
         """Responder: the Commit must be signed by the initiator for this very stream."""

@@ -101,14 +101,19 @@ def averaging_prefix(run_id: str, fingerprint: str, codec: str = "",
 class HivemindAverager(Averager):
     """hivemind ``DecentralizedAverager`` over one shared-memory ``[numel]`` buffer, on ``dht``."""
 
-    def __init__(self, dht: Any, numel: int, prefix: str, cfg: DilocoConfig) -> None:
+    def __init__(self, dht: Any, numel: int, prefix: str, cfg: DilocoConfig,
+                 transfer_s: float = 0.0) -> None:
         """``prefix``: from :func:`averaging_prefix` (with ``cfg.diloco_codec``); ``numel``:
-        float32 values averaged (an all-gather, a sparse codec: its messages' bytes / 4)."""
+        float32 values averaged (an all-gather, a sparse codec: its messages' bytes / 4);
+        ``transfer_s``: the time this node's share of the traffic takes on the slowest link it
+        plans for, added to the all-reduce's deadline (a 1B model's fp32 all-reduce moves 8 GB
+        each way: 120 s would fail every round below 500 Mbit/s)."""
         self.dht = dht
         self.numel = numel
         self.message_bytes = 4 * numel
         self.prefix = prefix
         self.cfg = cfg
+        self.allreduce_s = cfg.allreduce_timeout_s + transfer_s
         self.peer_id = dht.peer_id.to_base58()
         self._avg: Any = None
         self._target: int | None = cfg.target_group_size or None
@@ -120,7 +125,7 @@ class HivemindAverager(Averager):
             [torch.zeros(self.numel)], self.dht, start=False, prefix=self.prefix,
             target_group_size=self._target, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time_s, request_timeout=cfg.request_timeout_s,
-            allreduce_timeout=cfg.allreduce_timeout_s, next_chunk_timeout=cfg.part_timeout_s,
+            allreduce_timeout=self.allreduce_s, next_chunk_timeout=cfg.part_timeout_s,
             compression=self.compression,
             allow_state_sharing=False, shutdown_timeout=5.0)
         # Process.start, not run_in_background: that one sets SIGINT to SIG_IGN in the caller,
@@ -146,7 +151,7 @@ class HivemindAverager(Averager):
             self._target = target
         control = avg.step(gather=dict(gather), timeout=cfg.averaging_timeout_s,
                            allow_retries=True, wait=False)
-        deadline = time.monotonic() + cfg.averaging_timeout_s + cfg.allreduce_timeout_s + 5.0
+        deadline = time.monotonic() + cfg.averaging_timeout_s + self.allreduce_s + 5.0
         while not control.done():
             if stop.is_set() or time.monotonic() > deadline:
                 control.cancel()
@@ -202,9 +207,9 @@ class HivemindAverager(Averager):
         executor thread was taking the lock would then hang the trainer thread for good.
         """
         avg = self._avg
-        if not avg.lock_averaged_tensors.acquire(timeout=self.cfg.allreduce_timeout_s):
+        if not avg.lock_averaged_tensors.acquire(timeout=self.allreduce_s):
             log.error("the averaged buffer stayed locked for %g s: hivemind's averager is stuck; "
-                      "rounds fail until the node restarts", self.cfg.allreduce_timeout_s)
+                      "rounds fail until the node restarts", self.allreduce_s)
             yield None
             return
         try:

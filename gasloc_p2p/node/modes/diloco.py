@@ -104,12 +104,17 @@ class DilocoMode(Mode):
             part = "diloco" if len(fragments) == 1 else f"stream{len(fragments)}"
             width = max(f.numel for f in fragments)
             sparse = cfg.diloco.sparse_spec()
+            # this node's upload in one sync, at most: an all-reduce sends its parts and, as a
+            # reducer, the averaged parts (2 x the fp32 vector); an all-gather its message and
+            # the relayed ones (9 messages: a group of 8 and its own, as `plan` counts)
+            upload = 2 * 4 * width
             if sparse is not None:  # an all-gather of messages: their bytes, as float32s
                 width = -(-sparse.wire_bytes(width) // 4)
+                upload = 9 * 4 * width
             self.averagers = [HivemindAverager(
                 dht, width, averaging_prefix(
                     cfg.discovery.run_id, trainer.fingerprint, cfg.diloco.diloco_codec, part),
-                cfg.diloco)]
+                cfg.diloco, cfg.gossip.transfer_s(upload))]
         self._averaging = True  # close even half-started averagers (close is safe twice)
         for averager in self.averagers:
             await asyncio.to_thread(averager.start)
@@ -120,8 +125,10 @@ class DilocoMode(Mode):
             peer = next((p for p in ctx.peers() if p.endpoint == peer_endpoint), None)
             if peer is None:
                 raise LookupError(f"no signed record announces {peer_endpoint!r}")
+            numel = trainer.state.theta.numel()
             return await download_state(ctx.channels.stub(peer.endpoint, peer.cert), ctx.me,
-                                        cfg.gossip.download_timeout_s, trainer.state.theta.numel())
+                                        cfg.gossip.download_deadline_s(numel), numel,
+                                        cfg.network.info_timeout_s)
 
         self.rounds = DilocoRounds(
             trainer.state, fragments, cfg.train.inner_steps, tau, ctx.lock, self.averagers,

@@ -270,7 +270,7 @@ class GossipLoop:
     async def exchange_with(self, peer: PeerInfo, fragment: int) -> Outcome:
         stub, channel = self.channels.stub_and_channel(peer.endpoint, peer.cert)
         await connect(channel, peer.endpoint, self.net.connect_timeout_s)
-        deadline = self.cfg.exchange_timeout_s + self.cfg.commit_timeout_s
+        deadline = self.exchanger.deadline_s + self.cfg.commit_timeout_s
         return await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
                                              peer.peer_id, fragment,
                                              peer.endpoint.rsplit(":", 1)[0])

@@ -217,10 +217,10 @@ class Sharded:
             dcp.save(get_optimizer_state_dict(self.model, optimizer), checkpoint_id=path)
         except CheckpointException as exc:  # (a BaseException); failures: rank -> (error, stack)
             rank = min(exc.failures, default=0)
-            first = exc.failures.get(rank, exc)
-            first = first[0] if isinstance(first, tuple) else first
-            text = " ".join(str(first).split())[:200]
-            return f"rank {rank}: {type(first).__name__}: {text}"
+            found = exc.failures.get(rank)
+            error: BaseException = found[0] if isinstance(found, tuple) else exc
+            text = " ".join(str(error).split())[:200]
+            return f"rank {rank}: {type(error).__name__}: {text}"
         return ""
 
     def load_optimizer_state(self, optimizer: Any, state: dict[str, Any] | None) -> None:

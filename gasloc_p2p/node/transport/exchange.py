@@ -150,8 +150,14 @@ class GossipTransport:
     def cfg(self, gossip: GossipConfig) -> None:
         """Replacing the config (codec, timeouts) rebuilds the sessions' rules to match."""
         self._cfg = gossip
+        # this node's largest payload on the slowest link it plans for (a 1 GB payload takes
+        # 800 s at 10 Mbit/s): the whole exchange's deadline and the wait for our own upload
+        # to finish grow by it
+        largest = max((f.numel for f in self.engine.fragments), default=0)
+        send_s = gossip.transfer_s(gossip.codec_spec.codec().wire_bytes(largest))
+        self.deadline_s = gossip.exchange_timeout_s + send_s
         self.rules = Rules.build(self.me, gossip.codec_spec, self.outer.w, Timeouts(
-            gossip.header_timeout_s, gossip.chunk_timeout_s, gossip.commit_timeout_s))
+            gossip.header_timeout_s, gossip.chunk_timeout_s, gossip.commit_timeout_s, send_s))
 
     # ----------------------------------------------------------------- initiator
     async def initiate(self, open_call: CallFactory, peer_id: str, fragment_index: int,
@@ -179,7 +185,7 @@ class GossipTransport:
         first = session.prepared(await self._prepare(prepare, block))
         call = open_call()
         try:
-            async with asyncio.timeout(self.cfg.exchange_timeout_s):
+            async with asyncio.timeout(self.deadline_s):
                 apply = await self._pump(call, session, first, block)
         except BaseException as exc:
             self._release(session)
@@ -269,7 +275,7 @@ class GossipTransport:
     async def _respond(self, stream: MessageStream, session: ExchangeSession,
                        block: str) -> None:
         started = time.monotonic()
-        async with asyncio.timeout(self.cfg.exchange_timeout_s):
+        async with asyncio.timeout(self.deadline_s):
             apply = await self._pump(stream, session, session.admitted(), block)
         outcome = await self._apply(session, apply)
         self._record(False, outcome, started)

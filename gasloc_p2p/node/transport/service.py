@@ -460,14 +460,15 @@ def state_request(run_id: str, fingerprint: str, signer: Signer, target: str,
 
 
 async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: float,
-                         numel: int | None = None
+                         numel: int | None = None, info_timeout_s: float | None = None
                          ) -> tuple[pb.StateMeta, torch.Tensor, torch.Tensor | None]:
     """A peer's public iterate and momentum memory (float32 ``[numel]`` each; None when the
-    peer keeps none) and its meta. With ``numel`` (this node's model), a state announced for
-    another size is refused before any byte of it is buffered."""
+    peer keeps none) and its meta, within ``timeout_s`` (its challenge first, within
+    ``info_timeout_s``, default the same). With ``numel`` (this node's model), a state
+    announced for another size is refused before any byte of it is buffered."""
     assert me.signer is not None, "state requests are signed"
-    request = state_request(me.run_id, me.fingerprint, me.signer,
-                            *await target_of(stub, timeout_s))
+    request = state_request(me.run_id, me.fingerprint, me.signer, *await target_of(
+        stub, timeout_s if info_timeout_s is None else min(timeout_s, info_timeout_s)))
     meta: pb.StateMeta | None = None
     body = bytearray()
     async with asyncio.timeout(timeout_s):
