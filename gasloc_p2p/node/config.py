@@ -80,10 +80,11 @@ class GossipConfig:
                            advanced=True)
     max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)",
                                  group="network")
-    min_link_mbps: float = opt(10.0, "slowest link an exchange or a state download is given "
-                                     "time for: their deadlines grow by the bytes' time at this "
-                                     "rate (or at --max-upload-mbps, if lower; 0: fixed "
-                                     "deadlines)", group="network", advanced=True)
+    min_link_mbps: float = opt(10.0, "slowest link this node plans for: the deadlines of an "
+                                     "exchange, a state download and a DiLoCo all-reduce grow "
+                                     "by its own bytes' time at this rate (or at "
+                                     "--max-upload-mbps, if lower; 0: fixed deadlines)",
+                               group="network")
     chunk_bytes: int = opt(MAX_CHUNK_BYTES, "payload bytes per Chunk message (<= 1 MiB)",
                            advanced=True)
     busy_retries: int = opt(3, "other peers tried after a BUSY answer", advanced=True)
