@@ -107,6 +107,46 @@ def test_downloads_share_one_snapshot_stream_in_chunks_and_stop_at_the_limit() -
     run(main())
 
 
+def test_a_download_that_outlasts_its_deadline_is_cut_and_frees_its_slot() -> None:
+    """A member that stops reading its download would hold the donor's slot for good: the
+    donor cuts a download after its deadline (the node's: the state's time on the slowest
+    link it plans for), and the slot serves the next node."""
+    async def main() -> None:
+        snap = state()
+        servicer = GossipServicer(Identity(RUN, FINGERPRINT, "donor"), None,  # type: ignore
+                                  lambda: pb.InfoReply(peer_id="donor"), lambda: snap,
+                                  limits=ServeLimits(max_downloads=1, download_s=scaled(1.0)))
+        server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4,
+                                          tls("donor"))
+        endpoint, cert = f"127.0.0.1:{port}", tls("donor").cert_der
+        channels = PeerChannels(NetworkConfig())
+        slow = secure_channel(endpoint, cert, [("grpc.http2.bdp_probe", 0)])
+        try:
+            stub, slow_stub = channels.stub(endpoint, cert), pb_grpc.GossipStub(slow)
+            held = slow_stub.DownloadState(
+                state_request(RUN, FINGERPRINT, ME.signer, *await challenge(slow_stub)),
+                timeout=scaled(30))
+            assert (await held.read()).WhichOneof("kind") == "meta"  # then reads no more
+            assert servicer.downloads.active == 1
+            with pytest.raises(ExchangeError) as busy:
+                await download_state(stub, ME, scaled(10))
+            assert busy.value.code == BUSY
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            while servicer.downloads.active and loop.time() - t0 < scaled(10):
+                await asyncio.sleep(0.05)
+            assert servicer.downloads.active == 0, "the stalled download still holds its slot"
+            assert loop.time() - t0 < scaled(5)
+            meta, params, _ = await download_state(stub, ME, scaled(10))  # the slot serves
+            assert torch.equal(params, snap.params)
+        finally:
+            await slow.close()
+            await channels.close()
+            await server.stop(0)
+
+    run(main())
+
+
 def test_concurrent_downloads_are_exact_or_busy() -> None:
     async def main() -> None:
         server, servicer, endpoint, channels, cert = await serve(limit=3)

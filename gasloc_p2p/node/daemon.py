@@ -301,8 +301,9 @@ class Node:
     async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
         net = self.cfg.network
         host = "127.0.0.1" if net.client_mode else net.host
+        numel = self.trainer.flat.numel if self.trainer is not None else 0
         limits = ServeLimits(net.preauth_streams, net.preauth_timeout_s, net.max_downloads,
-                             net.auth_skew_s)
+                             net.auth_skew_s, self.cfg.gossip.download_deadline_s(numel))
         servicer = GossipServicer(self.me, self.mode.exchanger, self.info, self.mode.snapshot,
                                   limits)
         servicer.probe = self._probe_endpoint

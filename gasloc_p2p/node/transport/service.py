@@ -154,6 +154,8 @@ class ServeLimits:
     preauth_timeout_s: float = 3.0
     max_downloads: int = 2
     auth_skew_s: float = 120.0
+    download_s: float = 600.0  # a download served longer is cut: a reader that stops reading
+    # would hold its slot for good (the node sets the state's time on the slowest link)
 
 
 class PreauthPool:
@@ -301,6 +303,9 @@ class GossipServicer(pb_grpc.GossipServicer):
             yield pb.StateChunk(reject=reject(BUSY, f"serving {self.downloads.limit} state "
                                                     "downloads already; retry later").reject)
             return
+        task = asyncio.current_task()
+        timer = (asyncio.get_running_loop().call_later(self.limits.download_s, task.cancel)
+                 if task is not None else None)
         try:
             snap, views, crc = await self.downloads.get()
             yield pb.StateChunk(meta=pb.StateMeta(
@@ -312,6 +317,8 @@ class GossipServicer(pb_grpc.GossipServicer):
                 for start in range(0, view.nbytes, MAX_CHUNK_BYTES):
                     yield pb.StateChunk(data=bytes(view[start : start + MAX_CHUNK_BYTES]))
         finally:
+            if timer is not None:
+                timer.cancel()
             self.downloads.release()
 
     def _check_state_request(self, r: pb.StateRequest) -> ExchangeError | None:
