@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from gasloc_p2p.core.async_state import AsyncConfig
+from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.config_train import TrainConfig
 from gasloc_p2p.node.plan import bytes_per_param, model_buffers, model_shape, plan, report
@@ -133,6 +134,15 @@ def test_plan_llama_1b_on_a_24gb_card(tmp_path):
     long = run_plan(*model, "--precision", "bf16", "--micro-batch", "1", "--seq-len", "8192",
                     "--no-activation-checkpointing")
     assert long.returncode == 1 and "does NOT fit in 24.0 GiB" in long.stdout, long.stdout
+    # the network line: an int8 exchange of 1.2B parameters is 1.24 GB, 989 s at 10 Mbit/s
+    # (the time the node's deadlines add: docs/running.md); an fp32 DiLoCo sync 8 x as much
+    payload = CodecSpec.parse("int8").codec().wire_bytes(1_235_814_400)
+    assert (f"network at 10 Mbit/s (--min-link-mbps): an exchange sends one int8 payload of "
+            f"{payload / 1e9:,.2f} GB (and receives one): {payload * 8 / 1e7:,.0f} s"
+            ) in full.stdout, full.stdout
+    sync = run_plan(*model, "--algorithm", "diloco", "--min-link-mbps", "100")
+    assert (f"a sync uploads up to {8 * 1_235_814_400 / 1e9:,.2f} GB (an all-reduce of the "
+            f"fp32 vector): {8 * 1_235_814_400 * 8 / 1e8:,.0f} s") in sync.stdout, sync.stdout
 
 
 def test_plan_refuses_bad_input_in_one_line():

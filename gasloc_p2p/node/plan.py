@@ -288,6 +288,8 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--nproc-per-node", type=_positive, default=1,
                    help="GPUs of the node: the figures are per GPU, the micro-batch split "
                         "over them")
+    p.add_argument("--min-link-mbps", type=float, default=10.0,
+                   help="the slowest link to plan the transfers for")
     p.add_argument("--sharding", default="ddp", choices=("ddp", "fsdp"),
                    help="a node of several GPUs: ddp (each holds the model) or fsdp (each "
                         "holds 1/K of it)")
@@ -311,8 +313,10 @@ def run_plan(args: argparse.Namespace) -> int:
                                          sharding=args.sharding),
                       outer=replace(cfg.outer, algorithm=args.algorithm, gamma=args.gamma),
                       diloco=replace(cfg.diloco, diloco_codec=args.diloco_codec),
-                      gossip=replace(cfg.gossip, codec=CodecSpec.parse(args.codec).name))
+                      gossip=replace(cfg.gossip, codec=CodecSpec.parse(args.codec).name,
+                                     min_link_mbps=args.min_link_mbps))
         cfg.diloco.validate()
+        cfg.gossip.validate()
         if args.micro_batch % args.nproc_per_node:
             raise ValueError(f"--micro-batch={args.micro_batch} does not split over "
                              f"--nproc-per-node={args.nproc_per_node} GPUs")
@@ -323,9 +327,40 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     result = plan(cfg, "cpu" if args.cpu else "cuda", shape)
     print(report(result, memory))
+    print(network(cfg, shape.numel))
     if memory is not None and result["steady"]["device"] > memory:
         return 1
     return 0
+
+
+def network(cfg: NodeConfig, numel: int) -> str:
+    """What one exchange (GASLoC) or one sync (the DiLoCo modes) uploads, and how long that
+    takes on the slowest link the node plans for (``--min-link-mbps``): the time its deadlines
+    add (docs/running.md)."""
+    g = cfg.gossip
+    rate = f"at {g.min_link_mbps:g} Mbit/s (--min-link-mbps)"
+    if cfg.outer.algorithm == "gasloc":
+        sent = CodecSpec.parse(g.codec).codec().wire_bytes(numel)
+        what = f"an exchange sends one {g.codec} payload of {_size(sent)} (and receives one)"
+        tail = "; --fragments P sends about 1/P of it per exchange"
+    else:
+        sparse = cfg.diloco.sparse_spec()
+        if sparse is None:  # an all-reduce: its parts, and as a reducer the averaged parts
+            sent = 2 * 4 * numel
+            what = f"a sync uploads up to {_size(sent)} (an all-reduce of the fp32 vector)"
+        else:  # an all-gather: its message and the relayed ones (a group of 8)
+            sent = 9 * sparse.wire_bytes(numel)
+            what = (f"a sync uploads up to {_size(sent)} (an all-gather of "
+                    f"{cfg.diloco.diloco_codec} messages in a group of 8)")
+        tail = ""
+    if g.min_link_mbps <= 0:
+        return f"network: {what} (--min-link-mbps 0: fixed deadlines){tail}"
+    took = g.transfer_s(sent)
+    return f"network {rate}: {what}: {took:,.{1 if took < 10 else 0}f} s{tail}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:,.2f} GB" if nbytes >= 10**9 else f"{nbytes / 1e6:,.2f} MB"
 
 
 def bytes_per_param(result: dict[str, Any], where: str = "device",
