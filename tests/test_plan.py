@@ -134,7 +134,7 @@ def test_plan_llama_1b_on_a_24gb_card(tmp_path):
     long = run_plan(*model, "--precision", "bf16", "--micro-batch", "1", "--seq-len", "8192",
                     "--no-activation-checkpointing")
     assert long.returncode == 1 and "does NOT fit in 24.0 GiB" in long.stdout, long.stdout
-    # the network line: an int8 exchange of 1.2B parameters is 1.24 GB, 989 s at 10 Mbit/s
+    # the network line: an int8 exchange of 1.2B parameters is 1.24 GB, 993 s at 10 Mbit/s
     # (the time the node's deadlines add: docs/running.md); an fp32 DiLoCo sync 8 x as much
     payload = CodecSpec.parse("int8").codec().wire_bytes(1_235_814_400)
     assert (f"network at 10 Mbit/s (--min-link-mbps): an exchange sends one int8 payload of "
