@@ -325,6 +325,9 @@ def test_a_payload_slower_than_the_fixed_deadlines_completes_on_a_slow_link():
             upload_s = payload * 8 / 0.2e6
             assert upload_s > 3.0
             assert a.exchanger.deadline_s == pytest.approx(2.0 + upload_s)
+            # one message may take its largest chunk's time twice over on that link
+            assert a.exchanger.rules.timeouts.chunk_s == pytest.approx(2 * (1 << 20) * 8 / 0.2e6)
+            assert b.exchanger.rules.timeouts.chunk_s == b.exchanger.cfg.chunk_timeout_s
             a.exchanger.bucket.burst = 0.0  # every byte waits for its tokens
             a.exchanger.bucket._tokens = 0.0
             loop = asyncio.get_running_loop()

@@ -156,8 +156,11 @@ class GossipTransport:
         largest = max((f.numel for f in self.engine.fragments), default=0)
         send_s = gossip.transfer_s(gossip.codec_spec.codec().wire_bytes(largest))
         self.deadline_s = gossip.exchange_timeout_s + send_s
+        # one message of the peer's payload: the largest chunk twice over on that link, if
+        # that is longer than the setting (1 MiB at 0.5 Mbit/s takes 17 s)
+        chunk_s = max(gossip.chunk_timeout_s, 2 * gossip.transfer_s(MAX_CHUNK_BYTES))
         self.rules = Rules.build(self.me, gossip.codec_spec, self.outer.w, Timeouts(
-            gossip.header_timeout_s, gossip.chunk_timeout_s, gossip.commit_timeout_s, send_s))
+            gossip.header_timeout_s, chunk_s, gossip.commit_timeout_s, send_s))
 
     # ----------------------------------------------------------------- initiator
     async def initiate(self, open_call: CallFactory, peer_id: str, fragment_index: int,
