@@ -230,6 +230,11 @@ class GossipConfig:
         return self.download_timeout_s + self.transfer_s(8 * numel)
 
 
+# An all-gather's messages a node plans for (memory, deadlines): its own and 8 members'. The
+# group's real size is the leader's choice, capped by averaging.dht.gather_cap.
+GATHER_PLANNED = 9
+
+
 @dataclass(frozen=True)
 class DilocoConfig:
     """The DiLoCo modes (``--algorithm diloco`` and ``streaming-diloco``, docs/algorithm.md

@@ -42,7 +42,7 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CodecSpec
-from gasloc_p2p.node.config import NodeConfig
+from gasloc_p2p.node.config import GATHER_PLANNED, NodeConfig
 from gasloc_p2p.node.runtime.trainer import Placed
 from gasloc_p2p.protocol import fused
 from gasloc_p2p.protocol.engine import ON_CPU_CHUNK, ON_DEVICE_CHUNK
@@ -179,8 +179,8 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
         else:
             message = sparse.wire_bytes(shape.numel)
             out += [Placed("error feedback (sparse payload)", 4 * shape.numel, "host"),
-                    Placed("averaging: the message and 8 members' (all-gather)",
-                           9 * message, "host")]
+                    Placed(f"averaging: the message and {GATHER_PLANNED - 1} members' "
+                           "(all-gather)", GATHER_PLANNED * message, "host")]
     if device != "cpu":
         out.append(Placed("CUDA context, allocator slack", CUDA_OVERHEAD, "device"))
     return out
@@ -348,10 +348,10 @@ def network(cfg: NodeConfig, numel: int) -> str:
         if sparse is None:  # an all-reduce: its parts, and as a reducer the averaged parts
             sent = 2 * 4 * numel
             what = f"a sync uploads up to {_size(sent)} (an all-reduce of the fp32 vector)"
-        else:  # an all-gather: its message and the relayed ones (a group of 8)
-            sent = 9 * sparse.wire_bytes(numel)
+        else:  # an all-gather: its message and the relayed ones
+            sent = GATHER_PLANNED * sparse.wire_bytes(numel)
             what = (f"a sync uploads up to {_size(sent)} (an all-gather of "
-                    f"{cfg.diloco.diloco_codec} messages in a group of 8)")
+                    f"{cfg.diloco.diloco_codec} messages in a group of {GATHER_PLANNED - 1})")
         tail = ""
     if g.min_link_mbps <= 0:
         return f"network: {what} (--min-link-mbps 0: fixed deadlines){tail}"

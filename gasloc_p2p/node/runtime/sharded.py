@@ -252,15 +252,16 @@ class Sharded:
             dcp.load({"state": into["state"]}, checkpoint_id=str(where[0]))
             set_optimizer_state_dict(self.model, optimizer, into)
             return
-        full = _by_name(state, self._names(optimizer)) if state is not None else {}
+        full = _by_name(state, optimizer_names(self.model, optimizer)) if state is not None else {}
         set_optimizer_state_dict(
             self.model, optimizer, full,
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
-    def _names(self, optimizer: Any) -> list[str]:
-        """The optimized parameters' names in the optimizer's order (its state dict's ids)."""
-        name = {id(p): n for n, p in self.model.named_parameters()}
-        return [name[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+def optimizer_names(model: nn.Module, optimizer: Any) -> list[str]:
+    """The optimized parameters' names in the optimizer's order (its state dict's ids)."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [name[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
 def _by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -41,7 +41,12 @@ from gasloc_p2p.node.config import TrainConfig
 from gasloc_p2p.node.runtime import checkpoint as ckpt_files
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost, Replica, rank_device, rows_on
-from gasloc_p2p.node.runtime.sharded import Sharded, layer_stack, shard_model
+from gasloc_p2p.node.runtime.sharded import (
+    Sharded,
+    layer_stack,
+    optimizer_names,
+    shard_model,
+)
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.protocol.guard import LossWatch
 from gasloc_p2p.train import (
@@ -626,10 +631,9 @@ class Trainer:
             if self.sharded is not None and self.ranks is not None:
                 self.ranks.optimizer_to_send = {ckpt_files.SHARDED: where}
                 return
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
             saved = ckpt_files.read_sharded_optimizer(
-                where, order, self.optimizer.state_dict()["param_groups"])
+                where, optimizer_names(self.model, self.optimizer),
+                self.optimizer.state_dict()["param_groups"])
         if self.sharded is not None and self.ranks is not None:
             self.ranks.optimizer_to_send = saved  # every rank its rows, from rank 0's
         else:
