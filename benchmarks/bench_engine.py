@@ -121,9 +121,9 @@ def describe(r: dict[str, float]) -> str:
     how = ("payloads on the device" if not r.get("streamed")
            else "streamed, fused kernels" if r.get("fused") else "streamed, eager passes")
     return (f"{how}: exchange {r['exchange_s'] * 1e3:.1f} ms wall, of which SHA-256 of our payload "
-            f"{r['digest_s'] * 1e3:.1f} ms; kernels {r['kernels_s'] * 1e3:.2f} ms, payload copies "
-            f"over PCIe {r['copies_s'] * 1e3:.2f} ms ({r['payload_bytes'] / 2**20:.0f} MiB "
-            f"each); device copy of the fp32 model {r['copy_s'] * 1e3:.2f} ms: kernels "
+            f"{r['digest_s'] * 1e3:.1f} ms; kernels {r['kernels_s'] * 1e3:.2f} ms, host<->device "
+            f"copies (outer state, payloads) {r['copies_s'] * 1e3:.2f} ms (payload "
+            f"{r['payload_bytes'] / 2**20:.0f} MiB); device copy of the fp32 model {r['copy_s'] * 1e3:.2f} ms: kernels "
             f"{r['kernel_ratio']:.1f}x, wall {r['ratio']:.1f}x")
 
 

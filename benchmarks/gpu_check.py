@@ -15,6 +15,7 @@ JSON record to ``--records``; the last step writes ``docs/results/gpu.md`` from 
   default rate (2 per 20-step round) and back to back;
 - ``engine``: one exchange's tensor work at 135M and 1.236B against a device-to-device copy of
   the model's float32 bytes, alone and while the GPU is busy (``bench_engine``);
+- ``compile1b`` (on request): the 1B shape's tokens/s and step peak, eager and ``--compile``;
 - ``nodes``: two ``gasloc-node join`` processes on the GPU over loopback train the 135M Llama,
   gossip, write checkpoints; ``gasloc-node export`` writes one and ``transformers`` loads it.
 
@@ -43,7 +44,7 @@ import torch
 GiB = 1 << 30
 PARTS = ("tests", "memory", "throughput", "engine", "nodes", "ranks")
 WINDOW = 100  # steps per throughput window (40 left the ratios within 7% noise on an H200)
-EXTRA = ("trace", "profile")  # diagnostics, on request
+EXTRA = ("trace", "profile", "compile1b")  # diagnostics, on request
 LLAMA_135M = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
               "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
               "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048,
@@ -275,6 +276,46 @@ def _throughput(paths: dict[str, Path], compile_: bool) -> list[dict[str, Any]]:
         print(f"throughput 135M bf16{' compiled' if compile_ else ''}, exchanges {label}: "
               f"{rate:,.0f} tokens/s vs solo "
               f"{ref:,.0f} = {rate / ref:.3f} ({count} exchanges in {WINDOW} steps)", flush=True)
+    return rows
+
+
+def part_compile1b(paths: dict[str, Path], steps: int = 12) -> list[dict[str, Any]]:
+    """The 1B Llama shape (bf16, micro-batch 1 x 2048, activation checkpointing) eager and
+    with ``--compile``: tokens/s over ``steps`` steps after warm-up, the compilation's time
+    and each step's peak device memory, one node after the other."""
+    import gc
+
+    rows = []
+    for compile_ in (False, True):
+        t0 = time.monotonic()
+        row: dict[str, Any] = {"part": "compile1b", "compile": compile_}
+        try:
+            node = trainer(paths["1b"], paths["corpus"], seq_len=2048, batch_size=1,
+                           activation_checkpointing=True, compile=compile_)
+            node.warm_up()
+            for _ in range(3):
+                node.step()
+            row["ready_s"] = time.monotonic() - t0
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t1, tokens0 = time.perf_counter(), node.stats.tokens
+            for _ in range(steps):
+                node.step()
+            torch.cuda.synchronize()
+            row["tokens_per_s"] = (node.stats.tokens - tokens0) / (time.perf_counter() - t1)
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+            row["numel"] = node.flat.numel
+            print(f"compile1b: 1B bf16 1 x 2048, activation checkpointing"
+                  f"{', --compile' if compile_ else ', eager'}: {row['tokens_per_s']:,.0f} "
+                  f"tokens/s, peak {row['peak_gib']:.2f} GiB, ready in {row['ready_s']:.0f} s",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - a failed row is reported, the check goes on
+            row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"compile1b (compile={compile_}): failed: {row['failed']}", flush=True)
+        rows.append(row)
+        node = None
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -547,8 +588,15 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
              "minutes on one H100; offline). Targets from the issue in the last column.", "",
              "| figure | measured | target |", "|---|---|---|"]
     for r in records:
-        if r["part"] in EXTRA:
+        if r["part"] in ("trace", "profile"):
             continue  # a diagnostic: printed, not tabled
+        if r["part"] == "compile1b":
+            lines.append(f"| 1B Llama bf16, 1 x 2048, activation checkpointing, "
+                         f"{'--compile' if r['compile'] else 'eager'}: tokens/s, step peak, "
+                         f"ready after | " + (r["failed"] if "failed" in r else
+                         f"{r['tokens_per_s']:,.0f}, {r['peak_gib']:.2f} GiB, "
+                         f"{r['ready_s']:.0f} s") + " | (diagnostic) |")
+            continue
         if r["part"] == "tests":
             lines.append(f"| CUDA tests (test_cuda, test_device_paths, test_streamed, test_train) | {r['summary']} | "
                          "all pass |")
@@ -585,7 +633,7 @@ def write_table(records: list[dict[str, Any]], path: Path) -> None:
                          f"{' (GPU busy)' if r['busy'] else ''}: kernels / device copy of the "
                          f"fp32 model | {r['kernels_s'] * 1e3:.2f} ms / {r['copy_s'] * 1e3:.2f} "
                          f"ms = {r['kernel_ratio']:.1f}x (wall {r['exchange_s'] * 1e3:.0f} ms: "
-                         f"PCIe copies {r['copies_s'] * 1e3:.0f} ms, SHA-256 of our payload "
+                         f"host<->device copies {r['copies_s'] * 1e3:.0f} ms, SHA-256 of our payload "
                          f"{r['digest_s'] * 1e3:.0f} ms) | <= 5x |")
         elif r["part"] == "ranks":
             lines.append(f"| a node of 2 GPU ranks (tests/test_ranks.py; bench_ranks) | "
@@ -633,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = part_trace(paths)
         elif part == "profile":
             rows = part_profile(paths)
+        elif part == "compile1b":
+            rows = part_compile1b(paths)
         elif part == "ranks":
             rows = part_ranks()
             failed |= rows[0].get("returncode", 0) != 0

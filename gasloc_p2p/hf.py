@@ -3,7 +3,8 @@
 ``transformers`` is an optional extra (``pip install 'gasloc_p2p[hf]'``), imported only inside
 these functions. A model built from a ``config.json`` gets the same ``theta_0`` on every node
 without any download: every weight matrix and embedding (>= 2-D) is redrawn from ``seed`` with
-the machine-independent :func:`gasloc_p2p.model.fill_portable_normal_` (std: the config's
+the machine-independent :func:`gasloc_p2p.model.fill_keyed_normal_` (keyed by the seed and
+the parameter's name, drawn on all the host's cores; std: the config's
 ``initializer_range``), and the 1-D tensors (norm gains, biases) keep the constant values the
 architecture's own init gives them, drawn under a seeded, forked RNG.
 
@@ -20,9 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from gasloc_p2p.model import GPT, GPTConfig, fill_portable_normal_
+from gasloc_p2p.model import GPT, GPTConfig, fill_keyed_normal_
 
 EXTRA_HINT = "pip install 'gasloc_p2p[hf]'"
 
@@ -107,18 +109,38 @@ def read_config(path: str | Path) -> Any:
     return tf.AutoConfig.for_model(**doc)
 
 
+class _NoRandomMatrices(TorchFunctionMode):
+    """While a model is constructed: random fills of tensors of 2 or more dimensions do
+    nothing (:func:`from_config` redraws every one of them), the rest runs as written. The
+    architecture's own init of a 1.2B Llama drew every matrix twice (torch's default in each
+    ``nn.Linear``, then the model's), one serial generator: 17 s on a 16-core host."""
+
+    # by name: a Tensor's own fills and torch.nn.init's (a mode sees the outermost call only)
+    SKIP = frozenset({"normal_", "uniform_", "random_", "exponential_", "geometric_",
+                      "cauchy_", "log_normal_", "kaiming_uniform_", "kaiming_normal_",
+                      "xavier_uniform_", "xavier_normal_", "trunc_normal_", "orthogonal_",
+                      "sparse_"})
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        target = args[0] if args else (kwargs or {}).get("tensor")
+        if (getattr(func, "__name__", "") in self.SKIP and isinstance(target, Tensor)
+                and target.dim() >= 2):
+            return target
+        return func(*args, **(kwargs or {}))
+
+
 def from_config(config: Any, seed: int) -> HFCausalLM:
     """A randomly initialised causal LM whose parameters depend only on (config, seed)."""
     tf = transformers_module()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _NoRandomMatrices():
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     std = float(getattr(config, "initializer_range", 0.02))
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
-        for _, param in model.named_parameters():
+        for name, param in model.named_parameters():
             if param.dim() >= 2:
-                fill_portable_normal_(param, gen, std)
+                fill_keyed_normal_(param, f"{seed}/{name}", std)
     return HFCausalLM(model)
 
 

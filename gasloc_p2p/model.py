@@ -216,6 +216,48 @@ def fill_portable_normal_(param: Tensor, gen: torch.Generator, std: float,
         flat[s:e].copy_((total[s:e].double() - mean) / scale * std)
 
 
+def fill_keyed_normal_(param: Tensor, key: str, std: float, terms: int = 12,
+                       workers: int | None = None) -> None:
+    """``param`` (any shape, on the host) <- portable N(0, std) values that depend only on
+    ``key`` (e.g. the run's seed and the parameter's name) and ``param``'s size, bit for bit
+    on any machine and for any number of ``workers``.
+
+    The same Irwin-Hall draw as :func:`fill_portable_normal_`, but each block of
+    ``_INIT_CHUNK`` elements has its own Mersenne Twister, seeded from the SHA-256 of
+    ``key`` and the block's index, so the blocks are drawn in parallel on the host's cores
+    (``workers``: default ``torch.get_num_threads()``). One generator for a whole model is
+    serial: 52 s of a 1.2B Llama's 71 s build on a 2-core host, its 14.8 billion draws
+    one after the other."""
+    bits, numel = 24, param.numel()
+    mean = terms * ((1 << bits) - 1) / 2
+    scale = (1 << bits) * math.sqrt(terms / 12)
+    flat = param.view(-1)
+
+    def block(start: int) -> None:
+        end = min(numel, start + _INIT_CHUNK)
+        name = f"{key}/{start // _INIT_CHUNK}".encode()
+        gen = torch.Generator().manual_seed(
+            int.from_bytes(hashlib.sha256(name).digest()[:8], "little") >> 1)
+        total = torch.zeros(end - start, dtype=torch.int32)
+        draw = torch.empty_like(total)
+        for _ in range(terms):
+            total += torch.randint(0, 1 << bits, (end - start,), generator=gen,
+                                   dtype=torch.int32, out=draw)
+        with torch.no_grad():  # grad mode is per thread: a parameter's slice in a worker
+            flat[start:end].copy_(total.double().sub_(mean).div_(scale).mul_(std))
+
+    starts = range(0, numel, _INIT_CHUNK)
+    count = min(len(starts), workers or torch.get_num_threads())
+    if count <= 1:
+        for start in starts:
+            block(start)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(count) as pool:  # torch's kernels let go of the GIL
+        list(pool.map(block, starts))
+
+
 def build_model(cfg: GPTConfig, seed: int, dtype: torch.dtype = torch.float32) -> GPT:
     """A :class:`GPT` on CPU whose parameters depend only on ``(cfg, seed)``, bit for bit.
 

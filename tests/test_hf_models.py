@@ -46,6 +46,46 @@ def test_model_source_names_presets_configs_directories_and_hub(hf_files, tmp_pa
         ModelSource.parse(str(tmp_path / "missing.json"))
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+def test_skipping_the_architectures_random_matrices_changes_no_value(kind, monkeypatch):
+    """from_config leaves out the architecture's own random fills of matrices (it redraws
+    them all): the model is the one built with them, every parameter and buffer bit for bit,
+    for a Llama, a GPT-2 (biases, a position table) and a Qwen2 (biased projections)."""
+    import contextlib
+
+    tiny = {"llama": tf_config("LlamaConfig", **LLAMA_TINY),
+            "gpt2": tf_config("GPT2Config", n_embd=32, n_layer=2, n_head=4, n_positions=64),
+            "qwen2": tf_config("Qwen2Config", **LLAMA_TINY)}[kind]
+    fast = hf.from_config(tiny, 5)
+    skipped: list[str] = []
+    real = hf._NoRandomMatrices.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        target = args[0] if args else (kwargs or {}).get("tensor")  # nn.init: a keyword
+        if getattr(func, "__name__", "") in hf._NoRandomMatrices.SKIP and target.dim() >= 2:
+            skipped.append(func.__name__)
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(hf._NoRandomMatrices, "__torch_function__", counting)
+    hf.from_config(tiny, 5)
+    assert skipped  # it did leave fills out
+    monkeypatch.setattr(hf, "_NoRandomMatrices", contextlib.nullcontext)
+    slow = hf.from_config(tiny, 5)
+    got, want = fast.state_dict(), slow.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), kind
+    ones = [k for k, v in got.items() if v.dim() == 1 and torch.all(v == 1)]
+    assert ones  # the norms' gains kept their init
+
+
+def tf_config(name: str, **kw: object):
+    return getattr(transformers, name)(vocab_size=300, **kw)
+
+
+LLAMA_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
 _THETA0 = """
 import sys
 from gasloc_p2p.model import GPTConfig

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gasloc_p2p import model as model_mod
 from gasloc_p2p.data import (
     BPETokenizer,
     ByteTokenizer,
@@ -33,6 +34,8 @@ TINY = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_embd=64, n_head=4)
 # sha256 of all parameter bytes of build_model(GPTConfig(), seed=0) with torch 2.13 on CPU.
 # The same on every CPU kind (checked below by forcing PyTorch's generic kernels); if a new
 # torch version changes it, peers on different torch versions would not agree.
+# fill_keyed_normal_ of 10,007 float32 values, key "7/w", std 0.02, blocks of 4,096
+GOLDEN_KEYED_SHA256 = "a8f3b6036e207edcf02ce6052f79311d500bae9630f5817ab7dfa20cf1466ff7"
 GOLDEN_PARAMS_SHA256 = "debf3a5799a4991f29373e8a3bdab39e887fb26e67d0878fac78f12a39a6f6c9"
 
 
@@ -111,6 +114,40 @@ def test_default_model_golden_params_and_size() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
     assert out == ["DEFAULT", GOLDEN_PARAMS_SHA256]
+
+
+_KEYED = (
+    "import hashlib, torch\n"
+    "import gasloc_p2p.model as m\n"
+    "m._INIT_CHUNK = 1 << 12\n"
+    "p = torch.empty(10_007)\n"
+    "m.fill_keyed_normal_(p, '7/w', 0.02, workers=int(__import__('sys').argv[1]))\n"
+    "print(torch.backends.cpu.get_cpu_capability(), hashlib.sha256(p.numpy().tobytes()).hexdigest())\n"
+)
+
+
+def test_keyed_normal_is_the_same_on_any_cpu_and_any_number_of_workers(monkeypatch) -> None:
+    """A Hugging Face model's theta_0: blocks drawn in parallel, each by its own generator
+    seeded from the key, give the same bits for 1 or 3 workers and on the generic CPU
+    kernels; the values are N(0, std)-like and another key gives others."""
+    monkeypatch.setattr(model_mod, "_INIT_CHUNK", 1 << 12)  # 3 blocks, the last one short
+    one, three = torch.empty(10_007), torch.nn.Parameter(torch.empty(10_007))
+    model_mod.fill_keyed_normal_(one, "7/w", 0.02, workers=1)
+    with torch.no_grad():  # as a model's parameter is filled (its workers' grad mode is on)
+        model_mod.fill_keyed_normal_(three, "7/w", 0.02, workers=3)
+    assert hashlib.sha256(one.numpy().tobytes()).hexdigest() == GOLDEN_KEYED_SHA256
+    assert torch.equal(one, three)
+    assert abs(one.std().item() - 0.02) < 0.001 and abs(one.mean().item()) < 0.001
+    assert one.abs().max().item() <= 6 * 0.02
+    blocks = one.view(-1)[: 2 << 12].view(2, -1)
+    assert not torch.equal(blocks[0], blocks[1])  # each block its own generator
+    other = torch.empty(10_007)
+    model_mod.fill_keyed_normal_(other, "7/v", 0.02)
+    assert not torch.equal(other, one)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _KEYED, "2"], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == ["DEFAULT", GOLDEN_KEYED_SHA256]
 
 
 def test_fingerprint_stable_and_sensitive() -> None:

@@ -195,7 +195,8 @@ def validate(payload: dict[str, Any], fingerprint: str, numel: int, path: str | 
         raise bad(f"missing {', '.join(missing)}")
     if payload["fingerprint"] != fingerprint:
         raise bad("it belongs to another model (fingerprint differs): use the same model "
-                  "flags and --seed, or another --checkpoint-dir")
+                  "flags and --seed, or another --checkpoint-dir (a Hugging Face config's "
+                  "theta_0 is drawn otherwise since 2026-11-27: older checkpoints of one differ)")
     for name in _TENSORS:
         t = payload[name]
         if t is None and name in ("memory", "anchor"):  # outer buffers a node may not keep
