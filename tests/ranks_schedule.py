@@ -1,6 +1,6 @@
 """One node's trainer on a fixed schedule, as one process or as rank 0 of K (gloo, real ranks).
 
-``python -m tests.ranks_schedule OUT CORPUS GRAD_ACCUM DEVICE [SHARDING]`` runs the schedule in one process, or,
+``python -m tests.ranks_schedule OUT CORPUS GRAD_ACCUM DEVICE [SHARDING [compile]]`` runs the schedule in one process, or,
 with the launcher's environment (``RANK``/``WORLD_SIZE``/...), as one rank of a multi-rank
 node (SHARDING ``ddp``: replicas; ``fsdp``: each rank holds rows of the model): rank 0 drives
 the trainer, the others follow it (:func:`ranks.follow`). The schedule
@@ -34,18 +34,19 @@ TICKS = 30  # steps taken (a restore goes back in the step count; the ticks go o
 CORRECT_AT, SAVE_AT, RESTORE_AT, NAN_AT = (5, 21), 9, 13, 18
 
 
-def main(out: str, corpus: str, grad_accum: int, device: str, sharding: str = "ddp") -> int:
+def main(out: str, corpus: str, grad_accum: int, device: str, sharding: str = "ddp",
+         compile_: str = "") -> int:
     found = distributed_env()
     group = RankGroup(*found) if found is not None else None
     try:
-        return _run(out, corpus, grad_accum, device, sharding, group)
+        return _run(out, corpus, grad_accum, device, sharding, group, compile_ == "compile")
     finally:
         if group is not None:  # before the interpreter's teardown (gloo's threads)
             group.close()
 
 
 def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
-         group: RankGroup | None) -> int:
+         group: RankGroup | None, compile_: bool = False) -> int:
     if group is not None and not group.leader:
         held = []
 
@@ -59,7 +60,7 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
             torch.save({"rows_bytes": held[0].sharded.local_bytes(),
                         "full_copy": held[0].flat is not None}, f"{out}.rank{group.rank}")
         return code
-    cfg = schedule_config(corpus, grad_accum, device, sharding)
+    cfg = schedule_config(corpus, grad_accum, device, sharding, compile_)
     lock = TrainingLock()
     trainer = Trainer(cfg, OUTER, 1, lock, TrainStats(), ranks=group)
     # the checkpoint taken at SAVE_AT, written as the daemon does (sharded: the ranks write
@@ -97,11 +98,18 @@ def _run(out: str, corpus: str, grad_accum: int, device: str, sharding: str,
                 "agree": agree, "drifts": drifts, "val": val,
                 "rollbacks": trainer.stats.rollbacks, "step": trainer.stats.step,
                 "rounds": trainer.stats.rounds, "checkpoint": trainer.checkpoint_dir,
-                "failed_save": failed}, out)
+                "failed_save": failed, "graphs": _compiled_graphs()}, out)
     return 0
 
 
 OUTER = AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
+
+
+def _compiled_graphs() -> int:
+    """How many graphs torch.compile built in this process (0: nothing was compiled)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    return int(dynamo_utils.counters["stats"]["unique_graphs"])
 
 
 def _blocked_save(trainer: Trainer, blocked: Path) -> str:
@@ -119,13 +127,13 @@ def _blocked_save(trainer: Trainer, blocked: Path) -> str:
 
 
 def schedule_config(corpus: str | Path, grad_accum: int, device: str,
-                    sharding: str) -> TrainConfig:
+                    sharding: str, compile_: bool = False) -> TrainConfig:
     """The schedule's training settings (a test builds the same trainer to resume from the
     schedule's checkpoint)."""
     return tiny_config(Path(corpus), inner_steps=8, grad_accum=grad_accum, batch_size=4,
                        n_embd=32, n_head=2, warmup_steps=4, max_rollbacks=2,
                        seq_len=33,  # the position table: 33 rows, sharded 17 + 16
-                       device=device, sharding=sharding).train
+                       device=device, sharding=sharding, compile=compile_).train
 
 
 if __name__ == "__main__":

@@ -116,8 +116,6 @@ class TrainConfig:
              "cpu or cuda (each rank takes GPU LOCAL_RANK): use --device cuda or auto")
         need(self.sharding in SHARDINGS, "sharding", self.sharding,
              f"choose one of {SHARDINGS}")
-        need(self.sharding == "ddp" or not self.compile, "sharding", self.sharding,
-             "fsdp does not run with --compile yet: drop one")
         need(self.batch_size % self.nproc_per_node == 0, "batch_size", self.batch_size,
              f"must split over --nproc-per-node={self.nproc_per_node} ranks (a multiple of it)")
         need(0 < self.lr < 1, "lr", self.lr, "needs 0 < lr < 1 (try 3e-3)")
