@@ -151,3 +151,25 @@ def test_two_node_exchange_on_device_is_antisymmetric(device):
     da, db = states[0].theta - before[0], states[1].theta - before[1]
     assert da.device.type == device and a.encoded.data.device.type == "cpu"  # wire bytes
     torch.testing.assert_close(da, -db, atol=1e-6, rtol=0)  # theta + c rounds per element
+
+
+def test_running_out_of_memory_in_the_compile_warm_up_is_not_blamed_on_compile(tmp_path):
+    """The warm-up's forward can run out of device memory: that is the shape's fault, not the
+    compiler's, so it reaches the node's out-of-memory line (tests/test_plan.py), not the
+    --compile one."""
+    from gasloc_p2p.node.runtime.trainer import Trainer
+    from gasloc_p2p.node.stats import TrainStats
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = TrainConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16, batch_size=2, compile=True,
+                      data=str(corpus), tokenizer="byte")
+    node = Trainer(cfg, AsyncConfig(), 1, TrainingLock(), TrainStats())
+    node.load_data(0)
+
+    def too_big(*_: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    node.inner.forward = too_big  # type: ignore[assignment]
+    with pytest.raises(torch.OutOfMemoryError):
+        node.warm_up()

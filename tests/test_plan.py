@@ -176,3 +176,84 @@ def test_plan_counts_a_diloco_nodes_averaging_and_error_feedback():
     bad = run_plan("--model", "gpt", "--algorithm", "diloco", "--diloco-codec", "randk2:9")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "--diloco-codec='randk2:9'" in bad.stderr
+
+
+_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.65 "
+        "GiB of which 1.20 GiB is free. Including non-PyTorch memory, this process has 22.41 "
+        "GiB memory in use. Of the allocated memory 21.90 GiB is allocated by PyTorch, and "
+        "123.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory "
+        "is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+
+
+def test_a_device_out_of_memory_in_training_is_one_line_with_the_plan_that_fits(tmp_path,
+                                                                                caplog):
+    """torch's out-of-memory error (hundreds of characters, a traceback under it) stops the
+    trainer with one line: what it asked for and had, a `gasloc-node plan` command for this
+    node's shape that runs as printed, and only the flags that would lower the need."""
+    import threading
+
+    import torch
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = dataclasses.replace(TINY, data=str(corpus), tokenizer="byte", precision="bf16")
+    node = Trainer(cfg, AsyncConfig(), 1, TrainingLock(), TrainStats())
+    node.load_data(0)
+    real = node.inner.step
+
+    def step(*args, **kw):
+        if node.stats.step == 3:
+            raise torch.OutOfMemoryError(_OOM)
+        return real(*args, **kw)
+
+    node.inner.step = step  # type: ignore[method-assign]
+    with caplog.at_level("DEBUG"):
+        node.run(threading.Event())
+    error = node.stats.error
+    assert node.finished.is_set() and "\n" not in error
+    assert error.startswith("the device ran out of memory at step 3 (it asked for 2.00 GiB "
+                            "with 1.20 GiB free of 23.65 GiB); `gasloc-node plan --model gpt "
+                            "--micro-batch 2 --seq-len 16 --precision bf16 --device-memory "
+                            "SIZE` says what fits; lower --batch-size"), error
+    assert "add --activation-checkpointing" in error and "--precision bf16," not in error
+    assert not any(r.exc_info for r in caplog.records)  # no traceback
+    command = error.split("`")[1].split()[1:]
+    assert command[0] == "plan"
+    done = run_plan(*[a if a != "SIZE" else "24GiB" for a in command[1:]])
+    assert done.returncode == 0 and "fits in 24.0 GiB" in done.stdout, done.stderr
+
+
+def test_a_device_out_of_memory_at_start_is_one_line_and_exit_2(monkeypatch, capsys):
+    """Building the node's model on a device too small for it: `gasloc-node join` prints one
+    line naming the plan command, exits 2 (the flags ask for too much), and is not taken for
+    a --compile failure when it happens in the compile's warm-up."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from gasloc_p2p.node import cli_node, daemon
+    from gasloc_p2p.node.config import NodeConfig
+
+    class TooBig:
+        def __init__(self, *_: object, **__: object) -> None:
+            pass
+
+        async def __aenter__(self) -> None:
+            raise torch.OutOfMemoryError(_OOM)
+
+        async def __aexit__(self, *_: object) -> None:
+            return None
+
+        def request_stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(daemon, "Node", TooBig)
+    cfg = dataclasses.replace(NodeConfig(), train=dataclasses.replace(TINY, compile=True))
+    with ThreadPoolExecutor(2) as pool:
+        code = asyncio.run(cli_node._join(cfg, pool))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("gasloc-node join: error: the device ran out of memory at start "
+                          "(it asked for 2.00 GiB with 1.20 GiB free of 23.65 GiB)"), err
+    assert "drop --compile" in err and "--precision bf16" in err

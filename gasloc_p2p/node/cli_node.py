@@ -298,6 +298,12 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = N
         print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)  # cannot build
         return 2
     except Exception as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # the model or its batch is too big
+            from gasloc_p2p.node.plan import out_of_memory
+
+            print(f"gasloc-node join: error: {out_of_memory(cfg.train, exc, 'at start')}",
+                  file=sys.stderr, flush=True)
+            return 2
         log.error("node failed: %s: %s", type(exc).__name__, exc)
         log.debug("details", exc_info=True)
         return 1

@@ -297,6 +297,8 @@ class Trainer:
                 _, loss = self.inner.forward(x.to(self.device), y.to(self.device))
             assert loss is not None
             loss.backward()
+        except torch.OutOfMemoryError:
+            raise  # not the compiler's fault: the node says what fits (cli_node)
         except Exception as exc:  # a compiler or toolchain error, dozens of lines long
             first = next((line for line in str(exc).splitlines() if line.strip()), "")
             raise ConfigError(f"--compile: torch.compile could not build the model on "
@@ -330,6 +332,10 @@ class Trainer:
             self._ranks_lost = True
             self.stats.error = str(exc)
             log.error("training stopped at step %d: %s", self.stats.step, exc)
+        except torch.OutOfMemoryError as exc:  # one line: what fits, which flags lower it
+            from gasloc_p2p.node.plan import out_of_memory
+
+            self.stats.error = out_of_memory(self.cfg, exc, f"at step {self.stats.step}")
         except Exception as exc:
             self.stats.error = f"{type(exc).__name__}: {exc}"
             log.exception("training failed at step %d", self.stats.step)
