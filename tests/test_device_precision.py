@@ -77,10 +77,8 @@ def test_compile_flag_wraps_the_forward_and_shares_parameters():
         StepConfig(precision="fp16")
 
 
-def test_a_compile_that_cannot_build_is_one_line_naming_the_flag(tmp_path):
-    """torch.compile fails at the first call (no C compiler, an unsupported op) with a
-    message dozens of lines long: the node's warm-up says so in one line naming --compile,
-    and the parameters have not moved."""
+def _compiling_trainer(tmp_path):
+    """A tiny node's trainer with ``--compile`` (its warm-up not run yet)."""
     from gasloc_p2p.node.runtime.trainer import Trainer
     from gasloc_p2p.node.stats import TrainStats
 
@@ -90,6 +88,14 @@ def test_a_compile_that_cannot_build_is_one_line_naming_the_flag(tmp_path):
                       data=str(corpus), tokenizer="byte")
     node = Trainer(cfg, AsyncConfig(), 1, TrainingLock(), TrainStats())
     node.load_data(0)
+    return node
+
+
+def test_a_compile_that_cannot_build_is_one_line_naming_the_flag(tmp_path):
+    """torch.compile fails at the first call (no C compiler, an unsupported op) with a
+    message dozens of lines long: the node's warm-up says so in one line naming --compile,
+    and the parameters have not moved."""
+    node = _compiling_trainer(tmp_path)
     before = node.flat.buffer.clone()
 
     def broken(*_: object) -> None:
@@ -157,15 +163,7 @@ def test_running_out_of_memory_in_the_compile_warm_up_is_not_blamed_on_compile(t
     """The warm-up's forward can run out of device memory: that is the shape's fault, not the
     compiler's, so it reaches the node's out-of-memory line (tests/test_plan.py), not the
     --compile one."""
-    from gasloc_p2p.node.runtime.trainer import Trainer
-    from gasloc_p2p.node.stats import TrainStats
-
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    cfg = TrainConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16, batch_size=2, compile=True,
-                      data=str(corpus), tokenizer="byte")
-    node = Trainer(cfg, AsyncConfig(), 1, TrainingLock(), TrainStats())
-    node.load_data(0)
+    node = _compiling_trainer(tmp_path)
 
     def too_big(*_: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
