@@ -299,7 +299,7 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = N
         return 2
     except Exception as exc:
         if type(exc).__name__ == "OutOfMemoryError":  # the model or its batch is too big
-            from gasloc_p2p.node.plan import out_of_memory
+            from gasloc_p2p.node.config_train import out_of_memory
 
             print(f"gasloc-node join: error: {out_of_memory(cfg.train, exc, 'at start')}",
                   file=sys.stderr, flush=True)

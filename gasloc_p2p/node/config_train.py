@@ -148,3 +148,32 @@ class TrainConfig:
         except DataError as exc:
             raise ConfigError(str(exc)) from None
         need(not streamed or find_spec("datasets") is not None, "data", self.data, hint)
+
+
+def out_of_memory(train: TrainConfig, exc: BaseException, when: str) -> str:
+    """One line for a node whose device ran out of memory ``when`` (e.g. "at step 12"): what
+    torch tried and had, the plan command for this shape, and the flags that lower the
+    need (only those not set already)."""
+    import re
+
+    text = str(exc)
+    tried = re.search(r"Tried to allocate ([\d.]+ \w+)", text)
+    free = re.search(r"total capacity of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", text)
+    what = (f"it asked for {tried[1]}" if tried else text.split(".")[0][:120])
+    if free:
+        what += f" with {free[2]} free of {free[1]}"
+    fixes = ["lower --batch-size (a higher --grad-accum keeps the run's batch)"]
+    if not train.activation_checkpointing:
+        fixes.append("add --activation-checkpointing")
+    if train.precision == "fp32":
+        fixes.append("--precision bf16")
+    if train.compile:
+        fixes.append("drop --compile (its step held more at 1B)")
+    shape = [f"--model {train.model}", f"--micro-batch {train.batch_size}",
+             f"--seq-len {train.seq_len}"]
+    shape += ["--precision bf16"] if train.precision == "bf16" else []
+    shape += ["--activation-checkpointing"] if train.activation_checkpointing else []
+    if train.nproc_per_node > 1:
+        shape += [f"--nproc-per-node {train.nproc_per_node}", f"--sharding {train.sharding}"]
+    return (f"the device ran out of memory {when} ({what}); `gasloc-node plan "
+            f"{' '.join(shape)} --device-memory SIZE` says what fits; {', '.join(fixes)}")

@@ -38,6 +38,7 @@ from gasloc_p2p.data import BPETokenizer, TrainingData, load_training_data
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.model_spec import BuiltModel, build, skeleton
 from gasloc_p2p.node.config import TrainConfig
+from gasloc_p2p.node.config_train import out_of_memory
 from gasloc_p2p.node.runtime import checkpoint as ckpt_files
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost, Replica, rank_device, rows_on
@@ -333,8 +334,6 @@ class Trainer:
             self.stats.error = str(exc)
             log.error("training stopped at step %d: %s", self.stats.step, exc)
         except torch.OutOfMemoryError as exc:  # one line: what fits, which flags lower it
-            from gasloc_p2p.node.plan import out_of_memory
-
             self.stats.error = out_of_memory(self.cfg, exc, f"at step {self.stats.step}")
         except Exception as exc:
             self.stats.error = f"{type(exc).__name__}: {exc}"
