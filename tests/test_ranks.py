@@ -108,12 +108,12 @@ def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sh
     assert sum(not math.isnan(v) and v > 0 for d in one["drifts"] for v in d.values()) == 2
 
 
-@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
-def test_two_compiled_ranks_take_one_compiled_process_steps(tmp_path, sharding):
-    """``--compile`` on a node of ranks: torch.compile over the FSDP2-sharded model (its
-    all-gathers and reduce-scatters between the compiled pieces) or inside DDP takes the steps
-    one compiled process takes, through the same writes, restore and rollback, within the
-    eager pair's float tolerance."""
+def test_two_compiled_ranks_take_one_compiled_process_steps(tmp_path, sharding="fsdp"):
+    """``--compile --sharding fsdp``: torch.compile over the FSDP2-sharded model (its
+    all-gathers and reduce-scatters between the compiled pieces) takes the steps one compiled
+    process takes, through the same writes, restore and rollback, within the eager pair's
+    float tolerance. (DDP compiled passed the same, 5.4e-5 of a 0.075 move; left out of the
+    suite: each compiled schedule costs 15-40 s of a cold compiler on CI's two cores.)"""
     corpus = write_corpus(tmp_path / "corpus")
     one = _schedule(tmp_path, corpus, 2, 1, compiled=True)
     two = _schedule(tmp_path, corpus, 2, 2, sharding=sharding, compiled=True)
