@@ -191,6 +191,7 @@ def portable_normal(numel: int, gen: torch.Generator, terms: int = 12) -> Tensor
 
 
 _INIT_CHUNK = 1 << 22  # elements per draw and per conversion (bounded host memory)
+_INIT_WORKERS = 16  # blocks in flight at most: 64 MiB of scratch each
 
 
 def fill_portable_normal_(param: Tensor, gen: torch.Generator, std: float,
@@ -225,7 +226,8 @@ def fill_keyed_normal_(param: Tensor, key: str, std: float, terms: int = 12,
     The same Irwin-Hall draw as :func:`fill_portable_normal_`, but each block of
     ``_INIT_CHUNK`` elements has its own Mersenne Twister, seeded from the SHA-256 of
     ``key`` and the block's index, so the blocks are drawn in parallel on the host's cores
-    (``workers``: default ``torch.get_num_threads()``). One generator for a whole model is
+    (``workers``: default ``torch.get_num_threads()``, at most 16: each block in flight
+    holds 64 MiB of scratch). One generator for a whole model is
     serial: 52 s of a 1.2B Llama's 71 s build on a 2-core host, its 14.8 billion draws
     one after the other."""
     bits, numel = 24, param.numel()
@@ -247,7 +249,7 @@ def fill_keyed_normal_(param: Tensor, key: str, std: float, terms: int = 12,
             flat[start:end].copy_(total.double().sub_(mean).div_(scale).mul_(std))
 
     starts = range(0, numel, _INIT_CHUNK)
-    count = min(len(starts), workers or torch.get_num_threads())
+    count = min(len(starts), workers or min(torch.get_num_threads(), _INIT_WORKERS))
     if count <= 1:
         for start in starts:
             block(start)
