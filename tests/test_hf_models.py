@@ -21,7 +21,7 @@ from gasloc_p2p.node.runtime import checkpoint
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.trainer import Trainer
 from gasloc_p2p.node.stats import TrainStats
-from tests.hf_helpers import documents, write_jsonl, write_llama_config, write_tokenizer
+from tests.hf_helpers import LLAMA, documents, write_jsonl, write_llama_config, write_tokenizer
 
 transformers = pytest.importorskip("transformers")
 BASE = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_embd=32, n_head=2)
@@ -53,9 +53,9 @@ def test_skipping_the_architectures_random_matrices_changes_no_value(kind, monke
     for a Llama, a GPT-2 (biases, a position table) and a Qwen2 (biased projections)."""
     import contextlib
 
-    tiny = {"llama": tf_config("LlamaConfig", **LLAMA_TINY),
+    tiny = {"llama": tf_config("LlamaConfig", **LLAMA),
             "gpt2": tf_config("GPT2Config", n_embd=32, n_layer=2, n_head=4, n_positions=64),
-            "qwen2": tf_config("Qwen2Config", **LLAMA_TINY)}[kind]
+            "qwen2": tf_config("Qwen2Config", **LLAMA)}[kind]
     fast = hf.from_config(tiny, 5)
     skipped: list[str] = []
     real = hf._NoRandomMatrices.__torch_function__
@@ -80,10 +80,6 @@ def test_skipping_the_architectures_random_matrices_changes_no_value(kind, monke
 
 def tf_config(name: str, **kw: object):
     return getattr(transformers, name)(vocab_size=300, **kw)
-
-
-LLAMA_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
 _THETA0 = """

@@ -154,8 +154,6 @@ def out_of_memory(train: TrainConfig, exc: BaseException, when: str) -> str:
     """One line for a node whose device ran out of memory ``when`` (e.g. "at step 12"): what
     torch tried and had, the plan command for this shape, and the flags that lower the
     need (only those not set already)."""
-    import re
-
     text = str(exc)
     tried = re.search(r"Tried to allocate ([\d.]+ \w+)", text)
     free = re.search(r"total capacity of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", text)
