@@ -320,6 +320,13 @@ class DilocoConfig:
             raise ValueError("not a codec")
         return spec
 
+    def sync_upload_bytes(self, numel: int) -> int:
+        """What this node uploads in one sync of ``numel`` parameters, at most: an
+        all-reduce sends its parts and, as a reducer, the averaged parts (2 x the float32
+        vector); an all-gather its message and the relayed ones (``GATHER_PLANNED``)."""
+        sparse = self.sparse_spec()
+        return 2 * 4 * numel if sparse is None else GATHER_PLANNED * sparse.wire_bytes(numel)
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:

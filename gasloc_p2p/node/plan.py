@@ -344,12 +344,10 @@ def network(cfg: NodeConfig, numel: int) -> str:
         what = f"an exchange sends one {g.codec} payload of {_size(sent)} (and receives one)"
         tail = "; --fragments P sends about 1/P of it per exchange"
     else:
-        sparse = cfg.diloco.sparse_spec()
-        if sparse is None:  # an all-reduce: its parts, and as a reducer the averaged parts
-            sent = 2 * 4 * numel
+        sent = cfg.diloco.sync_upload_bytes(numel)
+        if cfg.diloco.sparse_spec() is None:
             what = f"a sync uploads up to {_size(sent)} (an all-reduce of the fp32 vector)"
-        else:  # an all-gather: its message and the relayed ones
-            sent = GATHER_PLANNED * sparse.wire_bytes(numel)
+        else:
             what = (f"a sync uploads up to {_size(sent)} (an all-gather of "
                     f"{cfg.diloco.diloco_codec} messages in a group of {GATHER_PLANNED - 1})")
         tail = ""

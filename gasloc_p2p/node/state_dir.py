@@ -36,16 +36,15 @@ def default_identity(cfg: NodeConfig) -> str:
 
         if read_invitation(net.invitation)[1]:
             return ""
-    if cfg.checkpoint.checkpoint_dir:
-        folder = Path(cfg.checkpoint.checkpoint_dir)
-        try:
-            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise OSError(f"--checkpoint-dir={folder}: cannot use it as a directory "
-                          f"({exc.strerror}); pass another one") from None
-    else:
-        folder = data_home() / "gasloc_p2p" / "nodes" / cfg.discovery.run_id
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    given = cfg.checkpoint.checkpoint_dir
+    folder = Path(given) if given else data_home() / "gasloc_p2p" / "nodes" / cfg.discovery.run_id
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        if not given:
+            raise
+        raise OSError(f"--checkpoint-dir={folder}: cannot use it as a directory "
+                      f"({exc.strerror}); pass another one") from None
     for i in range(MAX_NODES_PER_RUN):
         path = folder / ("identity.key" if i == 0 else f"identity-{i}.key")
         lock = open(folder / f".{path.name}.lock", "wb")  # noqa: SIM115 - held while it runs

@@ -28,7 +28,7 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.flat import Fragment, layer_fragments, whole
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.node.averaging.base import Averager
-from gasloc_p2p.node.config import GATHER_PLANNED, NodeConfig
+from gasloc_p2p.node.config import NodeConfig
 from gasloc_p2p.node.modes.base import Mode, ModeContext
 from gasloc_p2p.node.modes.diloco_rounds import DilocoRounds, FetchState
 from gasloc_p2p.node.stats import FragmentStats
@@ -104,13 +104,9 @@ class DilocoMode(Mode):
             part = "diloco" if len(fragments) == 1 else f"stream{len(fragments)}"
             width = max(f.numel for f in fragments)
             sparse = cfg.diloco.sparse_spec()
-            # this node's upload in one sync, at most: an all-reduce sends its parts and, as a
-            # reducer, the averaged parts (2 x the fp32 vector); an all-gather its message and
-            # the relayed ones (GATHER_PLANNED messages, as `plan` counts)
-            upload = 2 * 4 * width
+            upload = cfg.diloco.sync_upload_bytes(width)  # as `plan` counts it
             if sparse is not None:  # an all-gather of messages: their bytes, as float32s
                 width = -(-sparse.wire_bytes(width) // 4)
-                upload = GATHER_PLANNED * 4 * width
             self.averagers = [HivemindAverager(
                 dht, width, averaging_prefix(
                     cfg.discovery.run_id, trainer.fingerprint, cfg.diloco.diloco_codec, part),
