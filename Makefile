@@ -11,7 +11,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
 	bench-chaos bench-poison bench-tamper bench-soak bench-external bench-external-1000 bench-projection bench-engine bench-optim bench-ranks reproduce \
-	gpu-check proto corpus ladder-cpu ladder-gpu clean
+	gpu-check gpu-plan gpu-next gpu-wheels proto corpus ladder-cpu clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -62,13 +62,23 @@ corpus: setup
 	$(VENV)/bin/gasloc-node corpus --out runs/corpus --size-mb 200 --vocab 16384
 	$(VENV)/bin/gasloc-node corpus --out runs/corpus-bytes --size-mb 50 --tokenizer byte
 
-# the size ladder (benchmarks/repro_ladder.py; make corpus first): CPU rungs here, GPU rungs
-# on one GPU (about 25 minutes on an H100)
+# the size ladder (benchmarks/repro_ladder.py; make corpus first): CPU rungs here; the GPU
+# rungs are slices of the GPU queue (make gpu-plan)
 ladder-cpu: setup
 	$(PY) -m benchmarks.reproduce --only ladder-0.1m,ladder-0.4m,ladder-0.4m-sweep
 
-ladder-gpu: setup
-	$(PY) -m benchmarks.reproduce --only ladder-5m,ladder-25m --seeds 0 --jobs 1
+# The GPU queue (benchmarks/gpu_queue.py): research in slices of a few minutes. gpu-plan prints
+# it; gpu-next runs what is pending within BUDGET minutes on a GPU (on a CPU: every slice at
+# smoke size, into a scratch folder); gpu-wheels fetches what a bare GPU machine lacks.
+BUDGET ?= 8
+gpu-plan: setup
+	$(PY) -m benchmarks.gpu_queue plan
+
+gpu-next:
+	bash scripts/gpu_next.sh --budget-min $(BUDGET)
+
+gpu-wheels: setup
+	bash scripts/gpu_wheels.sh
 
 bench-ranks: setup
 	$(PY) -m benchmarks.bench_ranks

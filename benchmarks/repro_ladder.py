@@ -14,9 +14,9 @@ CPU rungs (``make ladder-cpu``): the built-in GPT at 0.13M and 0.38M parameters 
 ``--only ladder-2m --seeds 0``: one seed, 80 CPU-minutes) on the
 byte-level corpus of the installed packages (``make corpus`` builds it: 4M tokens per run do
 not repeat in it, where Shakespeare's 1.1M repeat about four times). GPU rungs (``make
-ladder-gpu``): 4.9M and 25.5M parameters without the embeddings (9.0M and 33.7M with the
-16k-BPE vocabulary), 66M and 262M tokens per arm, bf16 on ``cuda``, one seed, sized to about
-25 minutes on one H100; not run yet. Every rung's table lands in docs/results/ladder-*.md.
+gpu-next``, the GPU queue: benchmarks/gpu_plan.py): 4.9M and 25.5M parameters without the
+embeddings (9.0M and 33.7M with the 16k-BPE vocabulary), 66M and 33M tokens per arm, bf16 on
+``cuda``, the five arms of a rung side by side on one GPU, one seed per queue slice. Every rung's table lands in docs/results/ladder-*.md.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ RUNGS: dict[str, tuple[str, SimConfig]] = {
     "ladder-5m": ("5M", dataclasses.replace(
         CPU_BASE, data=BPE, n_layer=6, n_embd=256, n_head=8, seq_len=256, batch_size=16,
         steps=2000, eval_every=500, device="cuda", precision="bf16")),
+    # sized for one GPU-queue slice (benchmarks/gpu_plan.py): five arms side by side in about
+    # 4.5 minutes on an H100 (4000 steps of batch 16, 262M tokens an arm, never fitted a window)
     "ladder-25m": ("25M", dataclasses.replace(
-        CPU_BASE, data=BPE, n_layer=8, n_embd=512, n_head=8, seq_len=512, batch_size=16,
-        steps=4000, eval_every=1000, device="cuda", precision="bf16")),
+        CPU_BASE, data=BPE, n_layer=8, n_embd=512, n_head=8, seq_len=512, batch_size=8,
+        steps=1000, eval_every=250, device="cuda", precision="bf16")),
 }
 CPU_PARTS = ("ladder-0.1m", "ladder-0.4m")
 GPU_PARTS = ("ladder-5m", "ladder-25m")

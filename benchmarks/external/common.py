@@ -50,10 +50,19 @@ class Spec:
     diloco_eta: float = 0.7  # DiLoCo's Nesterov outer step (torchft's and gasloc_p2p's)
     diloco_gamma: float = 0.9
     corpus_mb: float = 2.0
+    # the GPU queue's swarm (benchmarks/gpu_plan.py): a Hugging Face config.json instead of
+    # the built-in GPT (n_layer, n_embd, n_head then unused), on a GPU, for a wall-clock time
+    model: str = "gpt"
+    tokenizer: str = ""  # "": the node's default
+    device: str = "cpu"
+    precision: str = "fp32"
+    compile: bool = False
+    max_time_s: float = 0.0  # 0: train `steps` steps
+    extra_flags: tuple[str, ...] = ()  # more `gasloc-node join` flags (advanced settings too)
 
     def __post_init__(self) -> None:
-        if self.nodes < 2:
-            raise ValueError("Spec: at least 2 nodes")
+        if self.nodes < 1:
+            raise ValueError("Spec: at least 1 node")
         if self.steps % self.eval_every or self.steps % self.inner_steps:
             raise ValueError(f"Spec: steps ({self.steps}) must be a multiple of eval_every "
                              f"({self.eval_every}) and inner_steps ({self.inner_steps})")
@@ -64,13 +73,17 @@ class Spec:
 
     def train_keys(self, data: str, data_seed: int) -> dict[str, Any]:
         """The node config keys (``--flag`` names with underscores) of this run's training."""
-        return {"model": "gpt", "data": data, "n_layer": self.n_layer, "n_embd": self.n_embd,
-                "n_head": self.n_head, "seq_len": self.seq_len, "batch_size": self.batch_size,
-                "eval_batches": self.eval_batches, "lr": self.lr,
+        shape = ({"n_layer": self.n_layer, "n_embd": self.n_embd, "n_head": self.n_head}
+                 if self.model == "gpt" else {})
+        extra: dict[str, Any] = {k: v for k, v in (
+            ("tokenizer", self.tokenizer), ("precision", self.precision),
+            ("compile", self.compile), ("max_time_s", self.max_time_s)) if v}
+        return {"model": self.model, "data": data, **shape, "seq_len": self.seq_len,
+                "batch_size": self.batch_size, "eval_batches": self.eval_batches, "lr": self.lr,
                 "warmup_steps": self.warmup_steps, "lr_horizon_steps": self.steps,
                 "inner_steps": self.inner_steps, "eval_interval_steps": self.eval_every,
                 "max_steps": self.steps, "seed": self.seed, "data_seed": data_seed,
-                "torch_threads": 1, "device": "cpu"}
+                "torch_threads": 1, "device": self.device, **extra}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -78,7 +91,8 @@ class Spec:
     @classmethod
     def from_json(cls, text: str) -> Spec:
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
+        return cls(**{k: tuple(v) if isinstance(v, list) else v
+                      for k, v in json.loads(text).items() if k in known})
 
 
 def flag_list(keys: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ its program counted or estimated, and the peak resident memory of its process gr
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import sys
@@ -89,9 +90,10 @@ def start_bootstrap(name: str, log_dir: Path, addr: str, timeout_s: float
     """A plain hivemind DHT on ``addr`` (the root namespace's gateway): every node joins it at
     once, so all start together (a first node would otherwise train alone for a while)."""
     dht = shutil.which("hivemind-dht", path=str(Path(sys.executable).parent))
-    if dht is None:
-        raise RuntimeError("hivemind-dht not found next to the interpreter")
-    child = Child(name, [dht, "--host_maddrs", f"/ip4/{addr}/tcp/0"], log_dir,
+    # wheels installed with --target (a GPU machine) leave the script elsewhere: its module
+    argv = [dht] if dht is not None else [
+        sys.executable, "-c", "from hivemind.hivemind_cli.run_dht import main; main()"]
+    child = Child(name, [*argv, "--host_maddrs", f"/ip4/{addr}/tcp/0"], log_dir,
                   node_env({"HIVEMIND_LOGLEVEL": "INFO"}))
     try:
         found = child.wait_for(r"--initial_peers (/ip4/\S+/p2p/\S+)", timeout_s, stdout=False)
@@ -113,7 +115,8 @@ class _Run:
         self.helpers: list[Child] = []  # the lighthouse
 
     def env(self, host: HostLike) -> dict[str, str]:
-        return node_env({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        return node_env({"PYTHONPATH": path, "OMP_NUM_THREADS": "1",
                          "GLOO_SOCKET_IFNAME": getattr(host, "dev", "lo"),
                          "HIVEMIND_LOGLEVEL": "ERROR"})
 
@@ -134,7 +137,7 @@ class _Run:
             flags += ["--algorithm", "diloco", "--diloco-eta", "1", "--diloco-gamma", "0"]
         if self.system == "gasloc-diloco-topk":
             flags += ["--diloco-codec", "topk2:123"]
-        return flags
+        return flags + list(self.spec.extra_flags)
 
     def bootstrap(self, timeout_s: float) -> list[str]:
         child, peers = start_bootstrap(f"{self.system}-bootstrap", self.log_dir, self.gateway,

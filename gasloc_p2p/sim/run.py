@@ -22,7 +22,7 @@ from gasloc_p2p.sim.gossip import run_gossip
 from gasloc_p2p.sim.workers import SimWorkers, load_token_data
 
 log = logging.getLogger(__name__)
-Progress = Callable[[int, int], None]  # (mean steps done, total steps per worker)
+Progress = Callable[[int, int], None]  # (mean steps done, total steps per worker), per round end
 
 
 def run(cfg: SimConfig, data: TokenData | None = None,
@@ -48,10 +48,10 @@ def run(cfg: SimConfig, data: TokenData | None = None,
                  "bytes_per_worker": sum(clock.bytes_sent) / cfg.workers}
         if cfg.trace_batches and (not trace or steps > trace[-1]["steps"]):
             trace.append({**point, "loss": sim.trace_loss(), "consensus": sim.consensus()})
+        if progress is not None:  # every round end: a watcher projects the run's end from it
+            progress(int(steps), cfg.steps)
         if not force and history and steps - history[-1]["steps"] < cfg.eval_every:
             return
-        if progress is not None:
-            progress(int(steps), cfg.steps)
         point.update(sim.evaluate())
         history.append(point)
 
