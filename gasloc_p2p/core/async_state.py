@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.flat import Fragment, host_buffer  # (re-exported: its old home)
 from gasloc_p2p.core.options import check_outer_step, need, opt
 
 MOMENTUM_FORMS = ("mixed", "local")
@@ -80,14 +80,6 @@ def exchange_weight(w: float, staleness: int) -> float:
     if staleness <= MAX_STALENESS:
         return w
     return w / (1 + staleness - MAX_STALENESS)
-
-
-def host_buffer(numel: int, like: torch.Tensor, host: torch.device,
-                dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An empty ``[numel]`` buffer on ``host``, pinned when ``like`` lives on a CUDA device and
-    ``host`` is the CPU (so copies between them can be asynchronous)."""
-    pin = host.type == "cpu" and like.device.type == "cuda"
-    return torch.empty(numel, dtype=dtype or like.dtype, device=host, pin_memory=pin)
 
 
 def spans(numel: int, step: int = TRANSFER_ELEMS) -> Iterator[tuple[int, int]]:
