@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from gasloc_p2p.core.outer import MixedMomentum
 from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
@@ -40,7 +41,7 @@ RUN, FINGERPRINT = "bench", "b" * 64
 def state(numel: int) -> StateSnapshot:
     gen = torch.Generator().manual_seed(1)
     return StateSnapshot(1, 2, "mixed", torch.randn(numel, generator=gen),
-                         torch.randn(numel, generator=gen))
+                         {"zprev": torch.randn(numel, generator=gen)})
 
 
 def vm(pid: int, key: str) -> int:
@@ -55,8 +56,8 @@ async def donor(numel: int, limit: int) -> None:
     params = state(numel)  # the node's own buffers (the snapshot function copies them)
 
     def take() -> StateSnapshot:
-        return StateSnapshot(params.step, params.rounds, params.momentum, params.params.clone(),
-                             params.memory.clone())
+        return StateSnapshot(params.step, params.rounds, params.outer, params.params.clone(),
+                             {k: t.clone() for k, t in params.state.items()})
 
     servicer = GossipServicer(Identity(RUN, FINGERPRINT, "donor"), None,  # type: ignore[arg-type]
                               lambda: pb.InfoReply(), take, limits=ServeLimits(max_downloads=limit))
@@ -74,8 +75,9 @@ async def clients(port: int, numel: int, n: int) -> tuple[int, int]:
     endpoint = f"127.0.0.1:{port}"
     stub = channels.stub(endpoint, fetch_certificate(endpoint))
     try:
-        results = await asyncio.gather(*(download_state(stub, me, 120.0) for _ in range(n)),
-                                       return_exceptions=True)
+        outer = MixedMomentum(0.7, 0.5)  # the joiners' own (the donor's: "mixed")
+        results = await asyncio.gather(*(download_state(stub, me, 120.0, outer=outer)
+                                         for _ in range(n)), return_exceptions=True)
     finally:
         await channels.close()
     ok = busy = 0
@@ -85,7 +87,8 @@ async def clients(port: int, numel: int, n: int) -> tuple[int, int]:
         elif isinstance(r, BaseException):
             raise r
         else:
-            assert torch.equal(r[1], want.params) and torch.equal(r[2], want.memory)
+            assert torch.equal(r[1], want.params)
+            assert torch.equal(r[2]["zprev"], want.state["zprev"])
             ok += 1
     return ok, busy
 

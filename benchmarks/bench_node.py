@@ -90,7 +90,7 @@ async def _serve(numel: int, port_queue: Any, stop: Any) -> None:
     exchanger, me = build_side("responder", numel, 2)
     state = exchanger.engine.state
     servicer = GossipServicer(me, exchanger, lambda: pb.InfoReply(), lambda: StateSnapshot(
-        0, 0, "mixed", state.public_iterate(), state.memory))
+        0, 0, state.outer.name, state.public_iterate(), state.outer.state_dict()))
     net = NetworkConfig()
     server = grpc.aio.server(options=grpc_options(net, server=True))
     pb_grpc.add_GossipServicer_to_server(servicer, server)

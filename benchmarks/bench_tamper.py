@@ -34,6 +34,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # the corrupted records are the
 from benchmarks.tools.fuzz_member import honest_stream  # noqa: E402 (after the variable)
 from benchmarks.tools.fuzz_streams import Target
 from benchmarks.tools.proxy import Proxy, replay
+from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.service import PeerChannels, download_state
 from gasloc_p2p.node.transport.tls import fetch_certificate, secure_channel
@@ -93,7 +94,8 @@ async def run(node: NodeChild, exchanges: int) -> dict[str, object]:
     channels = PeerChannels(NetworkConfig())
     try:
         me = Identity.keyed(info.run_id, info.model_fingerprint, Signer())
-        meta, _, _ = await download_state(channels.stub(relay, cert), me, 30.0)
+        meta, _, _ = await download_state(channels.stub(relay, cert), me, 30.0,
+                                          outer=AsyncConfig().outer())  # the node's default
         out["state_bytes"] = int(meta.total_bytes)
     finally:
         await channels.close()

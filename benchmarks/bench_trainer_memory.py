@@ -96,9 +96,11 @@ def measure(mode: str, layers: int, width: int, steps: int) -> None:
 
         owners = {"trainer." + k: v for k, v in vars(trainer).items()}
         owners.update({"state." + k: v for k, v in vars(trainer.state).items()})
+        owners.update({"state.outer." + k: v for k, v in trainer.state.outer.state.items()})
         if trainer._good is not None:
-            owners.update({"_good[0] (rollback anchor)": trainer._good[0],
-                           "_good[1] (rollback memory)": trainer._good[1]})
+            owners["_good[0] (rollback anchor)"] = trainer._good[0]
+            owners.update({f"_good[1][{k}] (rollback outer {k})": v
+                           for k, v in trainer._good[1].items()})
         names = {v.untyped_storage().data_ptr(): k for k, v in owners.items()
                  if isinstance(v, torch.Tensor)}
         grads = {p.grad.untyped_storage().data_ptr() for p in trainer.model.parameters()

@@ -154,8 +154,8 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
     exchanger = GossipTransport(me, engine, gossip, outer)
 
     def snapshot() -> StateSnapshot:
-        return StateSnapshot(0, state.rounds, outer.momentum, state.public_iterate(),
-                             state.memory.clone() if state.memory is not None else None)
+        return StateSnapshot(0, state.rounds, state.outer.name, state.public_iterate(),
+                             {name: t.clone() for name, t in state.outer.state_dict().items()})
 
     def info() -> pb.InfoReply:  # step and peers: only an authenticated caller sees them
         return pb.InfoReply(peer_id=me.peer_id, software_version=name, step=7, peers=["x"])
@@ -169,10 +169,10 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
 
 
 def full_state(peer: Peer) -> dict[str, Any]:
-    """Everything an exchange may change, as copies: the node state's tensors and rounds."""
-    memory = peer.state.memory
+    """Everything an exchange may change, as copies: the node state's tensors (the outer
+    optimizer's buffers by name) and rounds."""
     return {"theta": peer.state.theta.clone(), "anchor": peer.state.anchor.clone(),
-            "memory": memory.clone() if memory is not None else None,
+            **{name: t.clone() for name, t in peer.state.outer.state.items()},
             "rounds": peer.state.rounds}
 
 

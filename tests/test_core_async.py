@@ -149,7 +149,7 @@ def test_host_chunks_give_the_one_pass_bits(cfg, monkeypatch):
             s.theta.add_(torch.randn(50, generator=gen, dtype=torch.float64) * 0.1)
             s.apply_correction(torch.randn(50, generator=gen, dtype=torch.float64) * 0.01)
             s.round_end()
-        return [t for t in (s.theta, s.anchor, s.memory) if t is not None]
+        return [t for t in (s.theta, s.anchor, *s.outer.state.values()) if t is not None]
 
     for a, b in zip(run(7), run(1 << 24), strict=True):
         assert torch.equal(a, b)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
-from gasloc_p2p.core.diloco import NesterovOuter
+from gasloc_p2p.core.flat import whole
+from gasloc_p2p.core.outer import LocalNesterov, PlainAverage
 from gasloc_p2p.core.topology import complete_edges, random_matching, ring_edges
 from tests import toy
 
@@ -63,20 +64,22 @@ def test_nesterov_outer_matches_torch_sgd():
     p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64, generator=gen))
     mine = p.detach().clone()
     sgd = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
-    outer = NesterovOuter(5, 0.7, 0.9, torch.float64)
+    outer = LocalNesterov(0.7, 0.9).allocate(mine, mine.device, mine)  # the gradient form
     for _ in range(6):
         g = torch.randn(5, dtype=torch.float64, generator=gen)
         p.grad = g.clone()
         sgd.step()
-        outer.step_(mine, g)
+        outer.step_fragment(whole(5), mine, g)
     torch.testing.assert_close(mine, p.detach(), rtol=0, atol=1e-14)
 
 
 def test_nesterov_without_momentum_keeps_no_buffer_and_is_sgd():
-    outer = NesterovOuter(5, 0.7, 0.0, torch.float64)
-    assert outer.buf is None
     anchor, g = torch.ones(5, dtype=torch.float64), torch.full((5,), 2.0, dtype=torch.float64)
-    outer.step_(anchor, g)
+    outer = AsyncConfig(eta=0.7, gamma=0.0, momentum="local").outer()
+    assert isinstance(outer, PlainAverage)
+    outer.allocate(anchor, anchor.device, anchor)
+    assert outer.state == {}
+    outer.step_fragment(whole(5), anchor, g)
     torch.testing.assert_close(anchor, torch.full((5,), 1.0 - 1.4, dtype=torch.float64))
 
 
@@ -144,8 +147,8 @@ def test_no_momentum_buffer_without_momentum():
     for momentum in ("mixed", "local"):
         state = AsyncGaslocState(theta, torch.zeros(4), AsyncConfig(eta=0.5, gamma=0.0,
                                                                      momentum=momentum))
-        assert state.memory is None  # no model-sized buffer the algorithm never reads
-    assert AsyncGaslocState(theta, torch.zeros(4), AsyncConfig(gamma=0.1)).memory is not None
+        assert state.outer.state == {}  # no model-sized buffer the algorithm never reads
+    assert AsyncGaslocState(theta, torch.zeros(4), AsyncConfig(gamma=0.1)).outer.state
 
 
 @pytest.mark.parametrize("momentum", ["mixed", "local"])

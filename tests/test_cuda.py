@@ -57,9 +57,9 @@ def test_outer_state_lives_pinned_on_the_host_and_the_plan_counts_it(corpus):
     torch.cuda.synchronize()
     st = node.state
     assert node.flat.buffer.device.type == "cuda"
-    for name, t in (("anchor", st.anchor), ("memory", st.memory), ("theta_0", node.theta0),
-                    ("rollback", node._good[0] if node._good else None),
-                    ("rollback memory", node._good[1] if node._good else None)):
+    assert st.outer.state and node._good is not None and node._good[1]
+    for name, t in (("anchor", st.anchor), *st.outer.state.items(), ("theta_0", node.theta0),
+                    ("rollback", node._good[0]), *node._good[1].items()):
         assert t is not None and t.device.type == "cpu" and t.is_pinned(), name
     held = {(b.name, b.where): b.nbytes for b in node.placement()}
     shape = model_shape("gpt", node.cfg, node.data.tokenizer.vocab_size)
@@ -162,11 +162,14 @@ def test_an_exchange_committed_while_training_runs_equals_the_serial_sequence(co
         torch.cuda.synchronize()
     assert torch.equal(live.flat.buffer, serial.flat.buffer)
     assert torch.equal(live.state.anchor, serial.state.anchor)
-    assert torch.equal(live.state.memory, serial.state.memory)
+    assert live.state.outer.state.keys() == serial.state.outer.state.keys()
+    for name, buf in live.state.outer.state.items():
+        assert torch.equal(buf, serial.state.outer.state[name]), name
 
 
 @pytest.mark.parametrize("outer", [AsyncConfig(), AsyncConfig(eta=0.7),
-                                   AsyncConfig(eta=0.7, gamma=0.5)])
+                                   AsyncConfig(eta=0.7, gamma=0.5),
+                                   AsyncConfig(eta=0.7, gamma=0.7, momentum="local")])
 def test_the_outer_step_on_cuda_equals_the_cpus(outer):
     """The same round ends (parameters on CUDA, outer state on the pinned host; and all on
     the CPU) agree to float32 rounding: elementwise IEEE
@@ -182,7 +185,7 @@ def test_the_outer_step_on_cuda_equals_the_cpus(outer):
         for move in moves:
             theta.add_(move.to(device))
             state.round_end()
-        results.append([t.cpu() for t in (state.theta, state.anchor, state.memory)
-                        if t is not None])
+        results.append([t.cpu() for t in (state.theta, state.anchor,
+                                          *state.outer.state.values()) if t is not None])
     for cpu, cuda in zip(*results, strict=True):
         torch.testing.assert_close(cuda, cpu, rtol=2e-6, atol=1e-6)

@@ -14,9 +14,8 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
-from gasloc_p2p.core.diloco import NesterovOuter
 from gasloc_p2p.core.flat import Fragment, whole
-from gasloc_p2p.core.streaming import fragment_outer_step
+from gasloc_p2p.core.outer import LocalNesterov
 from gasloc_p2p.core.wire import Encoded
 from gasloc_p2p.node.runtime import bootstrap
 from gasloc_p2p.node.transport.service import SharedSnapshot, StateSnapshot
@@ -109,14 +108,13 @@ def test_decoding_is_bit_identical_on_cpu_and_cuda():
 def test_outer_steps_take_a_host_gradient_onto_the_device(device):
     """An all-reduced outer gradient comes back in the averager's host buffer."""
     anchor = torch.ones(8, device=device)
-    memory = torch.zeros(8, device=device)
-    outer = NesterovOuter(8, eta=0.5, gamma=0.5, buf=memory)
-    assert outer.buf is memory
-    outer.step_(anchor, torch.full((8,), 2.0))  # host gradient
+    outer = LocalNesterov(0.5, 0.5).allocate(anchor, anchor.device, anchor)  # state beside it
+    memory = outer.state["momentum"]
+    outer.step_fragment(whole(8), anchor, torch.full((8,), 2.0))  # host gradient
     assert memory.device.type == device and torch.equal(memory.cpu(), torch.full((8,), 2.0))
     assert torch.equal(anchor.cpu(), torch.full((8,), 1 - 0.5 * (2 + 0.5 * 2)))
     frag = Fragment(0, ((0, 4),))
-    new = fragment_outer_step(frag, anchor, memory, torch.ones(4), 0.5, 0.5)
+    new = outer.step_fragment(frag, anchor, torch.ones(4))
     assert new.device.type == device and anchor.device.type == device
 
 
@@ -126,7 +124,8 @@ def test_bootstrap_agreement_with_host_downloads(device, dtype):
     """Downloads are host tensors; theta_0 lives on the device (bfloat16 when compacted)."""
     theta0 = torch.zeros(64, device=device, dtype=dtype)
     sampler = bootstrap.Sampler(theta0)
-    states = [bootstrap.Candidate(n, i, v * torch.ones(64), torch.zeros(64), None)  # type: ignore[arg-type]
+    states = [bootstrap.Candidate(n, i, v * torch.ones(64), {"zprev": torch.zeros(64)},
+                                  None)  # type: ignore[arg-type]
               for i, (n, v) in enumerate([("a", 1.0), ("b", 1.01), ("c", 0.99), ("far", -1.0)])]
     for c in states:
         sampler.measure(c)
@@ -141,11 +140,11 @@ def test_state_downloads_serve_host_copies(device):
     params = torch.arange(6, dtype=torch.float32, device=device)
 
     def take() -> StateSnapshot:
-        return StateSnapshot(3, 1, "mixed", params.clone(), params.clone() * 2)
+        return StateSnapshot(3, 1, "mixed", params.clone(), {"zprev": params.clone() * 2})
 
     shared = SharedSnapshot(take, limit=2)
     snap, views, _ = shared._take()
-    assert snap.params.device.type == "cpu" and snap.memory.device.type == "cpu"
+    assert snap.params.device.type == "cpu" and snap.state["zprev"].device.type == "cpu"
     assert bytes(views[0]) == params.cpu().numpy().tobytes()
     assert bytes(views[1]) == (params.cpu() * 2).numpy().tobytes()
 

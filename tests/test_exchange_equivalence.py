@@ -26,14 +26,14 @@ STEPS = [(0, 0, False), (1, 1, False), (0, 1, True), (0, 0, False), (1, 0, True)
 def _clone_state(state: AsyncGaslocState, theta0: torch.Tensor) -> AsyncGaslocState:
     copy = AsyncGaslocState(state.theta.clone(), theta0, state.cfg)
     copy.anchor.copy_(state.anchor)
-    assert copy.memory is not None and state.memory is not None
-    copy.memory.copy_(state.memory)
+    assert copy.outer.state
+    copy.outer.load_state_dict(state.outer.state_dict())
     copy.rounds = state.rounds
     return copy
 
 
 def _tensors(state: AsyncGaslocState) -> dict[str, object]:
-    return {"theta": state.theta, "anchor": state.anchor, "memory": state.memory,
+    return {"theta": state.theta, "anchor": state.anchor, **state.outer.state_dict(),
             "rounds": state.rounds}
 
 

@@ -34,8 +34,9 @@ RESPONDER_AFTER_READY = ("ready-at-responder", "commit-at-responder")
 
 def state(engine) -> dict[str, object]:
     s = engine.state
-    assert s.memory is not None
-    return {"theta": s.theta.clone(), "anchor": s.anchor.clone(), "memory": s.memory.clone()}
+    assert s.outer.state
+    return {"theta": s.theta.clone(), "anchor": s.anchor.clone(),
+            **{name: t.clone() for name, t in s.outer.state.items()}}
 
 
 def same(a: dict[str, object], b: dict[str, object]) -> bool:

@@ -125,7 +125,8 @@ def test_members_exchange_and_everyone_else_reads_only_refused():
         try:
             await b.exchange(a)
             await revoked.exchange(a)  # a member until revoked
-            meta, params, _ = await download_state(b.stub(a), b.me, scaled(5))
+            meta, params, _ = await download_state(b.stub(a), b.me, scaled(5),
+                                                   outer=b.state.outer)
             assert params.numel() == meta.numel > 0
             assert (await fetch_info(b.stub(a), scaled(5), b.me.signer)).authenticated
             shared.revocations.update(RevocationList.issue(
@@ -136,7 +137,8 @@ def test_members_exchange_and_everyone_else_reads_only_refused():
                 result = await settle(s.exchange(a))
                 assert isinstance(result, Rejected), (why, result)
                 assert result.code == UNAUTHENTICATED and result.message == "refused", why
-                state = await settle(download_state(s.stub(a), s.me, scaled(5)))
+                state = await settle(download_state(s.stub(a), s.me, scaled(5),
+                                                    outer=s.state.outer))
                 assert isinstance(state, ExchangeError) and state.message == "refused", why
                 info = await fetch_info(s.stub(a), scaled(5), s.me.signer)
                 assert info.ok and not info.authenticated and info.step == 0, why

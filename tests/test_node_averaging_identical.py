@@ -146,7 +146,7 @@ def _check_gathered(members: list[Member], codec: str) -> None:
     for m in members[1:]:
         assert m.state.anchor is not None
         assert torch.equal(m.state.anchor, ref.anchor)
-        assert torch.equal(m.state.memory, ref.memory)
+        assert torch.equal(m.state.outer.state["momentum"], ref.outer.state["momentum"])
     # 4 syncs. A member takes in at least the n - 1 other messages (as a reducer's relays, or
     # as inputs of its own share); the group puts out each message to the n - 1 other
     # reducers (its parts) and n - 1 times again (the relays): (n - 1)(n + 1) messages a
@@ -196,12 +196,13 @@ def _check_identical(members: list[Member], codec: str) -> None:
         assert [s.last_group_size for s in m.rounds.stats] == [N, N, N]
         assert sum(s.resyncs for s in m.rounds.stats) == 0
     ref = members[0].state
-    assert ref.anchor is not None and ref.memory is not None
+    assert ref.anchor is not None and ref.outer.state
     for m in members[1:]:
-        assert m.state.anchor is not None and m.state.memory is not None
+        assert m.state.anchor is not None and m.state.outer.state
         for frag in FRAGS:
             assert torch.equal(frag.gather(m.state.anchor), frag.gather(ref.anchor))
-            assert torch.equal(frag.gather(m.state.memory), frag.gather(ref.memory))
+            assert torch.equal(frag.gather(m.state.outer.state["momentum"]),
+                               frag.gather(ref.outer.state["momentum"]))
     # the members' own steps differ, so their thetas do; the anchors moved (not all solo)
     assert not torch.equal(ref.anchor, theta0())
     # every member sent and received encoded payloads of about the codec's size

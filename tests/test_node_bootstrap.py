@@ -22,7 +22,8 @@ N = 1000
 
 def cand(name: str, params: torch.Tensor, sampler: bootstrap.Sampler,
          step: int = 0) -> bootstrap.Candidate:
-    c = bootstrap.Candidate(name, step, params, torch.zeros(N), pb.StateMeta(step=step))
+    c = bootstrap.Candidate(name, step, params, {"zprev": torch.zeros(N)},
+                            pb.StateMeta(step=step))
     sampler.measure(c)
     return c
 
@@ -49,8 +50,11 @@ def test_three_agreeing_donors_are_needed_and_the_step_does_not_decide():
     assert medoid in honest and fake not in group and len(group) == 3
     assert bootstrap.problem(cand("nan", torch.full((N,), float("nan")), sampler), N)
     assert bootstrap.problem(cand("big", torch.full((N,), 1e30), sampler), N)
-    assert bootstrap.problem(bootstrap.Candidate("short", 0, torch.zeros(7), None,
+    assert bootstrap.problem(bootstrap.Candidate("short", 0, torch.zeros(7), {},
                                                  pb.StateMeta()), N)
+    bad = bootstrap.Candidate("bad state", 0, torch.zeros(N), {"zprev": torch.full((N,), 1e30)},
+                              pb.StateMeta())
+    assert "outer zprev holds values up to" in bootstrap.problem(bad, N)
     assert not bootstrap.problem(honest[0], N)
 
 
@@ -139,7 +143,7 @@ def test_a_joiner_never_adopts_the_state_two_colluders_serve(corpus, monkeypatch
     async def colluder(reg, a, poison, name):
         signer = Signer()
         me = Identity.keyed(a.me.run_id, a.me.fingerprint, signer)
-        snap = StateSnapshot(10**6, 10**4, a.trainer.state.cfg.momentum, poison, None)
+        snap = StateSnapshot(10**6, 10**4, a.trainer.state.outer.name, poison, {})
         tls = TlsIdentity.generate(signer.peer_id)
         servicer = GossipServicer(me, None, lambda: pb.InfoReply(
             peer_id=signer.peer_id, val_loss=0.1, validation_set=a.trainer.validation_set),

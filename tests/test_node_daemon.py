@@ -40,10 +40,11 @@ def test_two_nodes_gossip_serve_info_and_state(corpus, tmp_path):
             assert info.peer_id == b.me.peer_id and info.peers == [a.me.peer_id]
             assert info.step > 0 and info.model_fingerprint == a.me.fingerprint
             assert info.authenticated and info.ok
-            meta, params, memory = await download_state(a.channels.stub(b.endpoint, b.tls.cert_der), a.me, 10)
+            meta, params, outer = await download_state(
+                a.channels.stub(b.endpoint, b.tls.cert_der), a.me, 10, outer=a.trainer.state.outer)
             assert params.shape == b.trainer.state.theta.shape
-            assert memory is None and meta.total_bytes == 4 * meta.numel  # gamma 0: no memory
-            assert torch.isfinite(params).all() and meta.momentum == "mixed"
+            assert outer == {} and meta.total_bytes == 4 * meta.numel  # gamma 0: no state
+            assert torch.isfinite(params).all() and meta.momentum == "average"
         await a.stop()  # a second stop is harmless
         assert a.stats.failed <= 2  # at most a race at shutdown
         assert ckpt.load(tmp_path / "a") is not None  # final checkpoint on stop

@@ -176,7 +176,8 @@ def test_a_failed_round_is_repaired_by_resynchronizing(fetch_after_step):
     round_in_threads([a, b])  # else a fetches b's post-step state (or races it: both fine)
     assert a.fetched == ["b"] and b.fetched == []  # equal epochs: the larger peer id wins
     torch.testing.assert_close(a.state.anchor, b.state.anchor, rtol=0, atol=1e-12)
-    torch.testing.assert_close(a.state.memory, b.state.memory, rtol=0, atol=1e-12)
+    torch.testing.assert_close(a.state.outer.state["momentum"], b.state.outer.state["momentum"],
+                               rtol=0, atol=1e-12)
     assert a.epoch == b.epoch == 3
     assert a.stats.resyncs == 1 and torch.equal(a.state.theta, a.state.anchor)
 
@@ -333,7 +334,7 @@ class DilocoProc(NodeProc):
     def state(self, run_id: str) -> tuple[int, torch.Tensor]:
         """(epoch, anchor) from DownloadState."""
         meta, anchor = self.download_state(run_id)
-        assert meta.momentum == "diloco", meta
+        assert meta.momentum == "local", meta  # the outer optimizer: Nesterov
         return meta.rounds, anchor
 
 

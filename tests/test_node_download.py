@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from gasloc_p2p.core.outer import LocalNesterov, MixedMomentum, PlainAverage
 from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
@@ -37,10 +38,13 @@ from tests.node_helpers import FINGERPRINT, RUN, run, scaled
 NUMEL = 700_000  # 5.6 MB of body: six chunks
 
 
+MIXED = MixedMomentum(0.7, 0.5)  # the joiners' own outer optimizer (its settings suffice)
+
+
 def state() -> StateSnapshot:
     gen = torch.Generator().manual_seed(5)
     return StateSnapshot(11, 3, "mixed", torch.randn(NUMEL, generator=gen),
-                         torch.randn(NUMEL, generator=gen))
+                         {"zprev": torch.randn(NUMEL, generator=gen)})
 
 
 CERTS: dict[str, TlsIdentity] = {}
@@ -86,7 +90,7 @@ def test_downloads_share_one_snapshot_stream_in_chunks_and_stop_at_the_limit() -
                 assert (await call.read()).WhichOneof("kind") == "meta"
             assert servicer.downloads.active == 2
             with pytest.raises(ExchangeError) as busy:
-                await download_state(stub, ME, scaled(10))
+                await download_state(stub, ME, scaled(10), outer=MIXED)
             assert busy.value.code == BUSY and "retry later" in busy.value.message
             sizes = []
             for call in held:  # the rest arrives in chunks of at most 1 MiB
@@ -96,8 +100,10 @@ def test_downloads_share_one_snapshot_stream_in_chunks_and_stop_at_the_limit() -
             assert max(sizes) <= MAX_CHUNK_BYTES and sum(sizes) == 2 * 8 * NUMEL
             assert servicer.downloads.taken == 1  # one snapshot for both
             await asyncio.sleep(0)  # the handlers' finally blocks have run
-            meta, params, memory = await download_state(stub, ME, scaled(10))  # admitted again
-            assert torch.equal(params, state().params) and torch.equal(memory, state().memory)
+            meta, params, outer = await download_state(stub, ME, scaled(10),
+                                                       outer=MIXED)  # admitted again
+            assert torch.equal(params, state().params)
+            assert torch.equal(outer["zprev"], state().state["zprev"])
             assert (meta.step, meta.rounds, meta.momentum) == (11, 3, "mixed")
         finally:
             await slow.close()
@@ -129,7 +135,7 @@ def test_a_download_that_outlasts_its_deadline_is_cut_and_frees_its_slot() -> No
             assert (await held.read()).WhichOneof("kind") == "meta"  # then reads no more
             assert servicer.downloads.active == 1
             with pytest.raises(ExchangeError) as busy:
-                await download_state(stub, ME, scaled(10))
+                await download_state(stub, ME, scaled(10), outer=MIXED)
             assert busy.value.code == BUSY
             loop = asyncio.get_running_loop()
             t0 = loop.time()
@@ -137,7 +143,8 @@ def test_a_download_that_outlasts_its_deadline_is_cut_and_frees_its_slot() -> No
                 await asyncio.sleep(0.05)
             assert servicer.downloads.active == 0, "the stalled download still holds its slot"
             assert loop.time() - t0 < scaled(5)
-            meta, params, _ = await download_state(stub, ME, scaled(10))  # the slot serves
+            meta, params, _ = await download_state(stub, ME, scaled(10),
+                                                   outer=MIXED)  # the slot serves
             assert torch.equal(params, snap.params)
         finally:
             await slow.close()
@@ -152,14 +159,14 @@ def test_concurrent_downloads_are_exact_or_busy() -> None:
         server, servicer, endpoint, channels, cert = await serve(limit=3)
         try:
             stub = channels.stub(endpoint, cert)
-            results = await asyncio.gather(*(download_state(stub, ME, scaled(20))
+            results = await asyncio.gather(*(download_state(stub, ME, scaled(20), outer=MIXED)
                                              for _ in range(8)), return_exceptions=True)
             ok = [r for r in results if not isinstance(r, BaseException)]
             busy = [r for r in results if isinstance(r, ExchangeError) and r.code == BUSY]
             assert len(ok) + len(busy) == 8 and ok
-            for _, params, memory in ok:
+            for _, params, outer in ok:
                 assert torch.equal(params, state().params)
-                assert torch.equal(memory, state().memory)
+                assert torch.equal(outer["zprev"], state().state["zprev"])
             assert servicer.downloads.active == 0
             assert servicer.downloads.taken <= len(ok)
         finally:
@@ -198,7 +205,7 @@ def test_a_recorded_state_request_replayed_gets_nothing_from_any_node() -> None:
                 forged = state_request(RUN, FINGERPRINT, ME.signer, "donor", nonce)
                 assert await send(to_donor, forged) == "reject: refused"
             assert (donor[1].downloads.taken, other[1].downloads.taken) == (1, 0)
-            fresh = await download_state(to_other, ME, scaled(10))
+            fresh = await download_state(to_other, ME, scaled(10), outer=MIXED)
             assert torch.equal(fresh[1], state().params)  # a fresh request is served
         finally:
             for server, _, _, channels, _ in (donor, other):
@@ -214,10 +221,18 @@ def test_a_state_announced_for_another_model_size_is_refused_before_any_byte() -
         try:
             stub = channels.stub(endpoint, cert)
             with pytest.raises(ExchangeError, match="announced"):
-                await download_state(stub, ME, scaled(10), numel=NUMEL - 1)
+                await download_state(stub, ME, scaled(10), numel=NUMEL - 1, outer=MIXED)
             assert servicer.downloads.taken == 1  # it was served: the joiner refused the meta
-            meta, params, _ = await download_state(stub, ME, scaled(10), numel=NUMEL)
+            meta, params, _ = await download_state(stub, ME, scaled(10), numel=NUMEL,
+                                                   outer=MIXED)
             assert params.numel() == NUMEL
+            # a joiner running another outer optimizer refuses the state in one line, before
+            # any byte of it is buffered (its sizes would be its own optimizer's)
+            for own in (PlainAverage(1.0, 0.0), LocalNesterov(0.7, 0.9)):
+                with pytest.raises(ExchangeError, match=f"optimizer 'mixed', this node runs "
+                                                        f"'{own.name}'") as info:
+                    await download_state(stub, ME, scaled(10), numel=NUMEL, outer=own)
+                assert "\n" not in str(info.value)
         finally:
             await channels.close()
             await server.stop(0)

@@ -66,7 +66,8 @@ def test_gossip_mode_builds_its_machinery_and_diloco_none(monkeypatch):
         await diloco.start(ctx)
         assert built == [] and diloco.exchanger is None and diloco.tasks() == []
         snap = await asyncio.to_thread(diloco.snapshot)
-        assert snap.momentum == "diloco" and torch.equal(snap.params, ctx.trainer.state.anchor)
+        assert snap.outer == "local" and torch.equal(snap.params, ctx.trainer.state.anchor)
+        assert snap.state.keys() == {"momentum"}  # DiLoCo's Nesterov buffers
         await diloco.stop()
         await diloco.stop()
 

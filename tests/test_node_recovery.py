@@ -36,8 +36,9 @@ def test_a_checkpoint_with_nan_or_foreign_shapes_fails_in_one_line(corpus, tmp_p
     assert good is not None
     for change, why in ((lambda p: p["theta"].__setitem__(3, float("nan")), "NaN"),
                         (lambda p: p.__setitem__("anchor", torch.zeros(7)), "shape"),
-                        (lambda p: p.__setitem__("memory", torch.full_like(p["theta"], 1e30)),
-                         "values up to"),  # a memory where gamma 0 keeps none: judged too
+                        (lambda p: p.__setitem__("outer_state",
+                                                 {"zprev": torch.full_like(p["theta"], 1e30)}),
+                         "values up to"),  # a buffer where gamma 0 keeps none: judged too
                         (lambda p: p.__setitem__("fingerprint", "x"), "another model")):
         bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in good.items()}
         change(bad)

@@ -132,8 +132,8 @@ def test_outsider_without_swarm_key_gets_health_only():
             for stranger in (outsider, wrong):
                 result = await settle(stranger.exchange(a))
                 assert isinstance(result, Rejected) and result.code == UNAUTHENTICATED, result
-                state = await settle(download_state(stranger.stub(a),
-                                                    stranger.me, scaled(5)))
+                state = await settle(download_state(stranger.stub(a), stranger.me, scaled(5),
+                                                    outer=stranger.state.outer))
                 assert isinstance(state, ExchangeError) and state.code == UNAUTHENTICATED
                 info = await fetch_info(stranger.stub(a), scaled(5),
                                         stranger.me.signer)
@@ -144,7 +144,8 @@ def test_outsider_without_swarm_key_gets_health_only():
             assert_same_state(before, full_state(a))
             # members: exchanges, state and the full Info
             await b.exchange(a)
-            meta, params, _ = await download_state(b.stub(a), b.me, scaled(5))
+            meta, params, _ = await download_state(b.stub(a), b.me, scaled(5),
+                                                   outer=b.state.outer)
             assert params.numel() == meta.numel > 0
             info = await fetch_info(b.stub(a), scaled(5), b.me.signer)
             assert info.authenticated and info.step == 7 and list(info.peers) == ["x"]

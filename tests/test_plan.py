@@ -24,7 +24,8 @@ TINY = TrainConfig(n_layer=2, n_embd=16, n_head=2, seq_len=16, batch_size=2, inn
 
 @pytest.mark.parametrize(("outer", "keep_anchor"), [
     (AsyncConfig(), False),                      # defaults: eta 1, gamma 0: no outer buffers
-    (AsyncConfig(eta=0.7, gamma=0.5), False),    # anchor and momentum memory
+    (AsyncConfig(eta=0.7, gamma=0.5), False),    # anchor and mixed momentum's zprev
+    (AsyncConfig(gamma=0.5, momentum="local"), False),  # anchor and the Nesterov buffer
     (AsyncConfig(), True),                       # a DiLoCo mode keeps the anchor
 ])
 def test_plan_buffers_are_what_a_node_holds(outer, keep_anchor):
@@ -48,7 +49,7 @@ def test_device_bytes_per_param_in_gossip_mode():
         cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, gamma=gamma,
                                                                  eta=0.7))
         names = ("parameters", "gradients (during a step)", "adamw moments", "anchor",
-                 "momentum memory", "theta_0 (bfloat16)", "rollback copy", "rollback memory")
+                 "outer zprev", "theta_0 (bfloat16)", "rollback copy", "rollback zprev")
         assert bytes_per_param(plan(cfg, "cpu", shape), "device", names) == 16.0
         # on CUDA AdamW steps in the backward pass, in buckets of up to 2^24 elements: a
         # model smaller than a bucket holds all its gradients at once, a larger one a layer's

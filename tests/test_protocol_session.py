@@ -32,8 +32,8 @@ from tests.session_helpers import node
 
 def snapshot(engine: ExchangeEngine) -> list[torch.Tensor]:
     s = engine.state
-    assert s.memory is not None
-    return [t.clone() for t in (s.theta, s.anchor, s.memory)]
+    assert s.outer.state
+    return [t.clone() for t in (s.theta, s.anchor, *s.outer.state.values())]
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "fp4"])

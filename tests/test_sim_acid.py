@@ -41,13 +41,13 @@ def test_round_end_by_hand():
     r = 0.4
     theta = torch.zeros(1, dtype=torch.float64)
     s = AcidState(theta, theta.clone(), AsyncConfig(eta=1.0, gamma=0.0), r, 0.5)
-    s.memory.fill_(1.0)
+    s.xtilde.fill_(1.0)
     theta.add_(2.0)
     s.round_end()
     k = (1 - math.exp(-2 * r)) / 2
-    assert theta.item() == pytest.approx(2 + k) and s.memory.item() == pytest.approx(3 - k)
+    assert theta.item() == pytest.approx(2 + k) and s.xtilde.item() == pytest.approx(3 - k)
     assert s.anchor.item() == theta.item()
-    assert theta.item() + s.memory.item() == pytest.approx(5.0)  # mixing keeps x + x~
+    assert theta.item() + s.xtilde.item() == pytest.approx(5.0)  # mixing keeps x + x~
 
 
 def _random_run(cfg: AsyncConfig, acid: tuple[float, float] | None = None, n: int = 6,
@@ -69,7 +69,7 @@ def _random_run(cfg: AsyncConfig, acid: tuple[float, float] | None = None, n: in
             states[j].apply_correction(-c)
         for s in states:
             s.round_end()
-    return torch.stack([torch.cat([s.theta, *([s.memory] if s.memory is not None else [])])
+    return torch.stack([torch.cat([s.theta, *([s.xtilde] if isinstance(s, AcidState) else [])])
                         for s in states])
 
 
@@ -85,7 +85,7 @@ def test_network_mean_of_x_plus_x_tilde_moves_only_by_the_drift():
     gen = torch.Generator().manual_seed(1)
     starts = torch.randn(5, 4, generator=gen, dtype=torch.float64)
     states = [AcidState(starts[i].clone(), starts[i], cfg, 0.3, 2.0) for i in range(5)]
-    total = sum(s.theta + s.memory for s in states)
+    total = sum(s.theta + s.xtilde for s in states)
     rng = random.Random(1)
     for _ in range(30):
         i, j = rng.sample(range(5), 2)
@@ -93,7 +93,7 @@ def test_network_mean_of_x_plus_x_tilde_moves_only_by_the_drift():
         states[i].apply_correction(c)
         states[j].apply_correction(-c)
         states[rng.randrange(5)].round_end()
-    torch.testing.assert_close(sum(s.theta + s.memory for s in states), total)
+    torch.testing.assert_close(sum(s.theta + s.xtilde for s in states), total)
 
 
 def test_acid_needs_gamma_zero_and_sane_parameters():

@@ -3,22 +3,21 @@
 State: live parameters ``theta`` (the model's flat buffer, trained by the inner optimizer, on
 the training device), and the outer state on ``host`` (by default theta's device; the daemon
 puts it in pinned host memory when training on a GPU, as PRIME and torchft do): the anchor
-``a`` (parameters at the start of the current round) and the momentum memory. The public
-iterate ``p = a + eta (theta - a)`` is what the node would propose if its round ended now. A
-gossip exchange adds the same correction to ``a`` and ``theta``, so the local drift
-``theta - a`` is untouched and ``p`` moves by exactly the correction.
+``a`` (parameters at the start of the current round) and the outer optimizer's named state
+(:mod:`gasloc_p2p.core.outer`). The public iterate ``p = a + eta (theta - a)`` is what the node
+would propose if its round ended now. A gossip exchange adds the same correction to ``a`` and
+``theta``, so the local drift ``theta - a`` is untouched and ``p`` moves by exactly the
+correction.
 
 No model-sized buffer exists that the configured algorithm never reads: with ``eta = 1`` the
-public iterate is ``theta`` itself and the anchor is kept only where the momentum form reads it
-(``local``, or when a mode asks for it: DiLoCo's global copy); the memory exists only when
-``gamma > 0``.
+public iterate is ``theta`` itself and the anchor is kept only where the outer optimizer reads
+it (``local``, or when a mode asks for it: DiLoCo's global copy); the optimizer keeps state
+only when ``gamma > 0``.
 
-Round-end momentum forms:
-- ``mixed`` (GASLoC's): ``z = p``; ``theta <- z + gamma (z - zprev)``; ``zprev <- z``.
-- ``local`` (never extrapolates received corrections; DiLoCo's Nesterov step is this form with
-  the all-reduced drift): ``d = a - theta``; ``m <- gamma m + d``; ``theta <- a - eta (d +
-  gamma m)``.
-In both, ``a <- theta`` afterwards. With ``gamma = 0`` both are ``theta <- p``.
+The round end belongs to the outer optimizer (:class:`~gasloc_p2p.core.outer.OuterOptimizer`,
+chosen by :func:`~gasloc_p2p.core.outer.make_outer` from ``eta``, ``gamma`` and the form):
+this module walks the vector in chunks, hands it each chunk of the anchor, theta and its state
+on theta's device, stores what it returns and sets ``a <- theta``.
 
 Staleness: an exchange during which more than :data:`MAX_STALENESS` round ends happened (both
 sides together) applies its weight divided by ``1 + staleness - MAX_STALENESS``
@@ -39,18 +38,20 @@ from dataclasses import dataclass
 
 import torch
 
-from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.flat import Fragment, host_buffer
 from gasloc_p2p.core.options import check_outer_step, need, opt
+from gasloc_p2p.core.outer import OuterOptimizer, make_outer, momentum_forms
 
-MOMENTUM_FORMS = ("mixed", "local")
+MOMENTUM_FORMS = momentum_forms()  # the registry's forms when flags are built
 MAX_STALENESS = 1  # round ends (both sides) an exchange may span at full weight
 TRANSFER_ELEMS = 1 << 24  # elements per host<->device step of the outer state (64 MiB fp32)
 
 
 @dataclass(frozen=True)
 class AsyncConfig:
-    """eta: outer lr; gamma: outer momentum (0: none, no buffer); w: gossip weight (1/2 = exact
-    pair average); momentum: the round-end form, "mixed" or "local" (module docstring)."""
+    """eta: outer lr; gamma: outer momentum (0: plain averaging, no state); w: gossip weight
+    (1/2 = exact pair average); momentum: the outer optimizer's form at ``gamma > 0``, a name
+    in :mod:`gasloc_p2p.core.outer`'s registry ("mixed" or "local")."""
 
     eta: float = opt(1.0, "outer learning rate (1: plain averaging of the drift)")
     gamma: float = opt(0.0, "outer momentum (0: none; docs/results: no gain at 121k params)")
@@ -61,14 +62,18 @@ class AsyncConfig:
     def validate(self) -> None:
         check_outer_step(self.eta, self.gamma)
         need(0.0 < self.w <= 0.5, "w", self.w, "a pairwise gossip weight needs (0, 0.5]")
-        need(self.momentum in MOMENTUM_FORMS, "momentum", self.momentum,
-             f"choose one of {MOMENTUM_FORMS}")
+        need(self.momentum in momentum_forms(), "momentum", self.momentum,
+             f"choose one of {momentum_forms()}")
+
+    def outer(self) -> OuterOptimizer:
+        """This configuration's outer optimizer, without state (see :func:`make_outer`)."""
+        return make_outer(self.eta, self.gamma, self.momentum)
 
     @property
     def reads_anchor(self) -> bool:
         """Whether the round end or the public iterate read the anchor (else it is theta's
         twin and is not kept)."""
-        return self.eta != 1.0 or (self.gamma > 0.0 and self.momentum == "local")
+        return self.outer().reads_anchor
 
 
 def exchange_weight(w: float, staleness: int) -> float:
@@ -80,14 +85,6 @@ def exchange_weight(w: float, staleness: int) -> float:
     if staleness <= MAX_STALENESS:
         return w
     return w / (1 + staleness - MAX_STALENESS)
-
-
-def host_buffer(numel: int, like: torch.Tensor, host: torch.device,
-                dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An empty ``[numel]`` buffer on ``host``, pinned when ``like`` lives on a CUDA device and
-    ``host`` is the CPU (so copies between them can be asynchronous)."""
-    pin = host.type == "cpu" and like.device.type == "cuda"
-    return torch.empty(numel, dtype=dtype or like.dtype, device=host, pin_memory=pin)
 
 
 def spans(numel: int, step: int = TRANSFER_ELEMS) -> Iterator[tuple[int, int]]:
@@ -102,20 +99,21 @@ class AsyncGaslocState:
     def __init__(self, theta: torch.Tensor, theta0: torch.Tensor, cfg: AsyncConfig,
                  host: torch.device | str | None = None, keep_anchor: bool = False) -> None:
         """theta: ``[numel]`` live flat parameters; theta0: ``[numel]`` common initial values
-        (the ``mixed`` memory starts there; read only when ``gamma > 0``); host: where the
-        outer state lives (default: theta's device); keep_anchor: keep the anchor even where
-        the momentum form does not read it (a DiLoCo mode's global copy)."""
+        (where the outer state starts, e.g. ``mixed``'s ``zprev``); host: where the outer
+        state lives (default: theta's device); keep_anchor: keep the anchor even where the
+        outer optimizer does not read it (a DiLoCo mode's global copy)."""
         cfg.validate()
         if theta.shape != theta0.shape or theta.dim() != 1:
             raise ValueError("theta and theta0 must be 1-D tensors of the same size")
         self.cfg = cfg
         self.theta = theta
         self.host = torch.device(host) if host is not None else theta.device
+        self.outer = cfg.outer()
         self.anchor: torch.Tensor | None = None
-        if keep_anchor or cfg.reads_anchor:
+        if keep_anchor or self.outer.reads_anchor:
             self.anchor = host_buffer(theta.numel(), theta, self.host)
             self.transfer(self.anchor, theta)
-        self.memory: torch.Tensor | None = self.initial_memory(theta0)
+        self.outer.allocate(theta, self.host, theta0)
         self.rounds = 0  # round ends so far; an exchange records how many happen during it
 
     # ------------------------------------------------------------------ placement
@@ -149,17 +147,11 @@ class AsyncGaslocState:
         """``dst[s:e] = src`` (``src`` on theta's device; asynchronous to pinned memory)."""
         dst[s:e].copy_(src, non_blocking=True)
 
-    def initial_memory(self, theta0: torch.Tensor) -> torch.Tensor | None:
-        """The momentum memory at start: ``zprev = theta_0`` (mixed) or ``m = 0`` (local);
-        None when ``gamma = 0``."""
-        if self.cfg.gamma == 0.0:
-            return None
-        memory = host_buffer(self.theta.numel(), self.theta, self.host)
-        if self.cfg.momentum == "mixed":
-            memory.copy_(theta0.to(memory.device, memory.dtype))
-        else:
-            memory.zero_()
-        return memory
+    def reset_outer(self) -> None:
+        """Restart the outer optimizer's state at the current public iterate (a node that
+        adopted parameters without the state, or the consensus toy's workers that start
+        apart), written into the state's buffers chunk by chunk."""
+        self.outer.reset(lambda out: self.public_iterate(out=out))
 
     # ------------------------------------------------------------------ reads
     def public_chunk(self, s: int, e: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,7 +217,7 @@ class AsyncGaslocState:
     def round_end(self) -> None:
         """Outer update at the end of this node's round of inner steps, chunk by chunk (on one
         device the chunks give the same bits as one pass)."""
-        if self.anchor is None and self.memory is None:  # eta 1, gamma 0: theta is p already
+        if self.anchor is None and not self.outer.state:  # eta 1, no state: theta is p already
             self.rounds += 1
             return
         with torch.no_grad():
@@ -236,27 +228,15 @@ class AsyncGaslocState:
         self.rounds += 1
 
     def _round_end_chunk(self, s: int, e: int) -> None:
-        cfg, theta = self.cfg, self.theta[s:e]
-        memory = self.on_device(self.memory, s, e) if self.memory is not None else None
-        if memory is None:  # gamma 0: theta <- p (bit for bit the forms' value there)
-            theta.copy_(self.public_chunk(s, e))
-        elif cfg.momentum == "mixed":
-            z = self.public_chunk(s, e) if self.anchor is not None else theta.clone()
-            torch.lerp(memory, z, 1.0 + cfg.gamma, out=theta)  # z + gamma (z - zprev)
-            self._store(self.memory, s, e, z)  # zprev <- z
-        else:
-            assert self.anchor is not None
-            anchor = self.on_device(self.anchor, s, e)
-            # m <- gamma m + (a - theta);  theta <- lerp(a, theta, eta) - eta gamma m
-            memory = memory.mul(cfg.gamma).add_(anchor).sub_(theta)
-            torch.lerp(anchor, theta, cfg.eta, out=theta)
-            theta.add_(memory, alpha=-cfg.eta * cfg.gamma)
-            self._store(self.memory, s, e, memory)
+        theta = self.theta[s:e]
+        anchor = self.on_device(self.anchor, s, e) if self.anchor is not None else None
+        state = {name: self.on_device(buf, s, e) for name, buf in self.outer.state.items()}
+        for name, values in self.outer.round_end_chunk(anchor, theta, state).items():
+            self._store(self.outer.state[name], s, e, values)
         if self.anchor is not None:
             self._store(self.anchor, s, e, theta)
 
-    def _store(self, buf: torch.Tensor | None, s: int, e: int, values: torch.Tensor) -> None:
-        assert buf is not None
+    def _store(self, buf: torch.Tensor, s: int, e: int, values: torch.Tensor) -> None:
         if buf.device == values.device:
             buf[s:e].copy_(values)
         else:

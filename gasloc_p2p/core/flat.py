@@ -16,6 +16,14 @@ FRAGMENT_KINDS = ("strided", "sequential")
 Piece = tuple[int, int, int]  # (start in the flat buffer, length, offset in a compact chunk)
 
 
+def host_buffer(numel: int, like: torch.Tensor, host: torch.device,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty ``[numel]`` buffer on ``host``, pinned when ``like`` lives on a CUDA device and
+    ``host`` is the CPU (so copies between them can be asynchronous)."""
+    pin = host.type == "cpu" and like.device.type == "cuda"
+    return torch.empty(numel, dtype=dtype or like.dtype, device=host, pin_memory=pin)
+
+
 @dataclass(frozen=True)
 class Span:
     """One parameter's place in the flat buffer: elements ``[offset, offset + numel)``."""

@@ -5,16 +5,18 @@ simulator and the daemon run both through this module.
 
 Parameters are split into fragments; fragment ``f`` syncs every ``H`` steps at a staggered
 offset. A sync started at step ``t`` all-reduces the fragment's (optionally 4-bit) outer
-gradients, applies a Nesterov outer step to the shared global copy, and lands ``tau`` inner
-steps later as ``theta_f <- alpha * local + (1 - alpha) * global``.
+gradients, applies the outer optimizer's gradient form (:meth:`~gasloc_p2p.core.outer.
+OuterOptimizer.step_fragment`: Nesterov, or plain averaging at ``gamma`` 0) to the shared
+global copy, and lands ``tau`` inner steps later as
+``theta_f <- alpha * local + (1 - alpha) * global``.
 
 The schedule (:class:`FragmentSchedule`) and the per-fragment math (:func:`fragment_outer_grad`,
-:func:`fragment_outer_step`, :func:`merge_fragment`) are the one implementation both drivers
-use: :class:`StreamingDiloco` (the simulator's lock-step workers) and the node daemon's DiLoCo
-modes (:mod:`gasloc_p2p.node.modes.diloco_rounds`), where the all-reduce runs in the background
-during the overlap. Both keep the global copies of all fragments in one flat ``anchor`` buffer
-and the Nesterov buffers in one flat ``memory`` buffer (same layout as the parameters; none at
-``gamma`` 0), so a fragment's state is its slice of those two.
+the outer optimizer's ``step_fragment``, :func:`merge_fragment`) are the one implementation both
+drivers use: :class:`StreamingDiloco` (the simulator's lock-step workers) and the node daemon's
+DiLoCo modes (:mod:`gasloc_p2p.node.modes.diloco_rounds`), where the all-reduce runs in the
+background during the overlap. Both keep the global copies of all fragments in one flat
+``anchor`` buffer and the outer optimizer's state (the Nesterov ``momentum``; none at ``gamma``
+0) in flat buffers of the same layout, so a fragment's state is its slice of those.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gasloc_p2p.core.async_state import host_buffer, spans
+from gasloc_p2p.core.async_state import spans
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.compress import ErrorFeedback, mean_of, parse_codec
-from gasloc_p2p.core.diloco import NesterovOuter
-from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.flat import Fragment, host_buffer
 from gasloc_p2p.core.options import check_outer_step
+from gasloc_p2p.core.outer import make_outer
 
 
 @dataclass(frozen=True)
@@ -121,21 +123,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def fragment_outer_step(frag: Fragment, anchor: torch.Tensor, memory: torch.Tensor | None,
-                        mean_grad: torch.Tensor, eta: float, gamma: float) -> torch.Tensor:
-    """Nesterov step of fragment ``frag`` with the (averaged) outer gradient ``mean_grad``
-    ``[frag.numel]``: updates the flat ``anchor`` and Nesterov ``memory`` buffers (none at
-    ``gamma`` 0) in place on the fragment's slices and returns the new global fragment (a
-    compact copy)."""
-    buf = frag.gather(memory) if memory is not None else None
-    outer = NesterovOuter(frag.numel, eta, gamma, anchor.dtype, buf=buf)
-    new_global = outer.step_(frag.gather(anchor), mean_grad)  # moved to the anchor's device
-    if memory is not None and outer.buf is not None:
-        frag.copy_(memory, outer.buf)
-    frag.copy_(anchor, new_global)
-    return new_global
-
-
 def merge_fragment(frag: Fragment, theta: torch.Tensor, new_global: torch.Tensor,
                    alpha: float) -> None:
     """The landing merge, in place: ``theta_f <- alpha * theta_f + (1 - alpha) * new_global``
@@ -154,7 +141,8 @@ def merge_fragment(frag: Fragment, theta: torch.Tensor, new_global: torch.Tensor
 
 
 class StreamingDiloco:
-    """The shared outer state of ``n`` lock-step workers, one Nesterov buffer per fragment."""
+    """The shared outer state of ``n`` lock-step workers: the global copy and the outer
+    optimizer's state, flat (a fragment's is its slice)."""
 
     def __init__(self, theta0: torch.Tensor, fragments: Sequence[Fragment],
                  cfg: StreamingConfig) -> None:
@@ -163,8 +151,10 @@ class StreamingDiloco:
         self.fragments = list(fragments)
         self.schedule = FragmentSchedule(cfg.H, cfg.tau, len(self.fragments))
         self.global_params = theta0.detach().clone()
-        # Nesterov buffers, flat layout (none at gamma 0)
-        self.memory = torch.zeros_like(self.global_params) if cfg.gamma else None
+        # DiLoCo's outer optimizer: Nesterov ("local": buffers from zero, flat layout), plain
+        # averaging at gamma 0
+        self.outer = make_outer(cfg.eta, cfg.gamma, "local").allocate(
+            self.global_params, self.global_params.device, self.global_params)
         spec = parse_codec(cfg.codec)
         self.codec = spec.codec() if isinstance(spec, CodecSpec) else None
         self.sparse = spec if spec is not None and not isinstance(spec, CodecSpec) else None
@@ -204,8 +194,7 @@ class StreamingDiloco:
             grads.add_(self.codec.decode(enc).to(grads.dtype))
             nbytes = enc.nbytes
         grads.div_(thetas.shape[0])
-        new_global = fragment_outer_step(frag, self.global_params, self.memory, grads,
-                                         self.cfg.eta, self.cfg.gamma)
+        new_global = self.outer.step_fragment(frag, self.global_params, grads)
         self.pending[f] = (self.schedule.lands_at(step), new_global)
         return nbytes
 
@@ -222,8 +211,7 @@ class StreamingDiloco:
                                                            self.global_params.device)
             messages.append(ef.compress(fragment_outer_grad(frag, self.global_params, row)))
         mean = mean_of(messages).to(self.global_params.dtype)
-        new_global = fragment_outer_step(frag, self.global_params, self.memory, mean,
-                                         self.cfg.eta, self.cfg.gamma)
+        new_global = self.outer.step_fragment(frag, self.global_params, mean)
         self.pending[f] = (self.schedule.lands_at(step), new_global)
         return messages[0].nbytes
 

@@ -223,11 +223,11 @@ class GossipConfig:
         rate = min(r for r in (self.min_link_mbps, self.max_upload_mbps) if r > 0)
         return nbytes * 8 / (rate * 1e6)
 
-    def download_deadline_s(self, numel: int) -> float:
+    def download_deadline_s(self, numel: int, buffers: int = 1) -> float:
         """The deadline of a state download for a model of ``numel`` parameters (this node's):
-        ``download_timeout_s`` plus the largest state's time (parameters and momentum memory,
-        float32) on the slowest link."""
-        return self.download_timeout_s + self.transfer_s(8 * numel)
+        ``download_timeout_s`` plus the largest state's time (parameters and the outer
+        optimizer's ``buffers``, at least one, float32) on the slowest link."""
+        return self.download_timeout_s + self.transfer_s(4 * numel * (1 + max(1, buffers)))
 
 
 # An all-gather's messages a node plans for (memory, deadlines): its own and 8 members'. The

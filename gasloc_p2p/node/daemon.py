@@ -253,28 +253,28 @@ class Node:
                         keep: bool) -> bootstrap.Candidate | None:
         """``peer``'s state, checked and measured (its full vectors dropped unless
         ``keep``), or None."""
-        numel, signer = self.trainer.flat.numel if self.trainer else 0, self.signer
+        assert self.trainer is not None
+        numel, signer, own = self.trainer.flat.numel, self.signer, self.trainer.state.outer
         stub = self.channels.stub(peer.endpoint, peer.cert)
         try:
-            meta, params, memory = await download_state(
-                stub, self.me, self.cfg.gossip.download_deadline_s(numel), numel,
-                self.cfg.network.info_timeout_s)
+            meta, params, outer = await download_state(
+                stub, self.me, self.cfg.gossip.download_deadline_s(numel, len(own.buffers)),
+                numel, self.cfg.network.info_timeout_s, outer=own)
             info = await fetch_info(stub, self.cfg.network.info_timeout_s, signer)
         except Exception as exc:  # any failure: try the next donor
             log.warning("state download from %s failed: %s", safe(peer.peer_id),
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return None
-        state = bootstrap.Candidate(peer.peer_id, meta.step, params, memory, meta)
+        state = bootstrap.Candidate(peer.peer_id, meta.step, params, outer, meta)
         why = await asyncio.to_thread(bootstrap.problem, state, numel)
         if why:
             log.warning("state of %s rejected: %s", safe(peer.peer_id), why)
             return None
         await asyncio.to_thread(sampler.measure, state)
-        assert self.trainer is not None
         if info.validation_set and info.validation_set == self.trainer.validation_set:
             state.announced_loss = info.val_loss
         if not keep:
-            state.params = state.memory = None
+            state.params, state.outer = None, {}
         return state
 
     async def _adopt_checked(self, state: bootstrap.Candidate, announced: list[float],
@@ -285,7 +285,7 @@ class Node:
         assert trainer is not None and state.params is not None
         start_loss = await asyncio.to_thread(trainer.val_loss)
         start = trainer.state.theta.to("cpu", copy=True)  # theta_0, exactly (a host copy)
-        await asyncio.to_thread(trainer.adopt, state.params, state.memory)
+        await asyncio.to_thread(trainer.adopt, state.params, state.outer)
         loss = await asyncio.to_thread(trainer.val_loss)
         problem = bootstrap.implausible_loss(loss, start_loss, announced)
         if problem:
@@ -301,9 +301,10 @@ class Node:
     async def _start_server(self, stack: contextlib.AsyncExitStack) -> None:
         net = self.cfg.network
         host = "127.0.0.1" if net.client_mode else net.host
-        numel = self.trainer.flat.numel if self.trainer is not None else 0
+        numel, buffers = ((self.trainer.flat.numel, len(self.trainer.state.outer.buffers))
+                          if self.trainer is not None else (0, 1))
         limits = ServeLimits(net.preauth_streams, net.preauth_timeout_s, net.max_downloads,
-                             net.auth_skew_s, self.cfg.gossip.download_deadline_s(numel))
+                             net.auth_skew_s, self.cfg.gossip.download_deadline_s(numel, buffers))
         servicer = GossipServicer(self.me, self.mode.exchanger, self.info, self.mode.snapshot,
                                   limits)
         servicer.probe = self._probe_endpoint

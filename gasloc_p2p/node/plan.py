@@ -2,8 +2,8 @@
 
 The model is built on PyTorch's meta device (shapes, no storage), so a 1B-parameter plan takes
 a second. The model-sized buffers come from :func:`model_buffers`, which decides what exists by
-the rules the node allocates with (the outer state's :attr:`AsyncConfig.reads_anchor`, the
-mode's ``keeps_anchor``, ``gamma > 0``); ``tests/test_plan.py`` checks those figures against
+the rules the node allocates with (the outer optimizer's ``reads_anchor`` and named buffers,
+the mode's ``keeps_anchor``); ``tests/test_plan.py`` checks those figures against
 what a CPU node actually holds (:meth:`Trainer.placement`). Activations, the loss and the
 exchange's transient buffers are estimates, stated as such:
 
@@ -123,14 +123,13 @@ def model_buffers(numel: int, outer: AsyncConfig, keep_anchor: bool, device: str
         out = [Placed("parameters", 4 * numel, dev),
                Placed("gradients (during a step)", 4 * (grad_numel or numel), dev),
                Placed("adamw moments", 8 * numel, dev)]
-    if keep_anchor or outer.reads_anchor:
+    optimizer = outer.outer()  # its settings: which buffers it keeps
+    if keep_anchor or optimizer.reads_anchor:
         out.append(Placed("anchor", 4 * numel, "host"))
-    if outer.gamma > 0:
-        out.append(Placed("momentum memory", 4 * numel, "host"))
+    out += [Placed(f"outer {name}", 4 * numel, "host") for name in optimizer.buffers]
     out.append(Placed("theta_0 (bfloat16)", 2 * numel, "host"))
     out.append(Placed("rollback copy", 4 * numel, "host"))
-    if outer.gamma > 0:
-        out.append(Placed("rollback memory", 4 * numel, "host"))
+    out += [Placed(f"rollback {name}", 4 * numel, "host") for name in optimizer.buffers]
     return out
 
 
@@ -194,7 +193,7 @@ def transients(shape: Shape, buffers: list[Placed], ranks: int = 1,
     host copies (sharded, the AdamW state is not among them: each rank writes its rows, a
     tensor at a time)."""
     numel = shape.numel
-    outer = sum(b.nbytes for b in buffers if b.name in ("anchor", "momentum memory"))
+    outer = sum(b.nbytes for b in buffers if b.name == "anchor" or b.name.startswith("outer "))
     saved = (Placed("checkpoint: parameters, outer state (AdamW: the ranks' files)",
                     4 * numel + outer, "host") if sharded else
              Placed("checkpoint: parameters, AdamW, outer state", 12 * numel + outer, "host"))

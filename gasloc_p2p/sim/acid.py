@@ -22,7 +22,8 @@ from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 
 
 class AcidState(AsyncGaslocState):
-    """:class:`AsyncGaslocState` whose memory is A2CiD2's ``x~`` (``cfg.gamma`` must be 0)."""
+    """:class:`AsyncGaslocState` with A2CiD2's ``x~`` beside it (``cfg.gamma`` must be 0: its
+    outer optimizer, plain averaging, keeps no state; this class's round end replaces it)."""
 
     def __init__(self, theta: torch.Tensor, theta0: torch.Tensor, cfg: AsyncConfig,
                  rate: float, beta: float) -> None:
@@ -32,15 +33,19 @@ class AcidState(AsyncGaslocState):
             raise ValueError(f"acid rate {rate} must be in [0, 100], beta {beta} in (0, 100]")
         super().__init__(theta, theta0, cfg, keep_anchor=True)
         self.rate, self.beta = rate, beta
-        self.memory = theta0.detach().to(theta.dtype, copy=True)  # x~
+        self.xtilde = theta0.detach().to(theta.dtype, copy=True)  # x~ [numel], theta's device
 
     def correction_targets(self) -> list[tuple[torch.Tensor, float]]:
-        assert self.memory is not None
-        return [*super().correction_targets(), (self.memory, self.beta / self.cfg.w)]
+        return [*super().correction_targets(), (self.xtilde, self.beta / self.cfg.w)]
+
+    def reset_outer(self) -> None:
+        """``x~`` restarts at the public iterate too (the consensus toy's own point)."""
+        super().reset_outer()
+        self.public_iterate(out=self.xtilde)
 
     def round_end(self) -> None:
-        cfg, xt, anchor = self.cfg, self.memory, self.anchor
-        assert xt is not None and anchor is not None
+        cfg, xt, anchor = self.cfg, self.xtilde, self.anchor
+        assert anchor is not None
         with torch.no_grad():
             # x~ takes the outer step too: x~ += eta (theta - a); x = p
             xt.add_(self.theta, alpha=cfg.eta).sub_(anchor, alpha=cfg.eta)

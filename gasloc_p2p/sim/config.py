@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gasloc_p2p.core.async_state import MOMENTUM_FORMS as NODE_MOMENTUM_FORMS
 from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec
 from gasloc_p2p.core.compress import REFERENCES, PayloadSpec, parse_codec
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
+from gasloc_p2p.core.outer import momentum_forms
 from gasloc_p2p.core.sparse import SparseSpec
 from gasloc_p2p.core.topology import GRAPHS, MATCHINGS, acid_parameters
 
 TASKS = ("lm", "consensus")
 ALGORITHMS = ("gasloc", "diloco", "streaming-diloco", "gossip-sgd", "local")
 MODES = ("sync", "async")
-# The node's momentum forms, and A2CiD2's continuous momentum (a research form of the
-# simulator only: docs/results/acid.md found it a tie on the graphs the daemon builds).
-MOMENTUM_FORMS = (*NODE_MOMENTUM_FORMS, "acid")
+# The node's momentum forms (the outer optimizers' registry), and A2CiD2's continuous
+# momentum (a research form of the simulator only: docs/results/acid.md found it a tie on the
+# graphs the daemon builds).
+MOMENTUM_FORMS = (*momentum_forms(), "acid")
 # Outer step defaults per algorithm. GASLoC: plain averaging (gamma 0, eta 1), the best measured
 # in docs/results (n = 4, 1000 steps, 3 seeds: async on a slow link, 0.14 nats better than
 # gamma 0.5 / eta 0.7 at fewer bytes; sync H = 50: gamma 0.9 at equal effective step 0.23
@@ -220,8 +221,8 @@ class SimConfig:
             (self.task in TASKS, f"--task must be one of {', '.join(TASKS)}"),
             (self.task == "lm" or self.algorithm == "gasloc",
              "--task consensus runs gasloc only (--algorithm gasloc)"),
-            (self.momentum in MOMENTUM_FORMS,
-             f"--momentum must be one of {', '.join(MOMENTUM_FORMS)}"),
+            (self.momentum in (*momentum_forms(), "acid"),
+             f"--momentum must be one of {', '.join((*momentum_forms(), 'acid'))}"),
             (self.momentum != "acid" or (self.algorithm == "gasloc" and self.mode == "async"),
              "--momentum acid is an async gasloc form: use --algorithms gasloc --mode async"),
             (self.momentum != "acid" or not self.gamma,  # None: gasloc's default, 0

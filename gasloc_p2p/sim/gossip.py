@@ -51,10 +51,9 @@ class GossipSim:
         self.states = [AcidState(sim.thetas[i], sim.theta0, self.acfg, rate, beta) if acid
                        else AsyncGaslocState(sim.thetas[i], sim.theta0, self.acfg)
                        for i in range(n)]
-        if cfg.task == "consensus":  # the toy's workers start apart: memory at the own point
-            for st in self.states:
-                if st.memory is not None and cfg.momentum != "local":
-                    st.memory.copy_(st.theta)
+        if cfg.task == "consensus":  # the toy's workers start apart: outer state at the own
+            for st in self.states:  # point (p = theta at the start)
+                st.reset_outer()
         numel = sim.theta0.numel()
         self.fragments: list[Fragment] = (
             [whole(numel)] if cfg.fragments == 1

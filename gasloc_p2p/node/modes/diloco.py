@@ -41,18 +41,18 @@ log = logging.getLogger(__name__)
 def state_fetcher(loop: asyncio.AbstractEventLoop,
                   download: Callable[[str], Any], stop: threading.Event) -> FetchState:
     """A blocking :data:`FetchState` for the trainer thread: runs the coroutine
-    ``download(endpoint) -> (meta, anchor, buffer)`` on the node's event loop, gives up when
-    ``stop`` is set (the download itself carries its own deadline)."""
+    ``download(endpoint) -> (meta, anchor, outer state)`` on the node's event loop, gives up
+    when ``stop`` is set (the download itself carries its own deadline)."""
 
-    def fetch(endpoint: str) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    def fetch(endpoint: str) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
         future = asyncio.run_coroutine_threadsafe(download(endpoint), loop)
         while not future.done():
             if stop.is_set():
                 future.cancel()
                 raise RuntimeError("the node is stopping")
             concurrent.futures.wait([future], timeout=0.1)
-        meta, anchor, buf = future.result()
-        return int(meta.rounds), anchor, buf
+        meta, anchor, outer = future.result()
+        return int(meta.rounds), anchor, outer
 
     return fetch
 
@@ -87,7 +87,7 @@ class DilocoMode(Mode):
 
     @staticmethod
     def outer_config(cfg: NodeConfig) -> AsyncConfig:
-        return cfg.diloco.async_config()  # "local": memory starts at zero, holds the buffers
+        return cfg.diloco.async_config()  # "local": its momentum is the Nesterov buffer
 
     async def start(self, ctx: ModeContext) -> None:
         cfg, trainer = ctx.cfg, ctx.trainer
@@ -121,10 +121,10 @@ class DilocoMode(Mode):
             peer = next((p for p in ctx.peers() if p.endpoint == peer_endpoint), None)
             if peer is None:
                 raise LookupError(f"no signed record announces {peer_endpoint!r}")
-            numel = trainer.state.theta.numel()
+            numel, own = trainer.state.theta.numel(), trainer.state.outer
             return await download_state(ctx.channels.stub(peer.endpoint, peer.cert), ctx.me,
-                                        cfg.gossip.download_deadline_s(numel), numel,
-                                        cfg.network.info_timeout_s)
+                                        cfg.gossip.download_deadline_s(numel, len(own.buffers)),
+                                        numel, cfg.network.info_timeout_s, outer=own)
 
         self.rounds = DilocoRounds(
             trainer.state, fragments, cfg.train.inner_steps, tau, ctx.lock, self.averagers,
@@ -160,10 +160,11 @@ class DilocoMode(Mode):
 
     def snapshot(self) -> StateSnapshot:
         """The anchor (every fragment's global copy, shared by nodes in step; not mid-round
-        theta) and the Nesterov buffers."""
+        theta) and the outer optimizer's state (the Nesterov buffers)."""
         assert self.ctx is not None
-        rounds, anchor, buf = self._started().snapshot()
-        return StateSnapshot(self.ctx.train_stats.step, rounds, self.name, anchor, buf)
+        rounds, anchor, outer = self._started().snapshot()
+        return StateSnapshot(self.ctx.train_stats.step, rounds,
+                             self.ctx.trainer.state.outer.name, anchor, outer)
 
     def info_fields(self) -> dict[str, Any]:
         fields = self._started().info_fields()

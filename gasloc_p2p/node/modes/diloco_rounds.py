@@ -15,8 +15,9 @@ after_step`, which
    training goes on;
 2. lands the syncs started ``--tau`` steps ago (at once with ``tau`` 0: DiLoCo's blocking
    all-reduce): waits for the result if it is not there yet (the stall is recorded per
-   fragment: the cost overlap hides), then under the lock takes the fragment's Nesterov step
-   with the mean gradient (or its own when the group failed: the failed sync is recorded and
+   fragment: the cost overlap hides), then under the lock takes the fragment's outer step
+   (the outer optimizer's gradient form: Nesterov, plain averaging at gamma 0) with the mean
+   gradient (or its own when the group failed: the failed sync is recorded and
    training goes on, as in torchft) and merges ``theta_f <- alpha theta_f + (1 - alpha)
    anchor_f`` (``--merge-alpha``).
 
@@ -36,10 +37,11 @@ all-gather (:meth:`DilocoRounds._gather`): the outer gradient enters the fragmen
 feedback, the node sends the message taken from it, and every member averages every member's
 message in the group's order, as the simulator does (``core.streaming``), bit for bit.
 
-State lives in the node's :class:`AsyncGaslocState` with the "local" momentum form: ``anchor``
-holds every fragment's global copy and ``memory`` every fragment's Nesterov buffer (none at
-gamma 0), in the parameters' layout, so checkpoints, resume and late-join downloads work
-unchanged; ``rounds`` is the sum of the fragments' epochs.
+State lives in the node's :class:`AsyncGaslocState`: ``anchor`` holds every fragment's global
+copy and the state's outer optimizer (:mod:`gasloc_p2p.core.outer`; DiLoCo's Nesterov, the
+"local" form, whose ``momentum`` is every fragment's Nesterov buffer; none at gamma 0) its
+buffers, in the parameters' layout, so checkpoints, resume and late-join downloads are the
+gossip mode's; ``rounds`` is the sum of the fragments' epochs.
 """
 
 from __future__ import annotations
@@ -59,13 +61,9 @@ from gasloc_p2p.core import sparse
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.compress import ErrorFeedback, mean_of
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.outer import State
 from gasloc_p2p.core.sparse import SparsePayload
-from gasloc_p2p.core.streaming import (
-    FragmentSchedule,
-    fragment_outer_grad,
-    fragment_outer_step,
-    merge_fragment,
-)
+from gasloc_p2p.core.streaming import FragmentSchedule, fragment_outer_grad, merge_fragment
 from gasloc_p2p.node.averaging.base import Averager, AveragingResult
 from gasloc_p2p.node.config import DilocoConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
@@ -76,14 +74,14 @@ DIGEST_PARTS = 8  # contiguous chunks per tensor in the digest
 MAX_FEEDBACK = 1e6  # largest |value| of a restored accumulator (the checkpoint's own limit)
 DIGEST_REL_TOL = 1e-4  # relative to the chunk's norm: far above float32 rounding of averaging
 
-#: endpoint -> (epoch, anchor [numel], Nesterov buffer [numel] or None) of that node; blocking.
-FetchState = Callable[[str], tuple[int, torch.Tensor, torch.Tensor | None]]
+#: endpoint -> (epoch, anchor [numel], outer state {name: [numel]}) of that node; blocking.
+FetchState = Callable[[str], tuple[int, torch.Tensor, State]]
 
 
 def state_digest(tensors: Sequence[torch.Tensor | None],
                  parts: int = DIGEST_PARTS) -> list[float]:
-    """Per contiguous chunk of each tensor: (sum, L2 norm) in float64; ``4 * parts`` floats for
-    two tensors (None: no buffer, nothing). Equal states give digests equal up to rounding; see
+    """Per contiguous chunk of each tensor: (sum, L2 norm) in float64; ``2 * parts`` floats per
+    tensor (None: no tensor, nothing). Equal states give digests equal up to rounding; see
     :func:`digests_match`."""
     out: list[float] = []
     for t in tensors:
@@ -146,9 +144,12 @@ class DilocoRounds:
         starts while another is in flight waits for it); ``H``: inner steps between two syncs
         of a fragment; ``peer_count``: compatible peers known now, this node excluded;
         ``endpoint``: this node's gRPC address; ``fetch_state``: download another node's state
-        (None: never resynchronize). ``state`` must use the "local" momentum form."""
-        if state.cfg.momentum != "local":
-            raise ValueError("DiLoCo keeps its Nesterov buffers in the 'local' momentum memory")
+        (None: never resynchronize). ``state`` keeps its anchor (the global copies) and its
+        outer optimizer takes ``cfg``'s step (``diloco_eta``, ``diloco_gamma``)."""
+        if (state.outer.eta, state.outer.gamma) != (cfg.diloco_eta, cfg.diloco_gamma):
+            raise ValueError(f"the state's outer step (eta {state.outer.eta}, gamma "
+                             f"{state.outer.gamma}) is not the DiLoCo configuration's "
+                             f"({cfg.diloco_eta}, {cfg.diloco_gamma})")
         self.state = state
         self.fragments = list(fragments)
         self.schedule = FragmentSchedule(H, tau, len(self.fragments))
@@ -200,7 +201,7 @@ class DilocoRounds:
         frag, st = self.fragments[f], self.state
         with self.lock.urgent(writes=False), torch.no_grad():
             own = fragment_outer_grad(frag, self.anchor, st.theta)  # on the anchor's device
-            digest = state_digest([frag.gather(self.anchor), _gather(frag, st.memory)])
+            digest = self._digest(frag, self.anchor, st.outer.state)
         epoch = self.epochs[f]
         slot = 0 if self.shared else f
         future = self._pool.submit(self._average, f, own, digest, epoch, step, self._last[slot])
@@ -226,8 +227,7 @@ class DilocoRounds:
         grad = result.averaged if result is not None and result.averaged is not None else own
         frag, st = self.fragments[f], self.state
         with self.lock.urgent(), torch.no_grad():
-            new_global = fragment_outer_step(frag, self.anchor, st.memory, grad,
-                                             self.cfg.diloco_eta, self.cfg.diloco_gamma)
+            new_global = st.outer.step_fragment(frag, self.anchor, grad)
             merge_fragment(frag, st.theta, new_global, self.cfg.merge_alpha)
             self.epochs[f] = (int(reference[1]["epoch"]) + 1 if in_step and reference
                               else sync.epoch + 1)
@@ -250,6 +250,11 @@ class DilocoRounds:
         """The global copies of every fragment (the state keeps them for a DiLoCo mode)."""
         assert self.state.anchor is not None, "a DiLoCo state keeps its anchor"
         return self.state.anchor
+
+    @staticmethod
+    def _digest(frag: Fragment, anchor: torch.Tensor, outer: State) -> list[float]:
+        """The digest of fragment ``frag`` of a state: its anchor, then each outer buffer."""
+        return state_digest([frag.gather(anchor), *(frag.gather(t) for t in outer.values())])
 
     def _averager(self, f: int) -> Averager:
         return self.averagers[0 if self.shared else f]
@@ -362,32 +367,30 @@ class DilocoRounds:
                       "gradient", f, seconds, result.error)
 
     def _resync(self, f: int, ref: Mapping[str, Any], grad: torch.Tensor) -> None:
-        """Adopt fragment ``f`` of the reference member's anchor and buffer."""
+        """Adopt fragment ``f`` of the reference member's anchor and outer state."""
         if self.fetch_state is None:
             return
         frag, st, s = self.fragments[f], self.state, self.stats[f]
         try:
-            _, anchor, buf = self.fetch_state(str(ref["endpoint"]))
+            _, anchor, outer = self.fetch_state(str(ref["endpoint"]))
         except Exception as exc:  # keep our own state; the next sync checks again
             s.resync_failures += 1
             log.warning("state download from %s failed: %s", ref["endpoint"], exc)
             return
-        if anchor.shape != self.anchor.shape or (buf is None) != (st.memory is None) or (
-                buf is not None and buf.shape != anchor.shape):
+        if anchor.shape != self.anchor.shape or set(outer) != set(st.outer.buffers) or any(
+                t.shape != anchor.shape for t in outer.values()):
             s.resync_failures += 1
-            log.warning("state from %s does not fit this node (%d params, this model %d; a "
-                        "momentum buffer: %s, here: %s)", ref["endpoint"], anchor.numel(),
-                        self.anchor.numel(), buf is not None, st.memory is not None)
+            log.warning("state from %s does not fit this node (%d params, this model %d; "
+                        "outer state %s, here %s)", ref["endpoint"], anchor.numel(),
+                        self.anchor.numel(), sorted(outer), list(st.outer.buffers))
             return
-        if digests_match(state_digest([frag.gather(anchor), _gather(frag, buf)]),
-                         ref["digest"]):
+        if digests_match(self._digest(frag, anchor, outer), ref["digest"]):
             # downloaded before the reference landed this sync: take its step here
-            fragment_outer_step(frag, anchor, buf, grad, self.cfg.diloco_eta,
-                                self.cfg.diloco_gamma)
+            st.outer.step_fragment(frag, anchor, grad, outer)
         with self.lock.urgent(), torch.no_grad():
             frag.copy_(self.anchor, frag.gather(anchor))
-            if st.memory is not None and buf is not None:
-                frag.copy_(st.memory, frag.gather(buf))
+            for name, t in outer.items():
+                frag.copy_(st.outer.state[name], frag.gather(t))
             merge_fragment(frag, st.theta, frag.gather(anchor), self.cfg.merge_alpha)
             self.epochs[f] = int(ref["epoch"]) + 1
             st.rounds = self.train_stats.rounds = sum(self.epochs)
@@ -436,13 +439,13 @@ class DilocoRounds:
                            for f in range(parts)]
             self.state.rounds = self.train_stats.rounds = rounds
 
-    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-        """(rounds, anchor copy, buffers copy or None) under the lock: what DownloadState
-        serves."""
+    def snapshot(self) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
+        """(rounds, anchor copy, the outer state's copies by name) under the lock: what
+        DownloadState serves."""
         with self.lock.urgent(writes=False):
             st = self.state
             return (st.rounds, self.anchor.clone(),
-                    st.memory.clone() if st.memory is not None else None)
+                    {name: t.clone() for name, t in st.outer.state_dict().items()})
 
     def bytes_sent(self, f: int) -> int:
         return self.stats[f].bytes_sent
@@ -475,6 +478,3 @@ class DilocoRounds:
         return (f"diloco epochs {self.epochs} syncs ok/failed/solo {parts} | group {group} | "
                 f"stalled {wait:.2f} s | sent {sent / 1e6:.2f} MB")
 
-
-def _gather(frag: Fragment, buf: torch.Tensor | None) -> torch.Tensor | None:
-    return frag.gather(buf) if buf is not None else None

@@ -380,15 +380,15 @@ class GossipMode(Mode):
         return self.book.candidates() if self.book is not None else super().candidates(peers)
 
     def snapshot(self) -> StateSnapshot:
-        """The public iterate and momentum memory, copied to the host under the lock (chunk by
-        chunk: no device-side copy of the model)."""
+        """The public iterate and the outer optimizer's state, copied to the host under the
+        lock (chunk by chunk: no device-side copy of the model)."""
         assert self.ctx is not None
         state = self.ctx.trainer.state
         with self.ctx.lock.urgent(writes=False):
-            memory = state.memory.to("cpu", copy=True) if state.memory is not None else None
+            outer = {name: t.to("cpu", copy=True) for name, t in state.outer.state_dict().items()}
             public = state.public_iterate(out=torch.empty(state.theta.numel()))
-            return StateSnapshot(self.ctx.train_stats.step, state.rounds, state.cfg.momentum,
-                                 public, memory)
+            return StateSnapshot(self.ctx.train_stats.step, state.rounds, state.outer.name,
+                                 public, outer)
 
     def progress(self) -> str:
         assert self.ctx is not None

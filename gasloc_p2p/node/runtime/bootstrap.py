@@ -39,16 +39,17 @@ _CHUNK = 1 << 24  # elements per pass over a full vector (bounded temporaries)
 
 @dataclass(eq=False)
 class Candidate:
-    """One donor's downloaded state: public iterate and outer memory (None: the donor keeps
-    none), float32 ``[numel]``; ``params`` None once dropped to save host memory (the sample
-    stays). ``sketch`` (float64 ``[SKETCH_SIZE]``) and ``displacement`` (RMS from
-    ``theta_0``) come from :meth:`Sampler.measure`; ``announced_loss`` is the donor's own
-    validation loss when its validation set is this node's (else NaN)."""
+    """One donor's downloaded state: public iterate and its outer optimizer's buffers by name
+    (none at gamma 0), float32 ``[numel]`` each; ``params`` None (and ``outer`` empty) once
+    dropped to save host memory (the sample stays). ``sketch`` (float64 ``[SKETCH_SIZE]``) and
+    ``displacement`` (RMS from ``theta_0``) come from :meth:`Sampler.measure`;
+    ``announced_loss`` is the donor's own validation loss when its validation set is this
+    node's (else NaN)."""
 
     peer_id: str
     step: int
     params: torch.Tensor | None
-    memory: torch.Tensor | None
+    outer: dict[str, torch.Tensor]
     meta: pb.StateMeta
     sketch: torch.Tensor | None = None
     displacement: float = math.nan
@@ -57,7 +58,7 @@ class Candidate:
 
 def problem(c: Candidate, numel: int) -> str:
     """Why a downloaded state is unusable on its own ("" if it is fine)."""
-    for name, t in (("params", c.params), ("memory", c.memory)):
+    for name, t in (("params", c.params), *((f"outer {k}", v) for k, v in c.outer.items())):
         if t is None:
             continue
         if t.shape != (numel,):

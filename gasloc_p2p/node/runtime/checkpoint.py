@@ -12,6 +12,11 @@ field). Once the new ``node.pt`` is in place the directories made before the one
 removed (a later one may be on its way: the state saved as the ranks stop). DCP reshards at
 load: the node resumes with any number of ranks, and a one-rank node reads the whole state
 (:func:`read_sharded_optimizer`).
+
+The outer state is stored as ``outer`` (the outer optimizer's registry name) and
+``outer_state`` (its buffers by name, :mod:`gasloc_p2p.core.outer`); a checkpoint of the
+format before it (``momentum``: the form, ``memory``: its one buffer or None) is read as the
+same (:func:`outer_of`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from gasloc_p2p.core.outer import OUTER_OPTIMIZERS
 
 log = logging.getLogger(__name__)
 FILENAME = "node.pt"
@@ -175,9 +182,23 @@ def read_sharded_optimizer(path: str | Path, names: list[str],
     return {"state": state, "param_groups": param_groups}
 
 
-_TENSORS = ("theta", "anchor", "memory")
-_FIELDS = ("fingerprint", "step", "rounds", "tokens", "momentum", "optimizer", "generator",
-           *_TENSORS)
+_TENSORS = ("theta", "anchor")
+_FIELDS = ("fingerprint", "step", "rounds", "tokens", "optimizer", "generator", *_TENSORS)
+
+
+def outer_of(payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The checkpoint's outer optimizer: (name, its buffers by name). The format before named
+    outer optimizers stored ``momentum`` (the form) and ``memory`` (its one buffer; None at
+    gamma 0: plain averaging); it reads as that form's class with the buffer under its name."""
+    if "outer" in payload:
+        state = payload.get("outer_state")
+        return str(payload["outer"]), dict(state) if isinstance(state, dict) else {}
+    memory, form = payload.get("memory"), str(payload.get("momentum"))
+    if memory is None:
+        return "average", {}
+    cls = OUTER_OPTIMIZERS.get(form)
+    return form, {cls.buffers[0] if cls is not None and len(cls.buffers) == 1 else "memory":
+                  memory}
 
 
 def validate(payload: dict[str, Any], fingerprint: str, numel: int, path: str | Path) -> None:
@@ -191,15 +212,18 @@ def validate(payload: dict[str, Any], fingerprint: str, numel: int, path: str | 
                                "fresh (or resume another one)")
 
     missing = [k for k in _FIELDS if k not in payload]
+    if "outer" not in payload and not {"momentum", "memory"} <= set(payload):
+        missing.append("outer")
     if missing:
         raise bad(f"missing {', '.join(missing)}")
     if payload["fingerprint"] != fingerprint:
         raise bad("it belongs to another model (fingerprint differs): use the same model "
                   "flags and --seed, or another --checkpoint-dir (a Hugging Face config's "
                   "theta_0 is drawn otherwise since 2026-11-27: older checkpoints of one differ)")
-    for name in _TENSORS:
-        t = payload[name]
-        if t is None and name in ("memory", "anchor"):  # outer buffers a node may not keep
+    tensors = {name: payload[name] for name in _TENSORS}
+    tensors.update({f"outer {k}": t for k, t in outer_of(payload)[1].items()})
+    for name, t in tensors.items():
+        if t is None and name == "anchor":  # a node may not keep it
             continue
         if not isinstance(t, torch.Tensor) or t.shape != (numel,):
             shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

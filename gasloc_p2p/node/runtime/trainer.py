@@ -9,11 +9,11 @@ itself around its network wait). The event loop never runs any of this.
 
 The training device holds what training needs: parameters, gradients, AdamW state and
 activations. Everything else model-sized lives in host memory, pinned beside a GPU (see
-:meth:`Trainer.placement`): the outer state (anchor, momentum memory), ``theta_0`` (bfloat16)
-and the rollback copy; checkpoints and state snapshots are copied to the host piece by piece,
-never deep-copied on the device. On CUDA the step's loss is read one step late (no host wait
-per step), batches go through pinned memory, AdamW is fused and float32 matrix products may
-use TF32.
+:meth:`Trainer.placement`): the outer state (anchor, the outer optimizer's named buffers,
+:mod:`gasloc_p2p.core.outer`), ``theta_0`` (bfloat16) and the rollback copy; checkpoints and
+state snapshots are copied to the host piece by piece, never deep-copied on the device. On
+CUDA the step's loss is read one step late (no host wait per step), batches go through pinned
+memory, AdamW is fused and float32 matrix products may use TF32.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
-from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState, host_buffer, spans
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState, spans
 from gasloc_p2p.core.drift import DriftProbe
-from gasloc_p2p.core.flat import FlatParams, Fragment, layer_fragments, whole
+from gasloc_p2p.core.flat import FlatParams, Fragment, host_buffer, layer_fragments, whole
 from gasloc_p2p.core.options import ConfigError
+from gasloc_p2p.core.outer import State, restore_problem
 from gasloc_p2p.data import BPETokenizer, TrainingData, load_training_data
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.model_spec import BuiltModel, build, skeleton
@@ -249,8 +250,9 @@ class Trainer:
         self.on_drift: Callable[[dict[int, float]], None] | None = None
         self.losses = LossWatch()  # a finite loss jump rolls back like NaN
         self._nonfinite = 0  # non-finite losses rolled back (max_rollbacks of them, then stop)
-        # the last round end reached with finite values: (theta, memory) in host memory
-        self._good: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # the last round end reached with finite values: (theta, the outer optimizer's
+        # buffers by name), in host memory
+        self._good: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
         self._late: tuple[torch.Tensor, int] | None = None  # CUDA: (loss, tokens) to read
 
     def placement(self) -> list[Placed]:
@@ -277,10 +279,12 @@ class Trainer:
         expect = 2 * (self.sharded.local_bytes() if self.sharded is not None else 4 * numel)
         out.append(Placed("adamw moments", sum(t.nbytes for t in moments) or expect,
                           "device"))
-        named = (("anchor", self.state.anchor), ("momentum memory", self.state.memory),
+        good = self._good[1] if self._good else {}
+        named = (("anchor", self.state.anchor),
+                 *((f"outer {n}", t) for n, t in self.state.outer.state.items()),
                  ("theta_0 (bfloat16)", self.theta0),
                  ("rollback copy", self._good[0] if self._good else None),
-                 ("rollback memory", self._good[1] if self._good else None))
+                 *((f"rollback {n}", t) for n, t in good.items()))
         out += [Placed(name, t.nbytes, _where(t)) for name, t in named if t is not None]
         return out
 
@@ -464,8 +468,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollback
     def _keep_good(self, writes: int | None = None) -> None:
-        """Remember theta and the outer memory of a round end reached with finite values (in
-        host memory: a rollback copy on the device would cost 4 bytes per parameter).
+        """Remember theta and the outer optimizer's state of a round end reached with finite
+        values (in host memory: a rollback copy on the device would cost 4 bytes per parameter).
         ``writes``: the training lock's write count when the step that judged this state
         ended; if anything wrote since (a gossip commit, an injected push), the state is not
         the one the loss judged and the previous copy stays (a push landing between a round
@@ -479,12 +483,12 @@ class Trainer:
             if not bool(torch.isfinite(st.theta.sum(dtype=torch.float64))):
                 return  # never keep a bad state as the good one
             if self._good is None:
-                memory = st.memory
                 self._good = (host_buffer(st.theta.numel(), st.theta, self.host),
-                              None if memory is None
-                              else host_buffer(memory.numel(), st.theta, self.host))
+                              {name: host_buffer(buf.numel(), st.theta, self.host)
+                               for name, buf in st.outer.state.items()})
             st.transfer(self._good[0], st.theta)
-            _copy(self._good[1], st.memory)
+            for name, buf in st.outer.state.items():
+                self._good[1][name].copy_(buf)
 
     def _roll_back(self, loss: float, jump: bool = False) -> None:
         """A non-finite loss, or (``jump``) a finite one far above the recent ones
@@ -506,11 +510,11 @@ class Trainer:
         else:
             self._nonfinite += 1
         with self.lock.urgent():
-            theta, memory = self._good
+            theta, outer = self._good
             self.state.transfer(self.state.theta, theta)
             if self.state.anchor is not None:
                 self.state.anchor.copy_(theta)
-            _copy(self.state.memory, memory)
+            self.state.outer.load_state_dict(outer)
             self.optimizer.state.clear()  # the moments may hold NaN too
             if self.ranks is not None:
                 self.ranks.optimizer_to_send = {}  # sharded: every rank clears its rows'
@@ -548,8 +552,9 @@ class Trainer:
             return {"fingerprint": self.fingerprint, "step": self.stats.step,
                     "rounds": st.rounds, "tokens": self.stats.tokens,
                     "theta": st.theta.to("cpu", copy=True),
-                    "anchor": _host(st.anchor), "memory": _host(st.memory),
-                    "momentum": st.cfg.momentum,
+                    "anchor": _host(st.anchor), "outer": st.outer.name,
+                    "outer_state": {n: t.to("cpu", copy=True)
+                                    for n, t in st.outer.state_dict().items()},
                     "train_config": dataclasses.asdict(self.cfg), "tokenizer": self._tok_doc(),
                     "optimizer": self._optimizer_state(),
                     "generator": self._mark[0] if self._mark else self.generator.get_state(),
@@ -605,15 +610,17 @@ class Trainer:
         if ckpt.get("fingerprint") != self.fingerprint:
             raise ValueError("checkpoint belongs to another model (fingerprint differs): use "
                              "another --checkpoint-dir or the same model flags and --seed")
-        if ckpt.get("momentum") != self.state.cfg.momentum:
-            raise ValueError(f"checkpoint used the {ckpt.get('momentum')} momentum form")
+        name, outer = ckpt_files.outer_of(ckpt)
+        why = restore_problem(self.state.outer, name, outer)
+        if why:
+            raise ValueError(f"checkpoint: {why}")
         with self.lock.urgent():
             st = self.state
             st.transfer(st.theta, ckpt["theta"])
             if st.anchor is not None:
                 st.anchor.copy_(ckpt["anchor"] if ckpt.get("anchor") is not None
                                 else ckpt["theta"])
-            self._restore_memory(ckpt.get("memory"))
+            self._restore_outer(outer if name == st.outer.name else None)
             st.rounds = int(ckpt["rounds"])
             self._restore_optimizer(ckpt["optimizer"])
             self._optimizer_epoch += 1
@@ -644,41 +651,36 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(saved)
 
-    def _restore_memory(self, memory: torch.Tensor | None) -> None:
-        """The outer memory from a checkpoint or a peer (under the lock). A node that keeps
-        none ignores it; one that keeps one but gets none starts it afresh: "mixed" from the
-        adopted public iterate (no momentum jump at the next round end), "local" at zero."""
+    def _restore_outer(self, outer: State | None) -> None:
+        """The outer optimizer's state from a checkpoint or a peer (under the lock; its own
+        buffers by name). None or empty: a node that keeps state starts it afresh at the
+        public iterate (``mixed``: no momentum jump at the next round end; ``local``: zero)."""
         st = self.state
-        if st.memory is None:
-            return
-        if memory is not None:
-            st.memory.copy_(memory)
-        elif st.cfg.momentum == "mixed":
-            st.public_iterate(out=st.memory)
+        if outer:
+            st.outer.load_state_dict(outer)
         else:
-            st.memory.zero_()
+            st.reset_outer()
 
-    def adopt(self, params: torch.Tensor, memory: torch.Tensor | None) -> None:
-        """Start from a peer's public iterate and outer memory (late join).
+    def adopt(self, params: torch.Tensor, outer: State | None) -> None:
+        """Start from a peer's public iterate and its outer optimizer's state (late join;
+        None: this node's optimizer starts afresh there).
 
         AdamW starts fresh and this node's own step count (so its warmup) is kept: the peer's
         moments would not match this node's data anyway.
         """
-        if params.shape != self.state.theta.shape or (
-                memory is not None and memory.shape != params.shape):
+        if params.shape != self.state.theta.shape or any(
+                t.shape != params.shape for t in (outer or {}).values()):
             raise ValueError(f"peer state has {params.numel()} params, this model "
                              f"{self.state.theta.numel()}")
+        if outer and set(outer) != set(self.state.outer.buffers):
+            raise ValueError(f"peer state holds {sorted(outer)}, this node's "
+                             f"{self.state.outer.name} outer optimizer {self.state.outer.buffers}")
         with self.lock.urgent():
             self.state.transfer(self.state.theta, params)
             if self.state.anchor is not None:
                 self.state.anchor.copy_(params)
-            self._restore_memory(memory)
+            self._restore_outer(outer)
             self._good = None
-
-
-def _copy(dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
-    if dst is not None and src is not None:
-        dst.copy_(src)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import socket
 import time
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from gasloc_p2p import __version__
+from gasloc_p2p.core.outer import OuterOptimizer
 from gasloc_p2p.node.config import NetworkConfig
 from gasloc_p2p.node.transport.exchange import GossipTransport, remote_address
 from gasloc_p2p.node.transport.tls import secure_channel, server_credentials
@@ -51,6 +52,7 @@ from gasloc_p2p.protocol.messages import (
     sign_state_request,
     state_fields,
 )
+from gasloc_p2p.safelog import safe
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +75,24 @@ def grpc_options(net: NetworkConfig, server: bool) -> list[tuple[str, int]]:
 
 @dataclass(frozen=True, eq=False)
 class StateSnapshot:
-    """What DownloadState sends: ``params`` (public iterate) and ``memory`` (the outer momentum
-    memory; None when the node keeps none: gamma 0), float32 [numel]."""
+    """What DownloadState sends: ``params`` (the public iterate; a DiLoCo mode's anchor) and
+    ``state``, the outer optimizer ``outer``'s buffers by name in the order its class declares
+    (none at gamma 0), float32 [numel] each."""
 
     step: int
     rounds: int
-    momentum: str
+    outer: str
     params: torch.Tensor
-    memory: torch.Tensor | None
+    state: Mapping[str, torch.Tensor]
 
-    def views(self) -> tuple[memoryview, memoryview]:
-        """The body's two parts as bytes views of the tensors' memory (no copy on CPU); the
-        second is empty without a memory."""
-        memory = self.memory if self.memory is not None else self.params[:0]
-        return _bytes_view(self.params), _bytes_view(memory)
+    def views(self) -> tuple[memoryview, ...]:
+        """The body's parts as bytes views of the tensors' memory (no copy on CPU): the
+        parameters, then each buffer."""
+        return tuple(_bytes_view(t) for t in (self.params, *self.state.values()))
 
     def body(self) -> bytes:
         """The whole body as one bytes object (a copy; tests and small tools only)."""
-        params, memory = self.views()
-        return bytes(params) + bytes(memory)
+        return b"".join(bytes(v) for v in self.views())
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -102,7 +103,8 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 class SharedSnapshot:
     """One snapshot (and its CRC) shared by all downloads in progress, at most ``limit`` of them.
 
-    The first download takes it (the node's ``take``: a copy of the public iterate and memory,
+    The first download takes it (the node's ``take``: a copy of the public iterate and outer
+    state,
     under the training lock); later ones reuse it while any download still streams it, and it is
     dropped when the last ends. So concurrent downloads cost one copy of the state, not one
     serialized copy each, and the body is streamed chunk by chunk from the snapshot's memory.
@@ -113,7 +115,7 @@ class SharedSnapshot:
         self.limit = limit
         self.active = 0
         self.taken = 0  # snapshots taken so far (tests, metrics)
-        self._current: tuple[StateSnapshot, tuple[memoryview, memoryview], int] | None = None
+        self._current: tuple[StateSnapshot, tuple[memoryview, ...], int] | None = None
         self._lock = asyncio.Lock()
 
     def admit(self) -> bool:
@@ -127,7 +129,7 @@ class SharedSnapshot:
         if not self.active:
             self._current = None
 
-    async def get(self) -> tuple[StateSnapshot, tuple[memoryview, memoryview], int]:
+    async def get(self) -> tuple[StateSnapshot, tuple[memoryview, ...], int]:
         """(snapshot, its body views, body CRC32); only between ``admit`` and ``release``."""
         async with self._lock:
             if self._current is None:
@@ -135,13 +137,16 @@ class SharedSnapshot:
                 self.taken += 1
             return self._current
 
-    def _take(self) -> tuple[StateSnapshot, tuple[memoryview, memoryview], int]:
+    def _take(self) -> tuple[StateSnapshot, tuple[memoryview, ...], int]:
         snap = self.take()
         if snap.params.device.type != "cpu":  # hold host copies only, not device ones too
             snap = replace(snap, params=snap.params.cpu(),
-                           memory=snap.memory.cpu() if snap.memory is not None else None)
+                           state={k: t.cpu() for k, t in snap.state.items()})
         views = snap.views()
-        return snap, views, zlib.crc32(views[1], zlib.crc32(views[0]))
+        crc = 0
+        for view in views:
+            crc = zlib.crc32(view, crc)
+        return snap, views, crc
 
 
 @dataclass(frozen=True)
@@ -311,7 +316,7 @@ class GossipServicer(pb_grpc.GossipServicer):
             yield pb.StateChunk(meta=pb.StateMeta(
                 protocol_version=PROTOCOL_VERSION, model_fingerprint=self.me.fingerprint,
                 numel=snap.params.numel(), step=snap.step, rounds=snap.rounds,
-                momentum=snap.momentum, total_bytes=sum(v.nbytes for v in views),
+                momentum=snap.outer, total_bytes=sum(v.nbytes for v in views),
                 body_crc32=crc))
             for view in views:  # one 1 MiB copy at a time, as gRPC pulls the stream
                 for start in range(0, view.nbytes, MAX_CHUNK_BYTES):
@@ -467,12 +472,17 @@ def state_request(run_id: str, fingerprint: str, signer: Signer, target: str,
 
 
 async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: float,
-                         numel: int | None = None, info_timeout_s: float | None = None
-                         ) -> tuple[pb.StateMeta, torch.Tensor, torch.Tensor | None]:
-    """A peer's public iterate and momentum memory (float32 ``[numel]`` each; None when the
-    peer keeps none) and its meta, within ``timeout_s`` (its challenge first, within
-    ``info_timeout_s``, default the same). With ``numel`` (this node's model), a state
-    announced for another size is refused before any byte of it is buffered."""
+                         numel: int | None = None, info_timeout_s: float | None = None, *,
+                         outer: OuterOptimizer,
+                         ) -> tuple[pb.StateMeta, torch.Tensor, dict[str, torch.Tensor]]:
+    """A peer's public iterate and outer state (float32 ``[numel]`` each), and its meta,
+    within ``timeout_s`` (its challenge first, within ``info_timeout_s``, default the same).
+
+    ``outer`` is this node's own outer optimizer (its settings suffice): a state announced for
+    another one is refused in one line, and the body is sized from it alone, the parameters
+    then each of its buffers in the order its class declares (returned by name). With
+    ``numel`` (this node's model), a state announced for another size is refused before any
+    byte of it is buffered."""
     assert me.signer is not None, "state requests are signed"
     request = state_request(me.run_id, me.fingerprint, me.signer, *await target_of(
         stub, timeout_s if info_timeout_s is None else min(timeout_s, info_timeout_s)))
@@ -485,10 +495,7 @@ async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: floa
                 raise ExchangeError(msg.reject.code, msg.reject.message)
             if kind == "meta" and meta is None:
                 meta = msg.meta
-                if (numel is not None and meta.numel != numel) or not meta.numel or (
-                        meta.total_bytes not in (4 * meta.numel, 8 * meta.numel)):
-                    raise ExchangeError(BAD_REQUEST, f"state of {meta.total_bytes} B for "
-                                                     f"{meta.numel} params announced")
+                _check_state_meta(meta, numel, outer)
             elif kind == "data" and meta is not None:
                 body += msg.data
                 if len(body) > meta.total_bytes:
@@ -497,6 +504,19 @@ async def download_state(stub: pb_grpc.GossipStub, me: Identity, timeout_s: floa
                 raise ExchangeError(BAD_REQUEST, f"unexpected {kind} in the state stream")
     if meta is None or len(body) != meta.total_bytes or zlib.crc32(body) != meta.body_crc32:
         raise ExchangeError(BAD_REQUEST, "state stream incomplete or corrupt")
-    flat = torch.frombuffer(body, dtype=torch.float32)
-    memory = flat[meta.numel :].clone() if meta.total_bytes == 8 * meta.numel else None
-    return meta, flat[: meta.numel].clone(), memory
+    parts = torch.frombuffer(body, dtype=torch.float32).view(1 + len(outer.buffers), -1)
+    return meta, parts[0].clone(), {name: parts[1 + i].clone()
+                                    for i, name in enumerate(outer.buffers)}
+
+
+def _check_state_meta(meta: pb.StateMeta, numel: int | None, outer: OuterOptimizer) -> None:
+    """ExchangeError unless the announced state is ``outer``'s (by name) and of the size this
+    node expects: ``numel`` (if given) parameters, that many for each of ``outer``'s buffers."""
+    if meta.momentum != outer.name:
+        raise ExchangeError(BAD_REQUEST, f"state of the outer optimizer "
+                                         f"'{safe(meta.momentum, 40)}', this node runs "
+                                         f"'{outer.name}'")
+    if (numel is not None and meta.numel != numel) or not meta.numel or (
+            meta.total_bytes != 4 * meta.numel * (1 + len(outer.buffers))):
+        raise ExchangeError(BAD_REQUEST, f"state of {meta.total_bytes} B for {meta.numel} "
+                                         "params announced")

@@ -71,7 +71,7 @@ class GossipServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DownloadState(self, request, context):
-        """The node's public iterate (diloco: anchor) and outer momentum memory, for a late joiner.
+        """The node's public iterate (diloco: anchor) and outer optimizer state, for a late joiner.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
