@@ -71,6 +71,39 @@ def test_limits_are_multiples_of_the_node_own_drift_and_refuse_beyond():
     assert UpdateGuard(GuardRule(factor=0)).rule.enabled is False
 
 
+def test_a_push_that_makes_the_node_own_steps_larger_does_not_raise_its_limits():
+    """Issue 39: pushed into a bad region, a node's own AdamW steps grew 100-fold and its
+    limits (a multiple of them) with them. The scale is anchored: the least fraction of the
+    step bound (the round's summed learning rates) its drift has used, times that bound."""
+    guard = rule_only(factor=4, hard_factor=16, window=4)
+    bound = 20 * 3e-3  # 20 steps at lr 3e-3
+    for _ in range(8):
+        guard.round_end({0: 0.009}, bound)  # clean: 15% of the step bound
+    soft = guard.limits(0)[0]
+    assert soft == pytest.approx(4 * 0.009)
+    for _ in range(40):  # the push: the node's own steps now use the whole bound and more
+        guard.round_end({0: 0.9}, bound)
+    assert guard.measured(0) == pytest.approx(0.9)
+    assert guard.limits(0)[0] == pytest.approx(soft)  # not raised
+    assert guard.screen(0, 0.5 * soft)[0] == 1.0 and guard.screen(0, 4 * soft)[0] == \
+        pytest.approx(0.25)  # clipped as before the push
+    guard.round_end({0: 0.9}, bound / 10)  # the schedule decays: the scale follows it down
+    assert guard.drift(0) == pytest.approx(0.009 / 10)
+    quiet = rule_only(window=4)
+    for _ in range(4):
+        quiet.round_end({0: 0.009})  # no step bound known: the measured drift, as before
+    assert quiet.drift(0) == pytest.approx(0.009)
+
+
+def test_the_anchor_only_shrinks_and_never_exceeds_the_step_bound():
+    guard = rule_only(window=2)
+    guard.round_end({0: 5.0}, 0.1)  # pushed from its first round: at most the bound itself
+    assert guard.drift(0) == pytest.approx(0.1)
+    for d in (0.02, 0.02, 0.05, 0.05, 0.05):
+        guard.round_end({0: d}, 0.1)
+    assert guard.drift(0) == pytest.approx(0.02)  # the least median fraction, 0.2 of 0.1
+
+
 def test_what_peers_send_never_moves_the_limits():
     """The attack on the old rule: accepted distances just under the limit ratcheted the
     median up. Now the limits follow this node's own drift only."""

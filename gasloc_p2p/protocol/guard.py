@@ -6,13 +6,23 @@ the same references, so both see the same ``||ref_in - ref_out||``; a side whose
 aborts before ``Commit`` and neither applies. ``c_i = -c_j`` stays exact unless a side scales
 its weight (below), which honest nodes near consensus rarely do.
 
-**Every limit is a multiple of this node's own drift**: the RMS of what its own inner steps
-moved it over a round (gossip excluded), the median of its last ``window`` rounds (measured by
-:class:`gasloc_p2p.core.drift.DriftProbe`). A peer can move this node's parameters, but not
-what its AdamW steps move them per round (about ``lr`` per coordinate and step, whatever the
-parameters are), so no counterparty can raise the limits that judge it. (The rule before
-issue 23 took the median of the peers' own accepted distances and a multiple of this node's
-displacement from ``theta_0``: an attacker staying inside the limit ratcheted both up.)
+**Every limit is a multiple of this node's own drift scale**, anchored where no peer can move
+it. The node measures its own drift: the RMS of what its own inner steps moved it over a round
+(gossip excluded, :class:`gasloc_p2p.core.drift.DriftProbe`), the median of its last
+``window`` rounds. That measurement alone is not enough: a peer cannot change what an AdamW
+step does to given parameters, but it can move the parameters somewhere the node's own steps
+are larger (pushed into a bad region, a node's steps grew from 0.009 to 0.6-1.9 RMS a round
+while its limits, a multiple of them, grew with them: issue 39). So the scale is the smaller
+of the measured drift and an *anchor*: AdamW moves a coordinate by about its learning rate a
+step at most, so ``sum(lr)`` over the round's steps (the node's own schedule: the *step bound*)
+bounds honest movement without reading any state; the node tracks the fraction of that bound
+its drift uses (the median over ``window`` rounds, at most 1) and keeps the smallest such
+fraction it has seen: the anchor only ever shrinks, and follows the schedule (warm-up, decay)
+through the step bound. A push that makes the node's own steps larger raises the measured
+drift, never the anchor. (The rule before issue 23 took the median of the peers' own accepted
+distances and a multiple of this node's displacement from ``theta_0``: an attacker staying
+inside the limit ratcheted both up; the rule before issue 39, the measured drift alone, was
+raised through the node's own training.)
 
 Per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance, without ``w``):
 
@@ -159,6 +169,9 @@ class UpdateGuard:
         self.rule = rule
         self.w = w
         self._drifts: dict[int, deque[float]] = {}  # fragment -> own drift of recent rounds
+        self._ratios: dict[int, deque[float]] = {}  # ... as fractions of their step bounds
+        self._anchor: dict[int, float] = {}  # fragment -> least median fraction: only shrinks
+        self._bound = 0.0  # the step bound of the latest round (sum of its learning rates)
         self._path: dict[int, float] = {}  # fragment -> sum of own drifts since the start
         self._round = 0
         self._spent: dict[int, float] = {}  # fragment -> movement reserved this round
@@ -168,15 +181,26 @@ class UpdateGuard:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ own drift
-    def round_end(self, drifts: dict[int, float]) -> None:
+    def round_end(self, drifts: dict[int, float], step_bound: float = 0.0) -> None:
         """This node ended a round in which its own steps moved fragment ``f`` by
-        ``drifts[f]`` (RMS): a new budget starts."""
+        ``drifts[f]`` (RMS), ``step_bound`` the sum of the round's inner learning rates (0:
+        unknown; the measured drift alone is the scale): a new budget starts."""
         with self._lock:
+            if math.isfinite(step_bound) and step_bound > 0:
+                self._bound = step_bound
             for fragment, value in drifts.items():
-                if math.isfinite(value) and value > 0:
-                    self._drifts.setdefault(fragment, deque(maxlen=self.rule.window)).append(
-                        value)
-                    self._path[fragment] = self._path.get(fragment, 0.0) + value
+                if not (math.isfinite(value) and value > 0):
+                    continue
+                window = self.rule.window
+                self._drifts.setdefault(fragment, deque(maxlen=window)).append(value)
+                if step_bound > 0:
+                    ratios = self._ratios.setdefault(fragment, deque(maxlen=window))
+                    ratios.append(min(value / step_bound, 1.0))
+                    self._anchor[fragment] = min(self._anchor.get(fragment, 1.0),
+                                                 statistics.median(ratios))
+                # the path stays the measured one: it only widens the hard limit (what no
+                # honest node can be), never the budget or the soft limit
+                self._path[fragment] = self._path.get(fragment, 0.0) + value
             self._round += 1
             self._spent.clear()
             self._spent_block.clear()
@@ -185,7 +209,22 @@ class UpdateGuard:
                 self._long[fragment] *= keep
 
     def drift(self, fragment: int) -> float:
-        """The median of this node's own recent drifts of ``fragment`` (0: none measured)."""
+        """This node's drift scale on ``fragment`` (the limits' unit; 0: none measured): the
+        median of its own recent drifts, at most its anchor times the step bound."""
+        with self._lock:
+            return self._scale(fragment)
+
+    def _scale(self, fragment: int) -> float:
+        recent = self._drifts.get(fragment)
+        if not recent:
+            return 0.0
+        measured = statistics.median(recent)
+        anchor = self._anchor.get(fragment)
+        return measured if anchor is None or self._bound <= 0 else min(
+            measured, anchor * self._bound)
+
+    def measured(self, fragment: int) -> float:
+        """The median of this node's own recent drifts, unanchored (logs, benchmarks)."""
         with self._lock:
             recent = list(self._drifts.get(fragment, ()))
         return statistics.median(recent) if recent else 0.0

@@ -39,8 +39,10 @@ from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.protocol.actions import Outcome
 from gasloc_p2p.protocol.engine import ExchangeEngine
+from gasloc_p2p.protocol.guard import UpdateGuard
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
 from gasloc_p2p.safelog import safe
+from gasloc_p2p.train.schedule import LRSchedule
 
 log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
@@ -308,6 +310,18 @@ async def connect(channel: grpc.aio.Channel, endpoint: str, timeout_s: float) ->
         raise ConnectFailed(f"cannot connect to {endpoint!r} within {timeout_s:g} s") from None
 
 
+def _drift_reporter(guard: UpdateGuard, schedule: LRSchedule, inner_steps: int,
+                    stats: TrainStats) -> Callable[[dict[int, float]], None]:
+    """The trainer's round-end callback: the round's drifts and its step bound (the sum of its
+    inner learning rates, from this node's own schedule and step count) to the guard."""
+    def report(drifts: dict[int, float]) -> None:
+        end = stats.step  # steps done; the round took the last inner_steps of them
+        bound = sum(schedule.at(s) for s in range(max(0, end - inner_steps), end))
+        guard.round_end(drifts, bound)
+
+    return report
+
+
 def compatible_codecs(peers: Sequence[PeerInfo], codec: str) -> list[PeerInfo]:
     """Peers that announced they can decode ``codec`` (or announced no list at all)."""
     return [p for p in peers if not p.codecs or codec in p.codecs]
@@ -343,7 +357,8 @@ class GossipMode(Mode):
         trainer.exchange_work = ctx.exchange_stats  # quiet steps, for the utilization
         if engine.guard is not None:  # the guard's unit: this node's own drift per round
             trainer.probe = DriftProbe(trainer.state.theta, trainer.fragments)
-            trainer.on_drift = engine.guard.round_end
+            trainer.on_drift = _drift_reporter(engine.guard, trainer.inner.schedule,
+                                               cfg.train.inner_steps, ctx.train_stats)
         self.book = PeerBook(ctx.me.peer_id, ctx.clock)
         self.book.update(ctx.peers())
         self.loop = GossipLoop(self._exchanger, self.book, ctx.channels, cfg.gossip, cfg.network,
@@ -404,7 +419,8 @@ class GossipMode(Mode):
         guard = self._exchanger.engine.guard if self._exchanger is not None else None
         if guard is None:
             return ""
-        return f" | guard drift {guard.drift(0):.4g} spent {guard.spent(0):.2f}"
+        return (f" | guard drift {guard.drift(0):.4g} (measured {guard.measured(0):.4g}) spent "
+                f"{guard.spent(0):.2f}")
 
     async def stop(self) -> None:
         if self._exchanger is not None:
