@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import struct
 
 import pytest
@@ -22,6 +23,7 @@ from gasloc_p2p.core.wire import payload_digest
 from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.blame import Ledger
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import (
     GuardRule,
@@ -167,19 +169,47 @@ def test_one_address_block_moves_this_node_by_its_block_budget_at_most_with_new_
     assert guard.screen(0, 4.0, "old", "10.0.0.0/24")[0] == 1.0  # trusted: the round's only
 
 
-def test_a_new_key_earns_its_weight_over_its_first_exchanges():
+def test_a_new_key_earns_its_weight_over_its_first_exchanges_one_a_round():
     guard = rule_only(trust_after=4)
     guard.round_end({0: 1.0})
+    burst = []
+    for _ in range(5):  # a burst of echoes in one round earns one exchange's trust (issue 39)
+        factor, ticket = guard.screen(0, 1.0, "newcomer")
+        burst.append(factor)
+        guard.committed(ticket)
+    assert burst == pytest.approx([0.25, 0.5, 0.5, 0.5, 0.5])
     factors = []
-    for _ in range(6):
+    for _ in range(4):
+        guard.round_end({0: 1.0})
         factor, ticket = guard.screen(0, 1.0, "newcomer")
         factors.append(factor)
         guard.committed(ticket)
-    assert factors == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    assert factors == pytest.approx([0.5, 0.75, 1.0, 1.0])
     assert guard.trusted("newcomer") and not guard.trusted("other")
     factor, ticket = guard.screen(0, 1.0, "other")
     guard.release(ticket)  # refused or failed exchanges earn nothing
     assert guard.screen(0, 1.0, "other")[0] == 0.25
+
+
+def test_a_blamed_key_starts_over_and_keeps_a_quarter_of_its_weight_for_good():
+    guard = rule_only(trust_after=2, newcomer_budget=1e9, newcomer_total=1e9)
+    for _ in range(3):
+        guard.round_end({0: 1.0})
+        guard.committed(guard.screen(0, 1.0, "pusher", "10.0.0.0/24")[1])
+    assert guard.trusted("pusher") and guard.screen(0, 1.0, "pusher")[0] == 1.0
+    guard.demerit("pusher", "10.0.0.0/24")
+    assert not guard.trusted("pusher") and guard.demerits("pusher") == 1
+    assert guard.screen(0, 1.0, "pusher", "10.0.0.0/24")[0] == pytest.approx(0.5 * 0.25)
+    for _ in range(4):  # trust earned again: the weight stays cut
+        guard.round_end({0: 1.0})
+        guard.committed(guard.screen(0, 1.0, "pusher", "10.0.0.0/24")[1])
+    assert guard.screen(0, 1.0, "pusher")[0] == pytest.approx(0.25)
+    budget = rule_only(trust_after=2, block_budget=1.0, newcomer_budget=1e9,
+                       newcomer_total=1e9)
+    budget.round_end({0: 1.0})
+    budget.demerit("gone", "10.0.0.0/24")  # its block's newcomers share a quarter budget
+    assert budget.screen(0, 4.0, "new", "10.0.0.0/24")[0] == pytest.approx(0.125)
+    assert budget.screen(0, 4.0, "new2", "10.0.1.0/24")[0] == pytest.approx(0.5)
 
 
 def test_address_blocks():
@@ -563,3 +593,35 @@ def test_weakly_correlated_honest_moves_in_high_dimension_pass_and_a_flipped_one
         with pytest.raises(ExchangeError, match="cosine"):
             MemoryExchange(evil, big_node("C", t0, moves[0]), 0).run()
         del evil
+
+
+def test_a_steady_rise_of_the_loss_is_caught_where_no_jump_is():
+    """Issue 39: pushed under every limit, the loss rose steadily and never doubled from one
+    step to the next, so the jump rule never rolled back."""
+    rng = random.Random(0)
+    watch = LossWatch(rise=0.05, smooth=16, memory=128)
+    noisy = [2.0 * (1 + 0.04 * rng.uniform(-1, 1)) for _ in range(300)]
+    assert not any(watch.implausible(x) or watch.risen() for x in noisy)  # honest noise
+    assert watch.near_best()
+    rising = [2.0 * (1.0 + 0.002 * k) * (1 + 0.04 * rng.uniform(-1, 1)) for k in range(200)]
+    caught = next(k for k, x in enumerate(rising)
+                  if not watch.implausible(x) and watch.risen())
+    assert all(not LossWatch(jump=2.0).implausible(x) for x in rising)  # no jump anywhere
+    assert 20 <= caught <= 80 and not watch.near_best()  # up 4-16%: caught
+    watch.reset()
+    assert not watch.risen()  # judged again from the best, after the rollback
+
+
+def test_the_ledger_blames_the_keys_that_pushed_along_the_rise_not_the_honest_ones():
+    torch.manual_seed(0)
+    ledger = Ledger(10_000, samples=2048)
+    push = torch.randn(ledger.positions.numel())
+    for r in range(3):
+        for key in ("evil1", "evil2"):  # two keys, one direction, a quarter of the rise each
+            ledger.record(5 + r, key, "10.9.9.0/24", 0.05 * push)
+        for key in ("honest1", "honest2", "honest3"):  # corrections towards the mean
+            ledger.record(5 + r, key, "10.0.0.0/24", 0.05 * torch.randn_like(push))
+    ledger.record(3, "old-evil", "10.9.9.0/24", push)  # before the good copy: not this rise
+    rise = 0.3 * push + 0.05 * torch.randn_like(push)  # what moved the node since round 5
+    assert sorted(k for k, _ in ledger.culprits(5, rise)) == ["evil1", "evil2"]
+    assert ledger.culprits(5, torch.zeros_like(push)) == []

@@ -132,7 +132,11 @@ class GossipConfig:
     guard_newcomer_rounds: int = opt(64, "the window of guard_newcomer_total (a sum decaying by "
                                      "1/this per round)", advanced=True)
     guard_trust_after: int = opt(8, "a key's weight ramps to full over its first this many "
-                                 "committed exchanges with this node", advanced=True)
+                                 "committed exchanges with this node, one a round at most",
+                                 advanced=True)
+    guard_loss_rise: float = opt(0.05, "roll back when the training loss's moving average "
+                                 "stays this fraction above its recent best, and blame the "
+                                 "keys that pushed it there (0: off)", advanced=True)
     guard_min_z: float = opt(4.0, "reject a peer whose displacement from theta_0 has a cosine "
                              "below this / sqrt(fragment size) with this node's (<0: off)",
                              advanced=True)
@@ -161,6 +165,8 @@ class GossipConfig:
         need(2 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size % 2 == 0, "block_size",
               self.block_size, f"must be an even number in [2, {MAX_BLOCK_SIZE}] (try 1024)")
         need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
+        need(0 <= self.guard_loss_rise < 1, "guard_loss_rise", self.guard_loss_rise,
+             "must be in [0, 1) (0.05: a 5% rise)")
         need(self.fragment_order in FRAGMENT_ORDERS, "fragment_order", self.fragment_order,
               f"choose one of {FRAGMENT_ORDERS}")
         need(self.exchanges_per_round >= 0, "exchanges_per_round", self.exchanges_per_round,

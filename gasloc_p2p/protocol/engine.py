@@ -49,6 +49,7 @@ from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.wire import payload_buffer, payload_digest
 from gasloc_p2p.protocol import fused, streamed
+from gasloc_p2p.protocol.blame import Ledger
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
 
 ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
@@ -131,6 +132,10 @@ class ExchangeEngine:
         self.chunk = chunk
         self.device = state.theta.device
         self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
+        # what each commit moved theta by on a private sample (protocol/blame.py), with the
+        # guard: who pushed the node uphill, read after a rollback
+        self.ledger: Ledger | None = None
+        self._sample_at: torch.Tensor | None = None
         self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
         self.stream_payloads = stream_payloads
@@ -434,6 +439,7 @@ class ExchangeEngine:
         if self.streams(sent.spec):
             return self._commit_streamed(prep, received, weight)
         with self.lock.urgent(), self._on_stream():
+            before = self._sample()
             mine_enc, theirs_enc = prep.on_device or (
                 sent.to(self.device, non_blocking=True),
                 received.to(self.device, non_blocking=True))
@@ -448,14 +454,31 @@ class ExchangeEngine:
                 if weight > 0:
                     for start, length, o in pieces:
                         self.state.add_chunk(start, c[o : o + length])
-        return self._committed(prep, square)
+            moved = self._moved(before)
+        return self._committed(prep, square, moved)
 
-    def _committed(self, prep: Prepared, square: torch.Tensor) -> float:
+    def _sample(self) -> torch.Tensor | None:
+        """theta on the ledger's sample (None without a ledger); under the lock."""
+        if self.ledger is None:
+            return None
+        if self._sample_at is None:
+            self._sample_at = self.ledger.positions.to(self.device)
+        return self.state.theta.detach().index_select(0, self._sample_at)
+
+    def _moved(self, before: torch.Tensor | None) -> torch.Tensor | None:
+        after = self._sample()
+        return None if before is None or after is None else after.sub_(before)
+
+    def _committed(self, prep: Prepared, square: torch.Tensor,
+                   moved: torch.Tensor | None = None) -> float:
         """After a commit's work is queued: wait for it (the copies back to host-side targets,
-        a host anchor, run on our stream), settle the guard's reservation, ``||c||_2``."""
+        a host anchor, run on our stream), settle the guard's reservation (and enter what the
+        commit moved theta by on the ledger's sample), ``||c||_2``."""
         prep.on_device = None
         self._done()
         if self.guard is not None and prep.ticket is not None:
+            if self.ledger is not None and moved is not None:
+                self.ledger.record(self.state.rounds, prep.peer_id, prep.block, moved.cpu())
             self.guard.committed(prep.ticket)
         return math.sqrt(read([square])[0])
 
@@ -467,6 +490,7 @@ class ExchangeEngine:
         into = (weight > 0 and len(targets) == 1 and targets[0][1] == 1.0
                 and self.state.theta.dtype == torch.float32)
         with self.lock.urgent(), self._on_stream():
+            before = self._sample()
             square = torch.zeros((), device=self.device)
             c: torch.Tensor | None = None
             part: torch.Tensor | None = None
@@ -492,7 +516,8 @@ class ExchangeEngine:
                     assert c is not None
                     for start, length, o in pieces:
                         self.state.add_chunk(start, c[o : o + length])
-        return self._committed(prep, square)
+            moved = self._moved(before)
+        return self._committed(prep, square, moved)
 
     def warm_up(self, spec: CodecSpec) -> str | None:
         """Compile the fused kernels for ``spec`` before the first exchange (a second or two

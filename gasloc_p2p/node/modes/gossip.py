@@ -38,8 +38,9 @@ from gasloc_p2p.node.stats import TrainStats, Utilization
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.protocol.actions import Outcome
+from gasloc_p2p.protocol.blame import Ledger
 from gasloc_p2p.protocol.engine import ExchangeEngine
-from gasloc_p2p.protocol.guard import UpdateGuard
+from gasloc_p2p.protocol.guard import LossWatch, UpdateGuard
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
 from gasloc_p2p.safelog import safe
 from gasloc_p2p.train.schedule import LRSchedule
@@ -322,6 +323,23 @@ def _drift_reporter(guard: UpdateGuard, schedule: LRSchedule, inner_steps: int,
     return report
 
 
+def _blamer(guard: UpdateGuard, ledger: Ledger
+            ) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
+    """The trainer's callback before a rollback for a rise of its loss: the keys whose
+    exchanges since the good copy moved the node along the rise get a demerit."""
+    def blame(theta: torch.Tensor, good: torch.Tensor, since: int) -> None:
+        at = ledger.positions
+        rise = (theta.detach().index_select(0, at.to(theta.device)).cpu()
+                - good.index_select(0, at.to(good.device)).cpu())
+        culprits = ledger.culprits(since, rise)
+        for key, block in culprits:
+            guard.demerit(key, block)
+        log.warning("the loss rose since round %d: %d peer key(s) blamed (%s)", since,
+                    len(culprits), ", ".join(safe(k)[:12] for k, _ in culprits[:4]))
+
+    return blame
+
+
 def compatible_codecs(peers: Sequence[PeerInfo], codec: str) -> list[PeerInfo]:
     """Peers that announced they can decode ``codec`` (or announced no list at all)."""
     return [p for p in peers if not p.codecs or codec in p.codecs]
@@ -359,6 +377,10 @@ class GossipMode(Mode):
             trainer.probe = DriftProbe(trainer.state.theta, trainer.fragments)
             trainer.on_drift = _drift_reporter(engine.guard, trainer.inner.schedule,
                                                cfg.train.inner_steps, ctx.train_stats)
+            if cfg.gossip.guard_loss_rise > 0:  # a rise of the loss: roll back, blame
+                engine.ledger = Ledger(trainer.state.theta.numel())
+                trainer.losses = LossWatch(rise=cfg.gossip.guard_loss_rise)
+                trainer.on_rollback = _blamer(engine.guard, engine.ledger)
         self.book = PeerBook(ctx.me.peer_id, ctx.clock)
         self.book.update(ctx.peers())
         self.loop = GossipLoop(self._exchanger, self.book, ctx.channels, cfg.gossip, cfg.network,

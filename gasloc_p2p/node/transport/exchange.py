@@ -107,6 +107,15 @@ class GossipTransport:
         # called with every committed exchange and its wall time, either role
         self.on_commit: Callable[[Outcome, float], None] | None = None
 
+    def inbound_limit(self, peer_id: str) -> int:
+        """How many inbound exchanges may run when ``peer_id``'s would start: the base limit,
+        the reserved slots too for a peer that committed here before (unless blamed), a
+        quarter of the base for a blamed key."""
+        guard = self.engine.guard
+        if guard is not None and guard.demerits(peer_id):
+            return max(1, self.cfg.max_inbound // 4)
+        return self.cfg.max_inbound + (self.reserved_inbound if peer_id in self._good else 0)
+
     def known_good(self, peer_id: str) -> bool:
         """Whether ``peer_id`` committed an exchange with this node (lately; bounded)."""
         return peer_id in self._good
@@ -236,8 +245,10 @@ class GossipTransport:
             if authenticated is not None:
                 authenticated()
             # peers that exchanged with us before have slots of their own: newcomers holding
-            # every slot (an open swarm's free keys) cannot shut them out
-            limit = self.cfg.max_inbound + (self.reserved_inbound if peer in self._good else 0)
+            # every slot (an open swarm's free keys) cannot shut them out; keys blamed for a
+            # rise of our loss share a quarter of the base slots (issue 39: a member's trusted
+            # keys held every slot, and honest exchanges fell to a tenth)
+            limit = self.inbound_limit(peer)
             if (not self.accepting or self.inbound >= limit
                     or peer in self.inflight or peer in self.penalized()
                     or self.block_penalized(peer, block)):
