@@ -79,3 +79,90 @@ class Ledger:
                     and along / norm2 >= min_share:
                 out.append(who)
         return out
+
+
+class PushMeter:
+    """What gossip moved this node by lately, on private sampled blocks: a bound in time.
+
+    Per-exchange and per-round limits bound a push's rate, not its sum: a push along one
+    direction that fits every round's budget adds up (issue 39: about 0.3 RMS along the
+    attacker's direction after 3 minutes, 30 times the swarm's consensus distance). So the
+    node keeps ``G``, the sum of the corrections committed here, decaying by ``1 / rounds``
+    per round of this node, on ``blocks`` whole payload blocks per fragment drawn from the
+    OS's randomness (no peer knows them; decoding them costs a few thousand elements an
+    exchange, on the host). An exchange may move ``G`` only as far as ``limit`` (RMS; the
+    guard's unit times a factor): honest corrections pull a node towards its peers, now one
+    way, now another, and their sum stays near the swarm's spread; a push in one direction
+    reaches the limit and then moves the node by no more than the decay per round.
+    """
+
+    def __init__(self, blocks: int = 16, rounds: int = 32) -> None:
+        self.blocks, self.rounds = blocks, rounds
+        self._seed = int.from_bytes(os.urandom(8), "little")
+        self._runs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (fragment, bs) -> runs
+        self._sum: dict[tuple[int, int], torch.Tensor] = {}  # (fragment, bs) -> G, float64
+        self._at: dict[tuple[int, int], int] = {}  # (fragment, bs) -> the round G was at
+
+    def runs(self, fragment: int, numel: int, block_size: int) -> list[tuple[int, int]]:
+        """``(start, length)`` of the sampled blocks of a fragment of ``numel`` elements."""
+        key = (fragment, block_size)
+        if key not in self._runs:
+            width = block_size or 1024
+            count = max(1, -(-numel // width))
+            gen = torch.Generator().manual_seed(self._seed + 7919 * fragment)
+            picks = torch.randperm(count, generator=gen)[: self.blocks].sort().values.tolist()
+            self._runs[key] = [(b * width, min(width, numel - b * width)) for b in picks]
+        return self._runs[key]
+
+    def _sum_at(self, key: tuple[int, int], size: int, round_: int) -> torch.Tensor:
+        g = self._sum.get(key)
+        if g is None:
+            g = self._sum[key] = torch.zeros(size, dtype=torch.float64)
+        elapsed = round_ - self._at.get(key, round_)
+        if elapsed > 0:
+            g.mul_((1 - 1 / max(self.rounds, 1)) ** elapsed)
+        self._at[key] = round_
+        return g
+
+    def room(self, fragment: int, block_size: int, round_: int, step: torch.Tensor,
+             limit: float) -> float:
+        """The largest ``f`` in [0, 1] such that ``G + f * step`` stays within ``limit`` RMS
+        (or, where ``G`` is beyond it already, does not grow); ``step`` is the exchange's
+        correction on the sample at its full weight."""
+        key = (fragment, block_size)
+        g = self._sum_at(key, step.numel(), round_)
+        s = step.double()
+        n = max(s.numel(), 1)
+        bound2 = limit * limit * n
+        a, b, c = float(s @ s), 2 * float(g @ s), float(g @ g) - bound2
+        if a <= 0 or c + b + a <= 0:
+            return 1.0  # fits whole
+        if c >= 0:  # beyond already: only what shrinks G (the gain is at most -b / 2a)
+            return max(0.0, min(1.0, -b / (2 * a)))
+        return max(0.0, min(1.0, (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)))
+
+    def along(self, fragment: int, block_size: int, step: torch.Tensor,
+              min_z: float = 4.0) -> float:
+        """How far ``step`` goes along ``G`` (RMS units; 0 unless its cosine with ``G`` is at
+        least ``min_z / sqrt(samples)``, a significant alignment): a push on in the
+        direction gossip has moved this node lately, as a push in one fixed direction is (an
+        honest correction is about independent of ``G``)."""
+        g = self._sum.get((fragment, block_size))
+        if g is None:
+            return 0.0
+        s = step.double()
+        gg, ss, gs = float(g @ g), float(s @ s), float(g @ s)
+        n = max(s.numel(), 1)
+        if gg <= 0 or ss <= 0 or gs / math.sqrt(gg * ss) < min_z / math.sqrt(n):
+            return 0.0
+        return gs / math.sqrt(gg) / math.sqrt(n)
+
+    def add(self, fragment: int, block_size: int, round_: int, moved: torch.Tensor) -> None:
+        """A commit moved the node by ``moved`` on the sample."""
+        key = (fragment, block_size)
+        self._sum_at(key, moved.numel(), round_).add_(moved.double())
+
+    def level(self, fragment: int = 0) -> float:
+        """``G``'s RMS on a fragment (its largest over block sizes; 0: none yet)."""
+        sums = [g for (f, _), g in self._sum.items() if f == fragment]
+        return max((float(g.square().mean().sqrt()) for g in sums), default=0.0)

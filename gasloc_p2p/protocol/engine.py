@@ -49,7 +49,7 @@ from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.wire import payload_buffer, payload_digest
 from gasloc_p2p.protocol import fused, streamed
-from gasloc_p2p.protocol.blame import Ledger
+from gasloc_p2p.protocol.blame import Ledger, PushMeter
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
 
 ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
@@ -75,6 +75,9 @@ class Prepared:
     ticket: Ticket | None = None  # the movement the guard reserved for this exchange
     # both payloads on the device, from the check to the commit (each uploaded once)
     on_device: tuple[Encoded, Encoded] | None = None
+    # D(theirs) - D(mine) on the push meter's sample (protocol/blame.py), from the check
+    pushed: torch.Tensor | None = None
+    weight: float = 0.0  # the weight the commit applied (set by ``commit``)
 
 
 class UrgentLock(Protocol):
@@ -136,6 +139,9 @@ class ExchangeEngine:
         # guard: who pushed the node uphill, read after a rollback
         self.ledger: Ledger | None = None
         self._sample_at: torch.Tensor | None = None
+        # what gossip moved the node by lately, on sampled blocks: bounds a push in time
+        self.meter: PushMeter | None = None
+        self.meter_limit = 8.0  # the meter's bound, in the guard's drift scale
         self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
         self.stream_payloads = stream_payloads
@@ -319,7 +325,7 @@ class ExchangeEngine:
         _refuse_magnitude(values[0])
         if sums:
             assert prep is not None
-            prep.clip = self._judge(prep, *values[1:])
+            prep.clip = self._judge(prep, received, *values[1:])
         if prep is not None and mine is not None:
             prep.on_device = (mine, theirs)
         return received
@@ -353,7 +359,7 @@ class ExchangeEngine:
                     sums += fused.screen(mc.view(-1), ms, tc.view(-1), ts, t0, bs, part)
                 else:
                     sums += streamed.screen_rows(mc, ms, tc, ts, t0.view(rows, bs))
-        prep.clip = self._judge(prep, *read(list(sums.unbind())))
+        prep.clip = self._judge(prep, received, *read(list(sums.unbind())))
 
     def _screen_sums(self, prep: Prepared, mine_enc: Encoded,
                      theirs_enc: Encoded) -> list[torch.Tensor]:
@@ -379,8 +385,8 @@ class ExchangeEngine:
             sums[3] += mine.dot(theirs)
         return sums
 
-    def _judge(self, prep: Prepared, dist2: float, mine2: float, theirs2: float,
-               dot: float) -> float:
+    def _judge(self, prep: Prepared, received: Encoded, dist2: float, mine2: float,
+               theirs2: float, dot: float) -> float:
         """The guard's verdict from the screen's sums (see :meth:`screen`); reserves the
         exchange's movement in ``prep.ticket``."""
         assert self.guard is not None
@@ -397,7 +403,30 @@ class ExchangeEngine:
         clip, prep.ticket = self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
                                               prep.peer_id, prep.block,
                                               math.sqrt(self._base2_of(fragment)) / root_n)
+        if self.meter is not None:
+            clip *= self._meter_room(prep, received, clip)
         return clip
+
+    def _meter_room(self, prep: Prepared, received: Encoded, clip: float) -> float:
+        """The push meter's factor on the weight (1: the exchange fits its bound); keeps the
+        sampled difference for the commit to enter."""
+        assert self.meter is not None and self.guard is not None
+        frag, spec = prep.fragment, prep.encoded.spec
+        codec = spec.codec()
+        runs = self.meter.runs(frag.index, frag.numel, spec.block_size)
+        prep.pushed = torch.cat([codec.decode(received.view(s, n)) - codec.decode(
+            prep.encoded.view(s, n)) for s, n in runs]).float().cpu()  # host payloads
+        limit = self.meter_limit * self.guard.drift(frag.index)
+        step = self.guard.w * clip * prep.pushed
+        room = self.meter.room(frag.index, spec.block_size, self.state.rounds, step, limit)
+        if room < 1.0 and prep.ticket is not None:
+            self.guard.shrink(prep.ticket, room)
+            along = self.meter.along(frag.index, spec.block_size, step)
+            if room < 0.5 and along >= self.guard.drift(frag.index):
+                # a whole drift more along what gossip moved this node by lately, against the
+                # bound: a push in one direction, not a pull towards the swarm
+                self.guard.demerit(prep.peer_id, prep.block)
+        return room
 
     def _base2_of(self, fragment: Fragment) -> float:
         """``||theta_0||^2`` over the fragment, once per fragment (theta_0 never changes)."""
@@ -423,7 +452,7 @@ class ExchangeEngine:
         with self._on_stream():
             sums = self._screen_sums(prep, prep.encoded.to(self.device, non_blocking=True),
                                      received.to(self.device, non_blocking=True))
-        return self._judge(prep, *read(sums))
+        return self._judge(prep, received, *read(sums))
 
     def commit(self, prep: Prepared, received: Encoded, weight: float) -> float:
         """Fold both messages and apply the correction ``c = weight * clip * (D(theirs) -
@@ -436,6 +465,7 @@ class ExchangeEngine:
         codec = sent.spec.codec()
         step = chunk_elems(sent.spec, self.device, self.chunk)
         weight *= prep.clip
+        prep.weight = weight
         if self.streams(sent.spec):
             return self._commit_streamed(prep, received, weight)
         with self.lock.urgent(), self._on_stream():
@@ -476,6 +506,9 @@ class ExchangeEngine:
         commit moved theta by on the ledger's sample), ``||c||_2``."""
         prep.on_device = None
         self._done()
+        if self.meter is not None and prep.pushed is not None:
+            self.meter.add(prep.fragment.index, prep.encoded.block_size, self.state.rounds,
+                           prep.weight * prep.pushed)
         if self.guard is not None and prep.ticket is not None:
             if self.ledger is not None and moved is not None:
                 self.ledger.record(self.state.rounds, prep.peer_id, prep.block, moved.cpu())

@@ -312,6 +312,16 @@ class UpdateGuard:
                 self._long[f] = max(0.0, self._long.get(f, 0.0) - ticket.movement)
             ticket.movement = 0.0
 
+    def shrink(self, ticket: Ticket, ratio: float) -> None:
+        """The exchange of ``ticket`` will move the node by ``ratio`` of what it reserved:
+        the rest returns to the round's budget."""
+        if ratio >= 1:
+            return
+        extra = Ticket(ticket.fragment, ticket.key, ticket.block,
+                       ticket.movement * (1 - max(ratio, 0.0)), ticket.round, ticket.clipped)
+        ticket.movement -= extra.movement
+        self.release(extra)
+
     def committed(self, ticket: Ticket) -> None:
         """The exchange committed: its reservation is spent for good, and its key earns trust
         (once a round of this node)."""

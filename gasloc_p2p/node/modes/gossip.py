@@ -38,7 +38,7 @@ from gasloc_p2p.node.stats import TrainStats, Utilization
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.protocol.actions import Outcome
-from gasloc_p2p.protocol.blame import Ledger
+from gasloc_p2p.protocol.blame import Ledger, PushMeter
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.guard import LossWatch, UpdateGuard
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
@@ -377,6 +377,9 @@ class GossipMode(Mode):
             trainer.probe = DriftProbe(trainer.state.theta, trainer.fragments)
             trainer.on_drift = _drift_reporter(engine.guard, trainer.inner.schedule,
                                                cfg.train.inner_steps, ctx.train_stats)
+            if cfg.gossip.guard_push_limit > 0:  # a push in one direction, summed over rounds
+                engine.meter = PushMeter()
+                engine.meter_limit = cfg.gossip.guard_push_limit
             if cfg.gossip.guard_loss_rise > 0:  # a rise of the loss: roll back, blame
                 engine.ledger = Ledger(trainer.state.theta.numel())
                 trainer.losses = LossWatch(rise=cfg.gossip.guard_loss_rise)
@@ -441,8 +444,12 @@ class GossipMode(Mode):
         guard = self._exchanger.engine.guard if self._exchanger is not None else None
         if guard is None:
             return ""
-        return (f" | guard drift {guard.drift(0):.4g} (measured {guard.measured(0):.4g}) spent "
-                f"{guard.spent(0):.2f}")
+        meter = self._exchanger.engine.meter if self._exchanger is not None else None
+        drift = guard.drift(0)
+        pushed = (f" pushed {meter.level(0) / drift:.2f}" if meter is not None and drift > 0
+                  else "")
+        return (f" | guard drift {drift:.4g} (measured {guard.measured(0):.4g}) spent "
+                f"{guard.spent(0):.2f}{pushed}")
 
     async def stop(self) -> None:
         if self._exchanger is not None:

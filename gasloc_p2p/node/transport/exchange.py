@@ -66,6 +66,8 @@ Write = Callable[[pb.ExchangeMsg], Awaitable[None]]
 T = TypeVar("T")
 _MAX_PENALIZED = 1024  # peers remembered as penalized (bounded memory)
 _MAX_GOOD = 4096  # peers remembered as having committed an exchange here
+_PER_ROUND = 4  # exchanges one key may start with this node per round of this node
+_ROUND_AT_MOST_S = 30.0  # ... or per this long, when the node's rounds stop (training ended)
 _ABORT_WRITE_S = 1.0  # a failed exchange's last write (the Abort, or the payload write in flight)
 
 
@@ -104,8 +106,27 @@ class GossipTransport:
         # inbound slots
         self._good: OrderedDict[str, None] = OrderedDict()  # at most _MAX_GOOD
         self.reserved_inbound = max(1, gossip.max_inbound // 2)
+        # key -> (round, its start, exchanges started in it)
+        self._this_round: OrderedDict[str, tuple[int, float, int]] = OrderedDict()
         # called with every committed exchange and its wall time, either role
         self.on_commit: Callable[[Outcome, float], None] | None = None
+
+    def _admit_this_round(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` may start another exchange here this round: at most
+        ``_PER_ROUND`` a round of this node (an honest peer starts about
+        exchanges_per_round / peers with it; a member's keys took seven a second each, and
+        serving them halved the node's own training: issue 39)."""
+        now, clock = self.engine.state.rounds, time.monotonic()
+        at, since, count = self._this_round.get(peer_id, (now, clock, 0))
+        if at != now or clock - since > _ROUND_AT_MOST_S:  # a node that stopped training
+            at, since, count = now, clock, 0
+        if count >= _PER_ROUND:
+            return False
+        self._this_round[peer_id] = (at, since, count + 1)
+        self._this_round.move_to_end(peer_id)
+        while len(self._this_round) > _MAX_GOOD:
+            self._this_round.popitem(last=False)
+        return True
 
     def inbound_limit(self, peer_id: str) -> int:
         """How many inbound exchanges may run when ``peer_id``'s would start: the base limit,
@@ -251,7 +272,7 @@ class GossipTransport:
             limit = self.inbound_limit(peer)
             if (not self.accepting or self.inbound >= limit
                     or peer in self.inflight or peer in self.penalized()
-                    or self.block_penalized(peer, block)):
+                    or self.block_penalized(peer, block) or not self._admit_this_round(peer)):
                 actions = session.refused()
         if session.stage is Stage.REJECTED:
             self.stats.rejected_inbound += 1
