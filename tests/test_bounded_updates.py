@@ -9,9 +9,12 @@ keep training, and keep its loss.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import random
 import struct
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from gasloc_p2p.core.wire import payload_digest
 from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from gasloc_p2p.protocol.blame import Ledger
+from gasloc_p2p.protocol.blame import Ledger, PushMeter
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import (
     GuardRule,
@@ -625,3 +628,45 @@ def test_the_ledger_blames_the_keys_that_pushed_along_the_rise_not_the_honest_on
     rise = 0.3 * push + 0.05 * torch.randn_like(push)  # what moved the node since round 5
     assert sorted(k for k, _ in ledger.culprits(5, rise)) == ["evil1", "evil2"]
     assert ledger.culprits(5, torch.zeros_like(push)) == []
+
+
+def test_the_push_meter_lets_honest_pulls_through_and_holds_a_push_in_one_direction():
+    """A push that fits every round's budget still adds up (issue 39); the meter bounds the
+    sum of what gossip moved a node by over its last rounds, on private sampled blocks."""
+    torch.manual_seed(1)
+    meter = PushMeter(blocks=4, rounds=32)
+    runs = meter.runs(0, 100_000, 1024)
+    k = sum(n for _, n in runs)
+    assert len(runs) == 4 and all(s % 1024 == 0 for s, _ in runs) and k == 4096
+    assert meter.runs(0, 100_000, 1024) == runs and PushMeter().runs(0, 100_000, 1024) != runs
+    limit = 1.0  # RMS
+    for r in range(200):  # honest: pulls now one way, now another (about independent)
+        step = 0.15 * torch.randn(k)
+        f = meter.room(0, 1024, r, step, limit)
+        assert f == 1.0, r
+        meter.add(0, 1024, r, f * step)
+    assert meter.level(0) < 0.8 * limit
+    push = torch.randn(k)
+    push = 0.5 * push / push.pow(2).mean().sqrt()  # half the limit a round, one direction
+    pushed = torch.zeros(k, dtype=torch.float64)
+    for r in range(200, 400):
+        f = meter.room(0, 1024, r, push, limit)
+        meter.add(0, 1024, r, f * push)
+        pushed += f * push.double()
+    assert meter.level(0) <= limit * 1.001
+    along = float(pushed @ push.double()) / float(push.double() @ push.double()) * 0.5
+    assert along < 0.25 * 200 * 0.5  # a quarter of what the budget let through, at most
+    assert meter.along(0, 1024, push) > 0.4  # it points on along G: a push, not a pull
+    assert meter.along(0, 1024, 0.15 * torch.randn(k)) == 0.0
+
+
+def test_a_node_serves_one_key_a_few_exchanges_a_round():
+    from gasloc_p2p.node.transport import exchange as ex
+
+    engine = SimpleNamespace(state=SimpleNamespace(rounds=3), guard=None)
+    transport = SimpleNamespace(engine=engine, _this_round=OrderedDict())
+    admit = functools.partial(ex.GossipTransport._admit_this_round, transport)
+    assert [admit("k") for _ in range(ex._PER_ROUND + 2)] == [True] * ex._PER_ROUND + [False] * 2
+    assert admit("other")  # per key
+    engine.state.rounds = 4
+    assert admit("k")  # the next round
