@@ -447,7 +447,6 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
 
 
 async def _status(args: argparse.Namespace) -> dict[str, Any]:
-    from gasloc_p2p.node.discovery.base import run_key
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery
     from gasloc_p2p.node.runtime.identity import build_membership
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
@@ -467,7 +466,7 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         try:
             if not args.run_id:  # the run of the node asked, from the manifest it serves
                 args.run_id = await _run_of(dht, args.peers) or NodeConfig().discovery.run_id
-                dht.key = run_key(args.run_id)
+                dht.use_run(args.run_id)
             peers = await dht.peers()
         finally:
             await dht.stop()
@@ -504,15 +503,10 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _run_of(dht: Any, peers: list[str]) -> str:
     """The run id of the manifest the first of ``peers`` serves ("" if none)."""
-    from gasloc_p2p.node.manifest import Manifest
+    from gasloc_p2p.node.cli_run import served_manifest
 
-    text = await dht.ask_manifest(peers[0].rsplit("/p2p/", 1)[-1])
-    if not text:
-        return ""
-    try:
-        return Manifest.from_json(text, "manifest").run_id
-    except ConfigError:
-        return ""
+    manifest = await served_manifest(dht, peers[0])
+    return manifest.run_id if manifest is not None else ""
 
 
 async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,

@@ -105,6 +105,12 @@ class HivemindDiscovery(Discovery):
         self._dht: Any = None
         self._pipe_lock = threading.Lock()  # the DHT's request pipe is not thread-safe
 
+    def use_run(self, run_id: str) -> None:
+        """Read and write ``run_id``'s records from now on (a one-shot command that learns
+        the run after the start: ``status``, ``revoke``). The DHT process's validator keeps
+        the start's run; records of other keys pass it, and their readers check them."""
+        self.key, self.revoked_key = run_key(run_id), revocation_key(run_id)
+
     @property
     def dht(self) -> Any:
         """The running ``hivemind.DHT`` (None before start and after stop)."""
