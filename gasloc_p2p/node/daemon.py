@@ -41,6 +41,7 @@ from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost
 from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
+from gasloc_p2p.node.state_dir import dht_identity
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
@@ -85,7 +86,8 @@ class Node:
         d = cfg.discovery
         self.discovery = discovery or HivemindDiscovery(
             d.run_id, cfg.network.host, d.dht_port, d.peers, d.dht_timeout_s,
-            d.dht_start_timeout_s, client_mode=cfg.network.client_mode)
+            d.dht_start_timeout_s, client_mode=cfg.network.client_mode,
+            identity_path=dht_identity(cfg))
         # the node's identity: an ed25519 key (--identity-file or its invitation, else new at
         # each start; its peer id derives from it) and its membership of the swarm
         self.membership = build_membership(cfg.network, joining=bool(d.peers))

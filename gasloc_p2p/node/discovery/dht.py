@@ -92,7 +92,11 @@ class HivemindDiscovery(Discovery):
     """Discovery over a hivemind DHT started in a child process (with its p2pd)."""
 
     def __init__(self, run_id: str, host: str, port: int, initial_peers: Sequence[str],
-                 timeout_s: float, start_timeout_s: float, client_mode: bool = False) -> None:
+                 timeout_s: float, start_timeout_s: float, client_mode: bool = False,
+                 identity_path: str = "") -> None:
+        """``identity_path``: the DHT's libp2p key file (made at the first start), so its
+        peer id, and the multiaddrs others bootstrap from, survive restarts ("": a new key at
+        each start)."""
         self.key = run_key(run_id)
         self.revoked_key = revocation_key(run_id)
         self.host, self.port = host, port
@@ -100,6 +104,7 @@ class HivemindDiscovery(Discovery):
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.client_mode = client_mode
+        self.identity_path = identity_path
         self.peer_id = ""  # the node's key-derived id (use_identity), else the DHT's
         self.dht_peer_id = ""  # libp2p id of the DHT node (bootstrap multiaddrs)
         self._dht: Any = None
@@ -171,10 +176,14 @@ class HivemindDiscovery(Discovery):
 
     def _start_once(self, hivemind: Any, maddr: str, validator: Any, wait_s: float) -> None:
         """One DHT process, ready within ``wait_s`` (else shut down: TimeoutError)."""
+        # hivemind's check that a kept identity is not in use elsewhere starts a second p2pd
+        # and dials the swarm at every start: one node holds its key file (state_dir's lock)
+        identity = ({"identity_path": self.identity_path, "check_if_identity_free": False}
+                    if self.identity_path else {})
         self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
                                  client_mode=self.client_mode, start=True, await_ready=False,
                                  shutdown_timeout=DHT_SHUTDOWN_GRACE_S,
-                                 record_validators=[validator])
+                                 record_validators=[validator], **identity)
         try:
             # in slices: a DHT process that dies before it is ready never answers, and waiting
             # out the attempt for it would spend half the start timeout on a corpse
