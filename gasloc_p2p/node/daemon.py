@@ -25,7 +25,13 @@ import grpc
 
 from gasloc_p2p import __version__
 from gasloc_p2p.core.codecs import CODEC_NAMES
-from gasloc_p2p.node.config import AlgorithmConfig, DiscoveryConfig, NodeConfig, TrainConfig
+from gasloc_p2p.node.config import (
+    AlgorithmConfig,
+    ConfigError,
+    DiscoveryConfig,
+    NodeConfig,
+    TrainConfig,
+)
 from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
 from gasloc_p2p.node.discovery.dht import HivemindDiscovery
 from gasloc_p2p.node.manifest import Manifest
@@ -141,6 +147,11 @@ class Node:
         if self.manifest is not None:  # a node that joins with --peers alone asks for it
             await self.discovery.serve_manifest(self.manifest.to_json())
         stack.push_async_callback(_timed, "discovery stop", self.discovery.stop)
+        if self.signer.admission is not None:  # a revoked member stops before it trains alone
+            with contextlib.suppress(Exception):  # unread here: the periodic refresh tries
+                await self._refresh_revocations()
+            if self.revoked():
+                raise ConfigError(self.revoked())
         me_id = self.signer.peer_id
         trainer = self.trainer = await asyncio.to_thread(
             Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
@@ -425,6 +436,19 @@ class Node:
         latest = admission.revocations.latest
         if latest is not None and (found is None or found.issued < latest.issued):
             await self.discovery.publish_revocations(latest)
+        if self.revoked() and not self.error and self.trainer is not None:
+            self.error = self.revoked()
+            log.error("%s; shutting the node down", self.error)
+            self.request_stop()
+
+    def revoked(self) -> str:
+        """One line if the swarm's owner revoked this node (else "")."""
+        admission = self.signer.admission
+        if admission is None or not admission.revocations.revoked(self.signer.peer_id,
+                                                                  time.time()):
+            return ""
+        return (f"the owner of this swarm revoked this node ({self.signer.peer_id}): every "
+                "member refuses it; ask the owner for a new invitation (--invitation)")
 
     async def _refresh_peers(self) -> None:
         peers = self.filter(await self.discovery.peers())
