@@ -77,8 +77,12 @@ def test_a_member_whose_invitation_holds_its_key_keeps_its_dht_key_in_the_state_
         tmp_path, monkeypatch):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from gasloc_p2p.protocol.membership import Invitation, expires_in, public_bytes, \
-        write_invitation
+    from gasloc_p2p.protocol.membership import (
+        Invitation,
+        expires_in,
+        public_bytes,
+        write_invitation,
+    )
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     owner, key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
