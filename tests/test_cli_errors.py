@@ -149,3 +149,28 @@ def test_a_checkpoint_dir_that_cannot_be_a_directory_names_the_flag(tmp_path):
     assert one_line(result) == (f"gasloc-node join: error: --checkpoint-dir={blocker / 'ckpt'}: "
                                 "cannot use it as a directory (Not a directory); pass another "
                                 "one")
+
+
+def test_an_expired_or_damaged_invitation_is_one_line(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from gasloc_p2p.protocol.membership import Invitation, public_bytes, write_invitation
+    from tests.node_helpers import damage_invitation
+
+    owner, key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    expired = tmp_path / "expired.invite"
+    write_invitation(str(expired), Invitation.issue(owner, public_bytes(key), time.time() - 60),
+                     key.private_bytes_raw())
+    good = tmp_path / "good.invite"
+    write_invitation(str(good), Invitation.issue(owner, public_bytes(key), time.time() + 3600),
+                     key.private_bytes_raw())
+    damage_invitation(tmp_path / "damaged.invite", good)
+    for name, problem in (("expired", "expired on "), ("damaged", "a damaged invitation (its "
+                                                                  "signature does not verify)")):
+        path = tmp_path / f"{name}.invite"
+        result, seconds = run_cli("join", "--invitation", str(path), "--host", "127.0.0.1",
+                                  "--metrics-port", "-1")
+        assert result.returncode == 2, result.stderr
+        assert one_line(result).startswith(f"gasloc-node join: error: --invitation={path}: "
+                                           f"{problem}")
+        assert seconds < 30, "before the DHT starts"
