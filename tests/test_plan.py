@@ -135,6 +135,7 @@ def test_plan_llama_1b_on_a_24gb_card(tmp_path):
     long = run_plan(*model, "--precision", "bf16", "--micro-batch", "1", "--seq-len", "8192",
                     "--no-activation-checkpointing")
     assert long.returncode == 1 and "does NOT fit in 24.0 GiB" in long.stdout, long.stdout
+    check_a_plan_that_does_not_fit(long.stdout, model)
     # the network line: an int8 exchange of 1.2B parameters is 1.24 GB, 993 s at 10 Mbit/s
     # (the time the node's deadlines add: docs/running.md); an fp32 DiLoCo sync 8 x as much
     payload = CodecSpec.parse("int8").codec().wire_bytes(1_235_814_400)
@@ -144,6 +145,26 @@ def test_plan_llama_1b_on_a_24gb_card(tmp_path):
     sync = run_plan(*model, "--algorithm", "diloco", "--min-link-mbps", "100")
     assert (f"a sync uploads up to {8 * 1_235_814_400 / 1e9:,.2f} GB (an all-reduce of the "
             f"fp32 vector): {8 * 1_235_814_400 * 8 / 1e8:,.0f} s") in sync.stdout, sync.stdout
+
+
+def check_a_plan_that_does_not_fit(out: str, model: tuple[str, ...]) -> None:
+    """A plan that does not fit says by how much, what it assumed, and which one change makes
+    it fit: each change it names, planned, fits."""
+    lines = out.splitlines()
+    assert lines[1] == ("assumed: --precision bf16 --micro-batch 1 --seq-len 8192 "
+                        "--no-activation-checkpointing, on a GPU (--cpu: a CPU node)"), out
+    total = float(out.split("device total ")[1].split(" GiB")[0])
+    short = float(out.split("of device memory: ")[1].split(" GiB short")[0])
+    assert short == pytest.approx(total - 24.0, abs=0.01)
+    suggested = [line for line in lines if line.startswith("it fits with ")]
+    assert len(suggested) == 1, out
+    changes = [c.split(" (")[0].split() for c in suggested[0].removeprefix(
+        "it fits with ").split("; or ")]
+    assert ["--seq-len", "1024"] in changes, changes  # 2048 does not fit: the largest that does
+    for change in changes:
+        done = run_plan(*model, "--precision", "bf16", "--micro-batch", "1", "--seq-len", "8192",
+                        "--no-activation-checkpointing", *change)
+        assert done.returncode == 0 and "fits in 24.0 GiB" in done.stdout, (change, done.stdout)
 
 
 def test_plan_refuses_bad_input_in_one_line():
