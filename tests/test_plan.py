@@ -279,3 +279,29 @@ def test_a_device_out_of_memory_at_start_is_one_line_and_exit_2(monkeypatch, cap
     assert err.startswith("gasloc-node join: error: the device ran out of memory at start "
                           "(it asked for 2.00 GiB with 1.20 GiB free of 23.65 GiB)"), err
     assert "drop --compile" in err and "--precision bf16" in err
+
+
+def test_a_node_says_what_it_builds_and_refuses_what_host_memory_cannot_hold(
+        corpus, monkeypatch, caplog):
+    """Before building its model a node logs its size and host memory (the plan's figures),
+    and refuses one that needs more than the machine has, before building anything."""
+    import logging
+
+    from gasloc_p2p.node import daemon
+    from gasloc_p2p.node.config import ConfigError
+    from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
+    from tests.daemon_helpers import tiny_config
+    from tests.node_helpers import run
+
+    monkeypatch.setattr(daemon, "available_host_memory", lambda: 64 << 30)
+    huge = tiny_config(corpus, n_layer=48, n_embd=8192, n_head=64)  # 38.7B parameters
+    node = daemon.Node(huge, InMemoryDiscovery(InMemoryRegistry(), "gasloc", "a"))
+    with pytest.raises(ConfigError, match=r"^--model gpt: building it needs about [\d.]+ GiB of "
+                                          r"host memory and this machine has 64\.0 GiB "
+                                          r"available .*: choose a smaller model \(--n-layer"):
+        run(node.start(), timeout_s=60)
+    assert node.trainer is None  # refused before the build
+    with caplog.at_level(logging.INFO, logger="gasloc_p2p.node.daemon"):
+        daemon.Node(tiny_config(corpus))._before_build("cpu", 256)
+    assert "building the model gpt on cpu: 0.1M parameters; host memory about" in caplog.text
+    assert "(64.0 GiB available)" in caplog.text

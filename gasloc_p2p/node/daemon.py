@@ -156,7 +156,7 @@ class Node:
         trainer = self.trainer = await asyncio.to_thread(
             Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
             self.train_stats, self.mode.trainer_round_end(), self.mode.keeps_anchor,
-            self.ranks)
+            self.ranks, self._before_build)
         trainer.checkpoint_dir = cfg.checkpoint.checkpoint_dir
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
@@ -188,6 +188,34 @@ class Node:
         log.info("node %s up: gRPC %s, model %d params (%s), %d fragment(s), codec %s, "
                  "metrics %s", me_id, self.endpoint, trainer.flat.numel, trainer.fingerprint[:12],
                  len(trainer.fragments), cfg.gossip.codec, self.metrics.url or "off")
+
+    def _before_build(self, device: str, vocab: int) -> None:
+        """Say what is built and how much host memory it takes; ConfigError if that is more
+        than this machine has (before minutes of building: docs/running.md)."""
+        from gasloc_p2p.node import plan
+
+        t = self.cfg.train
+        try:
+            shape, steady, peak = plan.host_need(self.cfg, device, vocab, self.mode.keeps_anchor)
+        except (ValueError, ImportError, OSError) as exc:  # a hub model: known once fetched
+            log.info("building the model %s on %s (its size is known once it is fetched: %s)",
+                     t.model, device, exc)
+            return
+        have = available_host_memory()
+        log.info("building the model %s on %s: %.1fM parameters; host memory about %.2f GiB "
+                 "while training, %.2f GiB at most while building it%s", t.model, device,
+                 shape.numel / 1e6, steady / plan.GiB, peak / plan.GiB,
+                 f" ({have / plan.GiB:.1f} GiB available)" if have is not None else "")
+        if have is not None and peak > have:
+            from gasloc_p2p.model_spec import BUILTIN
+
+            smaller = ("a smaller model (--n-layer, --n-embd)" if t.model in BUILTIN else
+                       f"a smaller model (`gasloc-node plan --model {t.model}"
+                       f"{' --cpu' if device == 'cpu' else ''}` shows where it goes)")
+            raise ConfigError(
+                f"--model {t.model}: building it needs about {peak / plan.GiB:.1f} GiB of host "
+                f"memory and this machine has {have / plan.GiB:.1f} GiB available (free memory "
+                f"and swap): choose {smaller} or a machine with more memory")
 
     async def stop(self) -> None:
         """Stop everything in reverse start order; safe to call twice."""
@@ -566,6 +594,18 @@ class Node:
         if m.role == "keyed":
             return ["  swarm    keyed: members hold the --swarm-key secret"]
         return ["  swarm    OPEN (--open): any key can join, exchange and download the model"]
+
+
+def available_host_memory() -> int | None:
+    """Bytes this machine can give a new allocation now: MemAvailable + SwapFree from
+    /proc/meminfo (None where there is none to read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                      if line.split(":")[0] in ("MemAvailable", "SwapFree")}
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(fields.values()) if "MemAvailable" in fields else None
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]], recheck_s: float = 1.0) -> None:
