@@ -100,6 +100,8 @@ def run_join(args: argparse.Namespace) -> int:
         from gasloc_p2p.node.cli_run import resolve
 
         check_bootstrap_peers(tuple(getattr(args, "peers", None) or ()))  # before dialing
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # imports done (cli.main)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         manifest = resolve(args, fetch=not check)  # --check downloads nothing
         cfg = build_config(args, run=manifest.rule() if manifest is not None else None)
         check_bootstrap_peers(cfg.discovery.peers)
@@ -273,8 +275,12 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = N
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(executor)
-    node = Node(cfg, manifest=manifest, ranks=ranks)
-    signals = 0
+    try:  # its files: the invitation, the keys
+        node = Node(cfg, manifest=manifest, ranks=ranks)
+    except (OSError, ValueError) as exc:
+        print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    signals, starting, up = 0, asyncio.current_task(), False
     deadline = _StopDeadline(cfg.network.stop_deadline_s)
 
     def on_signal() -> None:
@@ -285,15 +291,23 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = N
         log.info("stopping (signal received; again to force)")
         deadline.arm()
         node.request_stop()
+        if not up and starting is not None:  # the start (a DHT, a model build) ends at once
+            starting.cancel()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
         async with node:
+            up = True
             addrs = await node.discovery.visible_addrs()
             print(startup_block(node, addrs), flush=True)
             await node.wait()
             deadline.arm()  # also when a step or time limit ends the run
+    except asyncio.CancelledError:
+        if up or not signals:
+            raise
+        log.info("stopped while starting")
+        return 130
     except (DataError, ConfigError) as exc:  # the data flags cannot be read, --compile
         print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)  # cannot build
         return 2

@@ -129,8 +129,15 @@ class HivemindDiscovery(Discovery):
 
     async def start(self) -> None:
         # the thread bounds each attempt itself; the grace covers shutting a hung one down
-        await asyncio.wait_for(asyncio.to_thread(self._start),
-                               self.start_timeout_s + 2 * DHT_SHUTDOWN_GRACE_S + 5.0)
+        starting = asyncio.ensure_future(asyncio.wait_for(
+            asyncio.to_thread(self._start), self.start_timeout_s + 2 * DHT_SHUTDOWN_GRACE_S + 5.0))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:  # a stop while starting: the DHT process it forked
+            with contextlib.suppress(BaseException):  # must not outlive this one
+                await starting
+            await self.stop()
+            raise
 
     def _start(self) -> None:
         import hivemind  # heavy import, only where a DHT is used
@@ -142,6 +149,10 @@ class HivemindDiscovery(Discovery):
         # unless the user asked for its logs (GOLOG_LOG_LEVEL) or for hivemind's debug output.
         if os.environ.get("HIVEMIND_LOGLEVEL", "").upper() != "DEBUG":
             os.environ.setdefault("GOLOG_LOG_LEVEL", "fatal")
+        if self.identity_path and not os.path.exists(self.identity_path):  # made here: quiet
+            from hivemind.p2p import P2P
+
+            P2P.generate_identity(self.identity_path)
         maddr = f"/ip{6 if ':' in self.host else 4}/{self.host}/tcp/{self.port}"
         # our records are checked inside the DHT too: honest DHT nodes refuse to store a forged
         # or overwriting record, and drop one that another DHT node returns
