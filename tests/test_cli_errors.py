@@ -16,10 +16,11 @@ CLI = [sys.executable, "-m", "gasloc_p2p.cli"]
 ENV = dict(os.environ, HIVEMIND_LOGLEVEL="ERROR")
 
 
-def run_cli(*args: str, timeout_s: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+def run_cli(*args: str, timeout_s: float = 60, env: dict[str, str] | None = None
+            ) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.monotonic()
     result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout_s,
-                            env=ENV)
+                            env={**ENV, **(env or {})})
     return result, time.monotonic() - start
 
 
@@ -174,3 +175,19 @@ def test_an_expired_or_damaged_invitation_is_one_line(tmp_path):
         assert one_line(result).startswith(f"gasloc-node join: error: --invitation={path}: "
                                            f"{problem}")
         assert seconds < 30, "before the DHT starts"
+
+
+def test_a_hub_dataset_without_the_hub_fails_fast_in_one_line(tmp_path):
+    """No way to the Hugging Face hub (here: its endpoint refuses; on a machine without
+    internet, its name does not resolve): one line at once, not the hub client's retries
+    (25 lines over 28 s)."""
+    result, seconds = run_cli("--log-level", "WARNING", "join", "--host", "127.0.0.1",
+                              "--data", "hf:someone/stories", "--metrics-port", "-1",
+                              env={"HF_ENDPOINT": "http://127.0.0.1:1", "HF_HUB_OFFLINE": "",
+                                   "HF_DATASETS_OFFLINE": ""})
+    assert result.returncode == 2, result.stderr
+    assert one_line(result) == (
+        "gasloc-node join: error: --data 'hf:someone/stories': cannot reach the Hugging Face "
+        "hub at 127.0.0.1:1 (Connection refused); check this machine's network (or "
+        "HF_ENDPOINT), or pass a local copy of the data")
+    assert seconds < 25, f"{seconds:.0f} s"
