@@ -367,11 +367,13 @@ def startup_block(node: Any, addrs: list[str]) -> str:
     """What a user needs from a node that just started, in one block: its gRPC endpoint (for
     ``status --endpoint``), its DHT multiaddrs (for ``join --peers``), its metrics URL, and the
     line other nodes paste."""
-    hint = node.join_hint(addrs)
+    client = node.cfg.network.client_mode  # not dialable: never a bootstrap peer
+    hint = node.join_hint(list(node.cfg.discovery.peers) if client else addrs)
     lines = [f"node {node.discovery.peer_id} is up ({node.cfg.outer.algorithm}, run "
              f"{node.cfg.discovery.run_id!r})",
              f"  grpc     {node.endpoint}",
-             *[f"  dht      {a}" for a in addrs[:3]],
+             *(["  dht      client mode: dials out only (not a bootstrap peer)"] if client else
+               [f"  dht      {a}" for a in addrs[:3]]),
              f"  metrics  {node.metrics.url or 'off (--metrics-port -1)'}",
              *_rank_lines(node),
              f"  status   gasloc-node status --endpoint {node.endpoint}",
@@ -381,6 +383,8 @@ def startup_block(node: Any, addrs: list[str]) -> str:
              *node.membership_lines(), *_run_lines(node)]
     if not node.cfg.discovery.peers:
         lines += ["new swarm; other nodes join with:", f"  {hint}"]
+    elif client:
+        lines += ["joined; other nodes join through the peers this node joined:", f"  {hint}"]
     else:
         lines += ["joined; other nodes may also join with:", f"  {hint}"]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import random
+import shlex
 import socket
 import threading
 import time
@@ -25,13 +26,7 @@ import grpc
 
 from gasloc_p2p import __version__
 from gasloc_p2p.core.codecs import CODEC_NAMES
-from gasloc_p2p.node.config import (
-    AlgorithmConfig,
-    ConfigError,
-    DiscoveryConfig,
-    NodeConfig,
-    TrainConfig,
-)
+from gasloc_p2p.node.config import ConfigError, NodeConfig
 from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
 from gasloc_p2p.node.discovery.dht import HivemindDiscovery
 from gasloc_p2p.node.manifest import Manifest
@@ -561,26 +556,18 @@ class Node:
         return pb.InfoReply(**fields)
 
     def join_hint(self, addrs: list[str]) -> str:
-        """A ready-to-paste command: the run id and model flags (if not defaults) and peers;
-        with a manifest, only the credential the run needs (the rest comes from it)."""
+        """A ready-to-paste command: with a manifest, the credential the run needs (the rest
+        comes from it); without, every run setting not at its default too (what a node needs
+        to train the same run: the manifest's fields, the data first among them; tuning with
+        no flag as its ``GASLOC_*`` variable before the command), then the peers."""
         if self.manifest is not None:
             needs = {"closed": ["--invitation", "FILE"], "keyed": ["--swarm-key", "FILE"],
                      "open": []}[self.manifest.admission]
             return " ".join(["gasloc-node join", *needs, "--peers", *addrs])
-        extra = []
-        if self.cfg.discovery.run_id != DiscoveryConfig().run_id:
-            extra.append(f"--run-id {self.cfg.discovery.run_id}")
-        if self.cfg.outer.algorithm != AlgorithmConfig().algorithm:
-            extra.append(f"--algorithm {self.cfg.outer.algorithm}")
-        defaults = TrainConfig()
-        for name in ("model", "tokenizer", "seed", "n_layer", "n_embd", "n_head",
-                     "seq_len"):  # the fingerprint
-            value = getattr(self.cfg.train, name)
-            if value != getattr(defaults, name):
-                extra.append(f"--{name.replace('_', '-')} {value}")
+        env, extra = run_flags(self.cfg)
         extra += {"owner": ["--invitation", "FILE"], "member": ["--invitation", "FILE"],
                   "keyed": ["--swarm-key", "FILE"], "open": ["--open"]}[self.membership.role]
-        return " ".join(["gasloc-node join", *extra, "--peers", *addrs])
+        return " ".join([*env, "gasloc-node join", *extra, "--peers", *addrs])
 
     def membership_lines(self) -> list[str]:
         """How this node takes part and how others may, for the start-up block."""
@@ -594,6 +581,33 @@ class Node:
         if m.role == "keyed":
             return ["  swarm    keyed: members hold the --swarm-key secret"]
         return ["  swarm    OPEN (--open): any key can join, exchange and download the model"]
+
+
+def run_flags(cfg: NodeConfig) -> tuple[list[str], list[str]]:
+    """(``GASLOC_X=value`` assignments, ``--flag value`` words) of every setting of ``cfg``'s
+    run that is not at its default: the run id, the manifest's fields
+    (:data:`~gasloc_p2p.node.manifest.RUN_FIELDS`) and the batch split."""
+    from gasloc_p2p.node.manifest import RUN_FIELDS
+    from gasloc_p2p.node.settings import env_name, options
+
+    base, opts = NodeConfig(), options()
+    env: list[str] = []
+    flags = ([] if cfg.discovery.run_id == base.discovery.run_id else
+             ["--run-id", shlex.quote(cfg.discovery.run_id)])
+    for name in (*RUN_FIELDS, "batch_size", "grad_accum"):
+        o = opts[name]
+        value = getattr(getattr(cfg, o.section), name)
+        if value == getattr(getattr(base, o.section), name):
+            continue
+        text = (",".join(value) if isinstance(value, tuple) else
+                str(value).lower() if isinstance(value, bool) else str(value))
+        if o.advanced:
+            env.append(f"{env_name(o)}={shlex.quote(text)}")
+        elif o.kind is bool:
+            flags.append(o.cli if value else "--no-" + o.cli[2:])
+        else:
+            flags += [o.cli, shlex.quote(text)]
+    return env, flags
 
 
 def available_host_memory() -> int | None:
