@@ -62,7 +62,7 @@ def add_member_parsers(sub: Any) -> None:
                    help="keep each revocation this many days (at least the invitation's life)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="overall deadline, seconds")
     _owner_flag(p)
-    p.set_defaults(func=run_revoke)
+    p.set_defaults(func=run_revoke, exit_at_once=True)
 
     p = sub.add_parser("id", help="print a node key's peer id and public key",
                        description="Print the peer id and public key of --identity-file "

@@ -74,7 +74,7 @@ def add_status_parser(sub: Any) -> None:
                         "answer health only)")
     p.add_argument("--owner-key", default="", metavar="FILE",
                    help="a closed swarm: its owner key")
-    p.set_defaults(func=run_status)
+    p.set_defaults(func=run_status, exit_at_once=True)
 
 
 def _fail_config(command: str, exc: Exception) -> int:
@@ -455,12 +455,12 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
     if isinstance(exc, TimeoutError):
         return (f"no answer within --timeout-s={args.timeout_s:g}; check --endpoint/--peers "
                 "and that the node is running")
-    if isinstance(exc, OSError):  # no TLS answer (the node's certificate is fetched first)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, OSError) and args.endpoint:  # no TLS answer (its certificate first)
         return (f"no gasloc node answered at {args.endpoint} ({exc.strerror or exc}); check "
                 "--endpoint: the node's gRPC host:port, printed when it starts")
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if isinstance(exc, LookupError):
-        return exc.args[0] if exc.args else text
+    if isinstance(exc, LookupError | ConnectionError):  # its own line names --peers
+        return text
     return f"{type(exc).__name__}: {text}"
 
 
@@ -470,7 +470,7 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
 
     report: dict[str, Any] = {"swarm": [], "info": None}
-    endpoint, cert = args.endpoint, b""
+    endpoint, cert, info = args.endpoint, b"", None
     # a throwaway key: enough for an open swarm; a keyed swarm also needs its secret, a closed
     # one an invitation (or the owner key, which invites the throwaway key)
     signer = build_membership(NetworkConfig(
@@ -492,16 +492,16 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
                            | {"codecs": list(p.codecs)} for p in peers]
         wanted = getattr(args, "node_id", None)
         if wanted:  # the multiaddr names the node's DHT id: ask each listed node for its own
-            endpoint, cert = await _endpoint_of_dht_id(peers, wanted, signer, args)
+            endpoint, cert, info = await _endpoint_of_dht_id(peers, wanted, signer, args)
         elif endpoint is None:  # the header describes the node asked: the first of --peers
             asked = args.peers[0].rsplit("/p2p/", 1)[-1]
             try:
-                endpoint, cert = await _endpoint_of_dht_id(peers, asked, signer, args)
+                endpoint, cert, info = await _endpoint_of_dht_id(peers, asked, signer, args)
             except LookupError as exc:  # a bare DHT peer, or a node not announced yet
                 report["note"] = f"no node header: {exc}"
         else:
             cert = next((p.cert for p in peers if p.endpoint == endpoint), b"")
-    if endpoint:
+    if endpoint and info is None:
         from gasloc_p2p.node.transport.tls import fetch_certificate
 
         if not cert:  # --endpoint alone: trust the certificate the node presents
@@ -511,6 +511,7 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
             info = await fetch_info(channels.stub(endpoint, cert), args.timeout_s / 2, signer)
         finally:
             await channels.close()
+    if info is not None:
         from google.protobuf.json_format import MessageToDict
 
         report["info"] = MessageToDict(info, preserving_proto_field_name=True,
@@ -528,8 +529,9 @@ async def _run_of(dht: Any, peers: list[str]) -> str:
 
 
 async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
-                              args: argparse.Namespace) -> tuple[str, bytes]:
-    """The gRPC endpoint and certificate of the listed node whose DHT id is ``wanted``."""
+                              args: argparse.Namespace) -> tuple[str, bytes, Any]:
+    """The gRPC endpoint, certificate and Info of the listed node whose DHT id is
+    ``wanted``."""
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
 
     channels = PeerChannels(NetworkConfig())
@@ -541,7 +543,7 @@ async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
             except Exception:  # noqa: BLE001 - an unreachable node is simply not the one
                 continue
             if info.dht_peer_id == wanted:
-                return str(p.endpoint), p.cert
+                return str(p.endpoint), p.cert, info
     finally:
         await channels.close()
     raise LookupError(f"no node with DHT id {wanted} announces itself in run {args.run_id!r} "
