@@ -63,9 +63,10 @@ HUB_PROBE_TIMEOUT_S = 5.0
 
 def hub_problem(name: str, timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     """Why the hub that serves dataset ``name`` cannot be reached from here (None: a TCP
-    connection to it opens, ``name`` is a local folder, or the hub's offline mode is on). One
-    connection, bounded: ``datasets`` would retry for about 30 s, a warning per try."""
-    if Path(name).exists() or any(os.environ.get(v, "").strip() not in ("", "0") for v in (
+    connection to it opens, ``name`` is a local folder or a path to one, or the hub's offline
+    mode is on). One connection, bounded: ``datasets`` would retry for about 30 s, a warning
+    per try."""
+    if name.startswith(("/", ".", "~")) or Path(name).exists() or any(os.environ.get(v, "").strip() not in ("", "0") for v in (
             "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return None
     endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
