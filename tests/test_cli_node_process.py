@@ -49,7 +49,9 @@ def test_startup_block_status_by_multiaddr_and_a_quiet_ctrl_c(tmp_path: Path):
         metrics = re.search(r"^  metrics  (http://127\.0\.0\.1:\d+/metrics)$", block, re.M)
         assert grpc and dht and metrics, block
         assert f"  status   gasloc-node status --endpoint {grpc.group(1)}" in block
-        assert re.search(rf"^  gasloc-node join .*--peers {re.escape(dht.group(1))}", block, re.M)
+        # the run's settings without a flag come first, as GASLOC_* (eval_batches here)
+        assert re.search(rf"^  GASLOC_EVAL_BATCHES=1 gasloc-node join .*--peers "
+                         rf"{re.escape(dht.group(1))}", block, re.M), block
 
         owner = ["--owner-key", os.path.join(os.environ["XDG_DATA_HOME"], "gasloc_p2p",
                                              "owner.key")]  # the node owns a closed swarm
