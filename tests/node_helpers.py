@@ -235,3 +235,15 @@ def plain_dht(addrs: list | None = None) -> Any:
         except TimeoutError:
             dht.shutdown()
     raise AssertionError("a hivemind DHT did not start in 3 attempts")
+
+
+def damage_invitation(path: Path, invitation_file: Path) -> None:
+    """``invitation_file`` with one bit of its owner's key flipped (past the 16 hex digits
+    messages show), written to ``path``."""
+    import base64
+
+    lines = invitation_file.read_text().splitlines()
+    raw = bytearray(base64.b64decode(lines[1].split()[1]))
+    raw[20] ^= 1
+    lines[1] = "invitation " + base64.b64encode(bytes(raw)).decode()
+    path.write_text("\n".join(lines) + "\n")

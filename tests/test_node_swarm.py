@@ -33,7 +33,8 @@ def test_swarm_of_processes(tmp_path):
                     for i in range(2)]
         nodes += [seed, *controls]
         hint = seed.join_hint()
-        assert "--n-layer 2 --n-embd 64 --seq-len 64 --open --peers /ip4/127.0.0.1/tcp/" in hint
+        assert f"--data {corpus} " in hint and "--n-layer 2 --n-embd 64 --seq-len 64" in hint
+        assert " --open --peers /ip4/127.0.0.1/tcp/" in hint
         maddrs = hint.split("--peers ")[1].split()
         gossip = [seed] + [NodeProc(f"g{i}", tmp_path, [*data, "--peers", *maddrs])
                            for i in (1, 2)]

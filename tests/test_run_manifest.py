@@ -100,6 +100,14 @@ def test_a_closed_run_needs_an_invitation_from_its_own_owner(tmp_path):
     with pytest.raises(ConfigError, match="an invitation from owner .* but run r\\w+ is owned"):
         build(m, invitation=str(tmp_path / "theirs.invite"))
     assert build(m, invitation=str(tmp_path / "ok.invite")).discovery.run_id == m.run_id
+    # one bit of the owner's key flipped past the digits messages show: not "an invitation
+    # from owner X, but run is owned by X", but what it is
+    from tests.node_helpers import damage_invitation
+
+    damage_invitation(tmp_path / "damaged.invite", tmp_path / "ok.invite")
+    with pytest.raises(ConfigError, match=r"^--invitation=\S+: a damaged invitation \(its "
+                                          r"signature does not verify\)$"):
+        build(m, invitation=str(tmp_path / "damaged.invite"))
 
 
 def test_init_then_join_with_peers_alone_trains_the_manifests_run(tmp_path):

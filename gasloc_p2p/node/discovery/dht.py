@@ -92,7 +92,11 @@ class HivemindDiscovery(Discovery):
     """Discovery over a hivemind DHT started in a child process (with its p2pd)."""
 
     def __init__(self, run_id: str, host: str, port: int, initial_peers: Sequence[str],
-                 timeout_s: float, start_timeout_s: float, client_mode: bool = False) -> None:
+                 timeout_s: float, start_timeout_s: float, client_mode: bool = False,
+                 identity_path: str = "") -> None:
+        """``identity_path``: the DHT's libp2p key file (made at the first start), so its
+        peer id, and the multiaddrs others bootstrap from, survive restarts ("": a new key at
+        each start)."""
         self.key = run_key(run_id)
         self.revoked_key = revocation_key(run_id)
         self.host, self.port = host, port
@@ -100,10 +104,17 @@ class HivemindDiscovery(Discovery):
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.client_mode = client_mode
+        self.identity_path = identity_path
         self.peer_id = ""  # the node's key-derived id (use_identity), else the DHT's
         self.dht_peer_id = ""  # libp2p id of the DHT node (bootstrap multiaddrs)
         self._dht: Any = None
         self._pipe_lock = threading.Lock()  # the DHT's request pipe is not thread-safe
+
+    def use_run(self, run_id: str) -> None:
+        """Read and write ``run_id``'s records from now on (a one-shot command that learns
+        the run after the start: ``status``, ``revoke``). The DHT process's validator keeps
+        the start's run; records of other keys pass it, and their readers check them."""
+        self.key, self.revoked_key = run_key(run_id), revocation_key(run_id)
 
     @property
     def dht(self) -> Any:
@@ -118,8 +129,15 @@ class HivemindDiscovery(Discovery):
 
     async def start(self) -> None:
         # the thread bounds each attempt itself; the grace covers shutting a hung one down
-        await asyncio.wait_for(asyncio.to_thread(self._start),
-                               self.start_timeout_s + 2 * DHT_SHUTDOWN_GRACE_S + 5.0)
+        starting = asyncio.ensure_future(asyncio.wait_for(
+            asyncio.to_thread(self._start), self.start_timeout_s + 2 * DHT_SHUTDOWN_GRACE_S + 5.0))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:  # a stop while starting: the DHT process it forked
+            with contextlib.suppress(BaseException):  # must not outlive this one
+                await starting
+            await self.stop()
+            raise
 
     def _start(self) -> None:
         import hivemind  # heavy import, only where a DHT is used
@@ -131,6 +149,10 @@ class HivemindDiscovery(Discovery):
         # unless the user asked for its logs (GOLOG_LOG_LEVEL) or for hivemind's debug output.
         if os.environ.get("HIVEMIND_LOGLEVEL", "").upper() != "DEBUG":
             os.environ.setdefault("GOLOG_LOG_LEVEL", "fatal")
+        if self.identity_path and not os.path.exists(self.identity_path):  # made here: quiet
+            from hivemind.p2p import P2P
+
+            P2P.generate_identity(self.identity_path)
         maddr = f"/ip{6 if ':' in self.host else 4}/{self.host}/tcp/{self.port}"
         # our records are checked inside the DHT too: honest DHT nodes refuse to store a forged
         # or overwriting record, and drop one that another DHT node returns
@@ -165,10 +187,14 @@ class HivemindDiscovery(Discovery):
 
     def _start_once(self, hivemind: Any, maddr: str, validator: Any, wait_s: float) -> None:
         """One DHT process, ready within ``wait_s`` (else shut down: TimeoutError)."""
+        # hivemind's check that a kept identity is not in use elsewhere starts a second p2pd
+        # and dials the swarm at every start: one node holds its key file (state_dir's lock)
+        identity = ({"identity_path": self.identity_path, "check_if_identity_free": False}
+                    if self.identity_path else {})
         self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
                                  client_mode=self.client_mode, start=True, await_ready=False,
                                  shutdown_timeout=DHT_SHUTDOWN_GRACE_S,
-                                 record_validators=[validator])
+                                 record_validators=[validator], **identity)
         try:
             # in slices: a DHT process that dies before it is ready never answers, and waiting
             # out the attempt for it would spend half the start timeout on a corpse

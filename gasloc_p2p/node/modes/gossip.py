@@ -285,7 +285,8 @@ class GossipLoop:
         self.exchanger.stats.failures[f"outbound:{type(exc).__name__}"] += 1
         base = self.cfg.backoff_s * (1 if self.exchanger.known_good(peer.peer_id) else 4)
         seconds = self.book.failed(peer, base, self.cfg.max_backoff_s)
-        log.debug("exchange with %s failed (backoff %.0f s): %s", safe(peer.peer_id), seconds, exc)
+        self.exchanger.reasons("outbound", f"exchange with {safe(peer.peer_id)}", exc)
+        log.debug("backing %s off for %.0f s", safe(peer.peer_id), seconds)
 
 
 class ConnectFailed(ExchangeError):

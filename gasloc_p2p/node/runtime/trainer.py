@@ -170,14 +170,17 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, outer: AsyncConfig, fragments: int,
                  lock: TrainingLock, stats: TrainStats,
                  round_end: Callable[[], None] | None = None, keep_anchor: bool = False,
-                 ranks: RankGroup | None = None) -> None:
+                 ranks: RankGroup | None = None,
+                 before_build: Callable[[str, int], None] | None = None) -> None:
         """``round_end``: the mode's outer update, called by :meth:`step` every
         ``inner_steps`` after the step, without the lock (it may wait on the network); None:
         the GASLoC update ``AsyncGaslocState.round_end``, inside the H-th step's lock hold (no
         exchange or checkpoint can fall between a round's last step and its round end).
         ``keep_anchor``: the mode reads the anchor even where the momentum form does not.
         ``ranks``: this process is rank 0 of a multi-rank node (:mod:`.ranks`): the other
-        ranks build their replicas with this one and follow its steps."""
+        ranks build their replicas with this one and follow its steps. ``before_build``:
+        called with the device type and the vocabulary size once the data is read, before the
+        model is built (the node says what it builds, and refuses what cannot fit)."""
         self.cfg = cfg
         self.ranks = ranks
         self._ranks_lost = False  # a collective failed: the other ranks are not to be waited on
@@ -192,6 +195,8 @@ class Trainer:
             torch.set_float32_matmul_precision("high")  # TF32 where float32 products remain
         self.host = torch.device("cpu")  # the outer state's home, pinned beside a GPU
         self.data = load_data(cfg, cfg.seed)  # first: the tokenizer sets the vocabulary
+        if before_build is not None:
+            before_build(self.device.type, self.data.tokenizer.vocab_size)
         if ranks is not None:  # the other ranks build the same replica
             ranks.share(cfg)
             ranks.share(self.data.tokenizer.vocab_size)

@@ -30,6 +30,7 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.node.config import GossipConfig
 from gasloc_p2p.node.stats import ExchangeStats
 from gasloc_p2p.node.transport.ratelimit import TokenBucket
+from gasloc_p2p.node.transport.reasons import FailureReasons
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import (
     Action,
@@ -92,6 +93,7 @@ class GossipTransport:
         self.cfg = gossip  # also builds self.rules
         self.bucket = bucket or TokenBucket.from_mbps(gossip.max_upload_mbps, MAX_CHUNK_BYTES)
         self.stats = stats or ExchangeStats()
+        self.reasons = FailureReasons()  # why exchanges fail, logged once per reason
         self.inflight: set[str] = set()  # peers with an exchange in flight, either role
         self.inbound = 0
         self.accepting = True
@@ -484,7 +486,7 @@ class GossipTransport:
     def _fail(self, where: str, exc: BaseException) -> None:
         self.stats.failed += 1
         self.stats.failures[f"{where}:{type(exc).__name__}"] += 1
-        log.debug("%s exchange failed: %s", where, exc)
+        self.reasons(where, f"{where} exchange", exc)
 
 
 class RateGuard:
