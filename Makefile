@@ -31,7 +31,7 @@ MYPY := $(PY) -m mypy gasloc_p2p
 # Two workers; tests that start swarms of processes run one after another on one of them
 # (tests/conftest.py). PYTEST_WORKERS=0: one process, as plain `pytest`.
 PYTEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
 
 typecheck: setup
 	@$(STEP) "typecheck: mypy" -- $(MYPY)

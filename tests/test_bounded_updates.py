@@ -664,9 +664,11 @@ def test_a_node_serves_one_key_a_few_exchanges_a_round():
     from gasloc_p2p.node.transport import exchange as ex
 
     engine = SimpleNamespace(state=SimpleNamespace(rounds=3), guard=None)
-    transport = SimpleNamespace(engine=engine, _this_round=OrderedDict())
+    per = 4
+    transport = SimpleNamespace(engine=engine, _this_round=OrderedDict(),
+                                cfg=SimpleNamespace(key_exchanges_per_round=per))
     admit = functools.partial(ex.GossipTransport._admit_this_round, transport)
-    assert [admit("k") for _ in range(ex._PER_ROUND + 2)] == [True] * ex._PER_ROUND + [False] * 2
+    assert [admit("k") for _ in range(per + 2)] == [True] * per + [False] * 2
     assert admit("other")  # per key
     engine.state.rounds = 4
     assert admit("k")  # the next round

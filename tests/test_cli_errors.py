@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests.node_helpers import KNOB, scaled
+
 CLI = [sys.executable, "-m", "gasloc_p2p.cli"]
 ENV = dict(os.environ, HIVEMIND_LOGLEVEL="ERROR")
 
@@ -19,8 +21,12 @@ ENV = dict(os.environ, HIVEMIND_LOGLEVEL="ERROR")
 def run_cli(*args: str, timeout_s: float = 60, env: dict[str, str] | None = None
             ) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.monotonic()
-    result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout_s,
-                            env={**ENV, **(env or {})})
+    try:
+        result = subprocess.run([*CLI, *args], capture_output=True, text=True,
+                                timeout=scaled(timeout_s), env={**ENV, **(env or {})})
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"gasloc-node {' '.join(args[:2])} ran past {exc.timeout:.0f} s "
+                             f"({KNOB})") from None
     return result, time.monotonic() - start
 
 
@@ -63,7 +69,7 @@ def test_a_port_in_use_names_its_flag(flag, what):
     line = one_line(result)
     assert line == (f"gasloc-node join: error: cannot listen on 127.0.0.1:{port} for {what} "
                     f"(Address already in use): choose another {flag} (0: any free port)")
-    assert seconds < 30, "the check must come before the DHT starts"
+    assert seconds < scaled(30), "the check must come before the DHT starts"
 
 
 GOOD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmXpQZ5i5WGi6pgc3yXfELRRtZmkXo8Nqkp1UG3ziodZxX"
@@ -80,7 +86,7 @@ def test_joining_without_a_credential_is_refused_in_one_line(flags, problem):
     assert result.returncode == 2
     line = one_line(result)
     assert line.startswith(f"gasloc-node join: error: {problem}"), line
-    assert seconds < 30
+    assert seconds < scaled(30)
 
 
 TYPOS = {"sim": ("--wrkers", "--workers"), "join": ("--max_steps", "--max-steps"),
@@ -174,7 +180,7 @@ def test_an_expired_or_damaged_invitation_is_one_line(tmp_path):
         assert result.returncode == 2, result.stderr
         assert one_line(result).startswith(f"gasloc-node join: error: --invitation={path}: "
                                            f"{problem}")
-        assert seconds < 30, "before the DHT starts"
+        assert seconds < scaled(30), "before the DHT starts"
 
 
 def test_a_hub_dataset_without_the_hub_fails_fast_in_one_line(tmp_path):
@@ -190,4 +196,4 @@ def test_a_hub_dataset_without_the_hub_fails_fast_in_one_line(tmp_path):
         "gasloc-node join: error: --data 'hf:someone/stories': cannot reach the Hugging Face "
         "hub at 127.0.0.1:1 (Connection refused); check this machine's network (or "
         "HF_ENDPOINT), or pass a local copy of the data")
-    assert seconds < 25, f"{seconds:.0f} s"
+    assert seconds < scaled(25), f"{seconds:.0f} s"

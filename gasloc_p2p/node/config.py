@@ -76,6 +76,9 @@ class GossipConfig:
     fragment_order: str = opt("round-robin", f"fragment choice: {' | '.join(FRAGMENT_ORDERS)}",
                               advanced=True)
     exchanges_per_round: float = opt(2.0, "mean exchanges this node starts per round (0: none)")
+    key_exchanges_per_round: int = opt(8, "exchanges one key may start with this node per "
+                                       "round of this node (or per 30 s once it stops "
+                                       "training; 0: no limit)", advanced=True)
     max_inbound: int = opt(4, "inbound exchanges served at once; more are answered BUSY",
                            advanced=True)
     max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)",

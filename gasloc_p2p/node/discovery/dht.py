@@ -72,13 +72,29 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 async def _install_parent_watchdog(_dht: Any, node: Any, parent_pid: int,
                                    period_s: float) -> None:
     """Runs inside the DHT process: if the node process dies (even by SIGKILL), shut the DHT
-    and its p2pd down instead of leaving orphans. Module level: it is pickled by name."""
+    and its p2pd down instead of leaving orphans. Module level: it is pickled by name. (The
+    node's pid, not the DHT's parent: a DHT started through a fork server has the server as
+    its parent.)"""
 
     async def watch() -> None:
-        while os.getppid() == parent_pid:
+        while _alive(parent_pid):
             await asyncio.sleep(period_s)
         try:
             await asyncio.wait_for(node.shutdown(), 5.0)
@@ -86,6 +102,47 @@ async def _install_parent_watchdog(_dht: Any, node: Any, parent_pid: int,
             os._exit(0)
 
     node._gasloc_watchdog = asyncio.get_running_loop().create_task(watch())
+
+
+START_METHOD = "GASLOC_DHT_START"  # "forkserver": DHT processes from a clean fork server
+
+
+def dht_class(hivemind: Any) -> Any:
+    """hivemind's DHT, or with ``GASLOC_DHT_START=forkserver`` one started by a fork server:
+    hivemind forks its DHT process from the node's, and a fork of a process with threads
+    (the test runner's, after hundreds of tests) can inherit a lock held by another thread
+    and crash (seen as SIGSEGV in CI). The server is a fresh interpreter that has imported
+    hivemind and started no thread; the tests use it (the node's own start forks before its
+    threads do work)."""
+    if os.environ.get(START_METHOD) != "forkserver":
+        return hivemind.DHT
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["hivemind"])  # (once the server runs: no effect)
+    return __getattr__("ServedDHT")
+
+
+_SERVED: list[Any] = []
+
+
+def __getattr__(name: str) -> Any:
+    """``ServedDHT``, made on first use (it subclasses hivemind's DHT, imported lazily) and
+    found by this name when a fork server's child unpickles it."""
+    if name != "ServedDHT":
+        raise AttributeError(name)
+    if not _SERVED:
+        from multiprocessing.context import ForkServerProcess
+
+        import hivemind
+
+        class ServedDHT(hivemind.DHT):
+            @staticmethod
+            def _Popen(process_obj: Any) -> Any:
+                return ForkServerProcess._Popen(process_obj)
+
+        ServedDHT.__qualname__ = "ServedDHT"
+        _SERVED.append(ServedDHT)
+    return _SERVED[0]
 
 
 class HivemindDiscovery(Discovery):
@@ -191,7 +248,8 @@ class HivemindDiscovery(Discovery):
         # and dials the swarm at every start: one node holds its key file (state_dir's lock)
         identity = ({"identity_path": self.identity_path, "check_if_identity_free": False}
                     if self.identity_path else {})
-        self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
+        self._dht = dht_class(hivemind)(initial_peers=self.initial_peers or None,
+                                        host_maddrs=[maddr],
                                  client_mode=self.client_mode, start=True, await_ready=False,
                                  shutdown_timeout=DHT_SHUTDOWN_GRACE_S,
                                  record_validators=[validator], **identity)

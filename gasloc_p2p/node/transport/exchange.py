@@ -67,7 +67,6 @@ Write = Callable[[pb.ExchangeMsg], Awaitable[None]]
 T = TypeVar("T")
 _MAX_PENALIZED = 1024  # peers remembered as penalized (bounded memory)
 _MAX_GOOD = 4096  # peers remembered as having committed an exchange here
-_PER_ROUND = 4  # exchanges one key may start with this node per round of this node
 _ROUND_AT_MOST_S = 30.0  # ... or per this long, when the node's rounds stop (training ended)
 _ABORT_WRITE_S = 1.0  # a failed exchange's last write (the Abort, or the payload write in flight)
 
@@ -115,14 +114,16 @@ class GossipTransport:
 
     def _admit_this_round(self, peer_id: str) -> bool:
         """Whether ``peer_id`` may start another exchange here this round: at most
-        ``_PER_ROUND`` a round of this node (an honest peer starts about
+        ``key_exchanges_per_round`` a round of this node (an honest peer starts about
         exchanges_per_round / peers with it; a member's keys took seven a second each, and
         serving them halved the node's own training: issue 39)."""
+        if self.cfg.key_exchanges_per_round <= 0:
+            return True
         now, clock = self.engine.state.rounds, time.monotonic()
         at, since, count = self._this_round.get(peer_id, (now, clock, 0))
         if at != now or clock - since > _ROUND_AT_MOST_S:  # a node that stopped training
             at, since, count = now, clock, 0
-        if count >= _PER_ROUND:
+        if count >= self.cfg.key_exchanges_per_round:
             return False
         self._this_round[peer_id] = (at, since, count + 1)
         self._this_round.move_to_end(peer_id)
