@@ -10,7 +10,9 @@ the other worker takes the in-process tests. Two swarms never compete for the tw
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -21,6 +23,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as the CLI: no C-core INFO li
 os.environ.setdefault("GASLOC_DHT_START", "forkserver")
 # owner keys of nodes that start a closed swarm go here, not into the user's home (children too)
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="gasloc-test-data-")
+atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], ignore_errors=True)
 
 from tests.daemon_helpers import write_corpus
 

@@ -613,6 +613,11 @@ def test_a_steady_rise_of_the_loss_is_caught_where_no_jump_is():
     assert 20 <= caught <= 80 and not watch.near_best()  # up 4-16%: caught
     watch.reset()
     assert not watch.risen()  # judged again from the best, after the rollback
+    for x in rising[caught:]:  # the rise goes on; a node that pushed nothing takes the level
+        watch.implausible(x)
+    assert watch.risen()
+    watch.rebase()
+    assert not watch.risen() and watch.near_best()
 
 
 def test_the_ledger_blames_the_keys_that_pushed_along_the_rise_not_the_honest_ones():

@@ -142,8 +142,10 @@ def test_init_then_join_with_peers_alone_trains_the_manifests_run(tmp_path):
         assert len({i.validation_set for i in infos}) == 1 and str(corpus) in (
             nodes[1].tail(20000, stdout=True))  # the joiner names the run's data
         assert all(i.exchanges_ok_initiator + i.exchanges_ok_responder for i in infos), infos
-        status = subprocess.run([*CLI, "status", "--peers", *peers, "--json"],
-                                capture_output=True, text=True, timeout=scaled(60), env=env)
+        status = subprocess.run([*CLI, "status", "--peers", *peers, "--json", "--timeout-s",
+                                 str(scaled(30))], capture_output=True, text=True,
+                                timeout=scaled(60), env=env)
+        assert status.returncode == 0, status.stderr
         report = json.loads(status.stdout)  # the run of the node asked, from its manifest
         assert report["info"]["run_id"] == run_id and len(report["swarm"]) == 3, report
         refused = subprocess.run([*CLI, "join", "--peers", *peers, "--lr", "0.5"],

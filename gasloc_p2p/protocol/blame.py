@@ -52,10 +52,17 @@ class Ledger:
         self.positions = (torch.randperm(numel, generator=gen)[:k] if numel <= 4 * k
                           else torch.randint(numel, (k,), generator=gen)).sort().values
         self._entries: deque[Entry] = deque(maxlen=keep)
+        self.last_round = -1  # the round of the latest committed exchange (-1: none yet)
 
     def record(self, round_: int, key: str, block: str, moved: torch.Tensor) -> None:
         """Exchange with ``key`` committed in round ``round_``, moving the sample by ``moved``."""
         self._entries.append(Entry(round_, key, block, moved.detach().float().cpu()))
+        self.last_round = max(self.last_round, round_)
+
+    def moved_since(self, round_: int) -> bool:
+        """Whether an exchange committed in round ``round_`` or later (entries dropped for
+        room count too)."""
+        return self.last_round >= round_
 
     def culprits(self, since_round: int, rise: torch.Tensor, min_z: float = 4.0,
                  min_share: float = 0.02) -> list[tuple[str, str]]:

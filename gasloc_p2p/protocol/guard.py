@@ -438,6 +438,12 @@ class LossWatch:
             self._average = best
             self._averages.append(best)
 
+    def rebase(self) -> None:
+        """Take the current average as the best (a rise that was the node's own doing: the
+        rise rule judges what comes next against it)."""
+        self._averages.clear()
+        self._averages.extend([self._average] * self.smooth)
+
     def limit(self) -> float:
         """The loss beyond which a step is rolled back now (inf while warming up)."""
         if self.jump <= 0 or len(self._recent) < self.warmup:

@@ -385,6 +385,7 @@ class GossipMode(Mode):
                 engine.ledger = Ledger(trainer.state.theta.numel())
                 trainer.losses = LossWatch(rise=cfg.gossip.guard_loss_rise)
                 trainer.on_rollback = _blamer(engine.guard, engine.ledger)
+                trainer.moved_since = engine.ledger.moved_since
         self.book = PeerBook(ctx.me.peer_id, ctx.clock)
         self.book.update(ctx.peers())
         self.loop = GossipLoop(self._exchanger, self.book, ctx.channels, cfg.gossip, cfg.network,

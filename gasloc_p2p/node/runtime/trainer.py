@@ -262,6 +262,9 @@ class Trainer:
         # a rollback for a rise of the loss (LossWatch.risen) first tells the gossip mode what
         # moved the node since the good copy: (theta now, the good copy, its round)
         self.on_rollback: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
+        # whether a peer's exchange moved the node since a round (the rise rule undoes pushes:
+        # a rise with none since the good copy is the node's own training, kept)
+        self.moved_since: Callable[[int], bool] | None = None
         self._late: tuple[torch.Tensor, int] | None = None  # CUDA: (loss, tokens) to read
 
     def placement(self) -> list[Placed]:
@@ -438,9 +441,13 @@ class Trainer:
         if self.losses.implausible(value):
             self._roll_back(value, jump=math.isfinite(value))
             return value
-        if self.losses.risen():  # pushed uphill under every limit: undo it, blame who did
-            self._roll_back(value, jump=True, rise=True)
-            return value
+        if self.losses.risen():
+            if self.moved_since is None or self.moved_since(self._good_round):
+                self._roll_back(value, jump=True, rise=True)  # pushed uphill: undo, blame
+                return value
+            self.losses.rebase()  # the node's own training rose (its data, its schedule)
+            log.debug("the loss's average rose with no exchange since round %d: kept",
+                      self._good_round)
         dt = time.perf_counter() - t0
         st.step_time_s = dt if st.step_time_s == 0 else _EMA * st.step_time_s + (1 - _EMA) * dt
         st.timed_steps += 1
