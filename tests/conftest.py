@@ -23,9 +23,10 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as the CLI: no C-core INFO li
 os.environ.setdefault("GASLOC_DHT_START", "forkserver")
 # owner keys of nodes that start a closed swarm go here, not into the user's home (children too)
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="gasloc-test-data-")
-atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], ignore_errors=True)
 
 from tests.daemon_helpers import write_corpus
+
+atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], ignore_errors=True)
 
 # A quiet machine of the CI kind runs the probe below in about this long (2 cores, 2026-11).
 PROBE_QUIET_S = 0.15
