@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -27,8 +26,10 @@ from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
+    NodeServer,
     PeerChannels,
     PreauthPool,
+    ServeLimits,
     StateSnapshot,
     start_server,
 )
@@ -104,7 +105,7 @@ class Peer:
     state: AsyncGaslocState
     engine: ExchangeEngine
     exchanger: GossipTransport
-    server: grpc.aio.Server
+    server: NodeServer
     endpoint: str
     channels: PeerChannels
     tls: TlsIdentity
@@ -136,12 +137,14 @@ class Peer:
 
 async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
                     fingerprint: str = FINGERPRINT, outer: AsyncConfig | None = None,
-                    swarm_key: bytes = b"", signer: Signer | None = None) -> Peer:
+                    swarm_key: bytes = b"", signer: Signer | None = None,
+                    net: NetworkConfig | None = None) -> Peer:
     """A peer whose live parameters are ``theta0`` plus seeded noise (a different drift).
 
     Its peer id is derived from a fresh ed25519 key (``name`` only names it in the Info
     reply); ``swarm_key``: the shared secret its signatures are keyed with; ``signer``: its
-    key and membership instead (a closed swarm's member: :func:`member_signer`)."""
+    key and membership instead (a closed swarm's member: :func:`member_signer`); ``net``: its
+    server's network settings (gate, pre-authentication limits)."""
     t0 = theta0()
     outer = outer or AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
     theta = t0 + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
@@ -160,10 +163,11 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
     def info() -> pb.InfoReply:  # step and peers: only an authenticated caller sees them
         return pb.InfoReply(peer_id=me.peer_id, software_version=name, step=7, peers=["x"])
 
-    servicer = GossipServicer(me, exchanger, info, snapshot)
-    net = NetworkConfig()
+    net = net or NetworkConfig()
+    servicer = GossipServicer(me, exchanger, info, snapshot, ServeLimits(
+        net.preauth_streams, net.preauth_timeout_s))
     tls = TlsIdentity.generate(me.peer_id)
-    server, port = await start_server(servicer, "127.0.0.1", 0, net, gossip.max_inbound, tls)
+    server, port = await start_server(servicer, "127.0.0.1", 0, net, tls)
     return Peer(me, state, engine, exchanger, server, f"127.0.0.1:{port}", PeerChannels(net),
                 tls, servicer)
 

@@ -360,7 +360,9 @@ def test_idle_streams_cannot_make_info_fail_nor_hold_the_exchange_slots():
                 info = await fetch_info(stub, scaled(2), a.me.signer)
                 assert info.ok and info.authenticated
             print(f"5 Info calls under 30 idle streams in {time.monotonic() - t0:.3f} s")
-            await wait_until(lambda: b.preauth.displaced >= 22, what="B drops the oldest")
+            # one connection carries 16 calls at once (the rest wait in the client): 16 reached
+            # B, which keeps 8 of them
+            await wait_until(lambda: b.preauth.displaced >= 8, what="B drops the oldest")
             assert len(b.preauth) <= 8
             for call in idle:
                 call.cancel()
