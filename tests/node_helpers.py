@@ -7,11 +7,12 @@ a slow machine needs one knob.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import os
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -187,6 +188,35 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(a[key], b[key]), f"{key} changed"
         else:
             assert a[key] == b[key], f"{key}: {a[key]} != {b[key]}"
+
+
+@contextlib.asynccontextmanager
+async def relay_from(source: str, endpoint: str) -> AsyncIterator[str]:
+    """A local TCP relay to ``endpoint`` whose connections come from ``source`` (a loopback
+    address such as 127.1.0.1: another address block than the peers' 127.0.0.1); yields the
+    relay's endpoint. gRPC clients cannot pick their source address; TLS passes through."""
+    host, port = endpoint.rsplit(":", 1)
+
+    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        dst.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
 
 
 async def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") -> None:

@@ -5,6 +5,7 @@ open files beyond its share; and the gate's admission rules, without sockets."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -17,7 +18,8 @@ from gasloc_p2p.node.transport.gate import ConnectionTable, GateLimits
 from gasloc_p2p.node.transport.service import fetch_info
 from gasloc_p2p.node.transport.tls import secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
-from tests.node_helpers import make_peer, run, scaled, wait_until
+from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
+from tests.node_helpers import make_peer, relay_from, run, scaled, wait_until
 
 ATTACKER = "127.1.0.1"  # loopback, but another /24 than the members' 127.0.0.1
 
@@ -80,34 +82,36 @@ async def _never() -> AsyncIterator[pb.InfoRequest]:
 
 
 def test_half_open_calls_cannot_starve_a_members_info_nor_an_exchange():
-    """100 Info calls that send their headers and no message, over 7 connections from the
-    members' own address block, with a deadline of their own of 60 s: a member's Info and an
-    exchange still succeed at once, and the node ends every half-open call within its
-    pre-authentication deadline. Before, the calls held 100 of the 88 places of a server-wide
-    cap and both got RESOURCE_EXHAUSTED until the callers' deadline."""
+    """100 Info calls from one address that send their headers and no message, over 7
+    connections, with a deadline of their own of 60 s: a member's Info and an exchange still
+    succeed at once, and the node ends every half-open call within its pre-authentication
+    deadline. Before, the calls held 100 of the 88 places of a server-wide cap and both got
+    RESOURCE_EXHAUSTED until the callers' deadline."""
     async def main():
         deadline = scaled(2.0)
         b = await make_peer("B", 2, net=NetworkConfig(preauth_timeout_s=deadline))
         a = await make_peer("A", 1)
-        channels = [secure_channel(b.endpoint, b.cert, [("grpc.use_local_subchannel_pool", 1)])
-                    for _ in range(7)]
-        calls = []
+        calls, channels = [], []
         try:
-            for channel in channels:
-                half_open = channel.stream_unary(
-                    "/gasloc.v1.Gossip/Info", request_serializer=pb.InfoRequest.SerializeToString,
-                    response_deserializer=pb.InfoReply.FromString)
-                calls += [half_open(_never(), timeout=60) for _ in range(15)]
-            calls = calls[:100]
-            await asyncio.gather(*(c.wait_for_connection() for c in calls))  # headers sent
-            started = time.monotonic()
-            info = await fetch_info(a.stub(b), scaled(2), a.me.signer)
-            assert info.ok and info.authenticated
-            await a.exchange(b)
-            print(f"a member's signed Info and an exchange under 100 half-open calls: "
-                  f"{time.monotonic() - started:.3f} s")
-            codes = await asyncio.wait_for(asyncio.gather(*(c.code() for c in calls)),
-                                           deadline + scaled(5))
+            async with relay_from(ATTACKER, b.endpoint) as via:
+                channels = [secure_channel(via, b.cert, [("grpc.use_local_subchannel_pool", 1)])
+                            for _ in range(7)]
+                for channel in channels:
+                    half_open = channel.stream_unary(
+                        "/gasloc.v1.Gossip/Info",
+                        request_serializer=pb.InfoRequest.SerializeToString,
+                        response_deserializer=pb.InfoReply.FromString)
+                    calls += [half_open(_never(), timeout=60)
+                              for _ in range(min(15, 100 - len(calls)))]
+                await asyncio.gather(*(c.wait_for_connection() for c in calls))  # headers sent
+                started = time.monotonic()
+                info = await fetch_info(a.stub(b), scaled(2), a.me.signer)
+                assert info.ok and info.authenticated
+                await a.exchange(b)
+                print(f"a member's signed Info and an exchange under 100 half-open calls: "
+                      f"{time.monotonic() - started:.3f} s")
+                codes = await asyncio.wait_for(asyncio.gather(*(c.code() for c in calls)),
+                                               deadline + scaled(5))
             ended = set(codes)
             print(f"half-open calls ended with {sorted(c.name for c in ended)}; "
                   f"{b.preauth.displaced} displaced")
@@ -119,6 +123,56 @@ def test_half_open_calls_cannot_starve_a_members_info_nor_an_exchange():
                 call.cancel()
             for channel in channels:
                 await channel.close()
+            await a.close()
+            await b.close()
+
+    run(main())
+
+
+def test_calls_reopened_as_fast_as_they_end_are_cut_off_by_address_block():
+    """An address that opens Exchange streams without a Header as fast as the node ends them
+    (displaced by the next): once its block has spent its budget of unproven calls, the gate
+    closes the connection and refuses the block's new ones for the cool-down, so the node
+    handles a bounded number of such calls; a member from another block still exchanges.
+    Before, the pool displaced them for ever: 630 calls a second from one process cut a
+    node's training to 36% of its steps."""
+    async def main():
+        b = await make_peer("B", 2)
+        a = await make_peer("A", 1)
+        handled = 0
+        try:
+            async with relay_from(ATTACKER, b.endpoint) as via:
+                channel = secure_channel(via, b.cert)
+                stub = pb_grpc.GossipStub(channel)
+                stop = asyncio.Event()
+
+                async def churn() -> None:
+                    nonlocal handled
+                    while not stop.is_set():
+                        call = stub.Exchange(timeout=scaled(10))
+                        with contextlib.suppress(grpc.RpcError):
+                            await call.read()  # BUSY when displaced
+                        handled += 1
+                        if call.done() and await call.code() == grpc.StatusCode.UNAVAILABLE:
+                            await asyncio.sleep(0.05)  # cut off: try again
+
+                churners = [asyncio.create_task(churn()) for _ in range(12)]
+                await wait_until(lambda: b.server.gate.cut >= 1, timeout_s=20,
+                                 what="the gate cuts the churning connection")
+                limits = b.server.gate.limits
+                at_cut = b.preauth.displaced
+                await asyncio.sleep(scaled(1.0))  # the block is cooling down: refused
+                after = b.preauth.displaced - at_cut
+                await a.exchange(b)
+                stop.set()
+                await asyncio.gather(*churners, return_exceptions=True)
+                await channel.close()
+            print(f"churned calls displaced before the cut: {at_cut}, in the next second: "
+                  f"{after}; connections refused {b.server.gate.refused}")
+            assert at_cut <= limits.unproven_burst + 2 * limits.unproven_per_s * scaled(20)
+            assert after <= 12  # at most the calls in flight when the connection was cut
+            assert b.server.gate.refused >= 1
+        finally:
             await a.close()
             await b.close()
 
@@ -181,3 +235,14 @@ def test_the_gate_admits_by_address_block_and_displaces_only_the_busiest():
     table.release(99)  # unknown ids are ignored
     table.release(1)
     assert table.count("a") == 1 and len(table) == 5
+
+
+def test_a_blocks_unproven_calls_spend_a_bucket_and_an_empty_one_cools_the_block():
+    table = ConnectionTable(GateLimits(unproven_per_s=2.0, unproven_burst=3, cooldown_s=10.0))
+    assert all(table.charge("a", 0.0) for _ in range(3))
+    table.refund("a", 0.0)  # a call that proved itself gives its token back
+    assert table.charge("a", 0.0)
+    assert not table.charge("a", 0.0)  # empty: the block cools down
+    assert table.admit("a", 5.0) == (None, None) and table.admit("b", 5.0)[0] is not None
+    assert table.admit("a", 10.5)[0] is not None  # cooled down
+    assert table.charge("a", 10.5)  # refilled at 2 a second meanwhile (at most 3)

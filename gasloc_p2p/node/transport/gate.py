@@ -1,12 +1,12 @@
-"""The node's front door: a TCP gate in front of the gRPC server, bounding connections by source.
+"""The node's front door: a TCP gate in front of the gRPC server, bounding what each source
+holds and what it may spend before it proves anything.
 
-gRPC bounds what a connection may do (streams per connection, a handshake deadline) but not
-how many connections one source holds: 19,800 silent TCP connections from one process held
-19,832 of a node's 20,000 file descriptors. The gate listens on the node's port, counts
-connections per address block (/24, /48: :func:`address_block`) and in all, closes those that
-send nothing within ``first_byte_s``, and relays the rest, still TLS (it sees ciphertext only),
-to the gRPC server on a loopback port. The bytes move in a thread of their own with
-``splice(2)`` through a pipe per direction: the kernel moves them, Python never copies them.
+gRPC bounds what a connection may do (calls per connection, a handshake deadline) but not how
+many connections one source holds: 19,800 silent TCP connections from one process held 19,832
+of a node's 20,000 file descriptors. The gate listens on the node's port, counts connections
+per address block (/24, /48: :func:`address_block`) and in all, closes those that send nothing
+within ``first_byte_s``, and relays the rest, still TLS (it sees ciphertext only), to the
+gRPC server on a loopback port (:mod:`gasloc_p2p.node.transport.relay`).
 
 Rules (:class:`ConnectionTable`, no I/O):
 
@@ -16,6 +16,13 @@ Rules (:class:`ConnectionTable`, no I/O):
   newest); otherwise it is closed. So no source, and no number of sources holding more than
   the newcomer's block, can keep a block out; only one holding as many connections as the
   newcomer's does;
+- every call that has proved nothing yet (an Exchange before its valid Header, an Info or
+  DownloadState before its signed request checks out) spends a token of its block's bucket
+  (``unproven_per_s``, ``unproven_burst``); a call that proves itself gives it back. A call
+  that finds the bucket empty has its connection closed, and the block's new connections are
+  refused for ``cooldown_s``: calls re-opened as fast as the node ends them (630 a second
+  from one process cut a node's training to 36% of its steps) cost the node at most the
+  bucket's rate, and refusing a connection costs it an accept;
 - nothing depends on what a connection claims: the address is the TCP peer's.
 
 gRPC sees every connection from 127.0.0.1; :meth:`Gate.address_of` maps the loopback port of a
@@ -26,36 +33,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
-import os
 import resource
-import select
 import socket
 import struct
-import threading
-from collections import Counter
-from collections.abc import Callable
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from gasloc_p2p.node.transport.relay import FDS_PER_CONNECTION, Relay
 from gasloc_p2p.protocol.guard import address_block
 
 log = logging.getLogger(__name__)
 
-FDS_PER_CONNECTION = 7  # the caller's socket, both ends of the loopback hop, two pipes
-_PIPE_BYTES = 256 * 1024  # per direction; the kernel's default (64 KiB) if refused
-_SPLICE = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
-_BURST = 16  # splices per direction per wake-up, so one fast connection cannot hog the thread
+__all__ = ["FDS_PER_CONNECTION", "ConnectionTable", "Gate", "GateLimits"]
+V = TypeVar("V")
+_MAX_BLOCKS = 4096  # address blocks whose bucket or cool-down is remembered (bounded memory)
 
 
 @dataclass(frozen=True)
 class GateLimits:
-    """Connections the gate admits: in all, per address block, and how long one may stay
-    silent before it is closed (seconds)."""
+    """Connections the gate admits (in all, per address block), how long one may stay silent
+    (seconds), and what a block's calls may spend before they prove anything: tokens per
+    second, the bucket's size, and the cool-down once it is empty (seconds)."""
 
     max_connections: int = 256
     per_block: int = 32
     first_byte_s: float = 3.0
+    unproven_per_s: float = 20.0
+    unproven_burst: int = 100
+    cooldown_s: float = 10.0
 
 
 @dataclass
@@ -66,11 +74,14 @@ class _Entry:
 
 @dataclass
 class ConnectionTable:
-    """Which connections are open, by id and address block; decides admissions (no I/O)."""
+    """Which connections are open, by id and address block, and each block's bucket of
+    unproven calls; decides admissions (no I/O; ``now`` in monotonic seconds)."""
 
     limits: GateLimits
     _entries: dict[int, _Entry] = field(default_factory=dict)  # oldest first
     _blocks: Counter[str] = field(default_factory=Counter)
+    _tokens: OrderedDict[str, tuple[float, float]] = field(default_factory=OrderedDict)
+    _cooling: OrderedDict[str, float] = field(default_factory=OrderedDict)  # block -> until
     _next: int = 0
 
     def __len__(self) -> int:
@@ -79,10 +90,10 @@ class ConnectionTable:
     def count(self, block: str) -> int:
         return self._blocks[block]
 
-    def admit(self, block: str) -> tuple[int | None, int | None]:
+    def admit(self, block: str, now: float = 0.0) -> tuple[int | None, int | None]:
         """A new connection from ``block``: its id (None: close it) and the id of the
         connection it displaces (None: none)."""
-        if self._blocks[block] >= self.limits.per_block:
+        if self._blocks[block] >= self.limits.per_block or self.cooling(block, now):
             return None, None
         victim = None
         if len(self._entries) >= self.limits.max_connections:
@@ -113,178 +124,68 @@ class ConnectionTable:
             if not self._blocks[entry.block]:
                 del self._blocks[entry.block]
 
+    def charge(self, block: str, now: float) -> bool:
+        """A call from ``block`` that has proved nothing starts: take a token. False if the
+        bucket is empty: the block then cools down."""
+        tokens = self._refill(block, now)
+        if tokens >= 1:
+            self._put(self._tokens, block, (tokens - 1, now))
+            return True
+        self._put(self._tokens, block, (tokens, now))
+        self._put(self._cooling, block, now + self.limits.cooldown_s)
+        return False
 
-class _Pump:
-    """One direction of a relayed connection: ``src`` -> a pipe -> ``dst``."""
+    def refund(self, block: str, now: float) -> None:
+        """A call from ``block`` proved itself: its token comes back."""
+        self._put(self._tokens, block, (min(self._refill(block, now) + 1,
+                                            float(self.limits.unproven_burst)), now))
 
-    def __init__(self, src: socket.socket, dst: socket.socket) -> None:
-        self.src, self.dst = src, dst
-        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        with contextlib.suppress(OSError):  # over the user's pipe quota: the default size
-            fcntl.fcntl(self.w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        self.fill = 0  # bytes in the pipe
-        self.eof = False
+    def cooling(self, block: str, now: float) -> bool:
+        """Whether ``block``'s new connections are refused (its bucket ran dry lately)."""
+        until = self._cooling.get(block)
+        if until is None:
+            return False
+        if until > now:
+            return True
+        del self._cooling[block]
+        return False
 
-    def step(self) -> bool:
-        """Move what can move without blocking; False once this direction has ended."""
-        for _ in range(_BURST):
-            try:
-                if self.fill:
-                    self.fill -= os.splice(self.r, self.dst.fileno(), self.fill,
-                                           flags=_SPLICE)
-                    continue
-                if self.eof:
-                    return False
-                moved = os.splice(self.src.fileno(), self.w, _PIPE_BYTES, flags=_SPLICE)
-            except BlockingIOError:
-                return True
-            except OSError:
-                return False
-            if moved == 0:
-                self.eof = True
-            self.fill += moved
-        return True
+    def _refill(self, block: str, now: float) -> float:
+        tokens, at = self._tokens.get(block, (float(self.limits.unproven_burst), now))
+        return min(float(self.limits.unproven_burst),
+                   tokens + (now - at) * self.limits.unproven_per_s)
 
-    def close(self) -> None:
-        os.close(self.r)
-        os.close(self.w)
-
-
-class _Relay:
-    """The thread that moves the bytes of every relayed connection (epoll + splice).
-
-    ``add``, ``drop`` and ``stop`` may be called from any thread; ``on_closed(cid)`` is
-    called from this thread when a connection has ended and its sockets are closed."""
-
-    def __init__(self, on_closed: Callable[[int], None]) -> None:
-        self._on_closed = on_closed
-        self._poll = select.epoll()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._poll.register(self._wake_r, select.EPOLLIN)
-        self._lock = threading.Lock()
-        self._todo: list[tuple[str, int, tuple[socket.socket, socket.socket] | None]] = []
-        self._pairs: dict[int, tuple[_Pump, _Pump]] = {}
-        self._by_fd: dict[int, int] = {}
-        self._thread = threading.Thread(target=self._run, name="gasloc-gate", daemon=True)
-        self._thread.start()
-
-    def _send(self, what: str, cid: int,
-              socks: tuple[socket.socket, socket.socket] | None = None) -> None:
-        with self._lock:
-            self._todo.append((what, cid, socks))
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"x")
-
-    def add(self, cid: int, caller: socket.socket, upstream: socket.socket) -> None:
-        self._send("add", cid, (caller, upstream))
-
-    def drop(self, cid: int) -> None:
-        self._send("drop", cid)
-
-    def stop(self) -> None:
-        self._send("stop", 0)
-        self._thread.join()
-        self._poll.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    def _run(self) -> None:
-        while True:
-            for fd, _ in self._poll.poll():
-                if fd == self._wake_r:
-                    if not self._commands():
-                        for cid in list(self._pairs):
-                            self._end(cid)
-                        return
-                elif (pair := self._by_fd.get(fd)) is not None:
-                    try:
-                        self._step(pair)
-                    except OSError as exc:  # never let one connection stop the thread
-                        log.debug("gate: relayed connection failed: %s", exc)
-                        self._end(pair)
-
-    def _commands(self) -> bool:
-        with contextlib.suppress(BlockingIOError):
-            os.read(self._wake_r, 4096)
-        with self._lock:
-            todo, self._todo = self._todo, []
-        for what, cid, socks in todo:
-            if what == "stop":
-                return False
-            if what == "drop" and cid in self._pairs:
-                self._end(cid)
-            elif what == "add" and socks is not None:
-                try:
-                    self._open(cid, *socks)
-                except OSError as exc:  # out of descriptors for the pipes
-                    log.warning("gate: cannot relay a connection: %s", exc)
-                    if cid in self._pairs:
-                        self._end(cid)
-                    else:
-                        for sock in socks:
-                            sock.close()
-                        self._on_closed(cid)
-        return True
-
-    def _open(self, cid: int, a: socket.socket, b: socket.socket) -> None:
-        there = _Pump(a, b)
-        try:
-            back = _Pump(b, a)
-        except OSError:
-            there.close()
-            raise
-        self._pairs[cid] = (there, back)
-        for sock in (a, b):
-            self._by_fd[sock.fileno()] = cid
-            self._poll.register(sock.fileno(), select.EPOLLIN)
-        self._step(cid)
-
-    def _step(self, cid: int) -> None:
-        pumps = self._pairs[cid]
-        if not all(p.step() for p in pumps):  # either side ended (or failed): close both
-            self._end(cid)
-            return
-        for sock in (pumps[0].src, pumps[1].src):
-            events = 0
-            for p in pumps:
-                if p.src is sock and not p.fill and not p.eof:
-                    events |= select.EPOLLIN
-                if p.dst is sock and p.fill:
-                    events |= select.EPOLLOUT
-            self._poll.modify(sock.fileno(), events)
-
-    def _end(self, cid: int) -> None:
-        pumps = self._pairs.pop(cid, None)
-        if pumps is None:
-            return
-        for sock in (pumps[0].src, pumps[1].src):
-            self._by_fd.pop(sock.fileno(), None)
-            with contextlib.suppress(OSError):
-                self._poll.unregister(sock.fileno())
-            sock.close()
-        for p in pumps:
-            p.close()
-        self._on_closed(cid)
+    @staticmethod
+    def _put(table: OrderedDict[str, V], block: str, value: V) -> None:
+        table.pop(block, None)
+        table[block] = value
+        if len(table) > _MAX_BLOCKS:  # bounded: forget the least recently seen block
+            table.popitem(last=False)
 
 
 class Gate:
     """Accepts on ``host:port``, admits by :class:`ConnectionTable`, relays to ``upstream``
-    (the gRPC server's loopback port). An event-loop object; ``close`` is safe twice."""
+    (the gRPC server's loopback port). An event-loop object; ``close`` is safe twice.
+
+    The servicer reports each call by gRPC's ``peer`` string (``ipv4:127.0.0.1:PORT``, the
+    loopback end of a relayed connection): :meth:`unproven` when it starts, :meth:`proved`
+    once it has proved itself."""
 
     def __init__(self, limits: GateLimits, upstream: tuple[str, int]) -> None:
         self.limits = limits
         self.upstream = upstream
         self.table = ConnectionTable(limits)
         self.port = 0
-        self.refused = 0  # closed at once: their block full, or the gate full
+        self.refused = 0  # closed at once: their block full or cooling down, or the gate full
         self.displaced = 0  # closed to make room for a less busy block
         self.silent = 0  # closed after sending nothing for first_byte_s
-        self._sources: dict[int, str] = {}  # loopback port -> the caller's address
+        self.cut = 0  # closed when a call found its block's bucket empty
+        self._relayed: dict[int, tuple[int, str]] = {}  # loopback port -> (id, caller)
         self._ports: dict[int, int] = {}  # connection id -> its loopback port
         self._waiting: dict[int, asyncio.Task[None]] = {}  # connections before their 1st byte
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
-        self._relay: _Relay | None = None
+        self._relay: Relay | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -296,17 +197,40 @@ class Gate:
         self._listener.setblocking(False)
         self.port = int(self._listener.getsockname()[1])
         ensure_fd_limit(self.limits.max_connections * FDS_PER_CONNECTION)
-        self._relay = _Relay(self._closed_from_thread)
+        self._relay = Relay(self._closed_from_thread)
         self._accepting = asyncio.create_task(self._accept_loop())
         return self.port
 
+    def _connection(self, peer: str) -> tuple[int, str] | None:
+        """(id, caller's address) of the relayed connection gRPC names ``peer``."""
+        port = peer.rpartition(":")[2]
+        return self._relayed.get(int(port)) if port.isdigit() else None
+
     def address_of(self, peer: str) -> str:
-        """The caller's address for gRPC's ``peer`` string (``ipv4:127.0.0.1:PORT``) of a
-        relayed connection; ``peer`` itself for anything else."""
-        host, _, port = peer.rpartition(":")
-        if port.isdigit() and (source := self._sources.get(int(port))) is not None:
-            return source
-        return host or peer
+        """The caller's address for gRPC's ``peer`` string of a relayed connection; the
+        address in ``peer`` itself for anything else."""
+        found = self._connection(peer)
+        return found[1] if found is not None else peer.rpartition(":")[0] or peer
+
+    def unproven(self, peer: str) -> bool:
+        """A call that has proved nothing starts on ``peer``'s connection: False if its
+        block's bucket is empty (the connection is being closed and the block cools down)."""
+        found = self._connection(peer)
+        if found is None:
+            return True
+        cid, host = found
+        if self.table.charge(address_block(host), time.monotonic()):
+            return True
+        self.cut += 1
+        self.table.release(cid)
+        self._drop(cid)
+        return False
+
+    def proved(self, peer: str) -> None:
+        """A call on ``peer``'s connection proved itself: its block gets the token back."""
+        found = self._connection(peer)
+        if found is not None:
+            self.table.refund(address_block(found[1]), time.monotonic())
 
     def stop_accepting(self) -> None:
         if self._accepting is not None:
@@ -338,7 +262,7 @@ class Gate:
             self._admit(sock, str(addr[0]))
 
     def _admit(self, sock: socket.socket, host: str) -> None:
-        cid, victim = self.table.admit(address_block(host))
+        cid, victim = self.table.admit(address_block(host), time.monotonic())
         if victim is not None:
             self.displaced += 1
             self._drop(victim)
@@ -350,6 +274,7 @@ class Gate:
         self._waiting[cid] = asyncio.create_task(self._first_byte(cid, sock, host))
 
     async def _first_byte(self, cid: int, sock: socket.socket, host: str) -> None:
+        """Relay ``sock`` once it has sent a byte; close it if it sends none in time."""
         assert self._loop is not None
         upstream = None
         try:
@@ -375,7 +300,7 @@ class Gate:
         for s in (sock, upstream):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         port = int(upstream.getsockname()[1])
-        self._sources[port], self._ports[cid] = host, port
+        self._relayed[port], self._ports[cid] = (cid, host), port
         self.table.relaying(cid)
         assert self._relay is not None
         self._relay.add(cid, sock, upstream)
@@ -396,8 +321,8 @@ class Gate:
     def _closed(self, cid: int) -> None:
         self.table.release(cid)
         port = self._ports.pop(cid, None)
-        if port is not None:
-            self._sources.pop(port, None)
+        if port is not None and self._relayed.get(port, (None,))[0] == cid:  # not reused yet
+            del self._relayed[port]
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

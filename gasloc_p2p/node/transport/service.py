@@ -25,7 +25,7 @@ import zlib
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -244,6 +244,40 @@ class PreauthPool:
             self._gone.discard(key)
 
 
+class Door(Protocol):
+    """What the servicer asks of the connection a call came on (the :class:`Gate`), by gRPC's
+    ``context.peer()`` string."""
+
+    def address_of(self, peer: str) -> str:
+        """The caller's address."""
+
+    def unproven(self, peer: str) -> bool:
+        """A call that has proved nothing starts; False: its connection is being closed."""
+
+    def proved(self, peer: str) -> None:
+        """The call proved itself (a valid Header, a signed request that checks out)."""
+
+
+class OpenDoor:
+    """A servicer served without a gate (tests, benchmarks): no per-source limits."""
+
+    def address_of(self, peer: str) -> str:
+        return host_of(peer)
+
+    def unproven(self, peer: str) -> bool:
+        return True
+
+    def proved(self, peer: str) -> None:
+        pass
+
+
+def _peer(context: Any) -> str:
+    try:
+        return str(context.peer())
+    except Exception:  # noqa: BLE001 - a test double or a closed call
+        return "?"
+
+
 class GossipServicer(pb_grpc.GossipServicer):
     """Serves Exchange (via the node's :class:`GossipTransport`), Info and DownloadState.
 
@@ -258,8 +292,9 @@ class GossipServicer(pb_grpc.GossipServicer):
     or starve Info. :func:`add_to_server` serves Info and DownloadState as request streams
     (the same bytes on the wire) so that the wait for their request has that deadline.
 
-    ``address_of(peer)``: the caller's address for gRPC's ``context.peer()`` (the gate's
-    mapping behind :func:`start_server`).
+    ``door``: the connection's side of every call (:class:`Door`; the :class:`Gate` behind
+    :func:`start_server`): the caller's address, and each call that has not proved itself yet
+    spends from its address block's budget.
     """
 
     def __init__(self, me: Identity, exchanger: GossipTransport | None,
@@ -279,20 +314,20 @@ class GossipServicer(pb_grpc.GossipServicer):
         self.dht_peer_id = ""  # for bootstrap multiaddrs, in every Info reply (set by the node)
         self._probing = asyncio.Lock()
         self.preauth = PreauthPool(self.limits.preauth_streams)
-        self.address_of: Callable[[str], str] = host_of
-
-    def caller(self, context: Any) -> str:
-        """The caller's address (``?`` if unknown)."""
-        try:
-            return self.address_of(str(context.peer()))
-        except Exception:  # noqa: BLE001 - a test double or a closed call
-            return "?"
+        self.door: Door = OpenDoor()
 
     async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        address = self.caller(context)
+        peer = _peer(context)
+        if not self.door.unproven(peer):
+            return  # its address block is over budget: the gate closes the connection
+        address = self.door.address_of(peer)
         try:
-            async with self.preauth.waiting(address_block(address)) as proved:
-                await self._exchange(context, proved, address)
+            async with self.preauth.waiting(address_block(address)) as arrived:
+                def authenticated() -> None:
+                    arrived()
+                    self.door.proved(peer)
+
+                await self._exchange(context, authenticated, address)
         except Displaced:  # by a newer stream: end the call properly
             await _try_write(context, reject(BUSY, "too many streams waiting"))
 
@@ -316,9 +351,12 @@ class GossipServicer(pb_grpc.GossipServicer):
     async def _first(self, context: grpc.aio.ServicerContext) -> Any:
         """A call's request, within the pre-authentication pool and deadline; aborts the call
         (a status, no reply) if it does not come."""
-        request = None
+        peer, request = _peer(context), None
+        if not self.door.unproven(peer):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "too many calls from this address block")
         try:
-            async with self.preauth.waiting(address_block(self.caller(context))):
+            async with self.preauth.waiting(address_block(self.door.address_of(peer))):
                 request = await asyncio.wait_for(context.read(), self.limits.preauth_timeout_s)
         except Displaced:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls waiting")
@@ -351,6 +389,7 @@ class GossipServicer(pb_grpc.GossipServicer):
                                 peer_id=self.me.peer_id, software_version=__version__, ok=True,
                                 dht_peer_id=self.dht_peer_id,
                                 challenge=self.challenges.issue(now))
+        self.door.proved(_peer(context))
         reply = self.info()
         reply.ok = reply.authenticated = True
         reply.dht_peer_id = self.dht_peer_id
@@ -379,6 +418,7 @@ class GossipServicer(pb_grpc.GossipServicer):
         if problem is not None:
             yield pb.StateChunk(reject=reject(problem.code, problem.message).reject)
             return
+        self.door.proved(_peer(context))
         if not self.downloads.admit():
             yield pb.StateChunk(reject=reject(BUSY, f"serving {self.downloads.limit} state "
                                                     "downloads already; retry later").reject)
@@ -497,7 +537,7 @@ async def start_server(servicer: GossipServicer, host: str, port: int, net: Netw
         await server.stop(0)
         raise OSError(f"cannot listen on {host}:{port} for gRPC ({exc.strerror}): choose "
                       "another --port (0: any free port) or --host") from None
-    servicer.address_of = gate.address_of
+    servicer.door = gate
     return NodeServer(server, gate), bound
 
 
