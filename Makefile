@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
-	bench-chaos bench-poison bench-tamper bench-soak bench-external bench-external-1000 bench-projection bench-engine bench-optim bench-ranks reproduce \
+	bench-chaos bench-poison bench-tamper bench-redteam bench-soak bench-external bench-external-1000 bench-projection bench-engine bench-optim bench-ranks reproduce \
 	gpu-check gpu-plan gpu-next gpu-wheels proto corpus ladder-cpu clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
@@ -31,7 +31,7 @@ MYPY := $(PY) -m mypy gasloc_p2p
 # Two workers; tests that start swarms of processes run one after another on one of them
 # (tests/conftest.py). PYTEST_WORKERS=0: one process, as plain `pytest`.
 PYTEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
 
 typecheck: setup
 	@$(STEP) "typecheck: mypy" -- $(MYPY)
@@ -138,6 +138,12 @@ bench-fuzz: setup
 bench-byzantine: setup
 	$(PY) -m benchmarks.bench_byzantine
 
+# member attacks that know the defence (issue 39), each 10 minutes beside a clean swarm;
+# ATTACKS=farm-push,member-push,... for some of them
+ATTACKS ?= fresh-keys,farm-push,member-push,slow-push,orthogonal
+bench-redteam: setup
+	$(PY) -m benchmarks.bench_redteam --attacks $(ATTACKS)
+
 # an on-path relay: what it reads, changes and replays (about a minute)
 bench-tamper: setup
 	$(PY) -m benchmarks.bench_tamper
@@ -186,7 +192,7 @@ bench-projection: setup
 
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
-	bench-byzantine bench-direction bench-chaos bench-poison bench-tamper bench-soak bench-external \
+	bench-byzantine bench-direction bench-chaos bench-poison bench-tamper bench-redteam bench-soak bench-external \
 	bench-external-1000 bench-projection bench-engine bench-optim bench-ranks
 
 reproduce: setup

@@ -3,7 +3,7 @@ records add up across the rare, short GPU windows the project gets.
 
 A *slice* is at most about 6 minutes on one H100: a few *arms* (configurations) run side by
 side on the one GPU as separate processes (small models leave most of a GPU idle). A slice is
-*done* when its records are in ``docs/results/gpu-queue/SLICE.jsonl`` (JSON Lines: commit,
+*done* when its records are in the folder ``docs/results/gpu-queue/``, one file a slice (JSON Lines: commit,
 device, torch version, seed, config, figures; one line per arm), for the slice's present
 configuration (a resized slice is pending again). So a window runs what is pending, in order,
 and the next window picks up where it stopped; seeds of one experiment are slices of their own

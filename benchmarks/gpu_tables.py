@@ -52,7 +52,7 @@ def page(where: Path = RECORDS, smoke: bool = False) -> str:
     lines = ["# The GPU queue: results so far" + (" (SMOKE SIZE: a check of the code, no "
                                                   "result)" if smoke else ""), "",
              "Written by `python -m benchmarks.gpu_queue tables` from the records in "
-             "[gpu-queue/](gpu-queue/) (one JSON line per arm and window). What each slice is: "
+             "`docs/results/gpu-queue/` (one JSON line per arm and window). What each slice is: "
              "`benchmarks/gpu_plan.py`; `make gpu-plan` prints the queue with its expected "
              "minutes and what is done.", "", HOW]
     groups: dict[str, list[Any]] = {}

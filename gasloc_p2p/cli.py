@@ -6,6 +6,7 @@ import argparse
 import difflib
 import logging
 import os
+import signal
 import sys
 
 # gRPC's C core logs every failed TLS handshake (a peer that is gone, a wrong certificate, a
@@ -139,15 +140,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl+C before a command handles signals itself
+        print("gasloc-node: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    print("gasloc-node: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    # Ctrl+C while the heavy modules load (torch, hivemind: seconds) ends the process at once:
+    # nothing runs yet that needs a stop, and a KeyboardInterrupt raised inside an import was
+    # seen swallowed by a library, leaving a half-imported module that failed the start later.
+    # `join` restores Python's handler after its own imports, the other commands here.
+    interactive = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if interactive:
+        signal.signal(signal.SIGINT, _interrupted)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if interactive and args.command != "join":
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if getattr(args, "func", None) is not None and args.command == "join":
         # a multi-rank node starts its ranks with the same command line
         args.launch_argv = list(sys.argv[1:] if argv is None else argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level, handlers=[handler])
-    return int(args.func(args) or 0)
+    code = int(args.func(args) or 0)
+    if argv is None and getattr(args, "exit_at_once", False):
+        # a one-shot client of the swarm (status, revoke) has closed all it opened: skip the
+        # interpreter's teardown of torch's and gRPC's native state, 1 to 2 s of a 5 s
+        # `status` on a loaded machine (docs/running.md)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -10,23 +10,84 @@ the other worker takes the in-process tests. Two swarms never compete for the tw
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as the CLI: no C-core INFO lines per handshake
+# hivemind DHTs of in-process nodes and helpers start from a clean fork server, never forked
+# from this threaded test process (node/discovery/dht.py: dht_class)
+os.environ.setdefault("GASLOC_DHT_START", "forkserver")
 # owner keys of nodes that start a closed swarm go here, not into the user's home (children too)
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="gasloc-test-data-")
+atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], ignore_errors=True)
 
 from tests.daemon_helpers import write_corpus
+
+# A quiet machine of the CI kind runs the probe below in about this long (2 cores, 2026-11).
+PROBE_QUIET_S = 0.15
+MAX_SCALE = 4.0
+
+
+def _probe_s() -> float:
+    """Seconds of a fixed piece of work (Python and small tensor products), the best of 3."""
+    import time
+
+    import torch
+
+    best = float("inf")
+    a = torch.ones(96, 96)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(60_000):
+            total += i % 7
+        for _ in range(200):
+            a = (a @ a).clamp_(-1, 1)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def timeout_scale() -> tuple[float, str]:
+    """How much slower than a quiet machine this one runs now: the larger of the 1-minute
+    load per core and the probe's time against a quiet one's, between 1 and MAX_SCALE
+    (rounded up to a half)."""
+    import math
+
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] / cores
+    slow = _probe_s() / PROBE_QUIET_S
+    scale = min(MAX_SCALE, max(1.0, math.ceil(2 * max(load, slow)) / 2))
+    return scale, f"load {load:.1f} per core, probe {slow:.1f}x a quiet machine"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Set GASLOC_TEST_TIMEOUT_SCALE from the machine (unless given), before any worker or
+    helper reads it: every wait of the process tests follows the machine's speed."""
+    if "GASLOC_TEST_TIMEOUT_SCALE" in os.environ:
+        config._gasloc_scale = f"{os.environ['GASLOC_TEST_TIMEOUT_SCALE']} (given)"
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a worker: the controller measured it and its environment has it
+    scale, why = timeout_scale()
+    os.environ["GASLOC_TEST_TIMEOUT_SCALE"] = f"{scale:g}"
+    config._gasloc_scale = f"{scale:g} ({why})"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"GASLOC_TEST_TIMEOUT_SCALE={getattr(config, '_gasloc_scale', '?')}: every wait of " \
+           "the process tests is multiplied by it"
+
 
 PROCESS_MODULES = frozenset({
     "test_bench_external", "test_cli_node_process", "test_dashboard",
     "test_dashboard_direct", "test_fuzz_node", "test_gpu_queue", "test_hf_swarm", "test_netns",
     "test_node_averaging_identical", "test_node_diloco", "test_node_security",
     "test_node_shutdown", "test_node_streaming_swarm", "test_node_swarm", "test_prometheus",
-    "test_ranks_swarm", "test_run_manifest",
+    "test_ranks_swarm", "test_run_manifest", "test_state_dir",
     "test_swarm_command",
 })
 

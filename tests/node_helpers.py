@@ -42,7 +42,9 @@ from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.membership import Admission, Invitation, public_bytes
 from gasloc_p2p.protocol.messages import Identity
 
-SCALE = float(os.environ.get("GASLOC_TEST_TIMEOUT_SCALE", "1"))
+SCALE = float(os.environ.get("GASLOC_TEST_TIMEOUT_SCALE", "1"))  # tests/conftest.py sets it
+KNOB = (f"every wait is x{SCALE:g}, GASLOC_TEST_TIMEOUT_SCALE, set from the machine's load "
+        "and speed at the start of the run; set it higher on a slower machine")
 T = TypeVar("T")
 NUMEL = 50_000
 FINGERPRINT = "f" * 64
@@ -68,7 +70,9 @@ def gossip_config(**kw: Any) -> GossipConfig:
     # of their own for its limits (tests/test_bounded_updates.py tests the guard)
     base = GossipConfig(header_timeout_s=scaled(3), chunk_timeout_s=scaled(3),
                         commit_timeout_s=scaled(3), exchange_timeout_s=scaled(10),
-                        chunk_bytes=64 * 1024, guard_factor=0)
+                        chunk_bytes=64 * 1024, guard_factor=0,
+                        # these peers do not train: their rounds never end
+                        key_exchanges_per_round=0)
     return replace(base, **kw)
 
 
@@ -225,7 +229,8 @@ async def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condit
     deadline = loop.time() + scaled(timeout_s)
     while not predicate():
         if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what} ({scaled(timeout_s):.0f} s: "
+                                 f"{KNOB})")
         await asyncio.sleep(0.01)
 
 
@@ -260,12 +265,27 @@ def plain_dht(addrs: list | None = None) -> Any:
     as the node does for its own."""
     import hivemind
 
+    from gasloc_p2p.node.discovery.dht import dht_class
+
     for _ in range(3):
-        dht = hivemind.DHT(initial_peers=addrs or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                           start=True, await_ready=False, shutdown_timeout=5)
+        dht = dht_class(hivemind)(initial_peers=addrs or None,
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                                  await_ready=False, shutdown_timeout=5)
         try:
             dht.wait_until_ready(timeout=scaled(20))
             return dht
         except TimeoutError:
             dht.shutdown()
     raise AssertionError("a hivemind DHT did not start in 3 attempts")
+
+
+def damage_invitation(path: Path, invitation_file: Path) -> None:
+    """``invitation_file`` with one bit of its owner's key flipped (past the 16 hex digits
+    messages show), written to ``path``."""
+    import base64
+
+    lines = invitation_file.read_text().splitlines()
+    raw = bytearray(base64.b64decode(lines[1].split()[1]))
+    raw[20] ^= 1
+    lines[1] = "invitation " + base64.b64encode(bytes(raw)).decode()
+    path.write_text("\n".join(lines) + "\n")

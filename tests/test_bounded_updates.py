@@ -9,8 +9,12 @@ keep training, and keep its loss.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
+import random
 import struct
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from gasloc_p2p.core.wire import payload_digest
 from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol.blame import Ledger, PushMeter
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import (
     GuardRule,
@@ -69,6 +74,39 @@ def test_limits_are_multiples_of_the_node_own_drift_and_refuse_beyond():
     assert guard.limits(0) == pytest.approx((0.4, 3.0))
     assert guard.limits(0, base=1.0) == pytest.approx((0.4, 4.0))  # 4 x RMS(theta_0)
     assert UpdateGuard(GuardRule(factor=0)).rule.enabled is False
+
+
+def test_a_push_that_makes_the_node_own_steps_larger_does_not_raise_its_limits():
+    """Issue 39: pushed into a bad region, a node's own AdamW steps grew 100-fold and its
+    limits (a multiple of them) with them. The scale is anchored: the least fraction of the
+    step bound (the round's summed learning rates) its drift has used, times that bound."""
+    guard = rule_only(factor=4, hard_factor=16, window=4)
+    bound = 20 * 3e-3  # 20 steps at lr 3e-3
+    for _ in range(8):
+        guard.round_end({0: 0.009}, bound)  # clean: 15% of the step bound
+    soft = guard.limits(0)[0]
+    assert soft == pytest.approx(4 * 0.009)
+    for _ in range(40):  # the push: the node's own steps now use the whole bound and more
+        guard.round_end({0: 0.9}, bound)
+    assert guard.measured(0) == pytest.approx(0.9)
+    assert guard.limits(0)[0] == pytest.approx(soft)  # not raised
+    assert guard.screen(0, 0.5 * soft)[0] == 1.0 and guard.screen(0, 4 * soft)[0] == \
+        pytest.approx(0.25)  # clipped as before the push
+    guard.round_end({0: 0.9}, bound / 10)  # the schedule decays: the scale follows it down
+    assert guard.drift(0) == pytest.approx(0.009 / 10)
+    quiet = rule_only(window=4)
+    for _ in range(4):
+        quiet.round_end({0: 0.009})  # no step bound known: the measured drift, as before
+    assert quiet.drift(0) == pytest.approx(0.009)
+
+
+def test_the_anchor_only_shrinks_and_never_exceeds_the_step_bound():
+    guard = rule_only(window=2)
+    guard.round_end({0: 5.0}, 0.1)  # pushed from its first round: at most the bound itself
+    assert guard.drift(0) == pytest.approx(0.1)
+    for d in (0.02, 0.02, 0.05, 0.05, 0.05):
+        guard.round_end({0: d}, 0.1)
+    assert guard.drift(0) == pytest.approx(0.02)  # the least median fraction, 0.2 of 0.1
 
 
 def test_what_peers_send_never_moves_the_limits():
@@ -134,19 +172,47 @@ def test_one_address_block_moves_this_node_by_its_block_budget_at_most_with_new_
     assert guard.screen(0, 4.0, "old", "10.0.0.0/24")[0] == 1.0  # trusted: the round's only
 
 
-def test_a_new_key_earns_its_weight_over_its_first_exchanges():
+def test_a_new_key_earns_its_weight_over_its_first_exchanges_one_a_round():
     guard = rule_only(trust_after=4)
     guard.round_end({0: 1.0})
+    burst = []
+    for _ in range(5):  # a burst of echoes in one round earns one exchange's trust (issue 39)
+        factor, ticket = guard.screen(0, 1.0, "newcomer")
+        burst.append(factor)
+        guard.committed(ticket)
+    assert burst == pytest.approx([0.25, 0.5, 0.5, 0.5, 0.5])
     factors = []
-    for _ in range(6):
+    for _ in range(4):
+        guard.round_end({0: 1.0})
         factor, ticket = guard.screen(0, 1.0, "newcomer")
         factors.append(factor)
         guard.committed(ticket)
-    assert factors == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    assert factors == pytest.approx([0.5, 0.75, 1.0, 1.0])
     assert guard.trusted("newcomer") and not guard.trusted("other")
     factor, ticket = guard.screen(0, 1.0, "other")
     guard.release(ticket)  # refused or failed exchanges earn nothing
     assert guard.screen(0, 1.0, "other")[0] == 0.25
+
+
+def test_a_blamed_key_starts_over_and_keeps_a_quarter_of_its_weight_for_good():
+    guard = rule_only(trust_after=2, newcomer_budget=1e9, newcomer_total=1e9)
+    for _ in range(3):
+        guard.round_end({0: 1.0})
+        guard.committed(guard.screen(0, 1.0, "pusher", "10.0.0.0/24")[1])
+    assert guard.trusted("pusher") and guard.screen(0, 1.0, "pusher")[0] == 1.0
+    guard.demerit("pusher", "10.0.0.0/24")
+    assert not guard.trusted("pusher") and guard.demerits("pusher") == 1
+    assert guard.screen(0, 1.0, "pusher", "10.0.0.0/24")[0] == pytest.approx(0.5 * 0.25)
+    for _ in range(4):  # trust earned again: the weight stays cut
+        guard.round_end({0: 1.0})
+        guard.committed(guard.screen(0, 1.0, "pusher", "10.0.0.0/24")[1])
+    assert guard.screen(0, 1.0, "pusher")[0] == pytest.approx(0.25)
+    budget = rule_only(trust_after=2, block_budget=1.0, newcomer_budget=1e9,
+                       newcomer_total=1e9)
+    budget.round_end({0: 1.0})
+    budget.demerit("gone", "10.0.0.0/24")  # its block's newcomers share a quarter budget
+    assert budget.screen(0, 4.0, "new", "10.0.0.0/24")[0] == pytest.approx(0.125)
+    assert budget.screen(0, 4.0, "new2", "10.0.1.0/24")[0] == pytest.approx(0.5)
 
 
 def test_address_blocks():
@@ -530,3 +596,84 @@ def test_weakly_correlated_honest_moves_in_high_dimension_pass_and_a_flipped_one
         with pytest.raises(ExchangeError, match="cosine"):
             MemoryExchange(evil, big_node("C", t0, moves[0]), 0).run()
         del evil
+
+
+def test_a_steady_rise_of_the_loss_is_caught_where_no_jump_is():
+    """Issue 39: pushed under every limit, the loss rose steadily and never doubled from one
+    step to the next, so the jump rule never rolled back."""
+    rng = random.Random(0)
+    watch = LossWatch(rise=0.05, smooth=16, memory=128)
+    noisy = [2.0 * (1 + 0.04 * rng.uniform(-1, 1)) for _ in range(300)]
+    assert not any(watch.implausible(x) or watch.risen() for x in noisy)  # honest noise
+    assert watch.near_best()
+    rising = [2.0 * (1.0 + 0.002 * k) * (1 + 0.04 * rng.uniform(-1, 1)) for k in range(200)]
+    caught = next(k for k, x in enumerate(rising)
+                  if not watch.implausible(x) and watch.risen())
+    assert all(not LossWatch(jump=2.0).implausible(x) for x in rising)  # no jump anywhere
+    assert 20 <= caught <= 80 and not watch.near_best()  # up 4-16%: caught
+    watch.reset()
+    assert not watch.risen()  # judged again from the best, after the rollback
+    for x in rising[caught:]:  # the rise goes on; a node that pushed nothing takes the level
+        watch.implausible(x)
+    assert watch.risen()
+    watch.rebase()
+    assert not watch.risen() and watch.near_best()
+
+
+def test_the_ledger_blames_the_keys_that_pushed_along_the_rise_not_the_honest_ones():
+    torch.manual_seed(0)
+    ledger = Ledger(10_000, samples=2048)
+    push = torch.randn(ledger.positions.numel())
+    for r in range(3):
+        for key in ("evil1", "evil2"):  # two keys, one direction, a quarter of the rise each
+            ledger.record(5 + r, key, "10.9.9.0/24", 0.05 * push)
+        for key in ("honest1", "honest2", "honest3"):  # corrections towards the mean
+            ledger.record(5 + r, key, "10.0.0.0/24", 0.05 * torch.randn_like(push))
+    ledger.record(3, "old-evil", "10.9.9.0/24", push)  # before the good copy: not this rise
+    rise = 0.3 * push + 0.05 * torch.randn_like(push)  # what moved the node since round 5
+    assert sorted(k for k, _ in ledger.culprits(5, rise)) == ["evil1", "evil2"]
+    assert ledger.culprits(5, torch.zeros_like(push)) == []
+
+
+def test_the_push_meter_lets_honest_pulls_through_and_holds_a_push_in_one_direction():
+    """A push that fits every round's budget still adds up (issue 39); the meter bounds the
+    sum of what gossip moved a node by over its last rounds, on private sampled blocks."""
+    torch.manual_seed(1)
+    meter = PushMeter(blocks=4, rounds=32)
+    runs = meter.runs(0, 100_000, 1024)
+    k = sum(n for _, n in runs)
+    assert len(runs) == 4 and all(s % 1024 == 0 for s, _ in runs) and k == 4096
+    assert meter.runs(0, 100_000, 1024) == runs and PushMeter().runs(0, 100_000, 1024) != runs
+    limit = 1.0  # RMS
+    for r in range(200):  # honest: pulls now one way, now another (about independent)
+        step = 0.15 * torch.randn(k)
+        f = meter.room(0, 1024, r, step, limit)
+        assert f == 1.0, r
+        meter.add(0, 1024, r, f * step)
+    assert meter.level(0) < 0.8 * limit
+    push = torch.randn(k)
+    push = 0.5 * push / push.pow(2).mean().sqrt()  # half the limit a round, one direction
+    pushed = torch.zeros(k, dtype=torch.float64)
+    for r in range(200, 400):
+        f = meter.room(0, 1024, r, push, limit)
+        meter.add(0, 1024, r, f * push)
+        pushed += f * push.double()
+    assert meter.level(0) <= limit * 1.001
+    along = float(pushed @ push.double()) / float(push.double() @ push.double()) * 0.5
+    assert along < 0.25 * 200 * 0.5  # a quarter of what the budget let through, at most
+    assert meter.along(0, 1024, push) > 0.4  # it points on along G: a push, not a pull
+    assert meter.along(0, 1024, 0.15 * torch.randn(k)) == 0.0
+
+
+def test_a_node_serves_one_key_a_few_exchanges_a_round():
+    from gasloc_p2p.node.transport import exchange as ex
+
+    engine = SimpleNamespace(state=SimpleNamespace(rounds=3), guard=None)
+    per = 4
+    transport = SimpleNamespace(engine=engine, _this_round=OrderedDict(),
+                                cfg=SimpleNamespace(key_exchanges_per_round=per))
+    admit = functools.partial(ex.GossipTransport._admit_this_round, transport)
+    assert [admit("k") for _ in range(per + 2)] == [True] * per + [False] * 2
+    assert admit("other")  # per key
+    engine.state.rounds = 4
+    assert admit("k")  # the next round

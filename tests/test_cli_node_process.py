@@ -12,6 +12,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.daemon_helpers import write_corpus
@@ -47,7 +49,9 @@ def test_startup_block_status_by_multiaddr_and_a_quiet_ctrl_c(tmp_path: Path):
         metrics = re.search(r"^  metrics  (http://127\.0\.0\.1:\d+/metrics)$", block, re.M)
         assert grpc and dht and metrics, block
         assert f"  status   gasloc-node status --endpoint {grpc.group(1)}" in block
-        assert re.search(rf"^  gasloc-node join .*--peers {re.escape(dht.group(1))}", block, re.M)
+        # the run's settings without a flag come first, as GASLOC_* (eval_batches here)
+        assert re.search(rf"^  GASLOC_EVAL_BATCHES=1 gasloc-node join .*--peers "
+                         rf"{re.escape(dht.group(1))}", block, re.M), block
 
         owner = ["--owner-key", os.path.join(os.environ["XDG_DATA_HOME"], "gasloc_p2p",
                                              "owner.key")]  # the node owns a closed swarm
@@ -89,3 +93,44 @@ def test_a_dead_bootstrap_peer_fails_in_one_line_saying_what_to_check(tmp_path: 
     assert len(errors) == 1, result.stderr
     assert errors[0].startswith(f"gasloc-node join: error: no bootstrap peer answered "
                                 f"(--peers {dead}): check that the node there is running")
+
+
+def _interrupted(tmp_path: Path, ready: Callable[[str], bool], *flags: str
+                 ) -> tuple[int, float, str]:
+    """A ``join`` sent SIGINT (a terminal's Ctrl+C, to the whole group) once ``ready(its
+    stderr so far)``: (exit code, seconds from the signal to the exit, stderr)."""
+    err = tmp_path / "node.err"
+    with err.open("w") as e:
+        proc = subprocess.Popen([*CLI, "join", *TINY, *flags, "--metrics-port", "-1",
+                                 "--open"], stdout=subprocess.DEVNULL, stderr=e, env=ENV,
+                                process_group=0)
+    try:
+        wait_for(lambda: ready(err.read_text()), 90, "the moment to interrupt", 0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        code = proc.wait(timeout=scaled(60))
+        return code, time.monotonic() - sent, err.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_ctrl_c_while_loading_is_one_line(tmp_path: Path):
+    """Ctrl+C while Python loads torch and hivemind: one line, no KeyboardInterrupt trace."""
+    code, _, err = _interrupted(tmp_path, lambda _: time.sleep(0.3) or True)
+    assert code == 130 and err.strip() == "gasloc-node: interrupted", err
+
+
+def test_ctrl_c_while_the_model_is_built_stops_promptly(tmp_path: Path):
+    """The node says what it builds (and its host memory) before building it; a Ctrl+C then
+    (or anywhere before the node is up) cancels the start: the node stops at once, quietly,
+    instead of finishing the start first."""
+    corpus = write_corpus(tmp_path / "corpus")
+    code, took, err = _interrupted(tmp_path, lambda text: "building the model" in text,
+                                   "--data", str(corpus), "--n-layer", "6", "--n-embd", "384",
+                                   "--n-head", "6")
+    assert re.search(r"building the model gpt on cpu: 10\.\dM parameters; host memory about "
+                     r"[\d.]+ GiB while training, [\d.]+ GiB at most while building it", err), err
+    assert code == 130 and "stopped while starting" in err and "Traceback" not in err, err
+    assert took < scaled(15), f"the stop took {took:.1f} s"

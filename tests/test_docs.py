@@ -100,3 +100,54 @@ def test_no_file_mentions_a_document_the_repository_lacks():
                 if "://" not in link and not (path.parent / link).exists():
                     missing.append(f"{path.relative_to(ROOT)}: link {link}")
     assert not missing, missing
+
+
+CODE_PATH = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)*[\w-]+\.(?:py|proto))(?![\w/])")
+# where a document's short paths are relative to (core/sparse.py, runtime/bootstrap.py, ...)
+PATH_ROOTS = ("", "gasloc_p2p/", "gasloc_p2p/node/", "benchmarks/", "tests/")
+
+
+def documents() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_every_code_path_a_document_names_exists():
+    """A document that names a module (gasloc_p2p/core/sparse.py, core/sparse.py, sim/gossip.py,
+    benchmarks/bench_node.py, or a bare file name) names one the repository has."""
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.split())
+    names = {Path(f).name for f in tracked}
+    missing = []
+    for doc in documents():
+        for path in CODE_PATH.findall(doc.read_text()):
+            if not (path in names if "/" not in path else
+                    any(root + path in tracked for root in PATH_ROOTS)):
+                missing.append(f"{doc.relative_to(ROOT)}: {path}")
+    assert not missing, missing
+
+
+def test_the_architecture_tree_names_what_each_folder_holds():
+    """docs/architecture.md's package tree: every file it lists under a folder is there, and
+    every module of the pure core is listed."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = re.search(r"## Packages\n\n```\n(.*?)```", text, re.S)
+    assert tree is not None
+    folder, listed, missing = "", set(), []
+    for line in tree.group(1).splitlines():
+        if not line.startswith(" "):  # a package or top-level file, then its description
+            head = line.split()[0]
+            folder = head if head.endswith("/") else head.rsplit("/", 1)[0] + "/"
+            entries = [head]
+        elif line.startswith("  ") and line[2] != " ":  # its files and rooms
+            entries = [folder + e for e in line[2:].split("  ")[0].split(", ")]
+        else:
+            continue
+        for entry in entries:
+            listed.add(entry)
+            if not any(ROOT.glob(entry.rstrip("/"))):
+                missing.append(entry)
+    assert not missing, f"architecture.md lists what does not exist: {missing}"
+    core = {f"gasloc_p2p/core/{p.name}" for p in (ROOT / "gasloc_p2p" / "core").glob("*.py")
+            if p.name != "__init__.py"}
+    assert core <= listed, f"architecture.md omits {sorted(core - listed)}"
+

@@ -46,6 +46,7 @@ EXPECTED = {
     "bench-chaos": ["benchmarks.bench_chaos"],
     "bench-poison": ["benchmarks.bench_poison", "--attack records"],
     "bench-tamper": ["benchmarks.bench_tamper"],
+    "bench-redteam": ["benchmarks.bench_redteam --attacks fresh-keys,farm-push"],
     "bench-soak": ["benchmarks.bench_soak"],
     "bench-external": ["pip install", ".[bench-external]", "benchmarks.bench_external"],
     "bench-external-1000": [".[bench-external]", "benchmarks.bench_external", "--steps 1000",

@@ -204,5 +204,33 @@ def test_a_closed_swarm_of_nodes_keeps_strangers_out_and_applies_a_revocation(
             await wait_until(lambda: b.stats.failed > failed, timeout_s=scaled(45),
                              what="the revoked member's exchanges keep failing")
             assert a.stats.ok == ok
+            assert "revoked this node" in b.error and b._stop.is_set()  # it stops, saying why
 
     run(main(), timeout_s=180)
+
+
+def test_a_revoked_member_restarted_with_its_invitation_stops_in_one_line(corpus, tmp_path):
+    """The owner revoked the member while it was away: restarted with its invitation, it
+    stops at start (before building its model) with one line, instead of training alone."""
+    from gasloc_p2p.node.config import ConfigError
+    from gasloc_p2p.node.daemon import Node
+    from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
+    from tests.daemon_helpers import tiny_config
+
+    key = Ed25519PrivateKey.generate()
+    invitation = Invitation.issue(OWNER, public_bytes(key), time.time() + 3600)
+    write_invitation(str(tmp_path / "b.invite"), invitation, key.private_bytes_raw())
+
+    async def main():
+        reg = InMemoryRegistry()
+        cfg = tiny_config(corpus, invitation=str(tmp_path / "b.invite"), peers=("/memory/a",))
+        owner = InMemoryDiscovery(reg, cfg.discovery.run_id, "a")
+        await owner.publish_revocations(RevocationList.issue(
+            OWNER, {invitation.member_id: time.time() + 600}, time.time()))
+        b = Node(cfg, InMemoryDiscovery(reg, cfg.discovery.run_id, "b"))
+        with pytest.raises(ConfigError, match="^the owner of this swarm revoked this node "
+                                              f"\\({invitation.member_id}\\)") as err:
+            await b.start()
+        assert "\n" not in str(err.value) and b.trainer is None
+
+    run(main(), timeout_s=60)

@@ -171,3 +171,55 @@ def test_unreachable_node_is_detected_and_gossips_by_dialing_out(corpus):
             assert not a.mode.book.candidates()  # a never dials b now
 
     run(main(), timeout_s=scaled(150))
+
+
+SEED = "/ip4/127.0.0.1/tcp/4001/p2p/QmXpQZ5i5WGi6pgc3yXfELRRtZmkXo8Nqkp1UG3ziodZxX"
+
+
+def _pasted(hint: str):
+    """The configuration a friend's node builds from a pasted join line."""
+    import argparse
+    import shlex
+
+    from gasloc_p2p.cli import build_parser
+    from gasloc_p2p.node.settings import build_config
+
+    words = shlex.split(hint)
+    env = dict(w.split("=", 1) for w in words if "=" in w and w.startswith("GASLOC_"))
+    argv = [w for w in words if w not in {f"{k}={v}" for k, v in env.items()}]
+    assert argv[:2] == ["gasloc-node", "join"], hint
+    args = build_parser().parse_args(argv[1:])
+    for name in ("func", "command", "check", "log_level"):
+        args.__dict__.pop(name, None)
+    return build_config(argparse.Namespace(**vars(args)), environ=env)
+
+
+def test_a_join_line_without_a_manifest_carries_the_run_and_a_client_offers_no_address(corpus):
+    """Without a manifest, the join line a node prints carries every setting of its run that
+    is not a default (the data first: a friend who pastes it trains on the same corpus; tuning
+    without a flag as GASLOC_*): the pasted line builds the same run. A client-mode node is
+    never offered as a bootstrap peer: its line names the peers it joined through."""
+    from gasloc_p2p.node.cli_node import startup_block
+    from gasloc_p2p.node.manifest import RUN_FIELDS
+
+    reg = InMemoryRegistry()
+    cfg = tiny_config(corpus, run_id="demo", lr=3e-3, weight_decay=0.05, grad_accum=2)
+    node = Node(cfg, InMemoryDiscovery(reg, "demo", "a"))
+    block = startup_block(node, [SEED])
+    hint = block.splitlines()[-1].strip()
+    assert f"--data {corpus} " in hint and hint.startswith("GASLOC_")
+    friend = _pasted(hint)
+    for name in (*RUN_FIELDS, "batch_size", "grad_accum"):
+        section = next(s for s in ("train", "outer", "gossip", "diloco")
+                       if hasattr(getattr(cfg, s), name))
+        assert getattr(getattr(friend, section), name) == getattr(getattr(cfg, section), name), \
+            name
+    assert friend.discovery.run_id == "demo" and friend.discovery.peers == (SEED,)
+
+    mine = "/ip4/127.0.0.1/tcp/4002/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    client = Node(tiny_config(corpus, client_mode=True, peers=(SEED,)),
+                  InMemoryDiscovery(reg, "gasloc", "nat"))
+    block = startup_block(client, [mine])
+    assert mine not in block, block
+    assert "  dht      client mode: dials out only (not a bootstrap peer)" in block
+    assert block.splitlines()[-1].endswith(f"--peers {SEED}")

@@ -15,9 +15,10 @@ from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.node.observability.metrics import NodeMetrics  # noqa: F401 (registry below)
 from gasloc_p2p.node.runtime import checkpoint as ckpt
 from gasloc_p2p.node.transport.tls import secure_channel
+from gasloc_p2p.protocol.guard import LossWatch
 from gasloc_p2p.safelog import OneLineFormatter, safe
 from tests.daemon_helpers import tiny_config
-from tests.node_helpers import make_peer, run, wait_until
+from tests.node_helpers import make_peer, run, scaled, wait_until
 
 
 def solo(cfg) -> Node:
@@ -186,6 +187,49 @@ def test_a_finite_loss_jump_rolls_back_and_never_stops_the_node(corpus):
             assert node.train_stats.train_loss < node.train_stats.first_val_loss
 
     run(main(), timeout_s=120)
+
+
+class _RisesOnce(LossWatch):
+    """A watch whose rise rule fires once (a steady rise, without the minutes it takes)."""
+
+    def __init__(self) -> None:
+        super().__init__(rise=0.05)
+        self.fired = self.rebased = 0
+
+    def risen(self) -> bool:
+        self.fired += 1
+        return self.fired == 1
+
+    def rebase(self) -> None:
+        self.rebased += 1
+        super().rebase()
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_rise_is_rolled_back_only_when_a_peer_moved_the_node_since_the_good_copy(corpus,
+                                                                                      moved):
+    """The rise rule undoes pushes: a node training alone whose loss rose (its data, its
+    schedule; seen in CI) keeps its state and takes the level as its new best."""
+    async def main():
+        node = solo(tiny_config(corpus))
+        async with node:
+            trainer = node.trainer
+            assert trainer.moved_since is not None  # the gossip mode's ledger answers it
+            await wait_until(lambda: node.train_stats.rounds >= 2, timeout_s=scaled(60),
+                             what="rounds")
+            asked: list[int] = []
+            watch = _RisesOnce()
+            with node.lock.urgent():
+                trainer.moved_since = lambda r: asked.append(r) is None and moved
+                trainer.losses = watch
+            step = node.train_stats.step
+            await wait_until(lambda: node.train_stats.step >= step + 5, timeout_s=scaled(60),
+                             what="steps after the rise")
+            assert asked and watch.fired >= 2
+            assert node.train_stats.rollbacks == (1 if moved else 0)
+            assert watch.rebased == (0 if moved else 1)
+
+    run(main(), timeout_s=scaled(120))
 
 
 def test_peer_strings_cannot_forge_log_lines():

@@ -625,6 +625,7 @@ def test_a_dht_process_that_dies_while_starting_is_started_again(tmp_path, monke
         serve(self)
 
     monkeypatch.setattr(hivemind.DHT, "run", crash_once)
+    monkeypatch.setenv("GASLOC_DHT_START", "fork")  # the patch reaches a forked child only
 
     async def main():
         d = HivemindDiscovery(RUN, "127.0.0.1", 0, [], scaled(10), scaled(60))

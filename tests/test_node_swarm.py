@@ -3,7 +3,8 @@
 Three gossiping nodes and two no-gossip control nodes train side by side (torch threads 1,
 tiny model). Checked: every gossiping node commits exchanges as initiator and as responder; a
 node killed with SIGKILL stops neither the others nor leaves a p2pd behind; the gossiping pair's
-consensus distance ends far below the control pair's; validation loss falls on every node;
+consensus distance ends far below the control pair's (the joiners start from the seed's
+state); validation loss falls on every node;
 `gasloc-node status` lists the swarm; SIGTERM, to a node or to its whole process group, stops
 the rest cleanly (exit 0, no orphans).
 Runs in the default suite (about 60 s). Every wait is scaled by GASLOC_TEST_TIMEOUT_SCALE.
@@ -33,9 +34,15 @@ def test_swarm_of_processes(tmp_path):
                     for i in range(2)]
         nodes += [seed, *controls]
         hint = seed.join_hint()
-        assert "--n-layer 2 --n-embd 64 --seq-len 64 --open --peers /ip4/127.0.0.1/tcp/" in hint
+        assert f"--data {corpus} " in hint and "--n-layer 2 --n-embd 64 --seq-len 64" in hint
+        assert " --open --peers /ip4/127.0.0.1/tcp/" in hint
         maddrs = hint.split("--peers ")[1].split()
-        gossip = [seed] + [NodeProc(f"g{i}", tmp_path, [*data, "--peers", *maddrs])
+        # the joiners start from the seed's state, as a user's do (--no-init-from-swarm is
+        # the tests' base): started from theta_0 while the seed trained alone for half a minute
+        # (a loaded machine), a joiner is as far from it as a push, and the push meter holds
+        # what gossip moves either by (issue 39)
+        gossip = [seed] + [NodeProc(f"g{i}", tmp_path, [*data, "--peers", *maddrs,
+                                                        "--init-from-swarm"])
                            for i in (1, 2)]
         nodes += gossip[1:]
         for node in nodes:
@@ -51,7 +58,7 @@ def test_swarm_of_processes(tmp_path):
         wait_for(both_roles, 60, "exchanges in both roles on every gossiping node")
         victim = gossip[2]
         before_kill = victim.info()
-        assert before_kill.val_loss < before_kill.first_val_loss
+        assert before_kill.val_loss < controls[0].info().first_val_loss
         survivors = gossip[:2]
         counts = [g.info() for g in survivors]
         os.kill(victim.proc.pid, signal.SIGKILL)  # the node only: its DHT watchdog reaps p2pd
@@ -87,9 +94,10 @@ def test_swarm_of_processes(tmp_path):
               f"{control_dist:.4g} (ratio {gossip_dist / control_dist:.3g})")
         assert gossip_dist < 0.3 * control_dist
 
+        start = controls[0].info().first_val_loss  # theta_0's loss: every node's start
         for node in [*survivors, *controls]:
             info = node.info()
-            assert info.val_loss < info.first_val_loss - 0.5, (node.name, info)
+            assert info.val_loss < start - 0.5, (node.name, info)
         for node in [*survivors, controls[0]]:
             node.proc.send_signal(signal.SIGTERM)
         os.killpg(controls[1].pid, signal.SIGTERM)  # as `timeout` or systemd would: all of it

@@ -197,3 +197,41 @@ def test_node_stop_recancels_a_task_that_lost_its_cancellation(caplog):
     with caplog.at_level("WARNING"):
         run(main())
     assert any("stubborn still runs" in r.getMessage() for r in caplog.records)
+
+
+def test_an_exchange_failure_is_said_once_per_reason(caplog):
+    """A failed exchange is logged at INFO with its reason the first time that reason is seen
+    (numbers such as ports do not make a new one), at DEBUG after; a peer's text is escaped."""
+    import logging
+
+    from gasloc_p2p.node.modes.gossip import ConnectFailed
+    from gasloc_p2p.node.transport.reasons import FailureReasons
+    from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
+    from tests.node_helpers import make_peer
+
+    reasons = FailureReasons()
+    with caplog.at_level(logging.DEBUG, logger="gasloc_p2p.node.transport.reasons"):
+        reasons("outbound", "exchange with g1a", ConnectFailed("no connection to 1.2.3.4:4001"))
+        reasons("outbound", "exchange with g1b", ConnectFailed("no connection to 1.2.3.4:4002"))
+        reasons("outbound", "exchange with g1c", TimeoutError())
+        reasons("outbound", "exchange with g1d", ExchangeError(INTERNAL, "evil\x1b[2J\nline"))
+
+        async def inbound() -> None:  # the responder's side, as the node counts it
+            peer = await make_peer("a", 0)
+            try:
+                for _ in range(2):
+                    peer.exchanger._fail("inbound", ExchangeError(
+                        BUSY, "this node has not finished a round of its own yet"))
+            finally:
+                await peer.close()
+
+        run(inbound())
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO
+            and r.name == "gasloc_p2p.node.transport.reasons"]
+    assert [s.split(" (said once")[0] for s in said] == [
+        "exchange with g1a failed: ConnectFailed: INTERNAL: no connection to 1.2.3.4:4001",
+        "exchange with g1c failed: TimeoutError",
+        "exchange with g1d failed: ExchangeError: INTERNAL: evil\\x1b[2J\\nline",
+        "inbound exchange failed: ExchangeError: BUSY: this node has not finished a round of "
+        "its own yet"], said
+    assert sum("g1b" in r.getMessage() for r in caplog.records) == 1  # at DEBUG

@@ -135,6 +135,7 @@ def test_plan_llama_1b_on_a_24gb_card(tmp_path):
     long = run_plan(*model, "--precision", "bf16", "--micro-batch", "1", "--seq-len", "8192",
                     "--no-activation-checkpointing")
     assert long.returncode == 1 and "does NOT fit in 24.0 GiB" in long.stdout, long.stdout
+    check_a_plan_that_does_not_fit(long.stdout, model)
     # the network line: an int8 exchange of 1.2B parameters is 1.24 GB, 993 s at 10 Mbit/s
     # (the time the node's deadlines add: docs/running.md); an fp32 DiLoCo sync 8 x as much
     payload = CodecSpec.parse("int8").codec().wire_bytes(1_235_814_400)
@@ -144,6 +145,26 @@ def test_plan_llama_1b_on_a_24gb_card(tmp_path):
     sync = run_plan(*model, "--algorithm", "diloco", "--min-link-mbps", "100")
     assert (f"a sync uploads up to {8 * 1_235_814_400 / 1e9:,.2f} GB (an all-reduce of the "
             f"fp32 vector): {8 * 1_235_814_400 * 8 / 1e8:,.0f} s") in sync.stdout, sync.stdout
+
+
+def check_a_plan_that_does_not_fit(out: str, model: tuple[str, ...]) -> None:
+    """A plan that does not fit says by how much, what it assumed, and which one change makes
+    it fit: each change it names, planned, fits."""
+    lines = out.splitlines()
+    assert lines[1] == ("assumed: --precision bf16 --micro-batch 1 --seq-len 8192 "
+                        "--no-activation-checkpointing, on a GPU (--cpu: a CPU node)"), out
+    total = float(out.split("device total ")[1].split(" GiB")[0])
+    short = float(out.split("of device memory: ")[1].split(" GiB short")[0])
+    assert short == pytest.approx(total - 24.0, abs=0.01)
+    suggested = [line for line in lines if line.startswith("it fits with ")]
+    assert len(suggested) == 1, out
+    changes = [c.split(" (")[0].split() for c in suggested[0].removeprefix(
+        "it fits with ").split("; or ")]
+    assert ["--seq-len", "1024"] in changes, changes  # 2048 does not fit: the largest that does
+    for change in changes:
+        done = run_plan(*model, "--precision", "bf16", "--micro-batch", "1", "--seq-len", "8192",
+                        "--no-activation-checkpointing", *change)
+        assert done.returncode == 0 and "fits in 24.0 GiB" in done.stdout, (change, done.stdout)
 
 
 def test_plan_refuses_bad_input_in_one_line():
@@ -258,3 +279,29 @@ def test_a_device_out_of_memory_at_start_is_one_line_and_exit_2(monkeypatch, cap
     assert err.startswith("gasloc-node join: error: the device ran out of memory at start "
                           "(it asked for 2.00 GiB with 1.20 GiB free of 23.65 GiB)"), err
     assert "drop --compile" in err and "--precision bf16" in err
+
+
+def test_a_node_says_what_it_builds_and_refuses_what_host_memory_cannot_hold(
+        corpus, monkeypatch, caplog):
+    """Before building its model a node logs its size and host memory (the plan's figures),
+    and refuses one that needs more than the machine has, before building anything."""
+    import logging
+
+    from gasloc_p2p.node import daemon
+    from gasloc_p2p.node.config import ConfigError
+    from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
+    from tests.daemon_helpers import tiny_config
+    from tests.node_helpers import run
+
+    monkeypatch.setattr(daemon, "available_host_memory", lambda: 64 << 30)
+    huge = tiny_config(corpus, n_layer=48, n_embd=8192, n_head=64)  # 38.7B parameters
+    node = daemon.Node(huge, InMemoryDiscovery(InMemoryRegistry(), "gasloc", "a"))
+    with pytest.raises(ConfigError, match=r"^--model gpt: building it needs about [\d.]+ GiB of "
+                                          r"host memory and this machine has 64\.0 GiB "
+                                          r"available .*: choose a smaller model \(--n-layer"):
+        run(node.start(), timeout_s=60)
+    assert node.trainer is None  # refused before the build
+    with caplog.at_level(logging.INFO, logger="gasloc_p2p.node.daemon"):
+        daemon.Node(tiny_config(corpus))._before_build("cpu", 256)
+    assert "building the model gpt on cpu: 0.1M parameters; host memory about" in caplog.text
+    assert "(64.0 GiB available)" in caplog.text

@@ -35,7 +35,7 @@ from gasloc_p2p.protocol.auth import Signer, new_nonce
 from gasloc_p2p.protocol.messages import COMMIT_DOMAIN, MAX_CHUNK_BYTES, commit_fields, sign_header
 from gasloc_p2p.tools.nodes import NodeChild
 
-DRIFT = re.compile(r"guard drift ([0-9.eE+-]+) spent")
+DRIFT = re.compile(r"guard drift ([0-9.eE+-]+)")
 DEADLINE_S = 20.0
 
 
@@ -65,9 +65,11 @@ class Tally:
         default_factory=lambda: defaultdict(float))
 
 
-async def exchange(channel: grpc.aio.Channel, target: Target, payload: bytes) -> str:
-    """One exchange as initiator under a fresh key: "committed", or where it stopped."""
-    signer, mine = Signer(), new_nonce()
+async def exchange(channel: grpc.aio.Channel, target: Target, payload: bytes,
+                   signer: Signer | None = None) -> str:
+    """One exchange as initiator under ``signer`` (default: a fresh key): "committed", or
+    where it stopped."""
+    signer, mine = signer or Signer(), new_nonce()
     first = sign_header(target.header(signer.peer_id, "fp32", 0, payload), signer, mine, b"")
     s = Stream(pb_grpc.GossipStub(channel).Exchange(timeout=DEADLINE_S), DEADLINE_S)
     try:

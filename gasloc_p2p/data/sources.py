@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -55,6 +56,27 @@ class HubSpec:
         if not name:
             raise DataError(f"--data {data!r}: name a dataset, hf:NAME[:CONFIG][@SPLIT]")
         return cls(name, config or None, split or "train")
+
+
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def hub_problem(name: str, timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the hub that serves dataset ``name`` cannot be reached from here (None: a TCP
+    connection to it opens, ``name`` is a local folder or a path to one, or the hub's offline
+    mode is on). One connection, bounded: ``datasets`` would retry for about 30 s, a warning
+    per try."""
+    if name.startswith(("/", ".", "~")) or Path(name).exists() or any(os.environ.get(v, "").strip() not in ("", "0") for v in (
+            "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return None
+    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"cannot reach the Hugging Face hub at {host}:{port} ({exc.strerror or exc})"
+    return None
 
 
 def cache_dir() -> Path:

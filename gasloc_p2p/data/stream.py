@@ -96,9 +96,13 @@ class DocumentStream:
             raise self._unreadable(name, exc) from None
 
     def _hub_rows(self, name: str, seed: int | None = None) -> Iterator[str]:
-        from gasloc_p2p.data.sources import HubSpec, identity_seed
+        from gasloc_p2p.data.sources import HubSpec, hub_problem, identity_seed
 
         spec = HubSpec.parse(name)
+        why = hub_problem(spec.name)
+        if why is not None:  # at once, not after the hub client's retries
+            raise DataError(f"--data {name!r}: {why}; check this machine's network (or "
+                            "HF_ENDPOINT), or pass a local copy of the data")
         try:
             ds = _load_dataset()(spec.name, spec.config, split=spec.split, streaming=True)
         except DataError:

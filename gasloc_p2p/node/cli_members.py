@@ -18,7 +18,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gasloc_p2p.node.config import ConfigError, NodeConfig
+from gasloc_p2p.node.config import ConfigError
 from gasloc_p2p.node.config_network import check_bootstrap_peers
 from gasloc_p2p.node.runtime.identity import default_owner_key_path
 from gasloc_p2p.protocol.auth import PUBLIC_KEY_BYTES, Signer, load_or_create_identity, peer_id_of
@@ -55,12 +55,14 @@ def add_member_parsers(sub: Any) -> None:
                    help="peer ids to revoke (as `gasloc-node status` lists them)")
     p.add_argument("--peers", nargs="+", required=True, metavar="MADDR",
                    help="bootstrap multiaddrs of the swarm's DHT")
-    p.add_argument("--run-id", default=NodeConfig().discovery.run_id, help="the swarm's run")
+    p.add_argument("--run-id", default="", help="the swarm's run (default: the run of the "
+                                                "manifest the node --peers names serves; "
+                                                "without one, refused: pass it)")
     p.add_argument("--days", type=float, default=365.0,
                    help="keep each revocation this many days (at least the invitation's life)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="overall deadline, seconds")
     _owner_flag(p)
-    p.set_defaults(func=run_revoke)
+    p.set_defaults(func=run_revoke, exit_at_once=True)
 
     p = sub.add_parser("id", help="print a node key's peer id and public key",
                        description="Print the peer id and public key of --identity-file "
@@ -154,6 +156,8 @@ def run_revoke(args: argparse.Namespace) -> int:
 
     try:
         rl = uvloop.run(asyncio.wait_for(_revoke(owner, args), args.timeout_s))
+    except ConfigError as exc:  # which run is unknown, or not this owner's
+        return _fail("revoke", str(exc))
     except Exception as exc:  # noqa: BLE001 - one line, whatever failed
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"gasloc-node revoke: error: {text}", file=sys.stderr)
@@ -166,11 +170,14 @@ def run_revoke(args: argparse.Namespace) -> int:
 async def _revoke(owner: Ed25519PrivateKey, args: argparse.Namespace) -> RevocationList:
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery
 
-    dht = HivemindDiscovery(args.run_id, "127.0.0.1", 0, args.peers, args.timeout_s / 3,
-                            args.timeout_s / 2, client_mode=True)
+    dht = HivemindDiscovery(args.run_id or "revoke", "127.0.0.1", 0, args.peers,
+                            args.timeout_s / 3, args.timeout_s / 2, client_mode=True)
     dht.use_identity(Signer(admission=Admission(public_bytes(owner))), 3600.0)
     await dht.start()
     try:
+        if not args.run_id:
+            args.run_id = await _run_of(dht, args.peers[0], public_bytes(owner))
+            dht.use_run(args.run_id)
         old = await dht.revocations()
         now = time.time()
         entries = {p: t for p, t in (old.entries if old else ()) if t > now}
@@ -181,6 +188,21 @@ async def _revoke(owner: Ed25519PrivateKey, args: argparse.Namespace) -> Revocat
         return rl
     finally:
         await dht.stop()
+
+
+async def _run_of(dht: Any, peer: str, owner: bytes) -> str:
+    """The run of the manifest ``peer`` serves, if ``owner`` owns it; else ConfigError (a
+    revocation written into a guessed run would change nothing and report success)."""
+    from gasloc_p2p.node.cli_run import served_manifest
+
+    manifest = await served_manifest(dht, peer)
+    if manifest is None:
+        raise ConfigError(f"--run-id: the node at {peer} serves no run manifest, so its run is "
+                          "unknown; pass --run-id RUN (its start-up line says \"run 'RUN'\")")
+    if manifest.owner != owner:
+        raise ConfigError(f"--owner-key: run {manifest.run_id} of {peer} is owned by "
+                          f"{manifest.owner.hex()[:16]}, not by this key")
+    return manifest.run_id
 
 
 def run_id(args: argparse.Namespace) -> int:

@@ -74,7 +74,7 @@ def add_status_parser(sub: Any) -> None:
                         "answer health only)")
     p.add_argument("--owner-key", default="", metavar="FILE",
                    help="a closed swarm: its owner key")
-    p.set_defaults(func=run_status)
+    p.set_defaults(func=run_status, exit_at_once=True)
 
 
 def _fail_config(command: str, exc: Exception) -> int:
@@ -100,6 +100,8 @@ def run_join(args: argparse.Namespace) -> int:
         from gasloc_p2p.node.cli_run import resolve
 
         check_bootstrap_peers(tuple(getattr(args, "peers", None) or ()))  # before dialing
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # imports done (cli.main)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         manifest = resolve(args, fetch=not check)  # --check downloads nothing
         cfg = build_config(args, run=manifest.rule() if manifest is not None else None)
         check_bootstrap_peers(cfg.discovery.peers)
@@ -273,8 +275,12 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = N
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(executor)
-    node = Node(cfg, manifest=manifest, ranks=ranks)
-    signals = 0
+    try:  # its files: the invitation, the keys
+        node = Node(cfg, manifest=manifest, ranks=ranks)
+    except (OSError, ValueError) as exc:
+        print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    signals, starting, up = 0, asyncio.current_task(), False
     deadline = _StopDeadline(cfg.network.stop_deadline_s)
 
     def on_signal() -> None:
@@ -285,15 +291,23 @@ async def _join(cfg: NodeConfig, executor: ThreadPoolExecutor, manifest: Any = N
         log.info("stopping (signal received; again to force)")
         deadline.arm()
         node.request_stop()
+        if not up and starting is not None:  # the start (a DHT, a model build) ends at once
+            starting.cancel()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
         async with node:
+            up = True
             addrs = await node.discovery.visible_addrs()
             print(startup_block(node, addrs), flush=True)
             await node.wait()
             deadline.arm()  # also when a step or time limit ends the run
+    except asyncio.CancelledError:
+        if up or not signals:
+            raise
+        log.info("stopped while starting")
+        return 130
     except (DataError, ConfigError) as exc:  # the data flags cannot be read, --compile
         print(f"gasloc-node join: error: {exc}", file=sys.stderr, flush=True)  # cannot build
         return 2
@@ -353,11 +367,13 @@ def startup_block(node: Any, addrs: list[str]) -> str:
     """What a user needs from a node that just started, in one block: its gRPC endpoint (for
     ``status --endpoint``), its DHT multiaddrs (for ``join --peers``), its metrics URL, and the
     line other nodes paste."""
-    hint = node.join_hint(addrs)
+    client = node.cfg.network.client_mode  # not dialable: never a bootstrap peer
+    hint = node.join_hint(list(node.cfg.discovery.peers) if client else addrs)
     lines = [f"node {node.discovery.peer_id} is up ({node.cfg.outer.algorithm}, run "
              f"{node.cfg.discovery.run_id!r})",
              f"  grpc     {node.endpoint}",
-             *[f"  dht      {a}" for a in addrs[:3]],
+             *(["  dht      client mode: dials out only (not a bootstrap peer)"] if client else
+               [f"  dht      {a}" for a in addrs[:3]]),
              f"  metrics  {node.metrics.url or 'off (--metrics-port -1)'}",
              *_rank_lines(node),
              f"  status   gasloc-node status --endpoint {node.endpoint}",
@@ -367,6 +383,8 @@ def startup_block(node: Any, addrs: list[str]) -> str:
              *node.membership_lines(), *_run_lines(node)]
     if not node.cfg.discovery.peers:
         lines += ["new swarm; other nodes join with:", f"  {hint}"]
+    elif client:
+        lines += ["joined; other nodes join through the peers this node joined:", f"  {hint}"]
     else:
         lines += ["joined; other nodes may also join with:", f"  {hint}"]
     return "\n".join(lines)
@@ -437,23 +455,22 @@ def _one_line(exc: BaseException, args: argparse.Namespace) -> str:
     if isinstance(exc, TimeoutError):
         return (f"no answer within --timeout-s={args.timeout_s:g}; check --endpoint/--peers "
                 "and that the node is running")
-    if isinstance(exc, OSError):  # no TLS answer (the node's certificate is fetched first)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, OSError) and args.endpoint:  # no TLS answer (its certificate first)
         return (f"no gasloc node answered at {args.endpoint} ({exc.strerror or exc}); check "
                 "--endpoint: the node's gRPC host:port, printed when it starts")
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if isinstance(exc, LookupError):
-        return exc.args[0] if exc.args else text
+    if isinstance(exc, LookupError | ConnectionError):  # its own line names --peers
+        return text
     return f"{type(exc).__name__}: {text}"
 
 
 async def _status(args: argparse.Namespace) -> dict[str, Any]:
-    from gasloc_p2p.node.discovery.base import run_key
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery
     from gasloc_p2p.node.runtime.identity import build_membership
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
 
     report: dict[str, Any] = {"swarm": [], "info": None}
-    endpoint, cert = args.endpoint, b""
+    endpoint, cert, info = args.endpoint, b"", None
     # a throwaway key: enough for an open swarm; a keyed swarm also needs its secret, a closed
     # one an invitation (or the owner key, which invites the throwaway key)
     signer = build_membership(NetworkConfig(
@@ -467,7 +484,7 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
         try:
             if not args.run_id:  # the run of the node asked, from the manifest it serves
                 args.run_id = await _run_of(dht, args.peers) or NodeConfig().discovery.run_id
-                dht.key = run_key(args.run_id)
+                dht.use_run(args.run_id)
             peers = await dht.peers()
         finally:
             await dht.stop()
@@ -475,16 +492,16 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
                            | {"codecs": list(p.codecs)} for p in peers]
         wanted = getattr(args, "node_id", None)
         if wanted:  # the multiaddr names the node's DHT id: ask each listed node for its own
-            endpoint, cert = await _endpoint_of_dht_id(peers, wanted, signer, args)
+            endpoint, cert, info = await _endpoint_of_dht_id(peers, wanted, signer, args)
         elif endpoint is None:  # the header describes the node asked: the first of --peers
             asked = args.peers[0].rsplit("/p2p/", 1)[-1]
             try:
-                endpoint, cert = await _endpoint_of_dht_id(peers, asked, signer, args)
+                endpoint, cert, info = await _endpoint_of_dht_id(peers, asked, signer, args)
             except LookupError as exc:  # a bare DHT peer, or a node not announced yet
                 report["note"] = f"no node header: {exc}"
         else:
             cert = next((p.cert for p in peers if p.endpoint == endpoint), b"")
-    if endpoint:
+    if endpoint and info is None:
         from gasloc_p2p.node.transport.tls import fetch_certificate
 
         if not cert:  # --endpoint alone: trust the certificate the node presents
@@ -494,6 +511,7 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
             info = await fetch_info(channels.stub(endpoint, cert), args.timeout_s / 2, signer)
         finally:
             await channels.close()
+    if info is not None:
         from google.protobuf.json_format import MessageToDict
 
         report["info"] = MessageToDict(info, preserving_proto_field_name=True,
@@ -504,20 +522,16 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _run_of(dht: Any, peers: list[str]) -> str:
     """The run id of the manifest the first of ``peers`` serves ("" if none)."""
-    from gasloc_p2p.node.manifest import Manifest
+    from gasloc_p2p.node.cli_run import served_manifest
 
-    text = await dht.ask_manifest(peers[0].rsplit("/p2p/", 1)[-1])
-    if not text:
-        return ""
-    try:
-        return Manifest.from_json(text, "manifest").run_id
-    except ConfigError:
-        return ""
+    manifest = await served_manifest(dht, peers[0])
+    return manifest.run_id if manifest is not None else ""
 
 
 async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
-                              args: argparse.Namespace) -> tuple[str, bytes]:
-    """The gRPC endpoint and certificate of the listed node whose DHT id is ``wanted``."""
+                              args: argparse.Namespace) -> tuple[str, bytes, Any]:
+    """The gRPC endpoint, certificate and Info of the listed node whose DHT id is
+    ``wanted``."""
     from gasloc_p2p.node.transport.service import PeerChannels, fetch_info
 
     channels = PeerChannels(NetworkConfig())
@@ -529,7 +543,7 @@ async def _endpoint_of_dht_id(peers: list[Any], wanted: str, signer: Any,
             except Exception:  # noqa: BLE001 - an unreachable node is simply not the one
                 continue
             if info.dht_peer_id == wanted:
-                return str(p.endpoint), p.cert
+                return str(p.endpoint), p.cert, info
     finally:
         await channels.close()
     raise LookupError(f"no node with DHT id {wanted} announces itself in run {args.run_id!r} "

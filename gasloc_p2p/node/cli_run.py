@@ -118,6 +118,17 @@ def _peers(args: argparse.Namespace) -> list[str]:
     return list(load_toml(toml).get("peers", ())) if toml else []
 
 
+async def served_manifest(dht: Any, peer: str) -> Manifest | None:
+    """The valid manifest the node at multiaddr ``peer`` serves over ``dht`` (None if none)."""
+    text = await dht.ask_manifest(peer.rsplit("/p2p/", 1)[-1])
+    if not text:
+        return None
+    try:
+        return Manifest.from_json(text, "manifest")
+    except ConfigError:
+        return None
+
+
 async def _ask(peers: list[str]) -> tuple[str, str]:
     """(manifest text, the peer that served it) from the first of ``peers`` serving one."""
     from gasloc_p2p.node.discovery.dht import HivemindDiscovery

@@ -76,6 +76,9 @@ class GossipConfig:
     fragment_order: str = opt("round-robin", f"fragment choice: {' | '.join(FRAGMENT_ORDERS)}",
                               advanced=True)
     exchanges_per_round: float = opt(2.0, "mean exchanges this node starts per round (0: none)")
+    key_exchanges_per_round: int = opt(8, "exchanges one key may start with this node per "
+                                       "round of this node (or per 30 s once it stops "
+                                       "training; 0: no limit)", advanced=True)
     max_inbound: int = opt(4, "inbound exchanges served at once; more are answered BUSY",
                            advanced=True)
     max_upload_mbps: float = opt(0.0, "cap on sent payload, megabits/s (0: no cap)",
@@ -132,7 +135,15 @@ class GossipConfig:
     guard_newcomer_rounds: int = opt(64, "the window of guard_newcomer_total (a sum decaying by "
                                      "1/this per round)", advanced=True)
     guard_trust_after: int = opt(8, "a key's weight ramps to full over its first this many "
-                                 "committed exchanges with this node", advanced=True)
+                                 "committed exchanges with this node, one a round at most",
+                                 advanced=True)
+    guard_push_limit: float = opt(8.0, "what gossip moved this node by over its last rounds "
+                                  "(a sum decaying by 1/32 a round, on sampled blocks) stays "
+                                  "within this many own drifts (RMS; 0: no bound)",
+                                  advanced=True)
+    guard_loss_rise: float = opt(0.05, "roll back when the training loss's moving average "
+                                 "stays this fraction above its recent best, and blame the "
+                                 "keys that pushed it there (0: off)", advanced=True)
     guard_min_z: float = opt(4.0, "reject a peer whose displacement from theta_0 has a cosine "
                              "below this / sqrt(fragment size) with this node's (<0: off)",
                              advanced=True)
@@ -161,6 +172,10 @@ class GossipConfig:
         need(2 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size % 2 == 0, "block_size",
               self.block_size, f"must be an even number in [2, {MAX_BLOCK_SIZE}] (try 1024)")
         need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
+        need(self.guard_push_limit >= 0, "guard_push_limit", self.guard_push_limit,
+             "must be >= 0 (0: no bound)")
+        need(0 <= self.guard_loss_rise < 1, "guard_loss_rise", self.guard_loss_rise,
+             "must be in [0, 1) (0.05: a 5% rise)")
         need(self.fragment_order in FRAGMENT_ORDERS, "fragment_order", self.fragment_order,
               f"choose one of {FRAGMENT_ORDERS}")
         need(self.exchanges_per_round >= 0, "exchanges_per_round", self.exchanges_per_round,

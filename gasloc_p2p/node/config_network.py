@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,9 +97,14 @@ class NetworkConfig:
                 raise ConfigError(f"--swarm-key={self.swarm_key}: {exc}") from None
         if self.invitation:
             try:
-                read_invitation(self.invitation)
+                invitation = read_invitation(self.invitation)[0]
             except (OSError, ValueError) as exc:
-                raise ConfigError(f"--invitation={self.invitation}: {exc}") from None
+                why = str(exc).removeprefix(f"{self.invitation}: ")
+                raise ConfigError(f"--invitation={self.invitation}: {why}") from None
+            if not invitation.expires > time.time():
+                until = time.strftime("%Y-%m-%d %H:%M", time.localtime(invitation.expires))
+                raise ConfigError(f"--invitation={self.invitation}: expired on {until}; ask "
+                                  "the swarm's owner for a new one (`gasloc-node invite`)")
         if self.owner_key and Path(self.owner_key).exists():
             try:
                 read_key_file(self.owner_key)

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import random
+import shlex
 import socket
 import threading
 import time
@@ -25,7 +26,7 @@ import grpc
 
 from gasloc_p2p import __version__
 from gasloc_p2p.core.codecs import CODEC_NAMES
-from gasloc_p2p.node.config import AlgorithmConfig, DiscoveryConfig, NodeConfig, TrainConfig
+from gasloc_p2p.node.config import ConfigError, NodeConfig
 from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
 from gasloc_p2p.node.discovery.dht import HivemindDiscovery
 from gasloc_p2p.node.manifest import Manifest
@@ -41,6 +42,7 @@ from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost
 from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
+from gasloc_p2p.node.state_dir import dht_identity
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
@@ -85,7 +87,8 @@ class Node:
         d = cfg.discovery
         self.discovery = discovery or HivemindDiscovery(
             d.run_id, cfg.network.host, d.dht_port, d.peers, d.dht_timeout_s,
-            d.dht_start_timeout_s, client_mode=cfg.network.client_mode)
+            d.dht_start_timeout_s, client_mode=cfg.network.client_mode,
+            identity_path=dht_identity(cfg))
         # the node's identity: an ed25519 key (--identity-file or its invitation, else new at
         # each start; its peer id derives from it) and its membership of the swarm
         self.membership = build_membership(cfg.network, joining=bool(d.peers))
@@ -139,11 +142,16 @@ class Node:
         if self.manifest is not None:  # a node that joins with --peers alone asks for it
             await self.discovery.serve_manifest(self.manifest.to_json())
         stack.push_async_callback(_timed, "discovery stop", self.discovery.stop)
+        if self.signer.admission is not None:  # a revoked member stops before it trains alone
+            with contextlib.suppress(Exception):  # unread here: the periodic refresh tries
+                await self._refresh_revocations()
+            if self.revoked():
+                raise ConfigError(self.revoked())
         me_id = self.signer.peer_id
         trainer = self.trainer = await asyncio.to_thread(
             Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
             self.train_stats, self.mode.trainer_round_end(), self.mode.keeps_anchor,
-            self.ranks)
+            self.ranks, self._before_build)
         trainer.checkpoint_dir = cfg.checkpoint.checkpoint_dir
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
@@ -175,6 +183,34 @@ class Node:
         log.info("node %s up: gRPC %s, model %d params (%s), %d fragment(s), codec %s, "
                  "metrics %s", me_id, self.endpoint, trainer.flat.numel, trainer.fingerprint[:12],
                  len(trainer.fragments), cfg.gossip.codec, self.metrics.url or "off")
+
+    def _before_build(self, device: str, vocab: int) -> None:
+        """Say what is built and how much host memory it takes; ConfigError if that is more
+        than this machine has (before minutes of building: docs/running.md)."""
+        from gasloc_p2p.node import plan
+
+        t = self.cfg.train
+        try:
+            shape, steady, peak = plan.host_need(self.cfg, device, vocab, self.mode.keeps_anchor)
+        except (ValueError, ImportError, OSError) as exc:  # a hub model: known once fetched
+            log.info("building the model %s on %s (its size is known once it is fetched: %s)",
+                     t.model, device, exc)
+            return
+        have = available_host_memory()
+        log.info("building the model %s on %s: %.1fM parameters; host memory about %.2f GiB "
+                 "while training, %.2f GiB at most while building it%s", t.model, device,
+                 shape.numel / 1e6, steady / plan.GiB, peak / plan.GiB,
+                 f" ({have / plan.GiB:.1f} GiB available)" if have is not None else "")
+        if have is not None and peak > have:
+            from gasloc_p2p.model_spec import BUILTIN
+
+            smaller = ("a smaller model (--n-layer, --n-embd)" if t.model in BUILTIN else
+                       f"a smaller model (`gasloc-node plan --model {t.model}"
+                       f"{' --cpu' if device == 'cpu' else ''}` shows where it goes)")
+            raise ConfigError(
+                f"--model {t.model}: building it needs about {peak / plan.GiB:.1f} GiB of host "
+                f"memory and this machine has {have / plan.GiB:.1f} GiB available (free memory "
+                f"and swap): choose {smaller} or a machine with more memory")
 
     async def stop(self) -> None:
         """Stop everything in reverse start order; safe to call twice."""
@@ -422,6 +458,19 @@ class Node:
         latest = admission.revocations.latest
         if latest is not None and (found is None or found.issued < latest.issued):
             await self.discovery.publish_revocations(latest)
+        if self.revoked() and not self.error and self.trainer is not None:
+            self.error = self.revoked()
+            log.error("%s; shutting the node down", self.error)
+            self.request_stop()
+
+    def revoked(self) -> str:
+        """One line if the swarm's owner revoked this node (else "")."""
+        admission = self.signer.admission
+        if admission is None or not admission.revocations.revoked(self.signer.peer_id,
+                                                                  time.time()):
+            return ""
+        return (f"the owner of this swarm revoked this node ({self.signer.peer_id}): every "
+                "member refuses it; ask the owner for a new invitation (--invitation)")
 
     async def _refresh_peers(self) -> None:
         peers = self.filter(await self.discovery.peers())
@@ -506,26 +555,18 @@ class Node:
         return pb.InfoReply(**fields)
 
     def join_hint(self, addrs: list[str]) -> str:
-        """A ready-to-paste command: the run id and model flags (if not defaults) and peers;
-        with a manifest, only the credential the run needs (the rest comes from it)."""
+        """A ready-to-paste command: with a manifest, the credential the run needs (the rest
+        comes from it); without, every run setting not at its default too (what a node needs
+        to train the same run: the manifest's fields, the data first among them; tuning with
+        no flag as its ``GASLOC_*`` variable before the command), then the peers."""
         if self.manifest is not None:
             needs = {"closed": ["--invitation", "FILE"], "keyed": ["--swarm-key", "FILE"],
                      "open": []}[self.manifest.admission]
             return " ".join(["gasloc-node join", *needs, "--peers", *addrs])
-        extra = []
-        if self.cfg.discovery.run_id != DiscoveryConfig().run_id:
-            extra.append(f"--run-id {self.cfg.discovery.run_id}")
-        if self.cfg.outer.algorithm != AlgorithmConfig().algorithm:
-            extra.append(f"--algorithm {self.cfg.outer.algorithm}")
-        defaults = TrainConfig()
-        for name in ("model", "tokenizer", "seed", "n_layer", "n_embd", "n_head",
-                     "seq_len"):  # the fingerprint
-            value = getattr(self.cfg.train, name)
-            if value != getattr(defaults, name):
-                extra.append(f"--{name.replace('_', '-')} {value}")
+        env, extra = run_flags(self.cfg)
         extra += {"owner": ["--invitation", "FILE"], "member": ["--invitation", "FILE"],
                   "keyed": ["--swarm-key", "FILE"], "open": ["--open"]}[self.membership.role]
-        return " ".join(["gasloc-node join", *extra, "--peers", *addrs])
+        return " ".join([*env, "gasloc-node join", *extra, "--peers", *addrs])
 
     def membership_lines(self) -> list[str]:
         """How this node takes part and how others may, for the start-up block."""
@@ -539,6 +580,45 @@ class Node:
         if m.role == "keyed":
             return ["  swarm    keyed: members hold the --swarm-key secret"]
         return ["  swarm    OPEN (--open): any key can join, exchange and download the model"]
+
+
+def run_flags(cfg: NodeConfig) -> tuple[list[str], list[str]]:
+    """(``GASLOC_X=value`` assignments, ``--flag value`` words) of every setting of ``cfg``'s
+    run that is not at its default: the run id, the manifest's fields
+    (:data:`~gasloc_p2p.node.manifest.RUN_FIELDS`) and the batch split."""
+    from gasloc_p2p.node.manifest import RUN_FIELDS
+    from gasloc_p2p.node.settings import env_name, options
+
+    base, opts = NodeConfig(), options()
+    env: list[str] = []
+    flags = ([] if cfg.discovery.run_id == base.discovery.run_id else
+             ["--run-id", shlex.quote(cfg.discovery.run_id)])
+    for name in (*RUN_FIELDS, "batch_size", "grad_accum"):
+        o = opts[name]
+        value = getattr(getattr(cfg, o.section), name)
+        if value == getattr(getattr(base, o.section), name):
+            continue
+        text = (",".join(value) if isinstance(value, tuple) else
+                str(value).lower() if isinstance(value, bool) else str(value))
+        if o.advanced:
+            env.append(f"{env_name(o)}={shlex.quote(text)}")
+        elif o.kind is bool:
+            flags.append(o.cli if value else "--no-" + o.cli[2:])
+        else:
+            flags += [o.cli, shlex.quote(text)]
+    return env, flags
+
+
+def available_host_memory() -> int | None:
+    """Bytes this machine can give a new allocation now: MemAvailable + SwapFree from
+    /proc/meminfo (None where there is none to read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                      if line.split(":")[0] in ("MemAvailable", "SwapFree")}
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(fields.values()) if "MemAvailable" in fields else None
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]], recheck_s: float = 1.0) -> None:

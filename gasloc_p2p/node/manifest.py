@@ -207,7 +207,12 @@ def _membership(manifest: Manifest, values: dict[str, Any], given: dict[str, str
         return {}
     owner = manifest.owner
     if values.get("invitation"):
-        invitation, _ = read_invitation(str(values["invitation"]))
+        try:
+            invitation, _ = read_invitation(str(values["invitation"]))
+        except (OSError, ValueError) as exc:
+            path = str(values["invitation"])
+            raise ConfigError(f"--invitation={path}: {str(exc).removeprefix(path + ': ')}"
+                              ) from None
         if invitation.owner != owner:
             raise ConfigError(f"{given.get('invitation', '--invitation')}: an invitation from "
                               f"owner {invitation.owner.hex()[:16]}, but run {run_id} is "

@@ -236,10 +236,13 @@ def parse_size(text: str) -> int:
     return int(float(number) * units[unit])
 
 
-def report(result: dict[str, Any], device_memory: int | None) -> str:
+def report(result: dict[str, Any], device_memory: int | None, assumptions: str = "") -> str:
+    """The plan as printed: the model, ``assumptions`` (:func:`assumed`), the buffers, the
+    totals and, given ``device_memory``, whether it fits."""
     shape: Shape = result["shape"]
     lines = [f"model: {shape.numel / 1e6:,.1f}M parameters, {shape.n_layer} layers, hidden "
-             f"{shape.hidden}, vocabulary {shape.vocab}", "",
+             f"{shape.hidden}, vocabulary {shape.vocab}", *([assumptions] if assumptions else []),
+             "",
              f"{'buffer':<40} {'where':<7} {'GiB':>7} {'B/param':>8}"]
     for b in result["buffers"]:
         if not b.nbytes:
@@ -258,11 +261,86 @@ def report(result: dict[str, Any], device_memory: int | None) -> str:
     lines += ["", f"{where} total {dev / GiB:.2f} GiB ({dev / shape.numel:.1f} B/param); "
                   f"host total {host / GiB:.2f} GiB, at most {result['host_peak'] / GiB:.2f} "
                   "GiB while building the model or writing a checkpoint"]
-    if device_memory:
-        verdict = "fits" if dev <= device_memory else "does NOT fit"
-        lines.append(f"{verdict} in {device_memory / GiB:.1f} GiB of device memory "
+    if device_memory and dev <= device_memory:
+        lines.append(f"fits in {device_memory / GiB:.1f} GiB of device memory "
                      f"({(device_memory - dev) / GiB:+.2f} GiB to spare)")
+    elif device_memory:
+        lines.append(f"does NOT fit in {device_memory / GiB:.1f} GiB of device memory: "
+                     f"{(dev - device_memory) / GiB:.2f} GiB short")
     return "\n".join(lines)
+
+
+def assumed(cfg: NodeConfig, device: str) -> str:
+    """The training shape a plan assumes, as the flags that set it."""
+    t = cfg.train
+    flags = [f"--precision {t.precision}", f"--micro-batch {t.batch_size}",
+             f"--seq-len {t.seq_len}", "--activation-checkpointing"
+             if t.activation_checkpointing else "--no-activation-checkpointing"]
+    if t.nproc_per_node > 1:
+        flags += [f"--nproc-per-node {t.nproc_per_node}", f"--sharding {t.sharding}"]
+    return (f"assumed: {' '.join(flags)}, on "
+            f"{'a CPU (--cpu)' if device == 'cpu' else 'a GPU (--cpu: a CPU node)'}")
+
+
+def fixes(cfg: NodeConfig, device: str, shape: Shape, memory: int) -> list[str]:
+    """Changes of one setting that make a plan fit ``memory`` bytes of device memory, each
+    with the device total it gives (the largest micro-batch and sequence length that fit, the
+    fewest GPUs that fit with FSDP2): what a plan that does not fit suggests."""
+    t = cfg.train
+
+    def total(**train: Any) -> int:
+        return int(plan(replace(cfg, train=replace(t, **train)), device, shape)["steady"][
+            "device"])
+
+    def fit(flags: str, **train: Any) -> str | None:
+        need = total(**train)
+        return f"{flags} ({need / GiB:.2f} GiB)" if need <= memory else None
+
+    tries = []
+    if not t.activation_checkpointing:
+        tries.append(fit("--activation-checkpointing", activation_checkpointing=True))
+    if t.precision != "bf16":
+        tries.append(fit("--precision bf16", precision="bf16"))
+    per_rank = t.batch_size // t.nproc_per_node
+    for k in _halvings(per_rank):  # the largest micro-batch that fits
+        if (found := fit(f"--micro-batch {k * t.nproc_per_node}",
+                         batch_size=k * t.nproc_per_node)) is not None:
+            tries.append(found)
+            break
+    for length in _halvings(t.seq_len, 128):
+        if (found := fit(f"--seq-len {length}", seq_len=length)) is not None:
+            tries.append(found)
+            break
+    if device != "cpu":
+        for k in (2, 4, 8, 16, 32, 64):  # the fewest GPUs that hold it sharded
+            if k <= t.nproc_per_node and t.sharding == "fsdp":
+                continue
+            batch = max(t.batch_size, k) // k * k
+            if (found := fit(f"--nproc-per-node {k} --sharding fsdp --micro-batch {batch}",
+                             nproc_per_node=k, sharding="fsdp", batch_size=batch)) is not None:
+                tries.append(found)
+                break
+    return [f for f in tries if f is not None]
+
+
+def _halvings(start: int, floor: int = 1) -> list[int]:
+    """``start // 2``, ``start // 4``, ... down to ``floor``."""
+    out, n = [], start // 2
+    while n >= floor:
+        out.append(n)
+        n //= 2
+    return out
+
+
+def host_need(cfg: NodeConfig, device: str, vocab: int, keep_anchor: bool = False
+              ) -> tuple[Shape, int, int]:
+    """(shape, steady bytes, peak bytes) of host memory a node of ``cfg`` training on
+    ``device`` ("cpu" or a GPU) needs; the peak while it builds the model or writes a
+    checkpoint. ValueError if the model's shape cannot be known without downloading it."""
+    shape = model_shape(cfg.train.model, cfg.train, vocab)
+    result = plan(cfg, device, shape, keep_anchor)
+    trained_here = result["steady"]["device"] if device == "cpu" else 0
+    return shape, result["steady"]["host"] + trained_here, result["host_peak"] + trained_here
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -324,12 +402,18 @@ def run_plan(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, OSError) as exc:
         print(f"gasloc-node plan: error: {exc}", file=sys.stderr)
         return 2
-    result = plan(cfg, "cpu" if args.cpu else "cuda", shape)
-    print(report(result, memory))
+    device = "cpu" if args.cpu else "cuda"
+    result = plan(cfg, device, shape)
+    print(report(result, memory, assumed(cfg, device)))
+    short = memory is not None and result["steady"]["device"] > memory
+    if short:
+        assert memory is not None
+        found = fixes(cfg, device, shape, memory)
+        print("it fits with " + "; or ".join(found) if found else
+              "no one change of precision, micro-batch, sequence length or GPUs makes it fit: "
+              "combine them, or plan a smaller model")
     print(network(cfg, shape.numel))
-    if memory is not None and result["steady"]["device"] > memory:
-        return 1
-    return 0
+    return 1 if short else 0
 
 
 def network(cfg: NodeConfig, numel: int) -> str:
@@ -368,5 +452,5 @@ def bytes_per_param(result: dict[str, Any], where: str = "device",
                if b.where == where and (not names or b.name in names)) / numel
 
 
-__all__ = ["Shape", "add_plan_parser", "bytes_per_param", "model_buffers", "model_shape",
-           "plan", "report"]
+__all__ = ["Shape", "add_plan_parser", "assumed", "bytes_per_param", "fixes", "host_need",
+           "model_buffers", "model_shape", "plan", "report"]

@@ -5,6 +5,9 @@ keeps its key in ``<checkpoint-dir>/identity.key`` when it checkpoints, else in
 ``$XDG_DATA_HOME/gasloc_p2p/nodes/<run id>/identity.key``. Several nodes of one run on one
 machine (a local swarm, tests) each take the first of ``identity.key``, ``identity-1.key``, ...
 that no running node holds: a node holds its key file's lock while it runs.
+
+Its DHT (libp2p) key lives beside its own key (:func:`dht_identity`), so the DHT multiaddr in
+the join line it prints stays valid across restarts too.
 """
 
 from __future__ import annotations
@@ -36,15 +39,7 @@ def default_identity(cfg: NodeConfig) -> str:
 
         if read_invitation(net.invitation)[1]:
             return ""
-    given = cfg.checkpoint.checkpoint_dir
-    folder = Path(given) if given else data_home() / "gasloc_p2p" / "nodes" / cfg.discovery.run_id
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        if not given:
-            raise
-        raise OSError(f"--checkpoint-dir={folder}: cannot use it as a directory "
-                      f"({exc.strerror}); pass another one") from None
+    folder = _state_folder(cfg)
     for i in range(MAX_NODES_PER_RUN):
         path = folder / ("identity.key" if i == 0 else f"identity-{i}.key")
         lock = open(folder / f".{path.name}.lock", "wb")  # noqa: SIM115 - held while it runs
@@ -57,3 +52,35 @@ def default_identity(cfg: NodeConfig) -> str:
         return str(path)
     raise OSError(f"{MAX_NODES_PER_RUN} nodes of run {cfg.discovery.run_id!r} already run on "
                   f"this machine ({folder}): pass --identity-file")
+
+
+def _state_folder(cfg: NodeConfig) -> Path:
+    """The node's state folder (``--checkpoint-dir``, else one per run), made if missing."""
+    given = cfg.checkpoint.checkpoint_dir
+    folder = Path(given) if given else data_home() / "gasloc_p2p" / "nodes" / cfg.discovery.run_id
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        if not given:
+            raise
+        raise OSError(f"--checkpoint-dir={folder}: cannot use it as a directory "
+                      f"({exc.strerror}); pass another one") from None
+    return folder
+
+
+def dht_identity(cfg: NodeConfig) -> str:
+    """The file of the node's DHT (libp2p) key, beside its own key: ``identity.key`` ->
+    ``identity.dht.key``; a member whose key is its invitation's: ``dht-<peer id>.key`` in
+    the state folder. "" for a node whose own key is new at each start (its DHT key is too).
+    hivemind makes the file at the first start."""
+    net = cfg.network
+    if net.identity_file:
+        path = Path(net.identity_file)
+        return str(path.with_name(path.name.removesuffix(".key") + ".dht.key"))
+    if net.invitation:
+        from gasloc_p2p.protocol.membership import read_invitation
+
+        invitation, key = read_invitation(net.invitation)
+        if key:
+            return str(_state_folder(cfg) / f"dht-{invitation.member_id}.key")
+    return ""

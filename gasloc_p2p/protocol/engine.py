@@ -49,6 +49,7 @@ from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.wire import payload_buffer, payload_digest
 from gasloc_p2p.protocol import fused, streamed
+from gasloc_p2p.protocol.blame import Ledger, PushMeter
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
 
 ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
@@ -74,6 +75,9 @@ class Prepared:
     ticket: Ticket | None = None  # the movement the guard reserved for this exchange
     # both payloads on the device, from the check to the commit (each uploaded once)
     on_device: tuple[Encoded, Encoded] | None = None
+    # D(theirs) - D(mine) on the push meter's sample (protocol/blame.py), from the check
+    pushed: torch.Tensor | None = None
+    weight: float = 0.0  # the weight the commit applied (set by ``commit``)
 
 
 class UrgentLock(Protocol):
@@ -131,6 +135,13 @@ class ExchangeEngine:
         self.chunk = chunk
         self.device = state.theta.device
         self.guard: UpdateGuard | None = None  # bounded updates (see protocol/guard.py)
+        # what each commit moved theta by on a private sample (protocol/blame.py), with the
+        # guard: who pushed the node uphill, read after a rollback
+        self.ledger: Ledger | None = None
+        self._sample_at: torch.Tensor | None = None
+        # what gossip moved the node by lately, on sampled blocks: bounds a push in time
+        self.meter: PushMeter | None = None
+        self.meter_limit = 8.0  # the meter's bound, in the guard's drift scale
         self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
         self.stream_payloads = stream_payloads
@@ -314,7 +325,7 @@ class ExchangeEngine:
         _refuse_magnitude(values[0])
         if sums:
             assert prep is not None
-            prep.clip = self._judge(prep, *values[1:])
+            prep.clip = self._judge(prep, received, *values[1:])
         if prep is not None and mine is not None:
             prep.on_device = (mine, theirs)
         return received
@@ -348,7 +359,7 @@ class ExchangeEngine:
                     sums += fused.screen(mc.view(-1), ms, tc.view(-1), ts, t0, bs, part)
                 else:
                     sums += streamed.screen_rows(mc, ms, tc, ts, t0.view(rows, bs))
-        prep.clip = self._judge(prep, *read(list(sums.unbind())))
+        prep.clip = self._judge(prep, received, *read(list(sums.unbind())))
 
     def _screen_sums(self, prep: Prepared, mine_enc: Encoded,
                      theirs_enc: Encoded) -> list[torch.Tensor]:
@@ -374,8 +385,8 @@ class ExchangeEngine:
             sums[3] += mine.dot(theirs)
         return sums
 
-    def _judge(self, prep: Prepared, dist2: float, mine2: float, theirs2: float,
-               dot: float) -> float:
+    def _judge(self, prep: Prepared, received: Encoded, dist2: float, mine2: float,
+               theirs2: float, dot: float) -> float:
         """The guard's verdict from the screen's sums (see :meth:`screen`); reserves the
         exchange's movement in ``prep.ticket``."""
         assert self.guard is not None
@@ -392,7 +403,30 @@ class ExchangeEngine:
         clip, prep.ticket = self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
                                               prep.peer_id, prep.block,
                                               math.sqrt(self._base2_of(fragment)) / root_n)
+        if self.meter is not None:
+            clip *= self._meter_room(prep, received, clip)
         return clip
+
+    def _meter_room(self, prep: Prepared, received: Encoded, clip: float) -> float:
+        """The push meter's factor on the weight (1: the exchange fits its bound); keeps the
+        sampled difference for the commit to enter."""
+        assert self.meter is not None and self.guard is not None
+        frag, spec = prep.fragment, prep.encoded.spec
+        codec = spec.codec()
+        runs = self.meter.runs(frag.index, frag.numel, spec.block_size)
+        prep.pushed = torch.cat([codec.decode(received.view(s, n)) - codec.decode(
+            prep.encoded.view(s, n)) for s, n in runs]).float().cpu()  # host payloads
+        limit = self.meter_limit * self.guard.drift(frag.index)
+        step = self.guard.w * clip * prep.pushed
+        room = self.meter.room(frag.index, spec.block_size, self.state.rounds, step, limit)
+        if room < 1.0 and prep.ticket is not None:
+            self.guard.shrink(prep.ticket, room)
+            along = self.meter.along(frag.index, spec.block_size, step)
+            if room < 0.5 and along >= self.guard.drift(frag.index):
+                # a whole drift more along what gossip moved this node by lately, against the
+                # bound: a push in one direction, not a pull towards the swarm
+                self.guard.demerit(prep.peer_id, prep.block)
+        return room
 
     def _base2_of(self, fragment: Fragment) -> float:
         """``||theta_0||^2`` over the fragment, once per fragment (theta_0 never changes)."""
@@ -418,7 +452,7 @@ class ExchangeEngine:
         with self._on_stream():
             sums = self._screen_sums(prep, prep.encoded.to(self.device, non_blocking=True),
                                      received.to(self.device, non_blocking=True))
-        return self._judge(prep, *read(sums))
+        return self._judge(prep, received, *read(sums))
 
     def commit(self, prep: Prepared, received: Encoded, weight: float) -> float:
         """Fold both messages and apply the correction ``c = weight * clip * (D(theirs) -
@@ -431,9 +465,11 @@ class ExchangeEngine:
         codec = sent.spec.codec()
         step = chunk_elems(sent.spec, self.device, self.chunk)
         weight *= prep.clip
+        prep.weight = weight
         if self.streams(sent.spec):
             return self._commit_streamed(prep, received, weight)
         with self.lock.urgent(), self._on_stream():
+            before = self._sample()
             mine_enc, theirs_enc = prep.on_device or (
                 sent.to(self.device, non_blocking=True),
                 received.to(self.device, non_blocking=True))
@@ -448,14 +484,34 @@ class ExchangeEngine:
                 if weight > 0:
                     for start, length, o in pieces:
                         self.state.add_chunk(start, c[o : o + length])
-        return self._committed(prep, square)
+            moved = self._moved(before)
+        return self._committed(prep, square, moved)
 
-    def _committed(self, prep: Prepared, square: torch.Tensor) -> float:
+    def _sample(self) -> torch.Tensor | None:
+        """theta on the ledger's sample (None without a ledger); under the lock."""
+        if self.ledger is None:
+            return None
+        if self._sample_at is None:
+            self._sample_at = self.ledger.positions.to(self.device)
+        return self.state.theta.detach().index_select(0, self._sample_at)
+
+    def _moved(self, before: torch.Tensor | None) -> torch.Tensor | None:
+        after = self._sample()
+        return None if before is None or after is None else after.sub_(before)
+
+    def _committed(self, prep: Prepared, square: torch.Tensor,
+                   moved: torch.Tensor | None = None) -> float:
         """After a commit's work is queued: wait for it (the copies back to host-side targets,
-        a host anchor, run on our stream), settle the guard's reservation, ``||c||_2``."""
+        a host anchor, run on our stream), settle the guard's reservation (and enter what the
+        commit moved theta by on the ledger's sample), ``||c||_2``."""
         prep.on_device = None
         self._done()
+        if self.meter is not None and prep.pushed is not None:
+            self.meter.add(prep.fragment.index, prep.encoded.block_size, self.state.rounds,
+                           prep.weight * prep.pushed)
         if self.guard is not None and prep.ticket is not None:
+            if self.ledger is not None and moved is not None:
+                self.ledger.record(self.state.rounds, prep.peer_id, prep.block, moved.cpu())
             self.guard.committed(prep.ticket)
         return math.sqrt(read([square])[0])
 
@@ -467,6 +523,7 @@ class ExchangeEngine:
         into = (weight > 0 and len(targets) == 1 and targets[0][1] == 1.0
                 and self.state.theta.dtype == torch.float32)
         with self.lock.urgent(), self._on_stream():
+            before = self._sample()
             square = torch.zeros((), device=self.device)
             c: torch.Tensor | None = None
             part: torch.Tensor | None = None
@@ -492,7 +549,8 @@ class ExchangeEngine:
                     assert c is not None
                     for start, length, o in pieces:
                         self.state.add_chunk(start, c[o : o + length])
-        return self._committed(prep, square)
+            moved = self._moved(before)
+        return self._committed(prep, square, moved)
 
     def warm_up(self, spec: CodecSpec) -> str | None:
         """Compile the fused kernels for ``spec`` before the first exchange (a second or two

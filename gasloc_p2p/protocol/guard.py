@@ -6,13 +6,23 @@ the same references, so both see the same ``||ref_in - ref_out||``; a side whose
 aborts before ``Commit`` and neither applies. ``c_i = -c_j`` stays exact unless a side scales
 its weight (below), which honest nodes near consensus rarely do.
 
-**Every limit is a multiple of this node's own drift**: the RMS of what its own inner steps
-moved it over a round (gossip excluded), the median of its last ``window`` rounds (measured by
-:class:`gasloc_p2p.core.drift.DriftProbe`). A peer can move this node's parameters, but not
-what its AdamW steps move them per round (about ``lr`` per coordinate and step, whatever the
-parameters are), so no counterparty can raise the limits that judge it. (The rule before
-issue 23 took the median of the peers' own accepted distances and a multiple of this node's
-displacement from ``theta_0``: an attacker staying inside the limit ratcheted both up.)
+**Every limit is a multiple of this node's own drift scale**, anchored where no peer can move
+it. The node measures its own drift: the RMS of what its own inner steps moved it over a round
+(gossip excluded, :class:`gasloc_p2p.core.drift.DriftProbe`), the median of its last
+``window`` rounds. That measurement alone is not enough: a peer cannot change what an AdamW
+step does to given parameters, but it can move the parameters somewhere the node's own steps
+are larger (pushed into a bad region, a node's steps grew from 0.009 to 0.6-1.9 RMS a round
+while its limits, a multiple of them, grew with them: issue 39). So the scale is the smaller
+of the measured drift and an *anchor*: AdamW moves a coordinate by about its learning rate a
+step at most, so ``sum(lr)`` over the round's steps (the node's own schedule: the *step bound*)
+bounds honest movement without reading any state; the node tracks the fraction of that bound
+its drift uses (the median over ``window`` rounds, at most 1) and keeps the smallest such
+fraction it has seen: the anchor only ever shrinks, and follows the schedule (warm-up, decay)
+through the step bound. A push that makes the node's own steps larger raises the measured
+drift, never the anchor. (The rule before issue 23 took the median of the peers' own accepted
+distances and a multiple of this node's displacement from ``theta_0``: an attacker staying
+inside the limit ratcheted both up; the rule before issue 39, the measured drift alone, was
+raised through the node's own training.)
 
 Per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance, without ``w``):
 
@@ -28,7 +38,13 @@ Per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance, without `
   exchange can do (an attacker beyond the soft limit gains nothing over one at it); the hard
   limit refuses what no honest node can be;
 - a key's weight ramps from ``1 / trust_after`` to 1 over its first ``trust_after`` committed
-  exchanges with this node: a fresh identity (they are free) moves it little;
+  exchanges with this node, at most one a round of this node: a fresh identity (they are
+  free) moves it little, and trust takes rounds to earn, not a burst of echoes (12 keys earned
+  theirs in under 10 seconds when every exchange counted: issue 39);
+- a key blamed for a rise of this node's loss (:mod:`gasloc_p2p.protocol.blame`, after a
+  rollback) loses its trust and, for good, three quarters of its weight per blame
+  (:meth:`UpdateGuard.demerit`); its address block's newcomers share a budget cut the same
+  way;
 - **the movement budget**: all committed exchanges of one round together move this node by at
   most ``round_budget`` drifts (the sum of their ``w * factor * distance``); those with keys
   still earning their trust by at most ``newcomer_budget`` drifts, and those of one address
@@ -136,6 +152,9 @@ class Ticket:
     clipped: bool
 
 
+DEMERIT = 0.25  # a blamed key's weight (and its block's newcomer budget) per blame
+
+
 class _Recent(OrderedDict[str, int]):
     """A bounded map (least recently set forgotten first)."""
 
@@ -159,24 +178,41 @@ class UpdateGuard:
         self.rule = rule
         self.w = w
         self._drifts: dict[int, deque[float]] = {}  # fragment -> own drift of recent rounds
+        self._ratios: dict[int, deque[float]] = {}  # ... as fractions of their step bounds
+        self._anchor: dict[int, float] = {}  # fragment -> least median fraction: only shrinks
+        self._bound = 0.0  # the step bound of the latest round (sum of its learning rates)
         self._path: dict[int, float] = {}  # fragment -> sum of own drifts since the start
         self._round = 0
         self._spent: dict[int, float] = {}  # fragment -> movement reserved this round
         self._spent_block: dict[tuple[int, str], float] = {}
         self._long: dict[int, float] = {}  # fragment -> newcomers' movement, decaying per round
         self._trust = _Recent()  # key -> committed exchanges (capped at trust_after)
+        self._trusted_in = _Recent()  # key -> the round of its last trust earned (+1)
+        self._demerits = _Recent()  # key -> times blamed for a rise of the loss
+        self._block_demerits = _Recent()  # address block -> times its keys were blamed
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ own drift
-    def round_end(self, drifts: dict[int, float]) -> None:
+    def round_end(self, drifts: dict[int, float], step_bound: float = 0.0) -> None:
         """This node ended a round in which its own steps moved fragment ``f`` by
-        ``drifts[f]`` (RMS): a new budget starts."""
+        ``drifts[f]`` (RMS), ``step_bound`` the sum of the round's inner learning rates (0:
+        unknown; the measured drift alone is the scale): a new budget starts."""
         with self._lock:
+            if math.isfinite(step_bound) and step_bound > 0:
+                self._bound = step_bound
             for fragment, value in drifts.items():
-                if math.isfinite(value) and value > 0:
-                    self._drifts.setdefault(fragment, deque(maxlen=self.rule.window)).append(
-                        value)
-                    self._path[fragment] = self._path.get(fragment, 0.0) + value
+                if not (math.isfinite(value) and value > 0):
+                    continue
+                window = self.rule.window
+                self._drifts.setdefault(fragment, deque(maxlen=window)).append(value)
+                if step_bound > 0:
+                    ratios = self._ratios.setdefault(fragment, deque(maxlen=window))
+                    ratios.append(min(value / step_bound, 1.0))
+                    self._anchor[fragment] = min(self._anchor.get(fragment, 1.0),
+                                                 statistics.median(ratios))
+                # the path stays the measured one: it only widens the hard limit (what no
+                # honest node can be), never the budget or the soft limit
+                self._path[fragment] = self._path.get(fragment, 0.0) + value
             self._round += 1
             self._spent.clear()
             self._spent_block.clear()
@@ -185,7 +221,22 @@ class UpdateGuard:
                 self._long[fragment] *= keep
 
     def drift(self, fragment: int) -> float:
-        """The median of this node's own recent drifts of ``fragment`` (0: none measured)."""
+        """This node's drift scale on ``fragment`` (the limits' unit; 0: none measured): the
+        median of its own recent drifts, at most its anchor times the step bound."""
+        with self._lock:
+            return self._scale(fragment)
+
+    def _scale(self, fragment: int) -> float:
+        recent = self._drifts.get(fragment)
+        if not recent:
+            return 0.0
+        measured = statistics.median(recent)
+        anchor = self._anchor.get(fragment)
+        return measured if anchor is None or self._bound <= 0 else min(
+            measured, anchor * self._bound)
+
+    def measured(self, fragment: int) -> float:
+        """The median of this node's own recent drifts, unanchored (logs, benchmarks)."""
         with self._lock:
             recent = list(self._drifts.get(fragment, ()))
         return statistics.median(recent) if recent else 0.0
@@ -220,13 +271,15 @@ class UpdateGuard:
         with self._lock:
             factor = min(1.0, soft / distance) if distance > 0 else 1.0
             earned = (1 + self._trust.get(key, 0)) / max(r.trust_after, 1)
-            factor *= min(1.0, earned)
+            factor *= min(1.0, earned) * DEMERIT ** self._demerits.get(key, 0)
             movement = self.w * factor * distance
             left = r.round_budget * d - self._spent.get(fragment, 0.0)
             if earned < 1:  # a newcomer: newcomers share a budget, and per address block
+                blamed = DEMERIT ** self._block_demerits.get(block, 0)
                 left = min(left, r.newcomer_budget * d - self._spent_block.get(
-                    (fragment, NEWCOMERS), 0.0), r.block_budget * d - self._spent_block.get(
-                    (fragment, block), 0.0), r.newcomer_total * d - self._long.get(fragment, 0.0))
+                    (fragment, NEWCOMERS), 0.0), blamed * r.block_budget * d
+                    - self._spent_block.get((fragment, block), 0.0),
+                    r.newcomer_total * d - self._long.get(fragment, 0.0))
             else:
                 block = ""  # trusted keys spend the round's budget only
             if movement > left:
@@ -259,12 +312,41 @@ class UpdateGuard:
                 self._long[f] = max(0.0, self._long.get(f, 0.0) - ticket.movement)
             ticket.movement = 0.0
 
+    def shrink(self, ticket: Ticket, ratio: float) -> None:
+        """The exchange of ``ticket`` will move the node by ``ratio`` of what it reserved:
+        the rest returns to the round's budget."""
+        if ratio >= 1:
+            return
+        extra = Ticket(ticket.fragment, ticket.key, ticket.block,
+                       ticket.movement * (1 - max(ratio, 0.0)), ticket.round, ticket.clipped)
+        ticket.movement -= extra.movement
+        self.release(extra)
+
     def committed(self, ticket: Ticket) -> None:
-        """The exchange committed: its key earns trust, its reservation is spent for good."""
+        """The exchange committed: its reservation is spent for good, and its key earns trust
+        (once a round of this node)."""
         with self._lock:
             ticket.movement = 0.0  # a later release gives nothing back
+            if self._trusted_in.get(ticket.key, 0) == self._round + 1:
+                return
+            self._trusted_in.put(ticket.key, self._round + 1)
             self._trust.put(ticket.key, min(self._trust.get(ticket.key, 0) + 1,
                                             self.rule.trust_after))
+
+    def demerit(self, key: str, block: str = "") -> None:
+        """``key`` was blamed for a rise of this node's loss: it starts over as a newcomer and
+        keeps, for good, ``DEMERIT`` of its weight per blame; newcomers of ``block`` share a
+        budget cut the same way."""
+        with self._lock:
+            self._trust.put(key, 0)
+            self._trusted_in.put(key, 0)
+            self._demerits.put(key, self._demerits.get(key, 0) + 1)
+            if block:
+                self._block_demerits.put(block, self._block_demerits.get(block, 0) + 1)
+
+    def demerits(self, key: str) -> int:
+        with self._lock:
+            return self._demerits.get(key, 0)
 
     def trusted(self, key: str) -> bool:
         """Whether ``key`` has its full weight here."""
@@ -291,34 +373,76 @@ class UpdateGuard:
 
 
 class LossWatch:
-    """A finite training loss implausibly far above the node's own recent ones.
+    """A training loss implausibly far above the node's own recent ones.
 
-    ``jump``: a loss above ``jump`` times the median of the last ``window`` accepted losses
-    (once ``warmup`` of them are known) is implausible; the trainer rolls back as for NaN
-    (``jump <= 0``: only non-finite losses are).
-    Honest training never doubles its loss from one step to the next; a push that does
-    (gossip from a peer that got past the guard) is undone at the next step.
+    Two rules, each a reason for the trainer to roll back to its last good state:
+
+    - a *jump*: a finite loss above ``jump`` times the median of the last ``window`` accepted
+      losses (once ``warmup`` of them are known): honest training never doubles its loss from
+      one step to the next; a push that does is undone at the next step;
+    - a *rise* (when ``rise`` > 0): the loss's moving average (over about ``smooth`` steps)
+      stays above ``1 + rise`` times the lowest it reached over the last ``memory`` steps.
+      A push tuned to stay under every limit raised the loss steadily without ever doubling
+      it (issue 39: from 2.21 to about 1e8 in 10 minutes, no rollback); honest training's
+      average falls or wanders within a few noise widths of its recent best. The state kept
+      for a rollback is one the loss judged near its best (:meth:`near_best`), so a rollback
+      returns to before the rise.
+
+    ``jump <= 0``: no jump rule (non-finite losses are always implausible).
     """
 
-    def __init__(self, jump: float = 2.0, window: int = 32, warmup: int = 8) -> None:
+    def __init__(self, jump: float = 2.0, window: int = 32, warmup: int = 8,
+                 rise: float = 0.0, smooth: int = 64, memory: int = 512) -> None:
         self.jump, self.warmup = jump, warmup
+        self.rise, self.smooth = rise, smooth
         self._recent: deque[float] = deque(maxlen=window)
+        self._averages: deque[float] = deque(maxlen=memory)  # the moving average, per step
+        self._average = math.nan
 
     def implausible(self, loss: float) -> bool:
         """Whether ``loss`` must be rolled back (non-finite, or a jump); a plausible one is
-        remembered."""
+        remembered (and moves the average the rise rule reads)."""
         if not math.isfinite(loss):
             return True
         if (self.jump > 0 and len(self._recent) >= self.warmup
                 and loss > self.jump * statistics.median(self._recent)):
             return True
         self._recent.append(loss)
+        a = 1.0 / max(self.smooth, 1)
+        self._average = loss if math.isnan(self._average) else (1 - a) * self._average + a * loss
+        self._averages.append(self._average)
         return False
+
+    def _best(self) -> float:
+        return min(self._averages) if len(self._averages) >= self.smooth else math.nan
+
+    def risen(self) -> bool:
+        """Whether the moving average stays ``rise`` above its recent best (the rise rule)."""
+        best = self._best()
+        return self.rise > 0 and math.isfinite(best) and self._average > (1 + self.rise) * best
+
+    def near_best(self) -> bool:
+        """Whether the loss is near its recent best (within half the rise): a state fit to
+        keep for a rollback (always, without the rise rule or while warming up)."""
+        best = self._best()
+        return (self.rise <= 0 or not math.isfinite(best)
+                or self._average <= (1 + self.rise / 2) * best)
 
     def reset(self) -> None:
         """Forget the recent losses (after a rollback: a loss that stays high is then
-        accepted once the watch has warmed up again)."""
+        accepted once the watch has warmed up again). The rise rule's history stays, its
+        average back at the best: the state returned to is judged against the same best."""
         self._recent.clear()
+        best = self._best()
+        if math.isfinite(best):
+            self._average = best
+            self._averages.append(best)
+
+    def rebase(self) -> None:
+        """Take the current average as the best (a rise that was the node's own doing: the
+        rise rule judges what comes next against it)."""
+        self._averages.clear()
+        self._averages.extend([self._average] * self.smooth)
 
     def limit(self) -> float:
         """The loss beyond which a step is rolled back now (inf while warming up)."""

@@ -239,6 +239,9 @@ def read_invitation(path: str) -> tuple[Invitation, bytes]:
         identity = base64.b64decode(fields.get("identity", ""), validate=True)
     except ValueError as exc:
         raise ValueError(f"{path}: a damaged invitation ({exc})") from None
+    if not _valid(invitation.owner, invitation.signature, INVITATION_DOMAIN,
+                  [invitation.owner, invitation.member, invitation.expires]):
+        raise ValueError(f"{path}: a damaged invitation (its signature does not verify)")
     if identity and len(identity) != 32:
         raise ValueError(f"{path}: a damaged identity ({len(identity)} bytes)")
     if identity and public_bytes(Ed25519PrivateKey.from_private_bytes(identity)) != \

@@ -27,7 +27,8 @@ from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, sign_info_request, si
 from gasloc_p2p.tools.procs import Child
 
 CREDENTIAL_FLAGS = ("--swarm-key", "--invitation", "--owner-key", "--open", "--manifest")
-JOIN_HINT = r"^\s*(gasloc-node join .*--peers (.+))$"  # stdout of a node that can be joined
+# stdout of a node that can be joined (tuning without a flag first, as GASLOC_X=value)
+JOIN_HINT = r"^\s*((?:GASLOC_\w+=\S+ )*gasloc-node join .*--peers (.+))$"
 UP_LINE = r"up: gRPC (\S+),"  # stderr (log) line once the node serves
 METRICS_LINE = r"^  metrics  (http://\S+)$"  # stdout, in the start-up block
 

@@ -245,9 +245,12 @@ class Swarm:
         self._say(f"corpus: {ensure_shakespeare()}")
 
     def _launch(self, index: int, extra: list[str]) -> NodeChild:
+        # every file a node keeps (its keys: gasloc_p2p/state_dir.py) in the run folder too,
+        # not in the user's data folder, where runs of a local swarm would pile up unseen
         child = NodeChild(f"node{index}", self.run_dir,
                           [*DEFAULT_NODE_ARGS, *self.cfg.node_args, *extra],
-                          log_level=self.cfg.node_log_level)
+                          log_level=self.cfg.node_log_level,
+                          env={"XDG_DATA_HOME": str(self.run_dir / "state")})
         self.nodes.append(child)
         return child
 
@@ -354,6 +357,8 @@ class Swarm:
                       f"{self.run_dir})")
         else:
             self._say("stopped cleanly")
+        self._say(f"the nodes' logs, keys and invitations stay in {self.run_dir}"
+                  + (": delete it when done" if self._temporary else ""))
         return 1 if bad else 0
 
     def _say(self, text: str) -> None:

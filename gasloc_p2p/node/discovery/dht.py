@@ -72,13 +72,29 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 async def _install_parent_watchdog(_dht: Any, node: Any, parent_pid: int,
                                    period_s: float) -> None:
     """Runs inside the DHT process: if the node process dies (even by SIGKILL), shut the DHT
-    and its p2pd down instead of leaving orphans. Module level: it is pickled by name."""
+    and its p2pd down instead of leaving orphans. Module level: it is pickled by name. (The
+    node's pid, not the DHT's parent: a DHT started through a fork server has the server as
+    its parent.)"""
 
     async def watch() -> None:
-        while os.getppid() == parent_pid:
+        while _alive(parent_pid):
             await asyncio.sleep(period_s)
         try:
             await asyncio.wait_for(node.shutdown(), 5.0)
@@ -88,11 +104,56 @@ async def _install_parent_watchdog(_dht: Any, node: Any, parent_pid: int,
     node._gasloc_watchdog = asyncio.get_running_loop().create_task(watch())
 
 
+START_METHOD = "GASLOC_DHT_START"  # "forkserver": DHT processes from a clean fork server
+
+
+def dht_class(hivemind: Any) -> Any:
+    """hivemind's DHT, or with ``GASLOC_DHT_START=forkserver`` one started by a fork server:
+    hivemind forks its DHT process from the node's, and a fork of a process with threads
+    (the test runner's, after hundreds of tests) can inherit a lock held by another thread
+    and crash (seen as SIGSEGV in CI). The server is a fresh interpreter that has imported
+    hivemind and started no thread; the tests use it (the node's own start forks before its
+    threads do work)."""
+    if os.environ.get(START_METHOD) != "forkserver":
+        return hivemind.DHT
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["hivemind"])  # (once the server runs: no effect)
+    return __getattr__("ServedDHT")
+
+
+_SERVED: list[Any] = []
+
+
+def __getattr__(name: str) -> Any:
+    """``ServedDHT``, made on first use (it subclasses hivemind's DHT, imported lazily) and
+    found by this name when a fork server's child unpickles it."""
+    if name != "ServedDHT":
+        raise AttributeError(name)
+    if not _SERVED:
+        from multiprocessing.context import ForkServerProcess
+
+        import hivemind
+
+        class ServedDHT(hivemind.DHT):
+            @staticmethod
+            def _Popen(process_obj: Any) -> Any:
+                return ForkServerProcess._Popen(process_obj)
+
+        ServedDHT.__qualname__ = "ServedDHT"
+        _SERVED.append(ServedDHT)
+    return _SERVED[0]
+
+
 class HivemindDiscovery(Discovery):
     """Discovery over a hivemind DHT started in a child process (with its p2pd)."""
 
     def __init__(self, run_id: str, host: str, port: int, initial_peers: Sequence[str],
-                 timeout_s: float, start_timeout_s: float, client_mode: bool = False) -> None:
+                 timeout_s: float, start_timeout_s: float, client_mode: bool = False,
+                 identity_path: str = "") -> None:
+        """``identity_path``: the DHT's libp2p key file (made at the first start), so its
+        peer id, and the multiaddrs others bootstrap from, survive restarts ("": a new key at
+        each start)."""
         self.key = run_key(run_id)
         self.revoked_key = revocation_key(run_id)
         self.host, self.port = host, port
@@ -100,10 +161,17 @@ class HivemindDiscovery(Discovery):
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self.client_mode = client_mode
+        self.identity_path = identity_path
         self.peer_id = ""  # the node's key-derived id (use_identity), else the DHT's
         self.dht_peer_id = ""  # libp2p id of the DHT node (bootstrap multiaddrs)
         self._dht: Any = None
         self._pipe_lock = threading.Lock()  # the DHT's request pipe is not thread-safe
+
+    def use_run(self, run_id: str) -> None:
+        """Read and write ``run_id``'s records from now on (a one-shot command that learns
+        the run after the start: ``status``, ``revoke``). The DHT process's validator keeps
+        the start's run; records of other keys pass it, and their readers check them."""
+        self.key, self.revoked_key = run_key(run_id), revocation_key(run_id)
 
     @property
     def dht(self) -> Any:
@@ -118,8 +186,15 @@ class HivemindDiscovery(Discovery):
 
     async def start(self) -> None:
         # the thread bounds each attempt itself; the grace covers shutting a hung one down
-        await asyncio.wait_for(asyncio.to_thread(self._start),
-                               self.start_timeout_s + 2 * DHT_SHUTDOWN_GRACE_S + 5.0)
+        starting = asyncio.ensure_future(asyncio.wait_for(
+            asyncio.to_thread(self._start), self.start_timeout_s + 2 * DHT_SHUTDOWN_GRACE_S + 5.0))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:  # a stop while starting: the DHT process it forked
+            with contextlib.suppress(BaseException):  # must not outlive this one
+                await starting
+            await self.stop()
+            raise
 
     def _start(self) -> None:
         import hivemind  # heavy import, only where a DHT is used
@@ -131,6 +206,10 @@ class HivemindDiscovery(Discovery):
         # unless the user asked for its logs (GOLOG_LOG_LEVEL) or for hivemind's debug output.
         if os.environ.get("HIVEMIND_LOGLEVEL", "").upper() != "DEBUG":
             os.environ.setdefault("GOLOG_LOG_LEVEL", "fatal")
+        if self.identity_path and not os.path.exists(self.identity_path):  # made here: quiet
+            from hivemind.p2p import P2P
+
+            P2P.generate_identity(self.identity_path)
         maddr = f"/ip{6 if ':' in self.host else 4}/{self.host}/tcp/{self.port}"
         # our records are checked inside the DHT too: honest DHT nodes refuse to store a forged
         # or overwriting record, and drop one that another DHT node returns
@@ -165,10 +244,15 @@ class HivemindDiscovery(Discovery):
 
     def _start_once(self, hivemind: Any, maddr: str, validator: Any, wait_s: float) -> None:
         """One DHT process, ready within ``wait_s`` (else shut down: TimeoutError)."""
-        self._dht = hivemind.DHT(initial_peers=self.initial_peers or None, host_maddrs=[maddr],
+        # hivemind's check that a kept identity is not in use elsewhere starts a second p2pd
+        # and dials the swarm at every start: one node holds its key file (state_dir's lock)
+        identity = ({"identity_path": self.identity_path, "check_if_identity_free": False}
+                    if self.identity_path else {})
+        self._dht = dht_class(hivemind)(initial_peers=self.initial_peers or None,
+                                        host_maddrs=[maddr],
                                  client_mode=self.client_mode, start=True, await_ready=False,
                                  shutdown_timeout=DHT_SHUTDOWN_GRACE_S,
-                                 record_validators=[validator])
+                                 record_validators=[validator], **identity)
         try:
             # in slices: a DHT process that dies before it is ready never answers, and waiting
             # out the attempt for it would spend half the start timeout on a corpse

@@ -38,9 +38,12 @@ from gasloc_p2p.node.stats import TrainStats, Utilization
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.protocol.actions import Outcome
+from gasloc_p2p.protocol.blame import Ledger, PushMeter
 from gasloc_p2p.protocol.engine import ExchangeEngine
+from gasloc_p2p.protocol.guard import LossWatch, UpdateGuard
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
 from gasloc_p2p.safelog import safe
+from gasloc_p2p.train.schedule import LRSchedule
 
 log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
@@ -282,7 +285,8 @@ class GossipLoop:
         self.exchanger.stats.failures[f"outbound:{type(exc).__name__}"] += 1
         base = self.cfg.backoff_s * (1 if self.exchanger.known_good(peer.peer_id) else 4)
         seconds = self.book.failed(peer, base, self.cfg.max_backoff_s)
-        log.debug("exchange with %s failed (backoff %.0f s): %s", safe(peer.peer_id), seconds, exc)
+        self.exchanger.reasons("outbound", f"exchange with {safe(peer.peer_id)}", exc)
+        log.debug("backing %s off for %.0f s", safe(peer.peer_id), seconds)
 
 
 class ConnectFailed(ExchangeError):
@@ -306,6 +310,35 @@ async def connect(channel: grpc.aio.Channel, endpoint: str, timeout_s: float) ->
                 state = channel.get_state(try_to_connect=True)
     except TimeoutError:
         raise ConnectFailed(f"cannot connect to {endpoint!r} within {timeout_s:g} s") from None
+
+
+def _drift_reporter(guard: UpdateGuard, schedule: LRSchedule, inner_steps: int,
+                    stats: TrainStats) -> Callable[[dict[int, float]], None]:
+    """The trainer's round-end callback: the round's drifts and its step bound (the sum of its
+    inner learning rates, from this node's own schedule and step count) to the guard."""
+    def report(drifts: dict[int, float]) -> None:
+        end = stats.step  # steps done; the round took the last inner_steps of them
+        bound = sum(schedule.at(s) for s in range(max(0, end - inner_steps), end))
+        guard.round_end(drifts, bound)
+
+    return report
+
+
+def _blamer(guard: UpdateGuard, ledger: Ledger
+            ) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
+    """The trainer's callback before a rollback for a rise of its loss: the keys whose
+    exchanges since the good copy moved the node along the rise get a demerit."""
+    def blame(theta: torch.Tensor, good: torch.Tensor, since: int) -> None:
+        at = ledger.positions
+        rise = (theta.detach().index_select(0, at.to(theta.device)).cpu()
+                - good.index_select(0, at.to(good.device)).cpu())
+        culprits = ledger.culprits(since, rise)
+        for key, block in culprits:
+            guard.demerit(key, block)
+        log.warning("the loss rose since round %d: %d peer key(s) blamed (%s)", since,
+                    len(culprits), ", ".join(safe(k)[:12] for k, _ in culprits[:4]))
+
+    return blame
 
 
 def compatible_codecs(peers: Sequence[PeerInfo], codec: str) -> list[PeerInfo]:
@@ -343,7 +376,16 @@ class GossipMode(Mode):
         trainer.exchange_work = ctx.exchange_stats  # quiet steps, for the utilization
         if engine.guard is not None:  # the guard's unit: this node's own drift per round
             trainer.probe = DriftProbe(trainer.state.theta, trainer.fragments)
-            trainer.on_drift = engine.guard.round_end
+            trainer.on_drift = _drift_reporter(engine.guard, trainer.inner.schedule,
+                                               cfg.train.inner_steps, ctx.train_stats)
+            if cfg.gossip.guard_push_limit > 0:  # a push in one direction, summed over rounds
+                engine.meter = PushMeter()
+                engine.meter_limit = cfg.gossip.guard_push_limit
+            if cfg.gossip.guard_loss_rise > 0:  # a rise of the loss: roll back, blame
+                engine.ledger = Ledger(trainer.state.theta.numel())
+                trainer.losses = LossWatch(rise=cfg.gossip.guard_loss_rise)
+                trainer.on_rollback = _blamer(engine.guard, engine.ledger)
+                trainer.moved_since = engine.ledger.moved_since
         self.book = PeerBook(ctx.me.peer_id, ctx.clock)
         self.book.update(ctx.peers())
         self.loop = GossipLoop(self._exchanger, self.book, ctx.channels, cfg.gossip, cfg.network,
@@ -404,7 +446,12 @@ class GossipMode(Mode):
         guard = self._exchanger.engine.guard if self._exchanger is not None else None
         if guard is None:
             return ""
-        return f" | guard drift {guard.drift(0):.4g} spent {guard.spent(0):.2f}"
+        meter = self._exchanger.engine.meter if self._exchanger is not None else None
+        drift = guard.drift(0)
+        pushed = (f" pushed {meter.level(0) / drift:.2f}" if meter is not None and drift > 0
+                  else "")
+        return (f" | guard drift {drift:.4g} (measured {guard.measured(0):.4g}) spent "
+                f"{guard.spent(0):.2f}{pushed}")
 
     async def stop(self) -> None:
         if self._exchanger is not None:

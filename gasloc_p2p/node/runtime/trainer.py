@@ -170,14 +170,17 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, outer: AsyncConfig, fragments: int,
                  lock: TrainingLock, stats: TrainStats,
                  round_end: Callable[[], None] | None = None, keep_anchor: bool = False,
-                 ranks: RankGroup | None = None) -> None:
+                 ranks: RankGroup | None = None,
+                 before_build: Callable[[str, int], None] | None = None) -> None:
         """``round_end``: the mode's outer update, called by :meth:`step` every
         ``inner_steps`` after the step, without the lock (it may wait on the network); None:
         the GASLoC update ``AsyncGaslocState.round_end``, inside the H-th step's lock hold (no
         exchange or checkpoint can fall between a round's last step and its round end).
         ``keep_anchor``: the mode reads the anchor even where the momentum form does not.
         ``ranks``: this process is rank 0 of a multi-rank node (:mod:`.ranks`): the other
-        ranks build their replicas with this one and follow its steps."""
+        ranks build their replicas with this one and follow its steps. ``before_build``:
+        called with the device type and the vocabulary size once the data is read, before the
+        model is built (the node says what it builds, and refuses what cannot fit)."""
         self.cfg = cfg
         self.ranks = ranks
         self._ranks_lost = False  # a collective failed: the other ranks are not to be waited on
@@ -192,6 +195,8 @@ class Trainer:
             torch.set_float32_matmul_precision("high")  # TF32 where float32 products remain
         self.host = torch.device("cpu")  # the outer state's home, pinned beside a GPU
         self.data = load_data(cfg, cfg.seed)  # first: the tokenizer sets the vocabulary
+        if before_build is not None:
+            before_build(self.device.type, self.data.tokenizer.vocab_size)
         if ranks is not None:  # the other ranks build the same replica
             ranks.share(cfg)
             ranks.share(self.data.tokenizer.vocab_size)
@@ -253,6 +258,13 @@ class Trainer:
         # the last round end reached with finite values: (theta, the outer optimizer's
         # buffers by name), in host memory
         self._good: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None
+        self._good_round = 0  # the round end the good copy was taken at
+        # a rollback for a rise of the loss (LossWatch.risen) first tells the gossip mode what
+        # moved the node since the good copy: (theta now, the good copy, its round)
+        self.on_rollback: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None
+        # whether a peer's exchange moved the node since a round (the rise rule undoes pushes:
+        # a rise with none since the good copy is the node's own training, kept)
+        self.moved_since: Callable[[int], bool] | None = None
         self._late: tuple[torch.Tensor, int] | None = None  # CUDA: (loss, tokens) to read
 
     def placement(self) -> list[Placed]:
@@ -429,6 +441,13 @@ class Trainer:
         if self.losses.implausible(value):
             self._roll_back(value, jump=math.isfinite(value))
             return value
+        if self.losses.risen():
+            if self.moved_since is None or self.moved_since(self._good_round):
+                self._roll_back(value, jump=True, rise=True)  # pushed uphill: undo, blame
+                return value
+            self.losses.rebase()  # the node's own training rose (its data, its schedule)
+            log.debug("the loss's average rose with no exchange since round %d: kept",
+                      self._good_round)
         dt = time.perf_counter() - t0
         st.step_time_s = dt if st.step_time_s == 0 else _EMA * st.step_time_s + (1 - _EMA) * dt
         st.timed_steps += 1
@@ -442,8 +461,8 @@ class Trainer:
         if self.round_end is not None and (round_end or self.round_end_every_step):
             self.round_end()  # after the timing: tokens/s stays compute throughput
             writes = self.lock.writes  # the mode's own outer step belongs to the kept state
-        if round_end or self._good is None:
-            self._keep_good(writes)
+        if (round_end and self.losses.near_best()) or self._good is None:
+            self._keep_good(writes)  # never a state the loss judged risen
         return st.train_loss
 
     def _catch_up(self) -> None:
@@ -489,10 +508,13 @@ class Trainer:
             st.transfer(self._good[0], st.theta)
             for name, buf in st.outer.state.items():
                 self._good[1][name].copy_(buf)
+            self._good_round = st.rounds
 
-    def _roll_back(self, loss: float, jump: bool = False) -> None:
+    def _roll_back(self, loss: float, jump: bool = False, rise: bool = False) -> None:
         """A non-finite loss, or (``jump``) a finite one far above the recent ones
-        (:class:`LossWatch`): back to the last good anchor with fresh AdamW moments. Non-finite
+        (:class:`LossWatch`; ``rise``: its average stayed up, and :attr:`on_rollback` hears
+        what moved the node since the good copy): back to the last good anchor with fresh
+        AdamW moments. Non-finite
         losses at most ``max_rollbacks`` times (then FloatingPointError: the node stops); a
         jump never stops the node. The watch starts over after any rollback: a loss that stays
         high (harder data, not a push) is accepted after one, and the first steps of the fresh
@@ -511,19 +533,24 @@ class Trainer:
             self._nonfinite += 1
         with self.lock.urgent():
             theta, outer = self._good
+            if rise and self.on_rollback is not None:
+                self.on_rollback(self.state.theta, theta, self._good_round)
             self.state.transfer(self.state.theta, theta)
             if self.state.anchor is not None:
                 self.state.anchor.copy_(theta)
             self.state.outer.load_state_dict(outer)
-            self.optimizer.state.clear()  # the moments may hold NaN too
-            if self.ranks is not None:
-                self.ranks.optimizer_to_send = {}  # sharded: every rank clears its rows'
-            self._optimizer_epoch += 1
+            if not rise:  # the moments may hold NaN too (a rise's are finite: kept, so the
+                self.optimizer.state.clear()  # node does not restart AdamW at every push)
+                if self.ranks is not None:
+                    self.ranks.optimizer_to_send = {}  # sharded: every rank clears its rows'
+                self._optimizer_epoch += 1
             self._late = None
         st.rollbacks += 1
-        log.warning("loss %s at step %d (limit %.4g): rolled back to the last good anchor "
-                    "(rollbacks %d; non-finite %d of at most %d)", loss, st.step, limit,
-                    st.rollbacks, self._nonfinite, self.cfg.max_rollbacks)
+        why = (f"its average rose {self.losses.rise:.0%} above its recent best" if rise
+               else f"limit {limit:.4g}")
+        log.warning("loss %s at step %d (%s): rolled back to the last good anchor of round "
+                    "%d (rollbacks %d; non-finite %d of at most %d)", loss, st.step, why,
+                    self._good_round, st.rollbacks, self._nonfinite, self.cfg.max_rollbacks)
 
     def val_loss(self) -> float:
         """The validation loss of the current parameters (nats per token); blocking, and

@@ -30,6 +30,7 @@ from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.node.config import GossipConfig
 from gasloc_p2p.node.stats import ExchangeStats
 from gasloc_p2p.node.transport.ratelimit import TokenBucket
+from gasloc_p2p.node.transport.reasons import FailureReasons
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import (
     Action,
@@ -66,6 +67,7 @@ Write = Callable[[pb.ExchangeMsg], Awaitable[None]]
 T = TypeVar("T")
 _MAX_PENALIZED = 1024  # peers remembered as penalized (bounded memory)
 _MAX_GOOD = 4096  # peers remembered as having committed an exchange here
+_ROUND_AT_MOST_S = 30.0  # ... or per this long, when the node's rounds stop (training ended)
 _ABORT_WRITE_S = 1.0  # a failed exchange's last write (the Abort, or the payload write in flight)
 
 
@@ -90,6 +92,7 @@ class GossipTransport:
         self.cfg = gossip  # also builds self.rules
         self.bucket = bucket or TokenBucket.from_mbps(gossip.max_upload_mbps, MAX_CHUNK_BYTES)
         self.stats = stats or ExchangeStats()
+        self.reasons = FailureReasons()  # why exchanges fail, logged once per reason
         self.inflight: set[str] = set()  # peers with an exchange in flight, either role
         self.inbound = 0
         self.accepting = True
@@ -104,8 +107,38 @@ class GossipTransport:
         # inbound slots
         self._good: OrderedDict[str, None] = OrderedDict()  # at most _MAX_GOOD
         self.reserved_inbound = max(1, gossip.max_inbound // 2)
+        # key -> (round, its start, exchanges started in it)
+        self._this_round: OrderedDict[str, tuple[int, float, int]] = OrderedDict()
         # called with every committed exchange and its wall time, either role
         self.on_commit: Callable[[Outcome, float], None] | None = None
+
+    def _admit_this_round(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` may start another exchange here this round: at most
+        ``key_exchanges_per_round`` a round of this node (an honest peer starts about
+        exchanges_per_round / peers with it; a member's keys took seven a second each, and
+        serving them halved the node's own training: issue 39)."""
+        if self.cfg.key_exchanges_per_round <= 0:
+            return True
+        now, clock = self.engine.state.rounds, time.monotonic()
+        at, since, count = self._this_round.get(peer_id, (now, clock, 0))
+        if at != now or clock - since > _ROUND_AT_MOST_S:  # a node that stopped training
+            at, since, count = now, clock, 0
+        if count >= self.cfg.key_exchanges_per_round:
+            return False
+        self._this_round[peer_id] = (at, since, count + 1)
+        self._this_round.move_to_end(peer_id)
+        while len(self._this_round) > _MAX_GOOD:
+            self._this_round.popitem(last=False)
+        return True
+
+    def inbound_limit(self, peer_id: str) -> int:
+        """How many inbound exchanges may run when ``peer_id``'s would start: the base limit,
+        the reserved slots too for a peer that committed here before (unless blamed), a
+        quarter of the base for a blamed key."""
+        guard = self.engine.guard
+        if guard is not None and guard.demerits(peer_id):
+            return max(1, self.cfg.max_inbound // 4)
+        return self.cfg.max_inbound + (self.reserved_inbound if peer_id in self._good else 0)
 
     def known_good(self, peer_id: str) -> bool:
         """Whether ``peer_id`` committed an exchange with this node (lately; bounded)."""
@@ -236,11 +269,13 @@ class GossipTransport:
             if authenticated is not None:
                 authenticated()
             # peers that exchanged with us before have slots of their own: newcomers holding
-            # every slot (an open swarm's free keys) cannot shut them out
-            limit = self.cfg.max_inbound + (self.reserved_inbound if peer in self._good else 0)
+            # every slot (an open swarm's free keys) cannot shut them out; keys blamed for a
+            # rise of our loss share a quarter of the base slots (issue 39: a member's trusted
+            # keys held every slot, and honest exchanges fell to a tenth)
+            limit = self.inbound_limit(peer)
             if (not self.accepting or self.inbound >= limit
                     or peer in self.inflight or peer in self.penalized()
-                    or self.block_penalized(peer, block)):
+                    or self.block_penalized(peer, block) or not self._admit_this_round(peer)):
                 actions = session.refused()
         if session.stage is Stage.REJECTED:
             self.stats.rejected_inbound += 1
@@ -452,7 +487,7 @@ class GossipTransport:
     def _fail(self, where: str, exc: BaseException) -> None:
         self.stats.failed += 1
         self.stats.failures[f"{where}:{type(exc).__name__}"] += 1
-        log.debug("%s exchange failed: %s", where, exc)
+        self.reasons(where, f"{where} exchange", exc)
 
 
 class RateGuard:

@@ -1,0 +1,159 @@
+"""The red-team suite (issue 39): member attacks that know the defence, each against 5 honest
+nodes beside the same 5 nodes unattacked.
+
+Usage: python -m benchmarks.bench_redteam [--attacks farm-push,member-push,...] [--honest 5]
+           [--minutes 10] [--logs DIR]
+
+For every attack of :mod:`benchmarks.tools.redteam` (default: all), two swarms of real
+``gasloc-node join`` processes (tiny model, one torch thread each, under ``nice``) train side
+by side for ``--minutes``: ``attacked`` (the honest nodes and the attacker) and ``clean`` (the
+same keys, so the same data, alone: what a perfect defence gives). Printed per attack, with the
+issue's targets:
+
+- the network-average validation loss of each swarm and the ratio attacked / clean (within 5%
+  at 10 minutes, 10% at 30);
+- the push left in each honest node along the attacker's direction (RMS units) against the
+  clean swarm's consensus distance (the RMS distance of a node from the swarm's mean): at most
+  that;
+- the exchanges the honest nodes started (all with honest peers: the attacker publishes no
+  record), attacked / clean: at least 0.5;
+- the attacker's exchanges by outcome.
+
+Each attack takes ``--minutes`` plus about a minute; ``make bench-redteam`` runs them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.bench_byzantine import RUN_ID, start_swarm
+from benchmarks.swarm_eval import Evaluator
+from benchmarks.tools.redteam import ATTACKS, Attack, run_attack
+from benchmarks.tools.sybil import Tally, along, direction, read_drift_log
+from gasloc_p2p.protocol.auth import load_or_create_identity
+from gasloc_p2p.tools.nodes import NodeChild
+
+INITIATED = re.compile(r"exchanges ok \d+ \(init (\d+) resp")
+ROLLBACKS = re.compile(r"rolled back")
+
+
+def run_one(attack: Attack, honest: int, minutes: float, tmp: Path,
+            evaluator: Evaluator) -> dict[str, Any]:
+    """Both swarms side by side, the attack on one; the figures of :func:`report`."""
+    seconds = 60 * minutes
+    extra = {"eval_interval_steps": 100000, "max_time_s": seconds,
+             "checkpoint_interval_s": 3600.0, "dht_start_timeout_s": 240.0,
+             "dht_timeout_s": 30.0}
+    keys = [tmp / f"key{i}" for i in range(honest)]
+    for k in keys:
+        load_or_create_identity(str(k))
+    tally, swarms = Tally(), {}
+    t0 = time.monotonic()
+    try:
+        swarms["clean"] = start_swarm("c", tmp, keys, extra)
+        swarms["attacked"] = start_swarm("a", tmp, keys, extra)
+        for node in (n for ns in swarms.values() for n in ns):
+            node.wait_up(300)
+        asyncio.run(run_attack(attack, swarms["attacked"], RUN_ID, evaluator.theta0,
+                               time.monotonic() + seconds, tally))
+        codes = {n.name: n.proc.wait(timeout=seconds + 600)
+                 for ns in swarms.values() for n in ns}
+    finally:
+        for nodes in swarms.values():
+            for node in nodes:
+                node.stop(30)
+    u = direction(evaluator.theta0.numel())
+    rows = {name: [_row(tmp, n, evaluator.theta0, u) for n in nodes]
+            for name, nodes in swarms.items()}
+    return {"attack": attack, "codes": codes, "rows": rows, "tally": tally,
+            "took": time.monotonic() - t0}
+
+
+def _row(tmp: Path, node: NodeChild, theta0: torch.Tensor, u: torch.Tensor) -> dict[str, Any]:
+    final = torch.load(tmp / f"{node.name}.ckpt" / "node.pt", weights_only=True)
+    log = node.err.read_text(errors="replace")
+    counts = INITIATED.findall(log)
+    drifts = read_drift_log(node.err)
+    return {"theta": final["theta"], "steps": final["step"],
+            "initiated": int(counts[-1]) if counts else 0,
+            "along": along(final["theta"], theta0, u), "rollbacks": len(ROLLBACKS.findall(log)),
+            "drift": statistics.median(drifts) if drifts else math.nan}
+
+
+def consensus_rms(thetas: list[torch.Tensor]) -> float:
+    """The mean RMS distance of a node from the swarm's mean (RMS units)."""
+    stack = torch.stack(thetas).double()
+    return float((stack - stack.mean(0)).pow(2).mean(1).sqrt().mean())
+
+
+def report(result: dict[str, Any], evaluator: Evaluator) -> dict[str, float]:
+    attack, rows, tally = result["attack"], result["rows"], result["tally"]
+    losses = {name: evaluator.loss(torch.stack([r["theta"] for r in nodes]).mean(0))
+              for name, nodes in rows.items()}
+    cd = consensus_rms([r["theta"] for r in rows["clean"]])
+    pushes = [abs(r["along"]) for r in rows["attacked"]]
+    started = {name: sum(r["initiated"] for r in nodes) for name, nodes in rows.items()}
+    figures = {"loss_ratio": losses["attacked"] / losses["clean"],
+               "push_left_max": max(pushes), "clean_consensus": cd,
+               "exchange_ratio": started["attacked"] / max(started["clean"], 1)}
+    print(f"\n== {attack.name}: {attack} ({result['took']:.0f} s; exit codes "
+          f"{sorted(set(result['codes'].values()))})")
+    print("attacker's exchanges: " + ", ".join(f"{k} {v}" for k, v in
+                                               tally.outcomes.most_common()))
+    for name, nodes in rows.items():
+        print(f"{name:>9}: network-average val loss {losses[name]:.4f}; steps "
+              f"{[r['steps'] for r in nodes]}; exchanges started {[r['initiated'] for r in nodes]}"
+              f"; rollbacks {[r['rollbacks'] for r in nodes]}; drift scale "
+              f"{[round(r['drift'], 5) for r in nodes]}")
+    left = ", ".join(f"{r['along']:+.3g}" for r in rows["attacked"])
+    twins = ", ".join(f"{r['along']:+.3g}" for r in rows["clean"])
+    print(f"push left along the attacker's direction (RMS units): {left} (clean twins "
+          f"{twins}); committed by the attacker {sum(tally.pushed.values()):.3g}")
+    print(f"loss attacked / clean {figures['loss_ratio']:.3f} (target <= 1.05 at 10 min, 1.10 "
+          f"at 30); push left {figures['push_left_max']:.3g} vs clean consensus distance "
+          f"{cd:.3g} (target: at most); honest exchanges attacked / clean "
+          f"{figures['exchange_ratio']:.2f} (target >= 0.5)")
+    sys.stdout.flush()
+    return figures
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--attacks", default=",".join(ATTACKS))
+    p.add_argument("--honest", type=int, default=5)
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--logs", default="", help="keep the nodes' logs and files here")
+    args = p.parse_args()
+    names = [a for a in args.attacks.split(",") if a]
+    unknown = [a for a in names if a not in ATTACKS]
+    if unknown:
+        p.error(f"--attacks: unknown {unknown}; choose from {list(ATTACKS)}")
+    evaluator = Evaluator({"eval_interval_steps": 100000})
+    summary = {}
+    for name in names:
+        with tempfile.TemporaryDirectory(prefix=f"redteam_{name}_") as tmp_dir:
+            tmp = Path(args.logs) / name if args.logs else Path(tmp_dir)
+            tmp.mkdir(parents=True, exist_ok=True)
+            result = run_one(ATTACKS[name], args.honest, args.minutes, tmp, evaluator)
+            summary[name] = report(result, evaluator)
+    print(f"\n== summary ({args.minutes:g} min, {args.honest} honest nodes)")
+    print("| attack | loss attacked / clean | push left (max) | clean consensus | "
+          "honest exchanges attacked / clean |\n|---|---|---|---|---|")
+    for name, f in summary.items():
+        print(f"| {name} | {f['loss_ratio']:.3f} | {f['push_left_max']:.3g} | "
+              f"{f['clean_consensus']:.3g} | {f['exchange_ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

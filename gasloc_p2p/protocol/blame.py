@@ -1,0 +1,175 @@
+"""Who pushed a node uphill: a ledger of what each key's committed exchanges moved it by.
+
+A push that stays under every per-exchange and per-round limit still adds up over rounds, and
+the node's loss shows it before its parameters say who did it. So the node keeps, for the
+exchanges of its recent rounds, what each one moved it by on a private random sample of
+coordinates (drawn from the OS's randomness: no peer knows where it is looked at; a few
+thousand floats an exchange). When the node rolls back because its loss rose and stayed up
+(:class:`gasloc_p2p.protocol.guard.LossWatch`), the *rise* is what moved it since the state it
+returns to; the keys whose exchanges since then moved it along the rise are blamed:
+
+- a key's summed moves must be significantly aligned with the rise: cosine at least ``min_z
+  / sqrt(samples)`` (for a direction independent of the rise the cosine is about ``N(0, 1 /
+  samples)``: honest corrections, which pull towards the swarm's mean, rarely pass), and
+- its projection on the rise must be at least ``min_share`` of the rise (a key that moved the
+  node by a negligible amount is not the cause).
+
+Identities are free, so blame is not the defence on its own: the rollback undoes the push,
+and a blamed key loses its trust and, for good, most of its weight
+(:meth:`gasloc_p2p.protocol.guard.UpdateGuard.demerit`); keys it mints start as newcomers,
+whose movement is budgeted apart.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+SAMPLES = 2048  # coordinates of the ledger's sample
+KEEP = 4096  # committed exchanges remembered (the oldest dropped first)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One committed exchange: the node's round, the key and block, its move on the sample."""
+
+    round: int
+    key: str
+    block: str
+    moved: torch.Tensor  # float32 [samples], host
+
+
+class Ledger:
+    """The recent committed exchanges of one node, sampled (thread-safe appends)."""
+
+    def __init__(self, numel: int, samples: int = SAMPLES, keep: int = KEEP) -> None:
+        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+        k = min(samples, numel)
+        self.positions = (torch.randperm(numel, generator=gen)[:k] if numel <= 4 * k
+                          else torch.randint(numel, (k,), generator=gen)).sort().values
+        self._entries: deque[Entry] = deque(maxlen=keep)
+        self.last_round = -1  # the round of the latest committed exchange (-1: none yet)
+
+    def record(self, round_: int, key: str, block: str, moved: torch.Tensor) -> None:
+        """Exchange with ``key`` committed in round ``round_``, moving the sample by ``moved``."""
+        self._entries.append(Entry(round_, key, block, moved.detach().float().cpu()))
+        self.last_round = max(self.last_round, round_)
+
+    def moved_since(self, round_: int) -> bool:
+        """Whether an exchange committed in round ``round_`` or later (entries dropped for
+        room count too)."""
+        return self.last_round >= round_
+
+    def culprits(self, since_round: int, rise: torch.Tensor, min_z: float = 4.0,
+                 min_share: float = 0.02) -> list[tuple[str, str]]:
+        """``(key, block)`` of every key blamed for ``rise`` (the node's move on the sample
+        since round ``since_round``'s state; see the module docstring)."""
+        rise = rise.detach().double().cpu()
+        norm2 = float(rise @ rise)
+        if not norm2 > 0:
+            return []
+        moved: dict[tuple[str, str], torch.Tensor] = {}
+        for e in list(self._entries):
+            if e.round >= since_round:
+                key = (e.key, e.block)
+                moved[key] = moved.get(key, torch.zeros_like(rise)) + e.moved.double()
+        least = min_z / math.sqrt(max(rise.numel(), 1))
+        out = []
+        for who, m in moved.items():
+            along = float(m @ rise)
+            size = math.sqrt(float(m @ m))
+            if size > 0 and along / (size * math.sqrt(norm2)) >= least \
+                    and along / norm2 >= min_share:
+                out.append(who)
+        return out
+
+
+class PushMeter:
+    """What gossip moved this node by lately, on private sampled blocks: a bound in time.
+
+    Per-exchange and per-round limits bound a push's rate, not its sum: a push along one
+    direction that fits every round's budget adds up (issue 39: about 0.3 RMS along the
+    attacker's direction after 3 minutes, 30 times the swarm's consensus distance). So the
+    node keeps ``G``, the sum of the corrections committed here, decaying by ``1 / rounds``
+    per round of this node, on ``blocks`` whole payload blocks per fragment drawn from the
+    OS's randomness (no peer knows them; decoding them costs a few thousand elements an
+    exchange, on the host). An exchange may move ``G`` only as far as ``limit`` (RMS; the
+    guard's unit times a factor): honest corrections pull a node towards its peers, now one
+    way, now another, and their sum stays near the swarm's spread; a push in one direction
+    reaches the limit and then moves the node by no more than the decay per round.
+    """
+
+    def __init__(self, blocks: int = 16, rounds: int = 32) -> None:
+        self.blocks, self.rounds = blocks, rounds
+        self._seed = int.from_bytes(os.urandom(8), "little")
+        self._runs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (fragment, bs) -> runs
+        self._sum: dict[tuple[int, int], torch.Tensor] = {}  # (fragment, bs) -> G, float64
+        self._at: dict[tuple[int, int], int] = {}  # (fragment, bs) -> the round G was at
+
+    def runs(self, fragment: int, numel: int, block_size: int) -> list[tuple[int, int]]:
+        """``(start, length)`` of the sampled blocks of a fragment of ``numel`` elements."""
+        key = (fragment, block_size)
+        if key not in self._runs:
+            width = block_size or 1024
+            count = max(1, -(-numel // width))
+            gen = torch.Generator().manual_seed(self._seed + 7919 * fragment)
+            picks = torch.randperm(count, generator=gen)[: self.blocks].sort().values.tolist()
+            self._runs[key] = [(b * width, min(width, numel - b * width)) for b in picks]
+        return self._runs[key]
+
+    def _sum_at(self, key: tuple[int, int], size: int, round_: int) -> torch.Tensor:
+        g = self._sum.get(key)
+        if g is None:
+            g = self._sum[key] = torch.zeros(size, dtype=torch.float64)
+        elapsed = round_ - self._at.get(key, round_)
+        if elapsed > 0:
+            g.mul_((1 - 1 / max(self.rounds, 1)) ** elapsed)
+        self._at[key] = round_
+        return g
+
+    def room(self, fragment: int, block_size: int, round_: int, step: torch.Tensor,
+             limit: float) -> float:
+        """The largest ``f`` in [0, 1] such that ``G + f * step`` stays within ``limit`` RMS
+        (or, where ``G`` is beyond it already, does not grow); ``step`` is the exchange's
+        correction on the sample at its full weight."""
+        key = (fragment, block_size)
+        g = self._sum_at(key, step.numel(), round_)
+        s = step.double()
+        n = max(s.numel(), 1)
+        bound2 = limit * limit * n
+        a, b, c = float(s @ s), 2 * float(g @ s), float(g @ g) - bound2
+        if a <= 0 or c + b + a <= 0:
+            return 1.0  # fits whole
+        if c >= 0:  # beyond already: only what shrinks G (the gain is at most -b / 2a)
+            return max(0.0, min(1.0, -b / (2 * a)))
+        return max(0.0, min(1.0, (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)))
+
+    def along(self, fragment: int, block_size: int, step: torch.Tensor,
+              min_z: float = 4.0) -> float:
+        """How far ``step`` goes along ``G`` (RMS units; 0 unless its cosine with ``G`` is at
+        least ``min_z / sqrt(samples)``, a significant alignment): a push on in the
+        direction gossip has moved this node lately, as a push in one fixed direction is (an
+        honest correction is about independent of ``G``)."""
+        g = self._sum.get((fragment, block_size))
+        if g is None:
+            return 0.0
+        s = step.double()
+        gg, ss, gs = float(g @ g), float(s @ s), float(g @ s)
+        n = max(s.numel(), 1)
+        if gg <= 0 or ss <= 0 or gs / math.sqrt(gg * ss) < min_z / math.sqrt(n):
+            return 0.0
+        return gs / math.sqrt(gg) / math.sqrt(n)
+
+    def add(self, fragment: int, block_size: int, round_: int, moved: torch.Tensor) -> None:
+        """A commit moved the node by ``moved`` on the sample."""
+        key = (fragment, block_size)
+        self._sum_at(key, moved.numel(), round_).add_(moved.double())
+
+    def level(self, fragment: int = 0) -> float:
+        """``G``'s RMS on a fragment (its largest over block sizes; 0: none yet)."""
+        sums = [g for (f, _), g in self._sum.items() if f == fragment]
+        return max((float(g.square().mean().sqrt()) for g in sums), default=0.0)
