@@ -246,3 +246,22 @@ def test_a_blocks_unproven_calls_spend_a_bucket_and_an_empty_one_cools_the_block
     assert table.admit("a", 5.0) == (None, None) and table.admit("b", 5.0)[0] is not None
     assert table.admit("a", 10.5)[0] is not None  # cooled down
     assert table.charge("a", 10.5)  # refilled at 2 a second meanwhile (at most 3)
+
+
+def test_without_splice_grpc_serves_the_port_itself(monkeypatch):
+    """The gate's relay is Linux's splice(2); elsewhere the node serves as before, and says
+    that inbound connections are not bounded per address block."""
+    monkeypatch.delattr(os, "splice", raising=False)
+
+    async def main():
+        a, b = await make_peer("A", 1), await make_peer("B", 2)
+        try:
+            assert b.server.gate is None
+            info = await fetch_info(a.stub(b), scaled(5), a.me.signer)
+            assert info.ok and info.authenticated
+            await a.exchange(b)
+        finally:
+            await a.close()
+            await b.close()
+
+    run(main(), timeout_s=scaled(60))

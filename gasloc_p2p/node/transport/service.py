@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 import zlib
@@ -495,17 +496,19 @@ SERVICE = "gasloc.v1.Gossip"
 class NodeServer:
     """The gRPC server (on a loopback port) behind its :class:`Gate` (on the node's port)."""
 
-    def __init__(self, server: grpc.aio.Server, gate: Gate) -> None:
+    def __init__(self, server: grpc.aio.Server, gate: Gate | None) -> None:
         self.grpc = server
-        self.gate = gate
+        self.gate = gate  # None: gRPC serves the node's port itself (no splice(2) here)
 
     async def stop(self, grace: float | None) -> None:
         """No new connections; running calls get ``grace`` seconds; then everything closes."""
-        self.gate.stop_accepting()
+        if self.gate is not None:
+            self.gate.stop_accepting()
         try:
             await self.grpc.stop(grace)
         finally:
-            await self.gate.close()
+            if self.gate is not None:
+                await self.gate.close()
 
 
 async def start_server(servicer: GossipServicer, host: str, port: int, net: NetworkConfig,
@@ -525,6 +528,15 @@ async def start_server(servicer: GossipServicer, host: str, port: int, net: Netw
         check_bindable(host, port, "--port", "the gRPC port")
     server = grpc.aio.server(options=grpc_options(net, server=True))
     add_to_server(servicer, server)
+    if not hasattr(os, "splice"):  # the gate's relay is Linux's splice(2)
+        log.warning("no connection gate on this system (it needs Linux's splice(2)): "
+                    "inbound connections are not bounded per address block")
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port} for gRPC: choose another --port "
+                          "(0: any free port) or --host")
+        await server.start()
+        return NodeServer(server, None), bound
     inner = server.add_secure_port("127.0.0.1:0", server_credentials(tls))
     if inner == 0:
         raise OSError("cannot listen on a loopback port for gRPC")
