@@ -61,7 +61,7 @@ async def donor(numel: int, limit: int) -> None:
 
     servicer = GossipServicer(Identity(RUN, FINGERPRINT, "donor"), None,  # type: ignore[arg-type]
                               lambda: pb.InfoReply(), take, limits=ServeLimits(max_downloads=limit))
-    server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4,
+    server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(),
                                       TlsIdentity.generate("donor"))
     print(port, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)

@@ -33,6 +33,7 @@ from gasloc_p2p.core.flat import whole
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.transport.exchange import GossipTransport
+from gasloc_p2p.node.transport.gate import Gate, GateLimits
 from gasloc_p2p.node.transport.service import GossipServicer, StateSnapshot, grpc_options
 from gasloc_p2p.node.transport.tls import secure_channel, server_credentials
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
@@ -64,8 +65,10 @@ def build_side(name: str, numel: int, seed: int) -> tuple[GossipTransport, Ident
     state = AsyncGaslocState(theta, theta0, outer)
     engine = ExchangeEngine(state, theta0, [whole(numel)], TrainingLock(), 8)
     me = Identity.keyed("bench", "f" * 64, bench_signer(name))
+    # the guard off: these vectors do not train, so there is no drift to judge an update by
+    # (with it on, every exchange was refused BUSY)
     gossip = GossipConfig(header_timeout_s=60, chunk_timeout_s=60, commit_timeout_s=60,
-                          exchange_timeout_s=300)
+                          exchange_timeout_s=300, guard_factor=0)
     return GossipTransport(me, engine, gossip, outer), me
 
 
@@ -100,10 +103,13 @@ async def _serve(numel: int, port_queue: Any, stop: Any) -> None:
     tls = TlsIdentity.generate(me.peer_id)
     port = server.add_secure_port("127.0.0.1:0", server_credentials(tls))
     await server.start()
-    port_queue.put((port, tls.cert_der))
+    gate = Gate(GateLimits(), ("127.0.0.1", port))  # the node's front door, as a node runs it
+    gated = await gate.start("127.0.0.1", 0)
+    port_queue.put((port, gated, tls.cert_der))
     while not stop.is_set():
         await asyncio.sleep(0.1)
     await server.stop(0)
+    await gate.close()
 
 
 def serve(numel: int, threads: int, port_queue: Any, stop: Any) -> None:
@@ -146,6 +152,30 @@ async def raw_seconds(channel: grpc.aio.Channel, nbytes: int) -> float:
     return time.perf_counter() - start
 
 
+async def gate_cost(numel: int, repeats: int, direct: str, gated: str, cert: bytes
+                    ) -> dict[str, tuple[float, float]]:
+    """The best int8 exchange and raw-stream times straight to the gRPC server and through
+    the gate in front of it (a node's port), alternating, in one run."""
+    exchanger, _ = build_side("initiator", numel, 1)
+    exchanger.cfg = GossipConfig(codec="int8", header_timeout_s=60, chunk_timeout_s=60,
+                                 commit_timeout_s=60, exchange_timeout_s=300, guard_factor=0)
+    channels = {name: secure_channel(ep, cert, grpc_options(NetworkConfig(), False))
+                for name, ep in (("direct", direct), ("gate", gated))}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in channels}
+    for _ in range(repeats):
+        for name, channel in channels.items():
+            stub = pb_grpc.GossipStub(channel)
+            start = time.perf_counter()
+            outcome = await exchanger.initiate(lambda s=stub: s.Exchange(timeout=300),
+                                               bench_signer("responder").peer_id, 0)
+            took = time.perf_counter() - start
+            times[name].append((took, await raw_seconds(channel, outcome.bytes_sent)))
+    for channel in channels.values():
+        await channel.close()
+    return {name: (min(t for t, _ in rows), min(r for _, r in rows))
+            for name, rows in times.items()}
+
+
 async def bench(numel: int, repeats: int, endpoint: str, cert: bytes) -> list[dict[str, Any]]:
     exchanger, _ = build_side("initiator", numel, 1)
     channel = secure_channel(endpoint, cert, grpc_options(NetworkConfig(), False))
@@ -153,7 +183,7 @@ async def bench(numel: int, repeats: int, endpoint: str, cert: bytes) -> list[di
     rows = []
     for codec in CODECS:
         exchanger.cfg = GossipConfig(codec=codec, header_timeout_s=60, chunk_timeout_s=60,
-                                     commit_timeout_s=60, exchange_timeout_s=300)
+                                     commit_timeout_s=60, exchange_timeout_s=300, guard_factor=0)
         calls: list[CountingCall] = []
 
         def open_call(calls: list[CountingCall] = calls) -> CountingCall:
@@ -237,8 +267,10 @@ def main() -> None:
     child = ctx.Process(target=serve, args=(args.numel, args.threads, ports, stop), daemon=True)
     child.start()
     try:
-        port, cert = ports.get(timeout=120)
+        port, gated, cert = ports.get(timeout=120)
         rows = asyncio.run(bench(args.numel, args.repeats, f"127.0.0.1:{port}", cert))
+        gate = asyncio.run(gate_cost(args.numel, args.repeats, f"127.0.0.1:{port}",
+                                     f"127.0.0.1:{gated}", cert))
     finally:
         stop.set()
         child.join(10)
@@ -257,6 +289,10 @@ def main() -> None:
     print("throughput vs raw = raw stream time / exchange time for the same payload bytes both "
           "ways (1.0 = protocol and tensor work cost nothing); raw fp32 stream "
           f"{2 * rows[0]['payload'] / rows[0]['raw_s'] / 1e6:.0f} MB/s both directions")
+    (ex_d, raw_d), (ex_g, raw_g) = gate["direct"], gate["gate"]
+    print(f"through the gate (a node's port relays to its gRPC server): int8 exchange "
+          f"{ex_g:.3f} s against {ex_d:.3f} s straight to the server ({ex_g / ex_d:.3f}x); "
+          f"raw stream {raw_g:.3f} s against {raw_d:.3f} s ({raw_g / raw_d:.3f}x)")
     if not args.skip_training:
         training_ratio(args.train_window_s, args.data)
 

@@ -7,16 +7,16 @@ a slow machine needs one knob.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import os
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -27,8 +27,10 @@ from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
+    NodeServer,
     PeerChannels,
     PreauthPool,
+    ServeLimits,
     StateSnapshot,
     start_server,
 )
@@ -108,7 +110,7 @@ class Peer:
     state: AsyncGaslocState
     engine: ExchangeEngine
     exchanger: GossipTransport
-    server: grpc.aio.Server
+    server: NodeServer
     endpoint: str
     channels: PeerChannels
     tls: TlsIdentity
@@ -140,12 +142,14 @@ class Peer:
 
 async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
                     fingerprint: str = FINGERPRINT, outer: AsyncConfig | None = None,
-                    swarm_key: bytes = b"", signer: Signer | None = None) -> Peer:
+                    swarm_key: bytes = b"", signer: Signer | None = None,
+                    net: NetworkConfig | None = None) -> Peer:
     """A peer whose live parameters are ``theta0`` plus seeded noise (a different drift).
 
     Its peer id is derived from a fresh ed25519 key (``name`` only names it in the Info
     reply); ``swarm_key``: the shared secret its signatures are keyed with; ``signer``: its
-    key and membership instead (a closed swarm's member: :func:`member_signer`)."""
+    key and membership instead (a closed swarm's member: :func:`member_signer`); ``net``: its
+    server's network settings (gate, pre-authentication limits)."""
     t0 = theta0()
     outer = outer or AsyncConfig(eta=0.7, gamma=0.5, w=0.5)
     theta = t0 + 0.1 * torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
@@ -164,10 +168,11 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
     def info() -> pb.InfoReply:  # step and peers: only an authenticated caller sees them
         return pb.InfoReply(peer_id=me.peer_id, software_version=name, step=7, peers=["x"])
 
-    servicer = GossipServicer(me, exchanger, info, snapshot)
-    net = NetworkConfig()
+    net = net or NetworkConfig()
+    servicer = GossipServicer(me, exchanger, info, snapshot, ServeLimits(
+        net.preauth_streams, net.preauth_timeout_s))
     tls = TlsIdentity.generate(me.peer_id)
-    server, port = await start_server(servicer, "127.0.0.1", 0, net, gossip.max_inbound, tls)
+    server, port = await start_server(servicer, "127.0.0.1", 0, net, tls)
     return Peer(me, state, engine, exchanger, server, f"127.0.0.1:{port}", PeerChannels(net),
                 tls, servicer)
 
@@ -187,6 +192,35 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(a[key], b[key]), f"{key} changed"
         else:
             assert a[key] == b[key], f"{key}: {a[key]} != {b[key]}"
+
+
+@contextlib.asynccontextmanager
+async def relay_from(source: str, endpoint: str) -> AsyncIterator[str]:
+    """A local TCP relay to ``endpoint`` whose connections come from ``source`` (a loopback
+    address such as 127.1.0.1: another address block than the peers' 127.0.0.1); yields the
+    relay's endpoint. gRPC clients cannot pick their source address; TLS passes through."""
+    host, port = endpoint.rsplit(":", 1)
+
+    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        dst.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
 
 
 async def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") -> None:

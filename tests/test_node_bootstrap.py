@@ -148,7 +148,7 @@ def test_a_joiner_never_adopts_the_state_two_colluders_serve(corpus, monkeypatch
         servicer = GossipServicer(me, None, lambda: pb.InfoReply(
             peer_id=signer.peer_id, val_loss=0.1, validation_set=a.trainer.validation_set),
             lambda: snap)
-        server, port = await start_server(servicer, "127.0.0.1", 0, a.cfg.network, 4, tls)
+        server, port = await start_server(servicer, "127.0.0.1", 0, a.cfg.network, tls)
         d = InMemoryDiscovery(reg, a.me.run_id, name)
         d.use_identity(signer, 10.0)
         await d.start()

@@ -62,7 +62,7 @@ async def serve(limit: int, name: str = "donor"
     servicer = GossipServicer(Identity(RUN, FINGERPRINT, name), None,  # type: ignore[arg-type]
                               lambda: pb.InfoReply(peer_id=name), lambda: snap,
                               limits=ServeLimits(max_downloads=limit))
-    server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4, tls(name))
+    server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), tls(name))
     return (server, servicer, f"127.0.0.1:{port}", PeerChannels(NetworkConfig()),
             tls(name).cert_der)
 
@@ -122,7 +122,7 @@ def test_a_download_that_outlasts_its_deadline_is_cut_and_frees_its_slot() -> No
         servicer = GossipServicer(Identity(RUN, FINGERPRINT, "donor"), None,  # type: ignore
                                   lambda: pb.InfoReply(peer_id="donor"), lambda: snap,
                                   limits=ServeLimits(max_downloads=1, download_s=scaled(1.0)))
-        server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4,
+        server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(),
                                           tls("donor"))
         endpoint, cert = f"127.0.0.1:{port}", tls("donor").cert_der
         channels = PeerChannels(NetworkConfig())

@@ -155,7 +155,7 @@ def test_a_state_download_carries_the_buffers_in_the_declared_order(snoo):
         tls = TlsIdentity.generate("donor")
         servicer = GossipServicer(Identity(RUN, FINGERPRINT, "donor"), None,  # no exchanges
                                   lambda: pb.InfoReply(peer_id="donor"), lambda: snap)
-        server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), 4, tls)
+        server, port = await start_server(servicer, "127.0.0.1", 0, NetworkConfig(), tls)
         channels = PeerChannels(NetworkConfig())
         me = Identity.keyed(RUN, FINGERPRINT, Signer())
         try:

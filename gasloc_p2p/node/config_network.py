@@ -52,11 +52,19 @@ class NetworkConfig:
                                  "its peer id survives restarts (empty: a new key at each start)",
                              group="security")
     auth_skew_s: float = opt(120.0, "accept signed requests whose time is this close to ours", advanced=True)
-    preauth_streams: int = opt(8, "Exchange streams waiting to show a valid Header; a new "
-                                  "one displaces the oldest of the address block holding the "
-                                  "most", advanced=True)
-    preauth_timeout_s: float = opt(3.0, "a new Exchange stream must show a valid Header within "
-                                        "this", advanced=True)
+    preauth_streams: int = opt(8, "calls waiting for their first message (an Exchange: a "
+                                  "valid Header); a new one displaces the oldest of the "
+                                  "address block holding the most", advanced=True)
+    preauth_timeout_s: float = opt(3.0, "a new connection must send a byte and finish its TLS "
+                                        "handshake, and a new call send its first message (an "
+                                        "Exchange: a valid Header), within this", advanced=True)
+    max_connections: int = opt(256, "inbound connections held at once; when full, a "
+                                    "newcomer from a less busy address block (/24, /48) "
+                                    "displaces one of the busiest block's", advanced=True)
+    connections_per_block: int = opt(32, "inbound connections held at once from one address "
+                                         "block (/24, /48)", advanced=True)
+    max_streams_per_connection: int = opt(16, "calls one inbound connection may carry at "
+                                              "once (HTTP/2 SETTINGS)", advanced=True)
     max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY", advanced=True)
 
     def validate(self) -> None:
@@ -75,8 +83,12 @@ class NetworkConfig:
         need(self.max_channels >= 1, "max_channels", self.max_channels, "must be >= 1")
         need(self.reachability_interval_s >= 0, "reachability_interval_s",
               self.reachability_interval_s, "must be >= 0 seconds (0: no checks)")
-        for name in ("reachability_probes", "preauth_streams", "max_downloads"):
+        for name in ("reachability_probes", "preauth_streams", "max_downloads",
+                     "max_connections", "connections_per_block", "max_streams_per_connection"):
             need(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        need(self.connections_per_block <= self.max_connections, "connections_per_block",
+             self.connections_per_block,
+             f"must be at most --max-connections={self.max_connections}")
         need(self.auth_skew_s > 0, "auth_skew_s", self.auth_skew_s, "must be > 0 seconds")
         if self.swarm_key:
             try:

@@ -345,8 +345,7 @@ class Node:
                                   limits)
         servicer.probe = self._probe_endpoint
         servicer.dht_peer_id = self.discovery.dht_peer_id
-        server, self.port = await start_server(servicer, host, net.port, net,
-                                               self.cfg.gossip.max_inbound, self.tls)
+        server, self.port = await start_server(servicer, host, net.port, net, self.tls)
 
         async def stop_server() -> None:
             servicer.drain()  # new exchanges get BUSY during the grace

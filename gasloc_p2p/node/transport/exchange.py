@@ -251,14 +251,14 @@ class GossipTransport:
     # ----------------------------------------------------------------- responder
     async def respond(self, stream: MessageStream,
                       authenticated: Callable[[], None] | None = None,
-                      header_s: float | None = None) -> None:
+                      header_s: float | None = None, address: str | None = None) -> None:
         """Serve one inbound exchange on ``stream``; never raises for peer errors.
 
         ``authenticated`` is called once the initiator's Header passed its checks (signature
         included), ``header_s`` bounds the wait for that Header (the pre-authentication
-        deadline)."""
+        deadline); ``address``: the caller's (default: the stream's peer)."""
         session = ExchangeSession.responder(self.rules, self.engine)
-        block = address_block(remote_address(stream))
+        block = address_block(address or remote_address(stream))
         try:
             actions = session.receive(await self._read(stream, session, header_s))
         except (ExchangeError, TimeoutError) as exc:

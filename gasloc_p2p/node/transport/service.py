@@ -3,19 +3,30 @@
 Message sizes are bounded on both sides (``max_message_bytes``: one 1 MiB chunk plus headroom)
 and HTTP/2 keepalive pings detect dead peers. :class:`PeerChannels` keeps a bounded LRU of
 channels so repeated exchanges with a peer reuse one connection.
+
+What a caller that has proved nothing can hold (see docs/security.md): a connection, through
+the gate in front of the server (:mod:`gasloc_p2p.node.transport.gate`: per address block and
+in all, closed if silent for ``preauth_timeout_s``); on it at most
+``max_streams_per_connection`` calls (HTTP/2 SETTINGS; gRPC refuses more with RST_STREAM);
+and a place in the servicer's small pool of calls that have not sent their first message (or,
+for Exchange, a valid Header) within ``preauth_timeout_s``, where a newcomer displaces the
+oldest call of the busiest block. There is no server-wide cap on calls: one that half-open
+calls filled shut out members' Info and every exchange.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import socket
 import time
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -23,7 +34,8 @@ import torch
 from gasloc_p2p import __version__
 from gasloc_p2p.core.outer import OuterOptimizer
 from gasloc_p2p.node.config import NetworkConfig
-from gasloc_p2p.node.transport.exchange import GossipTransport, remote_address
+from gasloc_p2p.node.transport.exchange import GossipTransport
+from gasloc_p2p.node.transport.gate import Gate, GateLimits
 from gasloc_p2p.node.transport.tls import secure_channel, server_credentials
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
@@ -58,7 +70,9 @@ log = logging.getLogger(__name__)
 
 
 def grpc_options(net: NetworkConfig, server: bool) -> list[tuple[str, int]]:
-    """Message-size limits and keepalive for a server or a client channel."""
+    """Message-size limits and keepalive for a server or a client channel; a server's
+    connections also carry at most ``max_streams_per_connection`` calls at once and must
+    finish their TLS and HTTP/2 handshake within ``preauth_timeout_s``."""
     opts = [
         ("grpc.max_send_message_length", net.max_message_bytes),
         ("grpc.max_receive_message_length", net.max_message_bytes),
@@ -68,8 +82,10 @@ def grpc_options(net: NetworkConfig, server: bool) -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
     ]
     if server:  # accept the clients' pings at our own keepalive rate
-        opts.append(("grpc.http2.min_recv_ping_interval_without_data_ms",
-                     int(net.keepalive_time_s * 500)))
+        opts += [("grpc.http2.min_recv_ping_interval_without_data_ms",
+                  int(net.keepalive_time_s * 500)),
+                 ("grpc.max_concurrent_streams", net.max_streams_per_connection),
+                 ("grpc.server_handshake_timeout_ms", int(net.preauth_timeout_s * 1000))]
     return opts
 
 
@@ -151,9 +167,9 @@ class SharedSnapshot:
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """Bounds on what callers can hold open: Exchange streams that have not shown a valid
-    Header yet and how long they may take to, concurrent state downloads, and the clock skew
-    accepted in a signed request."""
+    """Bounds on what callers can hold open: calls that have not sent their first message (an
+    Exchange stream: a valid Header) yet and how long they may take to, concurrent state
+    downloads, and the clock skew accepted in a signed request."""
 
     preauth_streams: int = 8
     preauth_timeout_s: float = 3.0
@@ -163,13 +179,18 @@ class ServeLimits:
     # would hold its slot for good (the node sets the state's time on the slowest link)
 
 
-class PreauthPool:
-    """Exchange streams that have not shown a valid Header yet: at most ``size``.
+class Displaced(Exception):
+    """A call waiting in the :class:`PreauthPool` was displaced by a newer one."""
 
-    When the pool is full a new stream displaces the oldest stream of the address block
-    (/24, /48) that holds the most, instead of being refused: idle streams hold a slot only
-    until the next stream arrives, and an honest initiator, whose Header follows its stream
-    at once, is through in milliseconds. A pool that refused newcomers was held shut by 15
+
+class PreauthPool:
+    """Calls that have proved nothing yet: at most ``size``. An Exchange stream stays until it
+    shows a valid Header; an Info or DownloadState call until its request arrives.
+
+    When the pool is full a new call displaces the oldest call of the address block
+    (/24, /48) that holds the most, instead of being refused: idle calls hold a place only
+    until the next call arrives, and an honest caller, whose message follows its call at
+    once, is through in milliseconds. A pool that refused newcomers was held shut by 15
     idle streams (no honest exchange was answered for 40 s).
     """
 
@@ -204,6 +225,59 @@ class PreauthPool:
             return True
         return False
 
+    @contextlib.asynccontextmanager
+    async def waiting(self, block: str) -> AsyncIterator[Callable[[], None]]:
+        """Hold a place for the current task's call from ``block`` until the body calls the
+        function it gets (the call proved itself) or ends; :class:`Displaced` if a newer
+        call took the place first."""
+        key, task = object(), asyncio.current_task()
+        assert task is not None
+        self.enter(key, block, task)
+        try:
+            yield lambda: self.leave(key)
+        except asyncio.CancelledError:
+            if not self.was_displaced(key):
+                raise  # the server stops
+            task.uncancel()
+            raise Displaced from None
+        finally:
+            self.leave(key)
+            self._gone.discard(key)
+
+
+class Door(Protocol):
+    """What the servicer asks of the connection a call came on (the :class:`Gate`), by gRPC's
+    ``context.peer()`` string."""
+
+    def address_of(self, peer: str) -> str:
+        """The caller's address."""
+
+    def unproven(self, peer: str) -> bool:
+        """A call that has proved nothing starts; False: its connection is being closed."""
+
+    def proved(self, peer: str) -> None:
+        """The call proved itself (a valid Header, a signed request that checks out)."""
+
+
+class OpenDoor:
+    """A servicer served without a gate (tests, benchmarks): no per-source limits."""
+
+    def address_of(self, peer: str) -> str:
+        return host_of(peer)
+
+    def unproven(self, peer: str) -> bool:
+        return True
+
+    def proved(self, peer: str) -> None:
+        pass
+
+
+def _peer(context: Any) -> str:
+    try:
+        return str(context.peer())
+    except Exception:  # noqa: BLE001 - a test double or a closed call
+        return "?"
+
 
 class GossipServicer(pb_grpc.GossipServicer):
     """Serves Exchange (via the node's :class:`GossipTransport`), Info and DownloadState.
@@ -213,9 +287,15 @@ class GossipServicer(pb_grpc.GossipServicer):
 
     Callers are authenticated by signatures (``me.signer``, with the swarm key if any): an
     Exchange needs a signed Header (the session checks it), DownloadState a signed request;
-    Info to an unauthenticated caller answers health only. Exchange streams beyond
-    ``limits`` (in all or from one address) get BUSY at once, before their Header, so idle or
-    slow streams cannot hold the server's capacity or starve Info.
+    Info to an unauthenticated caller answers health only. Every call waits for its first
+    message (an Exchange: a valid Header) in the :class:`PreauthPool`, at most
+    ``limits.preauth_timeout_s``, so half-open or idle calls cannot hold the server's capacity
+    or starve Info. :func:`add_to_server` serves Info and DownloadState as request streams
+    (the same bytes on the wire) so that the wait for their request has that deadline.
+
+    ``door``: the connection's side of every call (:class:`Door`; the :class:`Gate` behind
+    :func:`start_server`): the caller's address, and each call that has not proved itself yet
+    spends from its address block's budget.
     """
 
     def __init__(self, me: Identity, exchanger: GossipTransport | None,
@@ -235,25 +315,28 @@ class GossipServicer(pb_grpc.GossipServicer):
         self.dht_peer_id = ""  # for bootstrap multiaddrs, in every Info reply (set by the node)
         self._probing = asyncio.Lock()
         self.preauth = PreauthPool(self.limits.preauth_streams)
+        self.door: Door = OpenDoor()
 
     async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        key, task = object(), asyncio.current_task()
-        assert task is not None
-        self.preauth.enter(key, address_block(remote_address(context)), task)
+        peer = _peer(context)
+        if not self.door.unproven(peer):
+            return  # its address block is over budget: the gate closes the connection
+        address = self.door.address_of(peer)
         try:
-            await self._exchange(context, lambda: self.preauth.leave(key))
-        except asyncio.CancelledError:
-            if not self.preauth.was_displaced(key):
-                raise  # the server stops
-            task.uncancel()  # displaced by a newer stream: end the call properly
+            async with self.preauth.waiting(address_block(address)) as arrived:
+                def authenticated() -> None:
+                    arrived()
+                    self.door.proved(peer)
+
+                await self._exchange(context, authenticated, address)
+        except Displaced:  # by a newer stream: end the call properly
             await _try_write(context, reject(BUSY, "too many streams waiting"))
-        finally:
-            self.preauth.leave(key)
 
     async def _exchange(self, context: grpc.aio.ServicerContext,
-                        authenticated: Callable[[], None]) -> None:
+                        authenticated: Callable[[], None], address: str) -> None:
         if self.exchanger is not None:
-            await self.exchanger.respond(context, authenticated, self.limits.preauth_timeout_s)
+            await self.exchanger.respond(context, authenticated, self.limits.preauth_timeout_s,
+                                         address)
             return
         try:  # read the header first, as the exchanger does, so the initiator sees the reject
             await asyncio.wait_for(context.read(), self.limits.preauth_timeout_s)
@@ -266,6 +349,37 @@ class GossipServicer(pb_grpc.GossipServicer):
         if self.exchanger is not None:
             self.exchanger.accepting = False
 
+    async def _first(self, context: grpc.aio.ServicerContext) -> Any:
+        """A call's request, within the pre-authentication pool and deadline; aborts the call
+        (a status, no reply) if it does not come."""
+        peer, request = _peer(context), None
+        if not self.door.unproven(peer):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "too many calls from this address block")
+        try:
+            async with self.preauth.waiting(address_block(self.door.address_of(peer))):
+                request = await asyncio.wait_for(context.read(), self.limits.preauth_timeout_s)
+        except Displaced:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls waiting")
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no request in time")
+        if request is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request")
+        return request
+
+    async def info_call(self, requests: Any, context: grpc.aio.ServicerContext
+                        ) -> pb.InfoReply:
+        """Info served as a request stream: its request within the pool's deadline."""
+        return await self.Info(await self._first(context), context)
+
+    async def download_call(self, requests: Any, context: grpc.aio.ServicerContext
+                            ) -> AsyncGenerator[pb.StateChunk, None]:
+        """DownloadState served as a request stream: its request within the pool's
+        deadline."""
+        request = await self._first(context)
+        async for chunk in self.DownloadState(request, context):
+            yield chunk
+
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoReply:
         now = time.time()
         why = check_request_auth(request.auth, self.verifier, INFO_DOMAIN,
@@ -276,6 +390,7 @@ class GossipServicer(pb_grpc.GossipServicer):
                                 peer_id=self.me.peer_id, software_version=__version__, ok=True,
                                 dht_peer_id=self.dht_peer_id,
                                 challenge=self.challenges.issue(now))
+        self.door.proved(_peer(context))
         reply = self.info()
         reply.ok = reply.authenticated = True
         reply.dht_peer_id = self.dht_peer_id
@@ -304,6 +419,7 @@ class GossipServicer(pb_grpc.GossipServicer):
         if problem is not None:
             yield pb.StateChunk(reject=reject(problem.code, problem.message).reject)
             return
+        self.door.proved(_peer(context))
         if not self.downloads.admit():
             yield pb.StateChunk(reject=reject(BUSY, f"serving {self.downloads.limit} state "
                                                     "downloads already; retry later").reject)
@@ -351,30 +467,90 @@ async def _try_write(context: Any, msg: pb.ExchangeMsg) -> None:
         log.debug("could not write to a refused stream: %s", exc)
 
 
+def host_of(peer: str) -> str:
+    """The address in gRPC's ``ipv4:1.2.3.4:5678`` (``ipv4:1.2.3.4``; the port dropped)."""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
+def add_to_server(servicer: GossipServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer``: as the generated code does, but Info and DownloadState with
+    request streams (the wire is the same), so that the wait for their request is bounded."""
+    handlers = {
+        "Exchange": grpc.stream_stream_rpc_method_handler(
+            servicer.Exchange, request_deserializer=pb.ExchangeMsg.FromString,
+            response_serializer=pb.ExchangeMsg.SerializeToString),
+        "Info": grpc.stream_unary_rpc_method_handler(
+            servicer.info_call, request_deserializer=pb.InfoRequest.FromString,
+            response_serializer=pb.InfoReply.SerializeToString),
+        "DownloadState": grpc.stream_stream_rpc_method_handler(
+            servicer.download_call, request_deserializer=pb.StateRequest.FromString,
+            response_serializer=pb.StateChunk.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
+SERVICE = "gasloc.v1.Gossip"
+
+
+class NodeServer:
+    """The gRPC server (on a loopback port) behind its :class:`Gate` (on the node's port)."""
+
+    def __init__(self, server: grpc.aio.Server, gate: Gate | None) -> None:
+        self.grpc = server
+        self.gate = gate  # None: gRPC serves the node's port itself (no splice(2) here)
+
+    async def stop(self, grace: float | None) -> None:
+        """No new connections; running calls get ``grace`` seconds; then everything closes."""
+        if self.gate is not None:
+            self.gate.stop_accepting()
+        try:
+            await self.grpc.stop(grace)
+        finally:
+            if self.gate is not None:
+                await self.gate.close()
+
+
 async def start_server(servicer: GossipServicer, host: str, port: int, net: NetworkConfig,
-                       max_inbound: int, tls: TlsIdentity) -> tuple[grpc.aio.Server, int]:
+                       tls: TlsIdentity) -> tuple[NodeServer, int]:
     """Start serving on ``host:port`` (0: any free port) over TLS with ``tls``; returns the
     server and its port.
 
-    gRPC's own cap on concurrent calls is only a backstop far above the servicer's Exchange
-    limits, so Info and health calls always find room (they used to share one cap with idle
-    Exchange streams).
+    The gRPC server listens on a loopback port; the node's port is the gate's, which admits
+    connections by source and relays them (TLS end to end). No cap on calls is shared by all
+    callers: what a caller can hold is bounded per connection, per address block and in the
+    servicer's pre-authentication pool.
 
     OSError naming ``--port`` if the address cannot be bound (checked with a plain socket
-    first, so gRPC's own multi-line bind failure never reaches the user's terminal).
+    first, so no half-started server is left behind).
     """
     if port:
         check_bindable(host, port, "--port", "the gRPC port")
-    server = grpc.aio.server(options=grpc_options(net, server=True),
-                             maximum_concurrent_rpcs=servicer.limits.preauth_streams
-                             + 4 * max_inbound + 64)
-    pb_grpc.add_GossipServicer_to_server(servicer, server)
-    bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port} for gRPC (address in use or not local?): "
-                      "choose another --port (0: any free port) or --host")
+    server = grpc.aio.server(options=grpc_options(net, server=True))
+    add_to_server(servicer, server)
+    if not hasattr(os, "splice"):  # the gate's relay is Linux's splice(2)
+        log.warning("no connection gate on this system (it needs Linux's splice(2)): "
+                    "inbound connections are not bounded per address block")
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port} for gRPC: choose another --port "
+                          "(0: any free port) or --host")
+        await server.start()
+        return NodeServer(server, None), bound
+    inner = server.add_secure_port("127.0.0.1:0", server_credentials(tls))
+    if inner == 0:
+        raise OSError("cannot listen on a loopback port for gRPC")
     await server.start()
-    return server, bound
+    gate = Gate(GateLimits(net.max_connections, net.connections_per_block,
+                           net.preauth_timeout_s), ("127.0.0.1", inner))
+    try:
+        bound = await gate.start(host, port)
+    except OSError as exc:
+        await server.stop(0)
+        raise OSError(f"cannot listen on {host}:{port} for gRPC ({exc.strerror}): choose "
+                      "another --port (0: any free port) or --host") from None
+    servicer.door = gate
+    return NodeServer(server, gate), bound
 
 
 def check_bindable(host: str, port: int, flag: str, what: str) -> None:
