@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup test lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
+.PHONY: setup test test-long lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
 	bench-chaos bench-poison bench-tamper bench-redteam bench-soak bench-external bench-external-1000 bench-projection bench-engine bench-optim bench-ranks reproduce \
@@ -32,20 +32,27 @@ MYPY := $(PY) -m mypy gasloc_p2p
 # (tests/conftest.py). PYTEST_WORKERS=0: one process, as plain `pytest`.
 PYTEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
+# tests marked `long` (variants of what the suite covers, each 40-100 s here) run apart
+PYTEST_TIER ?= -m "not long"
 
 typecheck: setup
 	@$(STEP) "typecheck: mypy" -- $(MYPY)
 
 unit: setup
-	@$(STEP) "unit: pytest" -- $(PYTEST)
+	@$(STEP) "unit: pytest" -- $(PYTEST) $(PYTEST_TIER)
 
 # mypy (one core, about a minute from a fresh clone) runs beside pytest; its summary line is
 # printed after pytest's (its messages too, if it fails).
 test: lint
 	@$(STEP) "typecheck: mypy" --log $(VENV)/typecheck.log -- $(MYPY) >$(VENV)/typecheck.out 2>&1 & \
-	$(STEP) "unit: pytest" -- $(PYTEST); unit=$$?; \
+	$(STEP) "unit: pytest" -- $(PYTEST) $(PYTEST_TIER); unit=$$?; \
 	wait $$!; typecheck=$$?; cat $(VENV)/typecheck.out; \
 	[ $$unit -eq 0 ] && [ $$typecheck -eq 0 ]
+
+# the tests `make test` leaves out (marked long: compiled ranks, a DDP and a Llama rank swarm,
+# the dashboard without Prometheus, bench-external's runner); about 5 minutes
+test-long: setup
+	@$(STEP) "unit: pytest (long)" -- $(PYTEST) -m long
 
 swarm: setup
 	$(VENV)/bin/gasloc-node swarm --nodes 3

@@ -18,14 +18,16 @@ import tempfile
 import pytest
 
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as the CLI: no C-core INFO lines per handshake
-# hivemind DHTs of in-process nodes and helpers start from a clean fork server, never forked
-# from this threaded test process (node/discovery/dht.py: dht_class)
-os.environ.setdefault("GASLOC_DHT_START", "forkserver")
 # owner keys of nodes that start a closed swarm go here, not into the user's home (children too)
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="gasloc-test-data-")
 
+from gasloc_p2p.node.discovery import dht
 from tests.daemon_helpers import write_corpus
 
+# hivemind DHTs of in-process nodes and helpers start from a clean fork server, never forked
+# from this threaded test process (node/discovery/dht.py: dht_class); node processes the tests
+# start fork theirs, as a user's node does
+dht.DEFAULT_START = "forkserver"
 atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], ignore_errors=True)
 
 # A quiet machine of the CI kind runs the probe below in about this long (2 cores, 2026-11).

@@ -140,6 +140,7 @@ def _loopback_run(system, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_gasloc_runner_on_loopback(tmp_path):
     run = _loopback_run("gasloc", tmp_path)
     assert all(n["exit_code"] == 0 for n in run["nodes"])

@@ -116,6 +116,7 @@ def test_scrapes_a_real_metrics_endpoint():
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install -y chromium")
+@pytest.mark.long  # test_dashboard.py shows the same page from Prometheus in the suite
 def test_dashboard_without_prometheus_shows_a_live_swarm_in_chromium(tmp_path):
     with live_swarm(tmp_path, nodes=2, dashboard=True, prometheus=False) as swarm:
         assert swarm.prometheus is None and swarm.dashboard is not None

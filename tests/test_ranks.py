@@ -108,6 +108,7 @@ def test_two_ranks_take_one_process_steps_and_stay_identical(tmp_path, accum, sh
     assert sum(not math.isnan(v) and v > 0 for d in one["drifts"] for v in d.values()) == 2
 
 
+@pytest.mark.long  # a cold compiler on two cores: 1.5 minutes (make test-long)
 def test_two_compiled_ranks_take_one_compiled_process_steps(tmp_path, sharding="fsdp"):
     """``--compile --sharding fsdp``: torch.compile over the FSDP2-sharded model (its
     all-gathers and reduce-scatters between the compiled pieces) takes the steps one compiled

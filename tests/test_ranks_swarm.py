@@ -59,7 +59,7 @@ STOPPED = {"ddp": "stopped the node's 2 ranks: replicas identical",
            "fsdp": "stopped the node's 2 ranks (sharded; rank 0's full copy is current)"}
 
 
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+@pytest.mark.parametrize("sharding", [pytest.param("ddp", marks=pytest.mark.long), "fsdp"])
 def test_a_two_rank_node_gossips_with_a_one_rank_node(tmp_path, sharding):
     """With FSDP2 the guard's drift probe samples the ranks' rows around every step, and
     every exchange reads and writes rank 0's full copy."""
@@ -159,6 +159,7 @@ def test_a_dead_rank_stops_the_node_in_one_line_and_a_restart_resumes(tmp_path):
             node.stop(10)
 
 
+@pytest.mark.long
 def test_a_two_rank_llama_node_syncs_with_a_one_rank_node_in_diloco(tmp_path):
     """DiLoCo's round end runs after the step on rank 0 (hivemind's all-reduce, then the
     outer step): the other rank gets its rows of the result before the next step. A Hugging

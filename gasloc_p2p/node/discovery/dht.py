@@ -105,6 +105,10 @@ async def _install_parent_watchdog(_dht: Any, node: Any, parent_pid: int,
 
 
 START_METHOD = "GASLOC_DHT_START"  # "forkserver": DHT processes from a clean fork server
+# the start method when the variable is not set: the tests' processes set "forkserver" here
+# (in-process nodes of a threaded test runner); node processes they start, single-threaded
+# when their DHT starts, keep the plain fork (a fork server costs a node 2-3 s to start)
+DEFAULT_START = "fork"
 
 
 def dht_class(hivemind: Any) -> Any:
@@ -112,9 +116,9 @@ def dht_class(hivemind: Any) -> Any:
     hivemind forks its DHT process from the node's, and a fork of a process with threads
     (the test runner's, after hundreds of tests) can inherit a lock held by another thread
     and crash (seen as SIGSEGV in CI). The server is a fresh interpreter that has imported
-    hivemind and started no thread; the tests use it (the node's own start forks before its
-    threads do work)."""
-    if os.environ.get(START_METHOD) != "forkserver":
+    hivemind and started no thread; the tests' own processes use it (:data:`DEFAULT_START`;
+    the node's own start forks before its threads do work)."""
+    if (os.environ.get(START_METHOD) or DEFAULT_START) != "forkserver":
         return hivemind.DHT
     import multiprocessing
 
