@@ -63,7 +63,7 @@ def build_side(name: str, numel: int, seed: int) -> tuple[GossipTransport, Ident
     theta = theta0 + 0.01 * torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     outer = AsyncConfig()
     state = AsyncGaslocState(theta, theta0, outer)
-    engine = ExchangeEngine(state, theta0, [whole(numel)], TrainingLock(), 8)
+    engine = ExchangeEngine(state, theta0, [whole(numel)], TrainingLock())
     me = Identity.keyed("bench", "f" * 64, bench_signer(name))
     # the guard off: these vectors do not train, so there is no drift to judge an update by
     # (with it on, every exchange was refused BUSY)

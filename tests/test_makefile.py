@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Target -> what its recipe must run (README's description of it).
 EXPECTED = {
     "swarm": ["gasloc-node swarm --nodes 3"],
-    "test": ["ruff check", "proto/generate.py --check", "mypy gasloc_p2p", "pytest"],
+    "test": ["ruff check", "proto/generate.py --check", "mypy gasloc_p2p", "pytest",
+             '-m "not long"'],
     "lint": ["ruff check", "proto/generate.py --check"],
     "sim": ["gasloc-node sim "],
     "proto": ["proto/generate.py"],
@@ -54,6 +55,7 @@ EXPECTED = {
                             "--name external-1000-avg"],
     "bench-projection": ["benchmarks.bench_projection"],
     "reproduce": ["benchmarks.reproduce"],
+    "test-long": ["pytest", "-m long"],
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no `make` on this machine")
