@@ -225,8 +225,10 @@ def run_next(budget_min: float, only: Sequence[str], out: Path | None,
     failed = 0
     background = []  # smoke size: the swarm slices (real processes, mostly waiting) meanwhile
     pool = ThreadPoolExecutor(3) if smoke else None
+    # smoke size: the swarm slices start first (in the background), the rest meanwhile
+    order = sorted(QUEUE, key=lambda s: s.kind != "swarm") if smoke else QUEUE
     try:
-        for sl in QUEUE:
+        for sl in order:
             if only and sl.id not in only:
                 continue
             if not smoke and is_done(sl, where):
