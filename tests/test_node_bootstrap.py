@@ -122,12 +122,17 @@ def test_a_joining_node_ignores_a_poisoned_donor_with_a_huge_step(corpus):
     run(main(), timeout_s=180)
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["far", "inside-tolerance"])
 @pytest.mark.parametrize("order", ["as listed", "reversed"])
-def test_a_joiner_never_adopts_the_state_two_colluders_serve(corpus, monkeypatch, order):
+def test_a_joiner_never_adopts_the_state_two_colluders_serve(corpus, monkeypatch, order,
+                                                             inside):
     """Live: two honest nodes gossip; two colluders (real gRPC servers with signed records)
     serve the same poisoned state, bounded and announcing a huge step. A joiner asks all four
     and starts from theta_0 (no three agree), whatever the donor order; before, it adopted
-    the colluders' state whenever they came first."""
+    the colluders' state whenever they came first. ``inside``: one honest donor, and a poison
+    close enough to agree with it (issue 39: adopted in 6 of 6 orders, the check compared
+    announced losses); the joiner ranks the three by their loss on its own batches and adopts
+    the honest state."""
     from gasloc_p2p.node import daemon
     from gasloc_p2p.node.discovery.base import PeerInfo
     from gasloc_p2p.node.transport.service import GossipServicer, StateSnapshot, start_server
@@ -143,11 +148,14 @@ def test_a_joiner_never_adopts_the_state_two_colluders_serve(corpus, monkeypatch
     async def colluder(reg, a, poison, name):
         signer = Signer()
         me = Identity.keyed(a.me.run_id, a.me.fingerprint, signer)
-        snap = StateSnapshot(10**6, 10**4, a.trainer.state.outer.name, poison, {})
+        def snap() -> StateSnapshot:  # ``poison``: a state, or one made at each request
+            state = poison() if callable(poison) else poison
+            return StateSnapshot(10**6, 10**4, a.trainer.state.outer.name, state, {})
+
         tls = TlsIdentity.generate(signer.peer_id)
         servicer = GossipServicer(me, None, lambda: pb.InfoReply(
             peer_id=signer.peer_id, val_loss=0.1, validation_set=a.trainer.validation_set),
-            lambda: snap)
+            snap)
         server, port = await start_server(servicer, "127.0.0.1", 0, a.cfg.network, tls)
         d = InMemoryDiscovery(reg, a.me.run_id, name)
         d.use_identity(signer, 10.0)
@@ -176,21 +184,51 @@ def test_a_joiner_never_adopts_the_state_two_colluders_serve(corpus, monkeypatch
             t0 = a.trainer.theta0.float().cpu()
             push = torch.randn(honest.shape, generator=torch.Generator().manual_seed(3))
             poison = honest + 2 * bootstrap.rms(honest - t0) * push / bootstrap.rms(push)
-            servers = [await colluder(reg, a, poison, f"evil{i}") for i in range(2)]
-            await wait_until(lambda: len(a.peers) == 3, what="the colluders announced")
+            served = poison
+            if inside:  # b stops; the colluders serve a's live state 15% back to theta_0
+                await b.stop()
+
+                def served() -> torch.Tensor:
+                    return t0 + 0.85 * (a.trainer.state.public_iterate().cpu() - t0)
+
+            servers = [await colluder(reg, a, served, f"evil{i}") for i in range(2)]
+            await wait_until(lambda: len(a.peers) == (2 if inside else 3),
+                             what="the colluders announced")
             try:
                 joiner = Node(tiny_config(corpus, peers=("/memory/a",)),
                               InMemoryDiscovery(reg, "gasloc", "joiner"))
                 async with joiner:
-                    assert joiner.adopted_from == ""
                     mine = joiner.trainer.state.theta.cpu()
-                    assert bootstrap.rms(mine - poison) > bootstrap.rms(mine - t0)
+                    if inside:  # the agreeing group's best on the joiner's batches: a's
+                        assert joiner.adopted_from == a.me.peer_id
+                    else:
+                        assert joiner.adopted_from == ""
+                        assert bootstrap.rms(mine - poison) > bootstrap.rms(mine - t0)
             finally:
                 for server, task in servers:
                     task.cancel()
                     await server.stop(0)
 
     run(main(), timeout_s=180)
+
+
+def test_of_an_agreeing_group_the_state_with_the_lowest_loss_here_is_adopted():
+    theta0, progress, sampler, honest, g = _swarm(4)
+    poison = [cand(f"evil{i}", theta0 + 0.8 * progress, sampler) for i in range(2)]
+    for c, loss in zip([*poison, honest[0]], [5.55, 5.55, 2.43], strict=True):
+        c.own_loss = loss
+    _, group = bootstrap.choose([*poison, honest[0]], 3)
+    assert len(group) == 3  # inside the agreement tolerance: they agree
+    assert bootstrap.pick(group, group) == (honest[0], "")
+    other = cand("outsider", theta0 + 3 * progress, sampler)  # agrees with none, loss 2.0
+    other.own_loss = 2.0
+    chosen, why = bootstrap.pick(group, [*group, other])
+    assert chosen is None and "2.4300" in why and "2.0000" in why
+    other.own_loss = 2.43 / 1.015  # within 2% of the group's best: the group's is adopted
+    assert bootstrap.pick(group, [*group, other])[0] is honest[0]
+    for c in group:
+        c.own_loss = float("nan")  # nothing measured: the group decides as before
+    assert bootstrap.pick(group, group)[0] in group
 
 
 def test_a_stale_record_does_not_keep_a_joiner_from_the_live_peers_state(corpus, caplog):

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -58,6 +58,9 @@ from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.messages import PROTOCOL_VERSION, Identity
 from gasloc_p2p.safelog import safe
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 MAX_DONORS = 5  # donors asked for their state at start-up
@@ -256,9 +259,11 @@ class Node:
         if good is not None:  # peers this node exchanged with before come first
             peers.sort(key=lambda p: not good(p.peer_id))
         sampler = bootstrap.Sampler(self.trainer.theta0)
+        start = self.trainer.state.theta.to("cpu", copy=True)  # theta_0: back to it after each
         cands: list[bootstrap.Candidate] = []
         for peer in peers[:MAX_DONORS]:
-            cand = await self._download(peer, sampler, keep=len(cands) < KEEP_FULL_STATES)
+            cand = await self._download(peer, sampler, keep=len(cands) < KEEP_FULL_STATES,
+                                        start=start)
             if cand is not None:
                 cands.append(cand)
         if not cands:
@@ -271,24 +276,30 @@ class Node:
             log.warning("starting from theta_0: no %d of the %d donors' states agree", need,
                         len(cands))
             return
-        medoid, group = chosen
+        _, group = chosen
+        medoid, problem = bootstrap.pick(group, cands)  # by the loss on this node's batches
+        if medoid is None:
+            log.warning("starting from theta_0: %s", problem)
+            return
         if medoid.params is None:  # dropped to save memory: fetch it again, check it again
             peer = next(p for p in peers if p.peer_id == medoid.peer_id)
-            again = await self._download(peer, sampler, keep=True)
+            again = await self._download(peer, sampler, keep=True, start=start)
             if again is None or not all(bootstrap.agree(again, c) for c in group
-                                        if c is not medoid):
+                                        if c is not medoid) or not (
+                    again.own_loss <= (1 + bootstrap.LOSS_MARGIN) * medoid.own_loss):
                 log.warning("starting from theta_0: %s served another state the second "
                             "time", safe(medoid.peer_id))
                 return
             again.announced_loss, medoid = medoid.announced_loss, again
         why = (f"{len(group)} of {len(cands)} donors agree" if len(group) > 1 else
                "the only donor that answered: unverified")
-        await self._adopt_checked(medoid, [c.announced_loss for c in group], why)
+        await self._adopt_checked(medoid, [medoid.announced_loss], why)
 
-    async def _download(self, peer: PeerInfo, sampler: bootstrap.Sampler,
-                        keep: bool) -> bootstrap.Candidate | None:
-        """``peer``'s state, checked and measured (its full vectors dropped unless
-        ``keep``), or None."""
+    async def _download(self, peer: PeerInfo, sampler: bootstrap.Sampler, keep: bool,
+                        start: torch.Tensor) -> bootstrap.Candidate | None:
+        """``peer``'s state, checked and measured, its loss on this node's validation batches
+        too (the node back at ``start`` after; its full vectors dropped unless ``keep``), or
+        None."""
         assert self.trainer is not None
         numel, signer, own = self.trainer.flat.numel, self.signer, self.trainer.state.outer
         stub = self.channels.stub(peer.endpoint, peer.cert)
@@ -307,11 +318,23 @@ class Node:
             log.warning("state of %s rejected: %s", safe(peer.peer_id), why)
             return None
         await asyncio.to_thread(sampler.measure, state)
+        assert state.params is not None  # dropped below, after this
+        state.own_loss = await asyncio.to_thread(self._loss_here, state.params, start)
         if info.validation_set and info.validation_set == self.trainer.validation_set:
             state.announced_loss = info.val_loss
         if not keep:
             state.params, state.outer = None, {}
         return state
+
+    def _loss_here(self, params: torch.Tensor, start: torch.Tensor) -> float:
+        """The validation loss of ``params`` on this node's batches; theta back at ``start``
+        (start-up: the trainer thread does not run yet)."""
+        assert self.trainer is not None
+        self.trainer.adopt(params, None)
+        try:
+            return self.trainer.val_loss()
+        finally:
+            self.trainer.adopt(start, None)
 
     async def _adopt_checked(self, state: bootstrap.Candidate, announced: list[float],
                              why: str) -> None:

@@ -9,11 +9,17 @@ their difference is at most ``AGREEMENT_TOL`` times the *smaller* of their displ
 ``theta_0``. Honest nodes of one swarm are far closer to each other than to ``theta_0``; a
 poisoned state is not close to them, and a donor can only shrink the tolerance it is judged
 by, never widen it (the rule before took the larger displacement: a far poisoned state widened
-its own tolerance). Of the agreeing group the node adopts the medoid, a real donor's state.
+its own tolerance). Of the agreeing group the node adopts the state with the lowest loss on
+its own validation batches (measured here for every donor that answered: announced figures
+never rank a state), and none if that loss is more than ``LOSS_MARGIN`` above the best state
+any donor served (:func:`pick`): two colluders that serve the honest state plus a push inside
+the agreement tolerance agree with an honest donor, and were adopted (issue 39) although their
+state's loss here was 5.55 against the honest donor's 2.43.
 
 Before keeping it, the node evaluates the state on its own validation batches: a loss above
-``theta_0``'s, or implausibly far above what the group's donors announce for the same
-validation set, sends it back to ``theta_0`` (:func:`implausible_loss`). A state that starts
+``theta_0``'s, or implausibly far above what its donor announces for the same validation set,
+sends it back to ``theta_0`` (:func:`implausible_loss`; only the chosen donor's own figure:
+colluders that announced a low loss once sent an honest state back to ``theta_0``). A state that starts
 from ``theta_0`` is then protected by the bounded updates while gossip brings it in.
 """
 
@@ -34,6 +40,7 @@ MAX_ABS_VALUE = 1e6  # as the exchange engine's limit on decoded values
 SKETCH_SIZE = 1 << 16  # sampled coordinates: RMS estimates within about 1%
 NEED_AGREEING = 3
 LOSS_FACTOR, LOSS_SLACK = 1.2, 0.05  # a state's loss here vs the donors' announced median
+LOSS_MARGIN = 0.02  # the adopted state's loss here at most this far above the best donor's
 _CHUNK = 1 << 24  # elements per pass over a full vector (bounded temporaries)
 
 
@@ -54,6 +61,7 @@ class Candidate:
     sketch: torch.Tensor | None = None
     displacement: float = math.nan
     announced_loss: float = math.nan
+    own_loss: float = math.nan  # its validation loss on this node's batches (NaN: unknown)
 
 
 def problem(c: Candidate, numel: int) -> str:
@@ -126,6 +134,23 @@ def choose(cands: list[Candidate], need: int) -> tuple[Candidate, list[Candidate
             medoid = min(group, key=lambda c: sum(distance(c, o) for o in group))
             return medoid, list(group)
     return None
+
+
+def pick(group: list[Candidate], answered: list[Candidate]
+         ) -> tuple[Candidate | None, str]:
+    """The state of ``group`` (donors that agree) to adopt: the one with the lowest loss on
+    this node's batches; None, with the reason, if that loss is more than ``LOSS_MARGIN``
+    above the best of every donor that ``answered`` (or unknown while another's is known)."""
+    def loss(c: Candidate) -> float:
+        return c.own_loss if math.isfinite(c.own_loss) else math.inf
+
+    chosen = min(group, key=loss)
+    best = min(answered, key=loss)
+    if loss(best) == math.inf or loss(chosen) <= (1 + LOSS_MARGIN) * loss(best):
+        return chosen, ""
+    return None, (f"the agreeing donors' best state has validation loss {loss(chosen):.4f} "
+                  f"here, more than {LOSS_MARGIN:.0%} above {loss(best):.4f} of "
+                  f"another donor's")
 
 
 def _spread(group: tuple[Candidate, ...]) -> float:
