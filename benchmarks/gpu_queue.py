@@ -223,10 +223,12 @@ def run_next(budget_min: float, only: Sequence[str], out: Path | None,
               file=sys.stderr)
         return 2
     failed = 0
-    background = []  # smoke size: the swarm slices (real processes, mostly waiting) meanwhile
-    pool = ThreadPoolExecutor(3) if smoke else None
-    # smoke size: the swarm slices start first (in the background), the rest meanwhile
-    order = sorted(QUEUE, key=lambda s: s.kind != "swarm") if smoke else QUEUE
+    # smoke size: the slices of processes (swarms: mostly waiting; the concurrency slice's
+    # arm processes: mostly importing) run in the background, meanwhile the rest
+    apart = ("swarm", "concurrency")
+    background = []
+    pool = ThreadPoolExecutor(4) if smoke else None
+    order = sorted(QUEUE, key=lambda s: s.kind not in apart) if smoke else QUEUE
     try:
         for sl in order:
             if only and sl.id not in only:
@@ -240,7 +242,7 @@ def run_next(budget_min: float, only: Sequence[str], out: Path | None,
                 print(f"gpu-next: {sl.id}: skipped ({expect / 60:.1f} min expected, "
                       f"{left / 60:.1f} left)", flush=True)
                 continue
-            if pool is not None and sl.kind == "swarm":
+            if pool is not None and sl.kind in apart:
                 background.append(pool.submit(_run_one, sl, left, smoke, scratch, where))
                 continue
             failed += _run_one(sl, left, smoke, scratch, where)
@@ -249,7 +251,9 @@ def run_next(budget_min: float, only: Sequence[str], out: Path | None,
         if pool is not None:
             pool.shutdown()
         write_tables(where, TABLES if where == RECORDS else where / "gpu-queue.md", smoke)
-        shutil.rmtree(scratch / "work", ignore_errors=True)
+        # the scratch folder goes, unless the records are in it (a smoke run without --out)
+        shutil.rmtree(scratch / "work" if where.is_relative_to(scratch) else scratch,
+                      ignore_errors=True)
     export = os.environ.get("OUT")
     if export and not smoke:  # a GPU machine's $OUT: the records come back from there
         for path in where.glob("*.jsonl"):
