@@ -148,7 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _interrupted(signum: int, frame: Any) -> None:
-    print("gasloc-node: interrupted", file=sys.stderr, flush=True)
+    # os.write, not print: the signal may land inside a write to stderr, whose buffer's lock
+    # a print here would meet again
+    os.write(2, b"gasloc-node: interrupted\n")
     os._exit(130)
 
 
