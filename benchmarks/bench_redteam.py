@@ -2,7 +2,7 @@
 nodes beside the same 5 nodes unattacked.
 
 Usage: python -m benchmarks.bench_redteam [--attacks farm-push,member-push,...] [--honest 5]
-           [--minutes 10] [--logs DIR]
+           [--minutes 10] [--logs DIR] [--defence-cost REPEATS]
 
 For every attack of :mod:`benchmarks.tools.redteam` (default: all), two swarms of real
 ``gasloc-node join`` processes (tiny model, one torch thread each, under ``nice``) train side
@@ -20,6 +20,10 @@ issue's targets:
 - the attacker's exchanges by outcome.
 
 Each attack takes ``--minutes`` plus about a minute; ``make bench-redteam`` runs them all.
+
+``--defence-cost N`` runs no attack: two clean swarms side by side, one on the defaults and
+one with every defence off, ``N`` times with the start order swapped; it prints the steps
+(tokens/s) defended / undefended (target: at least 0.97) and the loss ratio.
 """
 
 from __future__ import annotations
@@ -128,13 +132,77 @@ def report(result: dict[str, Any], evaluator: Evaluator) -> dict[str, float]:
     return figures
 
 
+# every defence of issue 39 off: the guard (clip, refuse, budgets, trust), the push meter, the
+# rise rollback and the direction test
+DEFENCES_OFF = {"guard_factor": 0.0, "guard_push_limit": 0.0, "guard_loss_rise": 0.0,
+                "guard_min_z": -1.0}
+
+
+def defence_cost(honest: int, minutes: float, tmp: Path, evaluator: Evaluator,
+                 repeats: int) -> tuple[float, float]:
+    """What the defences cost honest training: two clean swarms side by side, ``defended``
+    (the defaults) and ``undefended`` (:data:`DEFENCES_OFF`), no attacker; their nodes share
+    the cores at one priority, so the steps each swarm takes in the same time are its tokens/s.
+    Run ``repeats`` times, the start order swapped each time (the swarm started first has the
+    cores to itself for a moment). Returns (steps defended / undefended, loss the same)."""
+    seconds = 60 * minutes
+    extra = {"eval_interval_steps": 100000, "max_time_s": seconds,
+             "checkpoint_interval_s": 3600.0, "dht_start_timeout_s": 240.0,
+             "dht_timeout_s": 30.0}
+    keys = [tmp / f"key{i}" for i in range(honest)]
+    for k in keys:
+        load_or_create_identity(str(k))
+    steps = {"defended": 0, "undefended": 0}
+    losses: dict[str, list[float]] = {"defended": [], "undefended": []}
+    for r in range(repeats):
+        order = ["defended", "undefended"][:: 1 if r % 2 == 0 else -1]
+        swarms: dict[str, list[NodeChild]] = {}
+        try:
+            for name in order:
+                swarms[name] = start_swarm(f"{name[0]}{r}-", tmp, keys, {
+                    **extra, **(DEFENCES_OFF if name == "undefended" else {})})
+            for node in (n for ns in swarms.values() for n in ns):
+                node.wait_up(300)
+            for node in (n for ns in swarms.values() for n in ns):
+                node.proc.wait(timeout=seconds + 600)
+        finally:
+            for nodes in swarms.values():
+                for node in nodes:
+                    node.stop(30)
+        for name, nodes in swarms.items():
+            finals = [torch.load(tmp / f"{n.name}.ckpt" / "node.pt", weights_only=True)
+                      for n in nodes]
+            taken = [int(f["step"]) for f in finals]
+            steps[name] += sum(taken)
+            losses[name].append(evaluator.loss(torch.stack([f["theta"] for f in finals])
+                                               .mean(0)))
+            print(f"run {r + 1} ({' first, '.join(order)} second): {name}: steps {taken}, "
+                  f"network-average val loss {losses[name][-1]:.4f}")
+    ratio = steps["defended"] / max(steps["undefended"], 1)
+    loss = statistics.mean(losses["defended"]) / statistics.mean(losses["undefended"])
+    print(f"defence cost: steps (tokens/s) defended / undefended {ratio:.3f} (target >= 0.97), "
+          f"{steps['defended']} against {steps['undefended']} over {repeats} run(s) of "
+          f"{minutes:g} min, {honest} nodes each; val loss defended / undefended {loss:.3f}")
+    return ratio, loss
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--attacks", default=",".join(ATTACKS))
     p.add_argument("--honest", type=int, default=5)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--logs", default="", help="keep the nodes' logs and files here")
+    p.add_argument("--defence-cost", type=int, default=0, metavar="REPEATS",
+                   help="instead of the attacks: what the defences cost honest training "
+                        "(tokens/s, defaults against every defence off), REPEATS runs")
     args = p.parse_args()
+    if args.defence_cost:
+        evaluator = Evaluator({"eval_interval_steps": 100000})
+        with tempfile.TemporaryDirectory(prefix="redteam_cost_") as tmp_dir:
+            tmp = Path(args.logs) if args.logs else Path(tmp_dir)
+            tmp.mkdir(parents=True, exist_ok=True)
+            defence_cost(args.honest, args.minutes, tmp, evaluator, args.defence_cost)
+        return
     names = [a for a in args.attacks.split(",") if a]
     unknown = [a for a in names if a not in ATTACKS]
     if unknown:
