@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gasloc_p2p.node.discovery.dht import process_alive
+
 log = logging.getLogger(__name__)
 
 PREFIX = "gln"  # every namespace, bridge and veth name: PREFIX, the owner's pid in base 36, "-"
@@ -71,16 +73,6 @@ def _free_subnet(start: int) -> int:
     raise NetnsError("no free 10.213.x.0/24 subnet: 250 shaped networks exist")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> int:
     """Delete namespaces and bridges left by dead processes; returns how many were deleted."""
     deleted = 0
@@ -89,7 +81,7 @@ def sweep_stale() -> int:
     links = [p.name for p in Path("/sys/class/net").iterdir()] if Path("/sys/class/net").exists() else []
     for name in names + links:
         m = _NAME.match(name)
-        if m is None or _pid_alive(int(m.group(1), 36)):
+        if m is None or process_alive(int(m.group(1), 36)):
             continue
         if name in names:
             _run(["ip", "netns", "del", name], check=False)

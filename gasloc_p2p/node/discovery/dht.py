@@ -72,7 +72,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (not gone, not a zombie)."""
     try:
         os.kill(pid, 0)
@@ -94,7 +94,7 @@ async def _install_parent_watchdog(_dht: Any, node: Any, parent_pid: int,
     its parent.)"""
 
     async def watch() -> None:
-        while _alive(parent_pid):
+        while process_alive(parent_pid):
             await asyncio.sleep(period_s)
         try:
             await asyncio.wait_for(node.shutdown(), 5.0)
