@@ -277,3 +277,21 @@ def test_codec_spec_parses_prints_and_validates_in_one_place():
     spec = CodecSpec("int8", 64)
     assert spec.codec() is spec.codec() and spec.codec().block_size == 64  # shared, stateless
     assert get_codec("int8", 64).encode(gaussian(100)).spec == spec
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4", "fp4"])
+def test_selected_runs_decode_as_each_run_does(name):
+    """The push meter's sample: runs of whole blocks (the last one short: the fragment's
+    end) gathered into one payload decode bit for bit as each run's own view."""
+    from gasloc_p2p.core.wire import run_index
+
+    spec = CodecSpec.of(name, 64 if name in ("int8", "int4", "fp4") else 0)
+    numel = 64 * 9 + 22
+    enc = spec.codec().encode(torch.randn(numel, generator=torch.Generator().manual_seed(1)))
+    runs = [(0, 64), (192, 64), (320, 64), (576, 22)]
+    codec = spec.codec()
+    each = torch.cat([codec.decode(enc.view(s, n)) for s, n in runs])
+    assert torch.equal(codec.decode(enc.select(run_index(name, spec.block_size, runs))), each)
+    if spec.block_size:  # a run that does not start on a block boundary is refused
+        with pytest.raises(ValueError, match="whole blocks"):
+            run_index(name, spec.block_size, [(32, 64)])

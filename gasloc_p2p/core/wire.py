@@ -132,6 +132,38 @@ def payload_buffer(nbytes: int, pin: bool = False) -> bytearray | memoryview:
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no boolean equality
+class RunIndex:
+    """Where runs of elements lie in an Encoded's tensors: byte positions in ``data`` and
+    scale positions in ``scales`` (int64), and the runs' element count."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    numel: int
+
+
+def run_index(codec: str, block_size: int, runs: list[tuple[int, int]],
+              device: torch.device | str = "cpu") -> RunIndex:
+    """The :class:`RunIndex` of ``runs`` (``(start, length)``, in order; each starts on a
+    block boundary, and only the last may end short of one) in payloads of ``codec``."""
+    data: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
+    for i, (start, n) in enumerate(runs):
+        n_scales, n_data = layout(codec, n, block_size)
+        if block_size and (start % block_size or (n % block_size and i < len(runs) - 1)):
+            raise ValueError(f"run [{start}, {start + n}) is not whole blocks of {block_size}")
+        if block_size:
+            d0 = start // 2 if codec in _NIBBLE_CODECS else start
+            scales.append(torch.arange(start // block_size, start // block_size + n_scales))
+        else:
+            d0 = start * (n_data // max(n, 1))
+        data.append(torch.arange(d0, d0 + n_data))
+    empty = torch.zeros(0, dtype=torch.int64)
+    return RunIndex(torch.cat(data).to(device) if data else empty.to(device),
+                    torch.cat(scales).to(device) if scales else empty.to(device),
+                    sum(n for _, n in runs))
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: tensors have no boolean equality
 class Encoded:
     """One encoded flat tensor: ``scales`` float32 [n_blocks], ``data`` uint8 [n_bytes]."""
 
@@ -197,6 +229,15 @@ class Encoded:
         s0 = start // bs
         return Encoded(self.codec, numel, bs, self.data[d0 : d0 + n_data],
                        self.scales[s0 : s0 + n_scales])
+
+    def select(self, index: RunIndex) -> Encoded:
+        """The runs of ``index`` (:func:`run_index`) as one Encoded, copied out in two gathers
+        (decoding it gives the runs' elements in order, bit for bit as decoding each)."""
+        if index.numel and index.data.device != self.data.device:
+            raise ValueError(f"run index on {index.data.device}, payload on {self.data.device}")
+        scales = self.scales.index_select(0, index.scales) if self.block_size else self.scales
+        return Encoded(self.codec, index.numel, self.block_size,
+                       self.data.index_select(0, index.data), scales)
 
     @classmethod
     def empty(cls, codec: str, numel: int, block_size: int,

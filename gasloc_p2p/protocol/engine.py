@@ -47,7 +47,7 @@ import torch
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.wire import payload_buffer, payload_digest
+from gasloc_p2p.core.wire import RunIndex, payload_buffer, payload_digest, run_index
 from gasloc_p2p.protocol import fused, streamed
 from gasloc_p2p.protocol.blame import Ledger, PushMeter
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
@@ -141,6 +141,8 @@ class ExchangeEngine:
         self._sample_at: torch.Tensor | None = None
         # what gossip moved the node by lately, on sampled blocks: bounds a push in time
         self.meter: PushMeter | None = None
+        # the meter's sampled blocks as gather indices, per (fragment, codec, block, device)
+        self._meter_index: dict[tuple[int, str, int, str], RunIndex] = {}
         self.meter_limit = 8.0  # the meter's bound, in the guard's drift scale
         self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
@@ -413,9 +415,14 @@ class ExchangeEngine:
         assert self.meter is not None and self.guard is not None
         frag, spec = prep.fragment, prep.encoded.spec
         codec = spec.codec()
-        runs = self.meter.runs(frag.index, frag.numel, spec.block_size)
-        prep.pushed = torch.cat([codec.decode(received.view(s, n)) - codec.decode(
-            prep.encoded.view(s, n)) for s, n in runs]).float().cpu()  # host payloads
+        key = (frag.index, spec.name, spec.block_size, str(received.data.device))
+        index = self._meter_index.get(key)
+        if index is None:  # once per fragment and codec: two gathers an exchange, one decode
+            runs = self.meter.runs(frag.index, frag.numel, spec.block_size)
+            index = self._meter_index[key] = run_index(spec.name, spec.block_size, runs,
+                                                       received.data.device)
+        prep.pushed = (codec.decode(received.select(index)) - codec.decode(
+            prep.encoded.to(received.data.device).select(index))).float().cpu()
         limit = self.meter_limit * self.guard.drift(frag.index)
         step = self.guard.w * clip * prep.pushed
         room = self.meter.room(frag.index, spec.block_size, self.state.rounds, step, limit)
