@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,17 +46,21 @@ RUN_ID = "gasloc"
 EXCHANGES = re.compile(r"exchanges ok \d+ \(init (\d+) resp")
 
 
-def start_swarm(tag: str, tmp: Path, keys: list[Path], extra: dict[str, object]
-                ) -> list[NodeChild]:
-    """One niced node per key (the same keys in both swarms: the same data)."""
+def start_swarm(tag: str, tmp: Path, keys: list[Path], extra: dict[str, object],
+                wrap: Callable[[str], tuple[str, ...]] = lambda name: ()) -> list[NodeChild]:
+    """One niced node per key (the same keys in both swarms: the same data); ``wrap(name)``:
+    a command the node's runs under (before ``nice``)."""
     def node_flags(i: int) -> list[str]:
         return flags({**extra, "checkpoint_dir": str(tmp / f"{tag}{i}.ckpt"),
                       "identity_file": str(keys[i])})
 
-    nodes = [NodeChild(f"{tag}0", tmp, node_flags(0), prefix=("nice", "-n", "5"))]
+    def prefix(name: str) -> tuple[str, ...]:
+        return (*wrap(name), "nice", "-n", "5")
+
+    nodes = [NodeChild(f"{tag}0", tmp, node_flags(0), prefix=prefix(f"{tag}0"))]
     peers = nodes[0].join_peers(300)
     nodes += [NodeChild(f"{tag}{i}", tmp, [*node_flags(i), "--peers", *peers],
-                        prefix=("nice", "-n", "5")) for i in range(1, len(keys))]
+                        prefix=prefix(f"{tag}{i}")) for i in range(1, len(keys))]
     return nodes
 
 

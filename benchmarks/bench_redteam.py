@@ -22,8 +22,9 @@ issue's targets:
 Each attack takes ``--minutes`` plus about a minute; ``make bench-redteam`` runs them all.
 
 ``--defence-cost N`` runs no attack: two clean swarms side by side, one on the defaults and
-one with every defence off, ``N`` times with the start order swapped; it prints the steps
-(tokens/s) defended / undefended (target: at least 0.97) and the loss ratio.
+one with every defence off, ``N`` times with the start order swapped; it prints the steps per
+CPU-second (tokens/s on a core) defended / undefended (target: at least 0.97) and the loss
+ratio.
 """
 
 from __future__ import annotations
@@ -141,10 +142,12 @@ DEFENCES_OFF = {"guard_factor": 0.0, "guard_push_limit": 0.0, "guard_loss_rise":
 def defence_cost(honest: int, minutes: float, tmp: Path, evaluator: Evaluator,
                  repeats: int) -> tuple[float, float]:
     """What the defences cost honest training: two clean swarms side by side, ``defended``
-    (the defaults) and ``undefended`` (:data:`DEFENCES_OFF`), no attacker; their nodes share
-    the cores at one priority, so the steps each swarm takes in the same time are its tokens/s.
-    Run ``repeats`` times, the start order swapped each time (the swarm started first has the
-    cores to itself for a moment). Returns (steps defended / undefended, loss the same)."""
+    (the defaults) and ``undefended`` (:data:`DEFENCES_OFF`), no attacker, each node under
+    ``/usr/bin/time``. The cost is CPU per step: the steps each swarm took per CPU-second its
+    nodes used (their children, the DHT's daemon, included), which the scheduler's share of
+    the cores does not move (the steps in the same time swung by 8% between runs of one
+    configuration). Run ``repeats`` times, the start order swapped each time. Returns (steps
+    per CPU-second defended / undefended, final loss the same)."""
     seconds = 60 * minutes
     extra = {"eval_interval_steps": 100000, "max_time_s": seconds,
              "checkpoint_interval_s": 3600.0, "dht_start_timeout_s": 240.0,
@@ -153,6 +156,7 @@ def defence_cost(honest: int, minutes: float, tmp: Path, evaluator: Evaluator,
     for k in keys:
         load_or_create_identity(str(k))
     steps = {"defended": 0, "undefended": 0}
+    cpu = {"defended": 0.0, "undefended": 0.0}
     losses: dict[str, list[float]] = {"defended": [], "undefended": []}
     for r in range(repeats):
         order = ["defended", "undefended"][:: 1 if r % 2 == 0 else -1]
@@ -160,7 +164,9 @@ def defence_cost(honest: int, minutes: float, tmp: Path, evaluator: Evaluator,
         try:
             for name in order:
                 swarms[name] = start_swarm(f"{name[0]}{r}-", tmp, keys, {
-                    **extra, **(DEFENCES_OFF if name == "undefended" else {})})
+                    **extra, **(DEFENCES_OFF if name == "undefended" else {})},
+                    wrap=lambda node: ("/usr/bin/time", "-o", str(tmp / f"{node}.cpu"),
+                                       "-f", "%U %S"))
             for node in (n for ns in swarms.values() for n in ns):
                 node.wait_up(300)
             for node in (n for ns in swarms.values() for n in ns):
@@ -173,16 +179,23 @@ def defence_cost(honest: int, minutes: float, tmp: Path, evaluator: Evaluator,
             finals = [torch.load(tmp / f"{n.name}.ckpt" / "node.pt", weights_only=True)
                       for n in nodes]
             taken = [int(f["step"]) for f in finals]
+            used = [sum(map(float, (tmp / f"{n.name}.cpu").read_text().split()[-2:]))
+                    for n in nodes]
             steps[name] += sum(taken)
+            cpu[name] += sum(used)
             losses[name].append(evaluator.loss(torch.stack([f["theta"] for f in finals])
                                                .mean(0)))
             print(f"run {r + 1} ({' first, '.join(order)} second): {name}: steps {taken}, "
-                  f"network-average val loss {losses[name][-1]:.4f}")
-    ratio = steps["defended"] / max(steps["undefended"], 1)
+                  f"CPU-s {[round(u) for u in used]} ({sum(taken) / sum(used):.2f} steps per "
+                  f"CPU-s), network-average val loss {losses[name][-1]:.4f}")
+    rate = {name: steps[name] / max(cpu[name], 1e-9) for name in steps}
+    ratio = rate["defended"] / rate["undefended"]
     loss = statistics.mean(losses["defended"]) / statistics.mean(losses["undefended"])
-    print(f"defence cost: steps (tokens/s) defended / undefended {ratio:.3f} (target >= 0.97), "
-          f"{steps['defended']} against {steps['undefended']} over {repeats} run(s) of "
-          f"{minutes:g} min, {honest} nodes each; val loss defended / undefended {loss:.3f}")
+    print(f"defence cost: steps per CPU-second (tokens/s on a core) defended / undefended "
+          f"{ratio:.3f} (target >= 0.97): {rate['defended']:.3f} against "
+          f"{rate['undefended']:.3f} over {repeats} run(s) of {minutes:g} min, {honest} nodes "
+          f"each (steps {steps['defended']} against {steps['undefended']}); val loss defended "
+          f"/ undefended {loss:.3f}")
     return ratio, loss
 
 
