@@ -75,8 +75,10 @@ MIN_SHARE = {"records": 0.5, "tarpits": 0.5, "preauth": 0.8}
 
 
 def niced(name: str, log_dir: Path, node_flags: list[str]) -> NodeChild:
-    """A node in an open swarm (anyone can mint keys: the attacks below), under ``nice``."""
-    return NodeChild(name, log_dir, [*node_flags, "--open"], prefix=("nice", "-n", "5"))
+    """A node in an open swarm (anyone can mint keys: the attacks below), under ``nice``; its
+    keys in ``log_dir``, not the user's data folder."""
+    return NodeChild(name, log_dir, [*node_flags, "--open", "--identity-file",
+                                     str(log_dir / f"{name}.key")], prefix=("nice", "-n", "5"))
 
 
 def closed_port() -> int:
