@@ -53,16 +53,23 @@ INITIATED = re.compile(r"exchanges ok \d+ \(init (\d+) resp")
 ROLLBACKS = re.compile(r"rolled back")
 
 
+def swarm_setup(honest: int, seconds: float, tmp: Path) -> tuple[dict[str, object], list[Path]]:
+    """The honest nodes' flags for a run of ``seconds`` and their keys (made in ``tmp``; the
+    same keys in both swarms, so the same data)."""
+    extra: dict[str, object] = {"eval_interval_steps": 100000, "max_time_s": seconds,
+                                "checkpoint_interval_s": 3600.0, "dht_start_timeout_s": 240.0,
+                                "dht_timeout_s": 30.0}
+    keys = [tmp / f"key{i}" for i in range(honest)]
+    for k in keys:
+        load_or_create_identity(str(k))
+    return extra, keys
+
+
 def run_one(attack: Attack, honest: int, minutes: float, tmp: Path,
             evaluator: Evaluator) -> dict[str, Any]:
     """Both swarms side by side, the attack on one; the figures of :func:`report`."""
     seconds = 60 * minutes
-    extra = {"eval_interval_steps": 100000, "max_time_s": seconds,
-             "checkpoint_interval_s": 3600.0, "dht_start_timeout_s": 240.0,
-             "dht_timeout_s": 30.0}
-    keys = [tmp / f"key{i}" for i in range(honest)]
-    for k in keys:
-        load_or_create_identity(str(k))
+    extra, keys = swarm_setup(honest, seconds, tmp)
     tally, swarms = Tally(), {}
     t0 = time.monotonic()
     try:
@@ -145,16 +152,11 @@ def defence_cost(honest: int, minutes: float, tmp: Path, evaluator: Evaluator,
     (the defaults) and ``undefended`` (:data:`DEFENCES_OFF`), no attacker, each node under
     ``/usr/bin/time``. The cost is CPU per step: the steps each swarm took per CPU-second its
     nodes used (their children, the DHT's daemon, included), which the scheduler's share of
-    the cores does not move (the steps in the same time swung by 8% between runs of one
-    configuration). Run ``repeats`` times, the start order swapped each time. Returns (steps
+    the cores does not move (the steps in the same time swung from 0.92x to 1.37x between
+    runs of one configuration). Run ``repeats`` times, the start order swapped each time. Returns (steps
     per CPU-second defended / undefended, final loss the same)."""
     seconds = 60 * minutes
-    extra = {"eval_interval_steps": 100000, "max_time_s": seconds,
-             "checkpoint_interval_s": 3600.0, "dht_start_timeout_s": 240.0,
-             "dht_timeout_s": 30.0}
-    keys = [tmp / f"key{i}" for i in range(honest)]
-    for k in keys:
-        load_or_create_identity(str(k))
+    extra, keys = swarm_setup(honest, seconds, tmp)
     steps = {"defended": 0, "undefended": 0}
     cpu = {"defended": 0.0, "undefended": 0.0}
     losses: dict[str, list[float]] = {"defended": [], "undefended": []}

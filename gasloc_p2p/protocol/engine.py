@@ -415,14 +415,20 @@ class ExchangeEngine:
         assert self.meter is not None and self.guard is not None
         frag, spec = prep.fragment, prep.encoded.spec
         codec = spec.codec()
-        key = (frag.index, spec.name, spec.block_size, str(received.data.device))
-        index = self._meter_index.get(key)
-        if index is None:  # once per fragment and codec: two gathers an exchange, one decode
-            runs = self.meter.runs(frag.index, frag.numel, spec.block_size)
-            index = self._meter_index[key] = run_index(spec.name, spec.block_size, runs,
-                                                       received.data.device)
-        prep.pushed = (codec.decode(received.select(index)) - codec.decode(
-            prep.encoded.to(received.data.device).select(index))).float().cpu()
+        meter = self.meter
+
+        def sample(enc: Encoded) -> torch.Tensor:
+            """The meter's blocks of ``enc``, decoded on the host: one gather where ``enc``
+            lies (the index made once per fragment, codec and device), a few KiB copied."""
+            key = (frag.index, spec.name, spec.block_size, str(enc.data.device))
+            index = self._meter_index.get(key)
+            if index is None:
+                runs = meter.runs(frag.index, frag.numel, spec.block_size)
+                index = self._meter_index[key] = run_index(spec.name, spec.block_size, runs,
+                                                           enc.data.device)
+            return codec.decode(enc.select(index).to("cpu")).float()
+
+        prep.pushed = sample(received) - sample(prep.encoded)
         limit = self.meter_limit * self.guard.drift(frag.index)
         step = self.guard.w * clip * prep.pushed
         room = self.meter.room(frag.index, spec.block_size, self.state.rounds, step, limit)
