@@ -19,7 +19,8 @@ class NetworkConfig:
     host: str = opt("0.0.0.0", "listen address for gRPC and the DHT")
     port: int = opt(0, "gRPC port (0: any free port)")
     announce_host: str = opt("", "address peers should dial (empty: guessed from --host/DHT)")
-    client_mode: bool = opt(False, "behind NAT: do not accept exchanges, only dial out")
+    client_mode: bool = opt(False, "behind a router (NAT): dial out only, and take exchanges "
+                                   "through a reachable peer that relays (--relay)")
     max_message_bytes: int = opt(MAX_CHUNK_BYTES + 64 * 1024, "gRPC message size limit", advanced=True)
     keepalive_time_s: float = opt(20.0, "HTTP/2 keepalive ping interval", advanced=True)
     keepalive_timeout_s: float = opt(10.0, "close a connection whose ping is unanswered this long", advanced=True)
@@ -65,10 +66,24 @@ class NetworkConfig:
                                          "block (/24, /48)", advanced=True)
     max_streams_per_connection: int = opt(16, "calls one inbound connection may carry at "
                                               "once (HTTP/2 SETTINGS)", advanced=True)
+    relay: bool = opt(True, "relay the exchanges of nodes behind routers (--client-mode) "
+                            "with each other: it costs this node their bytes, up and down "
+                            "(at most --relay-connections at once)")
+    relay_connections: int = opt(8, "relayed connections at once", advanced=True)
+    relay_listeners: int = opt(64, "nodes behind routers waiting for callers here at once",
+                               advanced=True)
+    relay_mb: int = opt(1024, "bytes each way one relayed connection may carry, in MiB",
+                        advanced=True)
+    relay_minutes: float = opt(30.0, "how long one relayed connection may last", advanced=True)
     max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY", advanced=True)
 
     def validate(self) -> None:
         need(0 <= self.port < 65536, "port", self.port, "must be in [0, 65535] (0: any)")
+        need(self.relay_mb >= 1, "relay_mb", self.relay_mb, "must be >= 1")
+        need(self.relay_minutes > 0, "relay_minutes", self.relay_minutes, "must be > 0")
+        need(self.relay_connections >= 1, "relay_connections", self.relay_connections,
+             "must be >= 1")
+        need(self.relay_listeners >= 1, "relay_listeners", self.relay_listeners, "must be >= 1")
         need(self.max_message_bytes >= MAX_CHUNK_BYTES + 1024, "max_message_bytes",
               self.max_message_bytes, f"must be >= 1 MiB + 1 KiB = {MAX_CHUNK_BYTES + 1024}")
         for name in ("keepalive_time_s", "keepalive_timeout_s", "connect_timeout_s",

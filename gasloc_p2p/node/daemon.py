@@ -44,6 +44,8 @@ from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
 from gasloc_p2p.node.state_dir import dht_identity
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
+from gasloc_p2p.node.transport.circuits.client import RelayDialer, RelayListener
+from gasloc_p2p.node.transport.circuits.hub import RelayHub, RelayLimits
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
@@ -109,6 +111,7 @@ class Node:
         self.trainer: Trainer | None = None
         self.peers: list[PeerInfo] = []  # compatible peers from discovery, this node excluded
         self.channels = PeerChannels(cfg.network)
+        self.listener: RelayListener | None = None  # behind a router: Listen calls at relays
         self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, self._peer_counts,
                                    self.mode.fragment_stats)
         self._stop = asyncio.Event()
@@ -376,6 +379,41 @@ class Node:
 
         stack.push_async_callback(_timed, "server stop", stop_server)
         self.endpoint = f"{await self._announce_host()}:{self.port}"
+        await self._start_relaying(stack, servicer)
+
+    async def _start_relaying(self, stack: contextlib.AsyncExitStack,
+                              servicer: GossipServicer) -> None:
+        """Paths through relays: every node dials peers behind routers through the relays
+        their records name; a reachable node relays (unless ``--no-relay``); a node in
+        ``--client-mode`` listens at reachable peers (:meth:`_refresh_peers` keeps them)."""
+        net = self.cfg.network
+        timeout = net.info_timeout_s + net.connect_timeout_s
+        self.channels.relayed = RelayDialer(self.signer, self._relay_stub, self._relays_of,
+                                            timeout)
+        stack.push_async_callback(_timed, "relayed paths close", self.channels.relayed.close)
+        if net.client_mode:
+            self.listener = RelayListener(self.signer, self._relay_stub,
+                                          ("127.0.0.1", self.port), timeout,
+                                          self._relays_changed)
+            stack.push_async_callback(_timed, "relay listeners stop", self.listener.close)
+        elif net.relay:
+            servicer.relay = RelayHub(RelayLimits(
+                True, net.relay_connections, net.relay_listeners, net.relay_mb << 20,
+                net.relay_minutes * 60))
+
+    def _relay_stub(self, peer: PeerInfo) -> Any:
+        return self.channels.stub(peer.endpoint, peer.cert)
+
+    def _relays_of(self, peer: PeerInfo) -> list[PeerInfo]:
+        """The reachable peers known here that ``peer``'s record names as its relays."""
+        known = {p.peer_id: p for p in self.peers if p.reachable}
+        return [known[r] for r in peer.relays if r in known]
+
+    def _relays_changed(self) -> None:
+        """A Listen call started or ended: announce the relays held now."""
+        if not self._stop.is_set():
+            task = asyncio.ensure_future(self._announce())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _announce_host(self) -> str:
         net = self.cfg.network
@@ -499,6 +537,8 @@ class Node:
         peers = self.filter(await self.discovery.peers())
         self.peers = compatible_codecs(peers, self.cfg.gossip.codec)
         self.mode.peers_changed(self.peers)
+        if self.listener is not None:
+            self.listener.update(self.peers)
 
     def _peer_counts(self) -> tuple[int, int]:
         """(known compatible peers, those dialable now) for the metrics."""
@@ -557,9 +597,10 @@ class Node:
     # ------------------------------------------------------------------ views
     def peer_info(self) -> PeerInfo:
         assert self.trainer is not None
+        relays = self.listener.relays if self.listener is not None else ()
         return PeerInfo(self.me.peer_id, self.endpoint, PROTOCOL_VERSION, self.trainer.fingerprint,
                         self.train_stats.step, self.train_stats.tokens_per_s, self.reachable,
-                        CODEC_NAMES, self.cfg.outer.algorithm, self.tls.cert_der)
+                        CODEC_NAMES, self.cfg.outer.algorithm, self.tls.cert_der, relays)
 
     def info(self) -> pb.InfoReply:
         t, x = self.train_stats, self.stats

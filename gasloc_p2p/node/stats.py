@@ -7,12 +7,15 @@ runtime, transport, modes and observability all read them, none of them is impor
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 # Bucket upper bounds of the exchange-duration histogram, seconds (loopback int8 exchanges of
 # a small model take tens of milliseconds; a 100 MB model over a slow link takes minutes).
+log = logging.getLogger(__name__)
+MAX_PARTNERS = 4096  # distinct exchange partners remembered (bounded memory)
 DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _CONSENSUS_EMA = 0.8  # weight of the previous estimate in gasloc_consensus_estimate
 
@@ -64,6 +67,20 @@ class ExchangeStats:
     work_active: int = 0  # exchange work sections (check/prepare/commit) running now
     work_started: int = 0  # ... started so far (the trainer reads both: quiet steps)
     utilization: float = math.nan  # quiet step time / mean step time (see Utilization)
+    by_path: Counter[str] = field(default_factory=Counter)  # initiated commits: direct/...
+    path_seconds: dict[str, float] = field(default_factory=dict)  # ... their wall time, summed
+    partners: dict[str, None] = field(default_factory=dict)  # committed with (either role)
+
+    def add_partner(self, peer_id: str) -> None:
+        """Remember a peer this node committed an exchange with (at most MAX_PARTNERS)."""
+        if peer_id not in self.partners and len(self.partners) < MAX_PARTNERS:
+            self.partners[peer_id] = None
+
+    def record_path(self, path: str, peer_id: str, seconds: float) -> None:
+        """An initiated exchange committed over ``path`` (direct, holepunched, relayed)."""
+        self.by_path[path] += 1
+        self.path_seconds[path] = self.path_seconds.get(path, 0.0) + seconds
+        log.debug("exchange to %s via %s in %.2f s", peer_id[:12], path, seconds)
 
     @property
     def ok(self) -> int:

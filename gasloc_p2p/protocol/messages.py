@@ -154,6 +154,7 @@ def commit_fields(initiator: pb.Header, responder: pb.Header) -> list[object]:
 
 INFO_DOMAIN = "gasloc/info"
 STATE_DOMAIN = "gasloc/state"
+RELAY_DOMAIN = "gasloc/relay"
 
 
 def info_fields(r: pb.InfoRequest) -> list[object]:
@@ -164,6 +165,11 @@ def info_fields(r: pb.InfoRequest) -> list[object]:
 def state_fields(r: pb.StateRequest) -> list[object]:
     return [r.protocol_version, r.run_id, r.model_fingerprint, r.auth.timestamp, r.auth.target,
             r.auth.nonce, r.auth.invitation]
+
+
+def relay_fields(r: pb.RelayRequest) -> list[object]:
+    return [r.target_peer, r.token, r.auth.timestamp, r.auth.target, r.auth.nonce,
+            r.auth.invitation]
 
 
 def _stamp(auth: pb.Auth, signer: Signer, now: float, target: str, challenge: bytes) -> None:
@@ -186,6 +192,15 @@ def sign_state_request(r: pb.StateRequest, signer: Signer, now: float, target: s
     issued."""
     _stamp(r.auth, signer, now, target, challenge)
     r.auth.signature = signer.sign(STATE_DOMAIN, state_fields(r))
+    return r
+
+
+def sign_relay_request(r: pb.RelayRequest, signer: Signer, now: float, target: str,
+                       challenge: bytes) -> pb.RelayRequest:
+    """``r`` signed for the relay whose peer id is ``target``, with the ``challenge`` it
+    issued."""
+    _stamp(r.auth, signer, now, target, challenge)
+    r.auth.signature = signer.sign(RELAY_DOMAIN, relay_fields(r))
     return r
 
 

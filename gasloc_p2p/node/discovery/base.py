@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,8 @@ from gasloc_p2p.protocol.certs import MAX_CERT_BYTES
 from gasloc_p2p.protocol.membership import RevocationList
 
 log = logging.getLogger(__name__)
+MAX_RELAYS = 4  # relays one record may name
+_PEER_ID = re.compile(r"^g1[a-z2-7]{16,64}$")
 
 
 def run_key(run_id: str) -> str:
@@ -50,12 +53,21 @@ class PeerInfo:
     codecs: tuple[str, ...] = field(default_factory=tuple)
     algorithm: str = "gasloc"  # --algorithm: gasloc and diloco nodes never train together
     cert: bytes = field(default=b"", repr=False)
+    # a node nobody can dial (behind a router): the peers that relay for it (peer ids; it
+    # holds a Listen call open at each, gasloc_p2p.node.transport.circuits)
+    relays: tuple[str, ...] = ()
+
+    @property
+    def relayed(self) -> bool:
+        """Reachable only through a relay (behind a router, listening at one)."""
+        return not self.reachable and bool(self.relays)
 
     def to_value(self) -> dict[str, Any]:
         """The DHT value (msgpack-friendly; the peer id is the subkey)."""
         value = asdict(self)
         del value["peer_id"]
         value["codecs"] = list(self.codecs)
+        value["relays"] = list(self.relays)
         return value
 
     @classmethod
@@ -69,9 +81,17 @@ class PeerInfo:
                        reachable=bool(value["reachable"]),
                        codecs=tuple(str(c) for c in value["codecs"]),
                        algorithm=str(value.get("algorithm", "gasloc")),
-                       cert=_cert(value.get("cert", b"")))
+                       cert=_cert(value.get("cert", b"")),
+                       relays=_relays(value.get("relays", [])))
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def _relays(value: Any) -> tuple[str, ...]:
+    if (not isinstance(value, list) or len(value) > MAX_RELAYS
+            or not all(isinstance(v, str) and _PEER_ID.match(v) for v in value)):
+        raise ValueError("malformed relays")
+    return tuple(value)
 
 
 def _cert(value: Any) -> bytes:

@@ -31,9 +31,13 @@ SIGNED_KEYS = ("public_key", "expires", "signature")
 
 def _fields(key: str, info: PeerInfo, public_key: bytes, invitation: bytes,
             expires: float) -> list[object]:
-    return [key, info.peer_id, info.endpoint, info.protocol_version, info.fingerprint,
-            info.step, float(info.tokens_per_s), info.reachable, ",".join(info.codecs),
-            info.algorithm, info.cert, public_key, invitation, float(expires)]
+    fields: list[object] = [
+        key, info.peer_id, info.endpoint, info.protocol_version, info.fingerprint, info.step,
+        float(info.tokens_per_s), info.reachable, ",".join(info.codecs), info.algorithm,
+        info.cert, public_key, invitation, float(expires)]
+    if info.relays:  # (signed only when present: older records still verify)
+        fields.append(",".join(info.relays))
+    return fields
 
 
 def signed_value(key: str, info: PeerInfo, signer: Signer, expires: float) -> dict[str, Any]:

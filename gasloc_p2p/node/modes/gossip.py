@@ -23,6 +23,7 @@ import asyncio
 import functools
 import logging
 import random
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
@@ -50,6 +51,7 @@ _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no pe
 _WINDOW_MIN_S = 2.0  # shortest utilization window (a round, at least this)
 _CONNECT_GRACE_S = 0.1  # after the first connection, others this close count as a tie
 _NEW_PEER_CONNECT_S = 2.0
+_RELAYED_CONNECT_S = 10.0
 
 
 class PeerBook:
@@ -58,9 +60,11 @@ class PeerBook:
 
     MAX_TRACKED = 4096  # bound on remembered failures (peer ids and endpoints are cheap to mint)
 
-    def __init__(self, self_id: str, clock: Clock | None = None) -> None:
+    def __init__(self, self_id: str, clock: Clock | None = None,
+                 dialable: Callable[[PeerInfo], bool] | None = None) -> None:
         self.self_id = self_id
         self.clock = clock or WallClock()
+        self.dialable = dialable or (lambda p: p.reachable)
         self.peers: dict[str, PeerInfo] = {}
         self._backoff_until: dict[str, float] = {}  # peer id or "@endpoint" -> until
         self._failures: dict[str, int] = {}  # failures in a row, same keys
@@ -99,7 +103,7 @@ class PeerBook:
         return [p for p in self.peers.values()
                 if p.peer_id not in skip and until.get(p.peer_id, 0.0) <= now
                 and until.get("@" + p.endpoint, 0.0) <= now
-                and p.reachable]  # nobody can dial a NAT'ed node: it gossips by dialing out
+                and self.dialable(p)]  # a NAT'ed node: only through a relay (libp2p)
 
 
 class FragmentChooser:
@@ -229,6 +233,8 @@ class GossipLoop:
         peer that never exchanged with this node a quarter of ``connect_timeout_s``, but at
         least ``_NEW_PEER_CONNECT_S`` (about 3 round trips on a slow intercontinental path)."""
         full = self.net.connect_timeout_s
+        if not peer.reachable:  # through a relay: a libp2p connection and stream first
+            return max(full, _RELAYED_CONNECT_S)
         if self.exchanger.known_good(peer.peer_id):
             return full
         return max(full / 4, min(full, _NEW_PEER_CONNECT_S))
@@ -239,8 +245,8 @@ class GossipLoop:
         is already open is not favoured over a new one on a fast link); the ones that fail
         (dead or fake records) are backed off, the slower ones abandoned."""
         attempts = {asyncio.ensure_future(connect(
-            self.channels.stub_and_channel(p.endpoint, p.cert)[1], p.endpoint,
-            self.connect_timeout_s(p))): p for p in picks}
+            self.channels.stub_and_channel(self.channels.endpoint_for(p), p.cert)[1],
+            p.endpoint, self.connect_timeout_s(p))): p for p in picks}
         pending, connected = set(attempts), list[PeerInfo]()
         try:
             while pending:
@@ -252,7 +258,7 @@ class GossipLoop:
                     if exc is None:
                         connected.append(peer)
                     else:
-                        self.channels.discard(peer.endpoint, peer.cert)
+                        self.channels.discard(self.channels.endpoint_for(peer), peer.cert)
                         self._failed(peer, exc)
                 if connected and not done:  # the grace is over
                     break
@@ -267,16 +273,22 @@ class GossipLoop:
         failed."""
         self._settling.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
-            self.channels.discard(peer.endpoint, peer.cert)
+            self.channels.discard(self.channels.endpoint_for(peer), peer.cert)
             self._failed(peer, task.exception() or RuntimeError())
 
     async def exchange_with(self, peer: PeerInfo, fragment: int) -> Outcome:
-        stub, channel = self.channels.stub_and_channel(peer.endpoint, peer.cert)
-        await connect(channel, peer.endpoint, self.net.connect_timeout_s)
+        stub, channel = self.channels.stub_and_channel(self.channels.endpoint_for(peer),
+                                                       peer.cert)
+        await connect(channel, peer.endpoint,
+                      max(self.net.connect_timeout_s, self.connect_timeout_s(peer)))
         deadline = self.exchanger.deadline_s + self.cfg.commit_timeout_s
-        return await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
-                                             peer.peer_id, fragment,
-                                             peer.endpoint.rsplit(":", 1)[0])
+        started = time.monotonic()
+        outcome = await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
+                                                peer.peer_id, fragment,
+                                                peer.endpoint.rsplit(":", 1)[0])
+        self.exchanger.stats.record_path(self.channels.path_of(peer), peer.peer_id,
+                                         time.monotonic() - started)
+        return outcome
 
     def _failed(self, peer: PeerInfo, exc: BaseException) -> None:
         """Back ``peer`` off: 4 times longer if it never exchanged with this node, so
@@ -386,7 +398,7 @@ class GossipMode(Mode):
                 trainer.losses = LossWatch(rise=cfg.gossip.guard_loss_rise)
                 trainer.on_rollback = _blamer(engine.guard, engine.ledger)
                 trainer.moved_since = engine.ledger.moved_since
-        self.book = PeerBook(ctx.me.peer_id, ctx.clock)
+        self.book = PeerBook(ctx.me.peer_id, ctx.clock, ctx.channels.dialable)
         self.book.update(ctx.peers())
         self.loop = GossipLoop(self._exchanger, self.book, ctx.channels, cfg.gossip, cfg.network,
                                ctx.train_stats, cfg.train.inner_steps, ctx.seed,

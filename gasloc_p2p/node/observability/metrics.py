@@ -21,6 +21,9 @@ gasloc_rollbacks_total                 counter    non-finite losses rolled back 
 gasloc_checkpoint_failures_total       counter    checkpoints that could not be written
 gasloc_exchanges_total{outcome}        counter    gossip exchanges by outcome, see OUTCOMES
 gasloc_exchanges_by_role_total{role}   counter    committed exchanges, role initiator|responder
+gasloc_exchanges_by_path_total{path}   counter    initiated commits by path, see PATHS
+gasloc_exchange_path_seconds_total     counter    their wall time, summed, by path
+gasloc_exchange_partners               gauge      distinct peers committed with (either role)
 gasloc_updates_rejected_total          counter    exchanges aborted: implausibly large update
 gasloc_updates_clipped_total           counter    exchanges committed with a clipped weight
 gasloc_compute_utilization             gauge      estimated compute / (compute + exchange work),
@@ -100,6 +103,7 @@ OUTCOMES = (
     "rejected",       # an inbound exchange we refused (at the limit, or incompatible)
 )
 ROLES = ("initiator", "responder")
+PATHS = ("direct", "relayed")
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 LOOP_LAG_PERIOD_S = 0.5
 #: (compatible peers known, those dialable now), None before the node knows any
@@ -213,6 +217,19 @@ class NodeCollector(Collector):
         for role, n in zip(ROLES, (x.ok_initiator, x.ok_responder), strict=True):
             roles.add_metric([role], n)
         yield roles
+        paths = CounterMetricFamily("gasloc_exchanges_by_path", "Committed exchanges this node "
+                                    "initiated, by path: direct, or relayed (to a peer behind "
+                                    "a router).", labels=["path"])
+        seconds = CounterMetricFamily("gasloc_exchange_path_seconds", "Wall time of the "
+                                      "exchanges this node initiated and committed, by path.",
+                                      labels=["path"])
+        for path in PATHS:
+            paths.add_metric([path], x.by_path.get(path, 0))
+            seconds.add_metric([path], x.path_seconds.get(path, 0.0))
+        yield paths
+        yield seconds
+        yield GaugeMetricFamily("gasloc_exchange_partners", "Distinct peers this node committed "
+                                "exchanges with (either role).", value=len(x.partners))
         yield CounterMetricFamily("gasloc_updates_rejected", "Exchanges aborted because the "
                                   "peer's update was implausibly large (bounded updates).",
                                   value=x.implausible)

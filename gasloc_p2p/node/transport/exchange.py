@@ -466,6 +466,7 @@ class GossipTransport:
         if len(self._good) > _MAX_GOOD:
             self._good.popitem(last=False)
         st.record_commit(took, outcome.weight, outcome.correction_norm, outcome.numel)
+        st.add_partner(outcome.peer_id)
         if self.on_commit is not None:
             self.on_commit(outcome, took)
         if initiator:

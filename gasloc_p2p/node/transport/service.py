@@ -26,7 +26,7 @@ import zlib
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import torch
@@ -34,6 +34,7 @@ import torch
 from gasloc_p2p import __version__
 from gasloc_p2p.core.outer import OuterOptimizer
 from gasloc_p2p.node.config import NetworkConfig
+from gasloc_p2p.node.transport.circuits.hub import RelayHub, RelayRefused
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.gate import Gate, GateLimits
 from gasloc_p2p.node.transport.tls import secure_channel, server_credentials
@@ -50,6 +51,7 @@ from gasloc_p2p.protocol.messages import (
     MAX_CHUNK_BYTES,
     PROTOCOL_VERSION,
     REFUSED,
+    RELAY_DOMAIN,
     RUN_MISMATCH,
     STATE_DOMAIN,
     UNAUTHENTICATED,
@@ -60,11 +62,16 @@ from gasloc_p2p.protocol.messages import (
     check_request_auth,
     info_fields,
     reject,
+    relay_fields,
     sign_info_request,
     sign_state_request,
     state_fields,
 )
 from gasloc_p2p.safelog import safe
+
+if TYPE_CHECKING:
+    from gasloc_p2p.node.discovery.base import PeerInfo
+    from gasloc_p2p.node.transport.circuits.client import RelayDialer
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +323,7 @@ class GossipServicer(pb_grpc.GossipServicer):
         self._probing = asyncio.Lock()
         self.preauth = PreauthPool(self.limits.preauth_streams)
         self.door: Door = OpenDoor()
+        self.relay: RelayHub | None = None  # relaying for nodes behind routers (set by the node)
 
     async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         peer = _peer(context)
@@ -399,6 +407,75 @@ class GossipServicer(pb_grpc.GossipServicer):
             reply.probe_ok = await self._probe(request.probe_endpoint, request.probe_cert,
                                                peer_id_of(request.auth.public_key))
         return reply
+
+    # ------------------------------------------------------------ relaying (circuits.hub)
+    def _relay_caller(self, r: pb.RelayRequest) -> str | None:
+        """The peer id that signed ``r`` for this node (None: refused, logged)."""
+        why = check_request_auth(r.auth, self.verifier, RELAY_DOMAIN, relay_fields(r),
+                                 time.time(), self.limits.auth_skew_s, self.me.peer_id,
+                                 self.challenges)
+        if why is not None:
+            log.debug("refusing a relay request: %s", why)
+            return None
+        return peer_id_of(r.auth.public_key)
+
+    async def listen_call(self, requests: Any, context: grpc.aio.ServicerContext
+                          ) -> AsyncGenerator[pb.RelayEvent, None]:
+        """A node behind a router waits here for its callers (this node relays)."""
+        request = await self._first(context)
+        if self.relay is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not relay")
+        listener = self._relay_caller(request)
+        if listener is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+        self.door.proved(_peer(context))
+        assert self.relay is not None and listener is not None
+        async with self.relay.listening(listener) as tokens:
+            while token := await tokens.get():
+                yield pb.RelayEvent(token=token)
+
+    async def relay_call(self, requests: Any, context: grpc.aio.ServicerContext
+                         ) -> AsyncGenerator[pb.RelayMsg, None]:
+        """One relayed connection: a caller's (naming its target) or its listener's (with
+        the token of the Listen event)."""
+        first = await self._first(context)
+        if self.relay is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not relay")
+        assert self.relay is not None
+        if first.WhichOneof("kind") != "open":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Relay call opens first")
+        opened = first.open
+        outgoing: asyncio.Queue[bytes] = asyncio.Queue(1)
+
+        async def read() -> bytes:
+            msg = await context.read()
+            return b"" if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "data" else msg.data
+
+        async def write(data: bytes) -> None:
+            await outgoing.put(data)
+
+        if opened.token:
+            side = self.relay.accept(opened.token, read, write)
+        else:
+            caller = self._relay_caller(opened)
+            if caller is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+            side = self.relay.call(opened.target_peer, read, write)
+        self.door.proved(_peer(context))
+        task = asyncio.ensure_future(side)
+        try:
+            while True:
+                getter = asyncio.ensure_future(outgoing.get())
+                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    break
+                yield pb.RelayMsg(data=getter.result())
+            exc = task.exception()
+            if isinstance(exc, RelayRefused):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            task.cancel()
 
     async def _probe(self, endpoint: str, cert: bytes, caller: str) -> bool:
         """Dial ``endpoint`` back with one Info call (a caller's reachability check).
@@ -485,6 +562,12 @@ def add_to_server(servicer: GossipServicer, server: grpc.aio.Server) -> None:
         "DownloadState": grpc.stream_stream_rpc_method_handler(
             servicer.download_call, request_deserializer=pb.StateRequest.FromString,
             response_serializer=pb.StateChunk.SerializeToString),
+        "Listen": grpc.stream_stream_rpc_method_handler(
+            servicer.listen_call, request_deserializer=pb.RelayRequest.FromString,
+            response_serializer=pb.RelayEvent.SerializeToString),
+        "Relay": grpc.stream_stream_rpc_method_handler(
+            servicer.relay_call, request_deserializer=pb.RelayMsg.FromString,
+            response_serializer=pb.RelayMsg.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
@@ -575,6 +658,24 @@ class PeerChannels:
         self.net = net
         self._channels: OrderedDict[tuple[str, bytes], grpc.aio.Channel] = OrderedDict()
         self._closing: list[asyncio.Task[None]] = []
+        self.relayed: RelayDialer | None = None  # paths to peers behind routers (the node's)
+
+    def dialable(self, peer: PeerInfo) -> bool:
+        """Whether this node has a path to ``peer``: its gRPC endpoint, or a relay it
+        listens at (with :attr:`relayed` set)."""
+        return peer.reachable or (peer.relayed and self.relayed is not None)
+
+    def endpoint_for(self, peer: PeerInfo) -> str:
+        """Where gRPC dials ``peer``: its endpoint, or for a peer behind a router a loopback
+        endpoint whose connections travel through one of its relays."""
+        if not peer.reachable and peer.relayed and self.relayed is not None:
+            return self.relayed.endpoint(peer)
+        return peer.endpoint
+
+    @staticmethod
+    def path_of(peer: PeerInfo) -> str:
+        """direct or relayed: how connections to ``peer`` travel."""
+        return "direct" if peer.reachable else "relayed"
 
     def stub(self, endpoint: str, cert: bytes) -> pb_grpc.GossipStub:
         return self.stub_and_channel(endpoint, cert)[0]

@@ -287,3 +287,27 @@ class ManifestReply(_message.Message):
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     manifest_json: str
     def __init__(self, manifest_json: _Optional[str] = ...) -> None: ...
+
+class RelayRequest(_message.Message):
+    __slots__ = ("target_peer", "token", "auth")
+    TARGET_PEER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    target_peer: str
+    token: bytes
+    auth: Auth
+    def __init__(self, target_peer: _Optional[str] = ..., token: _Optional[bytes] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
+
+class RelayEvent(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    def __init__(self, token: _Optional[bytes] = ...) -> None: ...
+
+class RelayMsg(_message.Message):
+    __slots__ = ("open", "data")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    open: RelayRequest
+    data: bytes
+    def __init__(self, open: _Optional[_Union[RelayRequest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...

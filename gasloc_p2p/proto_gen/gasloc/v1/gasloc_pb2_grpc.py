@@ -50,6 +50,16 @@ class GossipStub:
                 request_serializer=gasloc_dot_v1_dot_gasloc__pb2.StateRequest.SerializeToString,
                 response_deserializer=gasloc_dot_v1_dot_gasloc__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.Listen = channel.stream_stream(
+                '/gasloc.v1.Gossip/Listen',
+                request_serializer=gasloc_dot_v1_dot_gasloc__pb2.RelayRequest.SerializeToString,
+                response_deserializer=gasloc_dot_v1_dot_gasloc__pb2.RelayEvent.FromString,
+                _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/gasloc.v1.Gossip/Relay',
+                request_serializer=gasloc_dot_v1_dot_gasloc__pb2.RelayMsg.SerializeToString,
+                response_deserializer=gasloc_dot_v1_dot_gasloc__pb2.RelayMsg.FromString,
+                _registered_method=True)
 
 
 class GossipServicer:
@@ -77,6 +87,23 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Listen(self, request_iterator, context):
+        """A node nobody can dial (behind a router) holds this call open at a node that relays: each
+        event is a caller's relayed connection waiting for it. The first message is signed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Relay(self, request_iterator, context):
+        """One relayed connection, both ways: first a signed RelayRequest (a caller names its target;
+        the listener brings the event's token), then the bytes of the TLS connection inside it,
+        which the relay reads as ciphertext only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GossipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +121,16 @@ def add_GossipServicer_to_server(servicer, server):
                     servicer.DownloadState,
                     request_deserializer=gasloc_dot_v1_dot_gasloc__pb2.StateRequest.FromString,
                     response_serializer=gasloc_dot_v1_dot_gasloc__pb2.StateChunk.SerializeToString,
+            ),
+            'Listen': grpc.stream_stream_rpc_method_handler(
+                    servicer.Listen,
+                    request_deserializer=gasloc_dot_v1_dot_gasloc__pb2.RelayRequest.FromString,
+                    response_serializer=gasloc_dot_v1_dot_gasloc__pb2.RelayEvent.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=gasloc_dot_v1_dot_gasloc__pb2.RelayMsg.FromString,
+                    response_serializer=gasloc_dot_v1_dot_gasloc__pb2.RelayMsg.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +215,60 @@ class Gossip:
             '/gasloc.v1.Gossip/DownloadState',
             gasloc_dot_v1_dot_gasloc__pb2.StateRequest.SerializeToString,
             gasloc_dot_v1_dot_gasloc__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Listen(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gasloc.v1.Gossip/Listen',
+            gasloc_dot_v1_dot_gasloc__pb2.RelayRequest.SerializeToString,
+            gasloc_dot_v1_dot_gasloc__pb2.RelayEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gasloc.v1.Gossip/Relay',
+            gasloc_dot_v1_dot_gasloc__pb2.RelayMsg.SerializeToString,
+            gasloc_dot_v1_dot_gasloc__pb2.RelayMsg.FromString,
             options,
             channel_credentials,
             insecure,
