@@ -87,7 +87,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 PROCESS_MODULES = frozenset({
     "test_bench_external", "test_cli_node_process", "test_dashboard",
-    "test_dashboard_direct", "test_fuzz_node", "test_gpu_queue", "test_hf_swarm", "test_netns",
+    "test_dashboard_direct", "test_fuzz_node", "test_gpu_queue", "test_hf_swarm", "test_nat", "test_netns",
     "test_node_averaging_identical", "test_node_diloco", "test_node_security",
     "test_node_shutdown", "test_node_streaming_swarm", "test_node_swarm", "test_prometheus",
     "test_ranks_swarm", "test_run_manifest", "test_state_dir",

@@ -33,7 +33,8 @@ DOCUMENTED = {
     "gasloc_peers_known", "gasloc_peers_reachable", "gasloc_consensus_estimate",
     "gasloc_event_loop_lag_seconds", "gasloc_threads", "gasloc_info",
     "gasloc_rollbacks", "gasloc_checkpoint_failures", "gasloc_updates_rejected",
-    "gasloc_updates_clipped",
+    "gasloc_updates_clipped", "gasloc_exchanges_by_path", "gasloc_exchange_path_seconds",
+    "gasloc_exchange_partners",
 }
 FRAGMENT_METRICS = {
     "gasloc_fragment_syncs", "gasloc_fragment_sent_bytes", "gasloc_fragment_received_bytes",

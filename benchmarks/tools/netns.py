@@ -214,3 +214,136 @@ class ShapedNetwork:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def nat_unavailable() -> str | None:
+    """None when home routers (namespaces doing NAT) can be made here, else a one-line reason."""
+    reason = netns_unavailable()
+    if reason is None and shutil.which("iptables") is None:
+        reason = "'iptables' is not installed (apt-get install -y iptables)"
+    return reason
+
+
+class NatNetwork:
+    """The internet and homes behind routers, in namespaces.
+
+    ``public[i]`` shapes public host i on a bridge in the root namespace (``10.213.S.i+2``,
+    reachable from the root namespace through :attr:`gateway`). ``homes[h]`` lists the rates of
+    home h's hosts: they sit on a LAN (``192.168.h+1.i+2``) behind a router namespace whose
+    WAN end is on the public bridge (``10.213.S.100+h``) and which translates their addresses
+    (iptables MASQUERADE; nothing is forwarded inward, so nobody outside can dial them). A home
+    in ``symmetric`` maps every connection to a random port (``--random``), the mapping that
+    defeats hole punching. Names carry the pid, as :class:`ShapedNetwork`'s do.
+    """
+
+    _count = 0
+
+    def __init__(self, public: Sequence[float | None], homes: Sequence[Sequence[float | None]],
+                 symmetric: Sequence[int] = ()) -> None:
+        reason = nat_unavailable()
+        if reason is not None:
+            raise NetnsError(reason)
+        if not public or not 1 <= len(homes) <= 9 or any(not 1 <= len(h) <= 9 for h in homes):
+            raise ValueError("NatNetwork: at least one public host; 1-9 homes of 1-9 hosts")
+        NatNetwork._count += 1
+        self._tag = f"{PREFIX}{_b36(os.getpid())}-"
+        count = _b36(NatNetwork._count % 36)
+        subnet = _free_subnet((os.getpid() * 11 + NatNetwork._count) % 250 + 1)
+        self.bridge = f"{self._tag}n{count}"
+        self.gateway = f"10.213.{subnet}.1"
+        self._veth = f"{self._tag}{count}"
+        self.public = [Host(ns=f"{self._tag}p{count}.{i}", addr=f"10.213.{subnet}.{i + 2}",
+                            rate_mbit=rate) for i, rate in enumerate(public)]
+        self.routers = [f"{self._tag}r{count}.{h}" for h in range(len(homes))]
+        self.wan = [f"10.213.{subnet}.{100 + h}" for h in range(len(homes))]
+        self.homes = [[Host(ns=f"{self._tag}h{count}.{h}{i}", addr=f"192.168.{h + 1}.{i + 2}",
+                            rate_mbit=rate) for i, rate in enumerate(rates)]
+                      for h, rates in enumerate(homes)]
+        self.symmetric = set(symmetric)
+        self._closed = False
+        sweep_stale()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
+        _run(["ip", "link", "set", self.bridge, "up"])
+        _run(["iptables", "-I", "FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"],
+             check=False)
+        for i, host in enumerate(self.public):
+            self._attach(host.ns, f"{self._veth}p{i}", "eth0", f"{host.addr}/24")
+            _shape(host)
+        for h, (router, wan) in enumerate(zip(self.routers, self.wan, strict=True)):
+            self._attach(router, f"{self._veth}w{h}", "wan", f"{wan}/24")
+            inside = ["ip", "netns", "exec", router]
+            _run([*inside, "ip", "link", "add", "lan", "type", "bridge"])
+            _run([*inside, "ip", "addr", "add", f"192.168.{h + 1}.1/24", "dev", "lan"])
+            _run([*inside, "ip", "link", "set", "lan", "up"])
+            _run([*inside, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            nat = ["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan", "-j", "MASQUERADE"]
+            _run([*inside, *nat, *(["--random"] if h in self.symmetric else [])])
+            _run([*inside, "iptables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack",
+                  "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"])
+            _run([*inside, "iptables", "-A", "FORWARD", "-i", "wan", "-j", "DROP"])
+            for i, host in enumerate(self.homes[h]):
+                outer = f"{self._veth}l{h}{i}"
+                _run(["ip", "netns", "add", host.ns])
+                _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", host.dev,
+                      "netns", host.ns])
+                _run(["ip", "link", "set", outer, "netns", router])
+                _run([*inside, "ip", "link", "set", outer, "master", "lan", "up"])
+                _run(host.cmd(["ip", "addr", "add", f"{host.addr}/24", "dev", host.dev]))
+                _run(host.cmd(["ip", "link", "set", host.dev, "up"]))
+                _run(host.cmd(["ip", "link", "set", "lo", "up"]))
+                _run(host.cmd(["ip", "route", "add", "default", "via", f"192.168.{h + 1}.1"]))
+                _shape(host)
+        log.info("NAT network %s: public %s; homes %s", self.bridge,
+                 ", ".join(h.addr for h in self.public),
+                 "; ".join(f"{wan} ({'symmetric' if h in self.symmetric else 'cone'}): "
+                           + ", ".join(x.addr for x in hosts)
+                           for h, (wan, hosts) in enumerate(zip(self.wan, self.homes, strict=True))))
+
+    def _attach(self, ns: str, outer: str, inner: str, addr: str) -> None:
+        """A new namespace ``ns`` whose ``inner`` interface (``addr``) is on the bridge."""
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", ns])
+        _run(["ip", "link", "set", outer, "master", self.bridge])
+        _run(["ip", "link", "set", outer, "up"])
+        _run(["ip", "netns", "exec", ns, "ip", "addr", "add", addr, "dev", inner])
+        _run(["ip", "netns", "exec", ns, "ip", "link", "set", inner, "up"])
+        _run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"])
+
+    def close(self) -> None:
+        """Delete every namespace (their veths go with them) and the bridge; safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for ns in [h.ns for h in self.public] + [h.ns for hs in self.homes for h in hs] + \
+                self.routers:
+            _run(["ip", "netns", "del", ns], check=False)
+        _run(["ip", "link", "del", self.bridge], check=False)
+        _run(["iptables", "-D", "FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"],
+             check=False)
+
+    def __enter__(self) -> NatNetwork:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _shape(host: Host) -> None:
+    if host.rate_mbit is None:
+        return
+    rate = float(host.rate_mbit)
+    burst = max(16_000, int(rate * 1e6 / 8 / 200))
+    _run(host.cmd(["tc", "qdisc", "add", "dev", host.dev, "root", "tbf", "rate", f"{rate}mbit",
+                   "burst", str(burst), "latency", "100ms"]))

@@ -68,7 +68,7 @@ class NetworkConfig:
                                               "once (HTTP/2 SETTINGS)", advanced=True)
     relay: bool = opt(True, "relay the exchanges of nodes behind routers (--client-mode) "
                             "with each other: it costs this node their bytes, up and down "
-                            "(at most --relay-connections at once)")
+                            "(at most --relay-connections at once)", advanced=True)
     relay_connections: int = opt(8, "relayed connections at once", advanced=True)
     relay_listeners: int = opt(64, "nodes behind routers waiting for callers here at once",
                                advanced=True)

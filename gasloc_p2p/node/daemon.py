@@ -407,6 +407,8 @@ class Node:
     def _relays_of(self, peer: PeerInfo) -> list[PeerInfo]:
         """The reachable peers known here that ``peer``'s record names as its relays."""
         known = {p.peer_id: p for p in self.peers if p.reachable}
+        if self.reachable and self.cfg.network.relay and self.trainer is not None:
+            known[self.me.peer_id] = self.peer_info()  # this node relays for it: its own hub
         return [known[r] for r in peer.relays if r in known]
 
     def _relays_changed(self) -> None:

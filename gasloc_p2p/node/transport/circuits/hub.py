@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 QUEUE_CHUNKS = 8  # chunks buffered per direction of a relayed connection
 TOKEN_BYTES = 16
 _END = b""
+_ABORT = b"\0abort"  # (compared by identity: no relayed chunk is this object)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,6 @@ class RelayHub:
             await self._carry(read, write, circuit.to_caller, circuit.to_listener)
         finally:
             self._open -= 1
-            _offer(circuit.to_listener, _END)
 
     async def accept(self, token: bytes, read: Read, write: Write) -> None:
         """The listener's side, with a token from its Listen call; RelayRefused if no caller
@@ -134,48 +134,53 @@ class RelayHub:
             raise RelayRefused("no caller waits with this token")
         circuit = pending[1]
         circuit.accepted.set_result(None)
-        try:
-            await self._carry(read, write, circuit.to_listener, circuit.to_caller)
-        finally:
-            _offer(circuit.to_caller, _END)
+        await self._carry(read, write, circuit.to_listener, circuit.to_caller)
 
     async def _carry(self, read: Read, write: Write, inbox: asyncio.Queue[bytes],
                      outbox: asyncio.Queue[bytes]) -> None:
-        """Until either side ends, the limit is spent or the time is up: this side's reads
-        into ``outbox`` (the other side's), ``inbox`` into this side's writes."""
+        """This side's reads into ``outbox`` (the other side's writes), ``inbox`` into this
+        side's writes, until both directions ended (each side's end is passed on after what
+        it sent); the limit, the time or a failure ends both at once."""
         limit = self.limits.bytes_per_connection
 
-        ended = False
-
         async def reads() -> None:
-            nonlocal ended
             sent = 0
             while data := await read():
                 sent += len(data)
                 if sent > limit:
-                    log.info("a relayed connection reached its %d MiB; closing it", limit >> 20)
-                    return
+                    raise _Spent(f"a relayed connection reached its {limit >> 20} MiB")
                 self.stats.bytes += len(data)
                 await outbox.put(data)
             await outbox.put(_END)  # after what is queued: the other side writes it all
-            ended = True
 
         async def writes() -> None:
             while data := await inbox.get():
+                if data is _ABORT:
+                    raise _Spent("the other side failed")
                 await write(data)
 
         tasks = [asyncio.ensure_future(reads()), asyncio.ensure_future(writes())]
+        clean = False
         try:
-            await asyncio.wait(tasks, timeout=self.limits.seconds_per_connection,
-                               return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(tasks, timeout=self.limits.seconds_per_connection,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                exc = task.exception()
+                if isinstance(exc, _Spent) and "MiB" in str(exc):
+                    log.info("%s; closing it", exc)
+            clean = not pending and all(t.exception() is None for t in done)
         finally:
             for task in tasks:
                 task.cancel()
             for task in tasks:
                 with contextlib.suppress(BaseException):
                     await task
-            if not ended:
-                _offer(outbox, _END)
+            if not clean:  # the other side must not wait for more
+                _offer(outbox, _ABORT)
+
+
+class _Spent(Exception):
+    """A relayed connection used up its bytes, or its other side failed."""
 
 
 def _offer(queue: asyncio.Queue[bytes], item: bytes) -> bool:
@@ -183,7 +188,7 @@ def _offer(queue: asyncio.Queue[bytes], item: bytes) -> bool:
         queue.put_nowait(item)
         return True
     except asyncio.QueueFull:
-        if item == _END:  # the end must get through: make room
+        if item is _ABORT or item == _END:  # an end must get through: make room
             _drain(queue)
             queue.put_nowait(item)
             return True

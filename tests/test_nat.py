@@ -1,0 +1,51 @@
+"""Nodes behind home routers, for real: namespaces with routers doing NAT (iptables
+MASQUERADE, nothing forwarded; the second router maps to random ports, a symmetric NAT), real
+node processes joined with the reachable node's join line and ``--client-mode``. Two nodes
+behind different routers must exchange with each other, through the reachable node's relay.
+Root, iproute2 and iptables (.ci/run installs it); skipped otherwise."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from benchmarks.bench_nat import FLAGS, read, start
+from benchmarks.tools.netns import NatNetwork, nat_unavailable
+from tests.node_helpers import KNOB, scaled
+
+pytestmark = pytest.mark.skipif(nat_unavailable() is not None, reason=nat_unavailable() or "")
+
+
+def test_two_nodes_behind_different_routers_exchange_through_a_relay(tmp_path) -> None:
+    nodes = []
+    with NatNetwork([None], [[None], [None]], symmetric=[1]) as net:
+        tag = net.bridge[:-2]
+        try:
+            public = start("public", net.public[0], tmp_path,
+                           [*FLAGS, "--host", net.public[0].addr])
+            nodes.append(public)
+            peers = public.child.wait_for(r"--peers (\S+)", scaled(120)).group(1)
+            for h, hosts in enumerate(net.homes):
+                nodes.append(start(f"home{h}", hosts[0], tmp_path,
+                                   [*FLAGS, "--client-mode", "--peers", peers]))
+            deadline = time.monotonic() + scaled(240)
+            while True:
+                for n in nodes:
+                    read(n)
+                ids = {n.peer_id[:12]: n.name for n in nodes if n.peer_id}
+                relayed = {(n.name, ids.get(to)) for n in nodes for _, to, path, _ in n.sent
+                           if path == "relayed"}
+                if {("home0", "home1"), ("home1", "home0")} & relayed:
+                    break
+                assert time.monotonic() < deadline, (
+                    f"no relayed exchange between the homes ({KNOB}); relayed: {relayed}; "
+                    f"home0: {nodes[1].child.tail(1500)}")
+                time.sleep(1.0)
+        finally:
+            for n in nodes:
+                n.child.stop(30.0)
+    # the public node's relay carried it; nothing of the network is left behind
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert tag not in left

@@ -1,0 +1,155 @@
+"""Relayed connections for nodes behind routers: the relay's hub (joins, bounds, refusals) and
+the signed record field that names a node's relays. The real path, through routers doing NAT
+in network namespaces, is tests/test_nat.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from gasloc_p2p.node.discovery.base import PeerInfo
+from gasloc_p2p.node.discovery.records import signed_value, verify_record
+from gasloc_p2p.node.transport.circuits.hub import RelayHub, RelayLimits, RelayRefused
+from gasloc_p2p.protocol.auth import Signer
+from tests.node_helpers import cert_for
+
+
+class Side:
+    """One end of a relayed connection: what it sends (then its end) and what it got."""
+
+    def __init__(self, chunks: list[bytes], hold: asyncio.Event | None = None) -> None:
+        self.chunks, self.got, self.hold = list(chunks), bytearray(), hold
+
+    async def read(self) -> bytes:
+        if self.chunks:
+            return self.chunks.pop(0)
+        if self.hold is not None:  # keep the connection open until told
+            await self.hold.wait()
+        return b""
+
+    async def write(self, data: bytes) -> None:
+        self.got += data
+
+
+async def _join(hub: RelayHub, caller: Side, listener: Side, target: str = "B") -> None:
+    async with hub.listening(target) as tokens:
+        call = asyncio.ensure_future(hub.call(target, caller.read, caller.write))
+        token = await asyncio.wait_for(tokens.get(), 5)
+        await hub.accept(token, listener.read, listener.write)
+        await asyncio.wait_for(call, 5)
+
+
+def test_a_caller_and_its_listener_are_joined_both_ways() -> None:
+    hub = RelayHub(RelayLimits())
+    caller, listener = Side([b"hello ", b"B"]), Side([b"hi ", b"A"])
+    asyncio.run(_join(hub, caller, listener))
+    assert bytes(listener.got) == b"hello B" and bytes(caller.got) == b"hi A"
+    assert hub.stats.relayed == 1 and hub.stats.bytes == len(b"hello Bhi A")
+
+
+def test_a_target_that_is_not_listening_is_refused() -> None:
+    async def run() -> None:
+        hub = RelayHub(RelayLimits())
+        with pytest.raises(RelayRefused, match="not listening"):
+            await hub.call("B", Side([]).read, Side([]).write)
+        async with hub.listening("B"):
+            pass
+        with pytest.raises(RelayRefused, match="not listening"):  # it left
+            await hub.call("B", Side([]).read, Side([]).write)
+
+    asyncio.run(run())
+
+
+def test_a_relayed_connection_ends_at_its_byte_limit() -> None:
+    hub = RelayHub(RelayLimits(bytes_per_connection=100))
+    hold = asyncio.Event()
+    caller = Side([b"x" * 64, b"y" * 64, b"z" * 64], hold)
+    listener = Side([], hold)
+    asyncio.run(_join(hub, caller, listener))
+    assert bytes(listener.got) == b"x" * 64  # the chunk that would pass 100 bytes ends it
+
+
+def test_a_relayed_connection_ends_at_its_time_limit() -> None:
+    async def run() -> None:
+        hub = RelayHub(RelayLimits(seconds_per_connection=0.3))
+        hold = asyncio.Event()  # neither side ever ends
+        await asyncio.wait_for(_join(hub, Side([b"a"], hold), Side([], hold)), 5)
+
+    asyncio.run(run())
+
+
+def test_connections_are_capped_counting_those_waiting_for_their_listener() -> None:
+    async def run() -> None:
+        hub = RelayHub(RelayLimits(connections=1, accept_s=5))
+        async with hub.listening("B") as tokens:
+            waiting = asyncio.ensure_future(hub.call("B", Side([]).read, Side([]).write))
+            await asyncio.wait_for(tokens.get(), 5)  # B has not taken it yet
+            with pytest.raises(RelayRefused, match="relaying 1 connections already"):
+                await hub.call("B", Side([]).read, Side([]).write)
+            waiting.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_caller_whose_listener_never_takes_it_is_refused_in_time() -> None:
+    async def run() -> None:
+        hub = RelayHub(RelayLimits(accept_s=0.2))
+        async with hub.listening("B"):
+            with pytest.raises(RelayRefused, match="did not take"):
+                await hub.call("B", Side([]).read, Side([]).write)
+            # and its slot is free again: the next caller waits its own turn
+            with pytest.raises(RelayRefused, match="did not take"):
+                await hub.call("B", Side([]).read, Side([]).write)
+
+    asyncio.run(run())
+
+
+def test_a_token_is_taken_once_and_an_unknown_one_never() -> None:
+    async def run() -> None:
+        hub = RelayHub(RelayLimits())
+        with pytest.raises(RelayRefused, match="no caller"):
+            await hub.accept(b"\0" * 16, Side([]).read, Side([]).write)
+        async with hub.listening("B") as tokens:
+            call = asyncio.ensure_future(hub.call("B", Side([b"a"]).read, Side([]).write))
+            token = await asyncio.wait_for(tokens.get(), 5)
+            first = asyncio.ensure_future(hub.accept(token, Side([]).read, Side([]).write))
+            await asyncio.sleep(0)
+            with pytest.raises(RelayRefused, match="no caller"):
+                await hub.accept(token, Side([]).read, Side([]).write)
+            await asyncio.wait_for(asyncio.gather(call, first), 5)
+
+    asyncio.run(run())
+
+
+def test_listeners_are_capped_and_a_returning_one_replaces_itself() -> None:
+    async def run() -> None:
+        hub = RelayHub(RelayLimits(max_listeners=2))
+        async with hub.listening("A") as a, hub.listening("B"):
+            async with hub.listening("C"):  # the oldest (A) is told to end
+                assert await asyncio.wait_for(a.get(), 5) == b""
+                assert not hub.listening_to("A") and hub.listening_to("C")
+            async with hub.listening("B") as b2:  # B again: its old call ends, the new stays
+                assert hub.listening_to("B") and b2.empty()
+
+    asyncio.run(run())
+
+
+def test_a_records_relays_are_signed_and_checked() -> None:
+    owner, relay = Signer(), Signer()
+    key, exp = "gasloc/r/peers", get_dht_time() + 20
+    info = PeerInfo(owner.peer_id, "127.0.0.1:1", 2, "f" * 64, reachable=False,
+                    cert=cert_for(owner.peer_id), relays=(relay.peer_id,))
+    value = signed_value(key, info, owner, exp)
+    read = verify_record(key, owner.peer_id, value, exp, owner, get_dht_time(), 40)
+    assert read is not None and read.relays == (relay.peer_id,) and read.relayed
+    # a relay swapped in by someone else (to send the node's callers elsewhere) breaks it
+    forged = {**value, "relays": [Signer().peer_id]}
+    assert verify_record(key, owner.peer_id, forged, exp, owner, get_dht_time(), 40) is None
+    for bad in (["not an id"], [relay.peer_id] * 5, "g1x"):
+        assert PeerInfo.from_value(owner.peer_id, {**value, "relays": bad}) is None
+    # a record without relays is signed as before (older nodes' records still verify)
+    plain = PeerInfo(owner.peer_id, "127.0.0.1:1", 2, "f" * 64, cert=cert_for(owner.peer_id))
+    assert verify_record(key, owner.peer_id, signed_value(key, plain, owner, exp), exp, owner,
+                         get_dht_time(), 40) is not None
