@@ -6,7 +6,8 @@ Builds the internet and homes in network namespaces (:class:`benchmarks.tools.ne
 one reachable node on the public bridge, and ``--homes`` homes of ``--per-home`` nodes, each home
 behind its own router doing NAT (iptables MASQUERADE, nothing forwarded; ``--symmetric``: the
 last home's router maps every connection to a random port). The home nodes join with the
-public node's join line and ``--client-mode``; nothing else is configured. After ``--seconds``
+public node's join line and ``--client-mode`` (``--auto``: without it; they learn from
+dial-backs that nobody can reach them); nothing else is configured. After ``--seconds``
 it prints each node's partners by path (direct: gRPC to a reachable node; relayed: through a
 reachable node's relay), the reachable node's share of all exchanges, every routed node's first
 exchange after its start, and each path's exchange time against the payload's time at the
@@ -54,10 +55,12 @@ def _clock(stamp: str) -> float:
     return t + int(clock.split(",")[1]) / 1000
 
 
-def start(name: str, host: Host, log_dir: Path, flags: list[str]) -> Node:
+def start(name: str, host: Host, log_dir: Path, flags: list[str],
+          env: dict[str, str] | None = None) -> Node:
     argv = host.cmd(join_argv([*flags, "--identity-file", str(log_dir / f"{name}.key")],
                               "DEBUG"))
-    return Node(name, host, Child(name, argv, log_dir, node_env({"HIVEMIND_LOGLEVEL": "ERROR"})))
+    return Node(name, host, Child(name, argv, log_dir,
+                                  node_env({"HIVEMIND_LOGLEVEL": "ERROR", **(env or {})})))
 
 
 def read(node: Node) -> None:
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-mbit", type=float, default=20.0, help="each home node's uplink")
     parser.add_argument("--public-rate-mbit", type=float, default=0.0,
                         help="the reachable node's uplink (0: unshaped)")
+    parser.add_argument("--auto", action="store_true",
+                        help="home nodes without --client-mode: they find out from dial-backs")
     parser.add_argument("--symmetric", action="store_true",
                         help="the last home's router maps each connection to a random port")
     parser.add_argument("--log-dir", default="", help="keep the nodes' logs here")
@@ -145,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             peers = first.child.wait_for(r"--peers (\S+)", 120).group(1)
             for h, hosts in enumerate(net.homes):
                 for i, host in enumerate(hosts):
+                    mode = [] if args.auto else ["--client-mode"]
                     nodes.append(start(f"home{h}.{i}", host, log_dir,
-                                       [*FLAGS, "--client-mode", "--peers", peers, *args.extra]))
+                                       [*FLAGS, *mode, "--peers", peers, *args.extra]))
             for n in nodes:
                 n.child.wait_for(r"up: gRPC", 180, stdout=False)
             print(f"bench_nat: {len(nodes)} nodes up ({args.homes} homes behind routers"

@@ -5,6 +5,7 @@ in network namespaces, is tests/test_nat.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from hivemind.utils import get_dht_time
@@ -123,15 +124,44 @@ def test_a_token_is_taken_once_and_an_unknown_one_never() -> None:
     asyncio.run(run())
 
 
-def test_listeners_are_capped_and_a_returning_one_replaces_itself() -> None:
+def test_listeners_are_capped_per_address_block_and_in_all() -> None:
     async def run() -> None:
-        hub = RelayHub(RelayLimits(max_listeners=2))
-        async with hub.listening("A") as a, hub.listening("B"):
-            async with hub.listening("C"):  # the oldest (A) is told to end
-                assert await asyncio.wait_for(a.get(), 5) == b""
-                assert not hub.listening_to("A") and hub.listening_to("C")
-            async with hub.listening("B") as b2:  # B again: its old call ends, the new stays
-                assert hub.listening_to("B") and b2.empty()
+        hub = RelayHub(RelayLimits(max_listeners=16))  # 2 per block
+        async with contextlib.AsyncExitStack() as stack:
+            a = await stack.enter_async_context(hub.listening("A", "6.6.6.0/24"))
+            await stack.enter_async_context(hub.listening("B", "6.6.6.0/24"))
+            # a third from the same block displaces that block's oldest, never another's
+            await stack.enter_async_context(hub.listening("C", "6.6.6.0/24"))
+            assert await asyncio.wait_for(a.get(), 5) == b""
+            honest = [await stack.enter_async_context(hub.listening(f"h{i}", f"10.0.{i}.0/24"))
+                      for i in range(13)]
+            assert all(hub.listening_to(f"h{i}") for i in range(13)) and hub.listening_to("B")
+            # all 16 taken (2 + 13 + ... ): a newcomer displaces the busiest block's oldest
+            await stack.enter_async_context(hub.listening("D", "10.9.9.0/24"))
+            await stack.enter_async_context(hub.listening("E", "10.9.8.0/24"))
+            assert not hub.listening_to("B") and hub.listening_to("C")
+            assert all(q.empty() for q in honest)
+            # a listener that comes back replaces its own call
+            again = await stack.enter_async_context(hub.listening("h0", "10.0.0.0/24"))
+            assert await asyncio.wait_for(honest[0].get(), 5) == b"" and again.empty()
+
+    asyncio.run(run())
+
+
+def test_relayed_connections_are_capped_per_callers_address_block() -> None:
+    async def run() -> None:
+        hub = RelayHub(RelayLimits(connections=4, accept_s=5))  # 1 per block
+        async with hub.listening("B") as tokens:
+            first = asyncio.ensure_future(hub.call("B", Side([]).read, Side([]).write,
+                                                   "6.6.6.0/24"))
+            await asyncio.wait_for(tokens.get(), 5)
+            with pytest.raises(RelayRefused, match="for 6.6.6.0/24 already"):
+                await hub.call("B", Side([]).read, Side([]).write, "6.6.6.0/24")
+            other = asyncio.ensure_future(hub.call("B", Side([]).read, Side([]).write,
+                                                   "10.0.0.0/24"))
+            await asyncio.wait_for(tokens.get(), 5)  # another block still gets through
+            first.cancel()
+            other.cancel()
 
     asyncio.run(run())
 

@@ -216,6 +216,16 @@ class ShapedNetwork:
             self.close()
 
 
+def _free_net16(start: int) -> int:
+    """A second octet ``N`` in 100-199 such that no local address is in 10.N.0.0/16 yet."""
+    used = set(re.findall(r"inet 10\.(\d+)\.", _run(["ip", "-o", "-4", "addr", "show"])))
+    for k in range(100):
+        candidate = 100 + (start + k) % 100
+        if str(candidate) not in used:
+            return candidate
+    raise NetnsError("no free 10.N.0.0/16 (N in 100-199) for a NAT network")
+
+
 def nat_unavailable() -> str | None:
     """None when home routers (namespaces doing NAT) can be made here, else a one-line reason."""
     reason = netns_unavailable()
@@ -227,10 +237,11 @@ def nat_unavailable() -> str | None:
 class NatNetwork:
     """The internet and homes behind routers, in namespaces.
 
-    ``public[i]`` shapes public host i on a bridge in the root namespace (``10.213.S.i+2``,
+    ``public[i]`` shapes public host i on a bridge in the root namespace (``10.N.0.i+2/16``,
     reachable from the root namespace through :attr:`gateway`). ``homes[h]`` lists the rates of
     home h's hosts: they sit on a LAN (``192.168.h+1.i+2``) behind a router namespace whose
-    WAN end is on the public bridge (``10.213.S.100+h``) and which translates their addresses
+    WAN end is on the public bridge (``10.N.h+1.2/16``: each home in its own /24, as homes on
+    the internet are in distinct address blocks) and which translates their addresses
     (iptables MASQUERADE; nothing is forwarded inward, so nobody outside can dial them). A home
     in ``symmetric`` maps every connection to a random port (``--random``), the mapping that
     defeats hole punching. Names carry the pid, as :class:`ShapedNetwork`'s do.
@@ -248,14 +259,14 @@ class NatNetwork:
         NatNetwork._count += 1
         self._tag = f"{PREFIX}{_b36(os.getpid())}-"
         count = _b36(NatNetwork._count % 36)
-        subnet = _free_subnet((os.getpid() * 11 + NatNetwork._count) % 250 + 1)
+        net = _free_net16((os.getpid() * 11 + NatNetwork._count) % 100)
         self.bridge = f"{self._tag}n{count}"
-        self.gateway = f"10.213.{subnet}.1"
+        self.gateway = f"10.{net}.0.1"
         self._veth = f"{self._tag}{count}"
-        self.public = [Host(ns=f"{self._tag}p{count}.{i}", addr=f"10.213.{subnet}.{i + 2}",
+        self.public = [Host(ns=f"{self._tag}p{count}.{i}", addr=f"10.{net}.0.{i + 2}",
                             rate_mbit=rate) for i, rate in enumerate(public)]
         self.routers = [f"{self._tag}r{count}.{h}" for h in range(len(homes))]
-        self.wan = [f"10.213.{subnet}.{100 + h}" for h in range(len(homes))]
+        self.wan = [f"10.{net}.{h + 1}.2" for h in range(len(homes))]
         self.homes = [[Host(ns=f"{self._tag}h{count}.{h}{i}", addr=f"192.168.{h + 1}.{i + 2}",
                             rate_mbit=rate) for i, rate in enumerate(rates)]
                       for h, rates in enumerate(homes)]
@@ -270,15 +281,15 @@ class NatNetwork:
 
     def _build(self) -> None:
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
+        _run(["ip", "addr", "add", f"{self.gateway}/16", "dev", self.bridge])
         _run(["ip", "link", "set", self.bridge, "up"])
         _run(["iptables", "-I", "FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"],
              check=False)
         for i, host in enumerate(self.public):
-            self._attach(host.ns, f"{self._veth}p{i}", "eth0", f"{host.addr}/24")
+            self._attach(host.ns, f"{self._veth}p{i}", "eth0", f"{host.addr}/16")
             _shape(host)
         for h, (router, wan) in enumerate(zip(self.routers, self.wan, strict=True)):
-            self._attach(router, f"{self._veth}w{h}", "wan", f"{wan}/24")
+            self._attach(router, f"{self._veth}w{h}", "wan", f"{wan}/16")
             inside = ["ip", "netns", "exec", router]
             _run([*inside, "ip", "link", "add", "lan", "type", "bridge"])
             _run([*inside, "ip", "addr", "add", f"192.168.{h + 1}.1/24", "dev", "lan"])

@@ -69,7 +69,8 @@ class NetworkConfig:
     relay: bool = opt(True, "relay the exchanges of nodes behind routers (--client-mode) "
                             "with each other: it costs this node their bytes, up and down "
                             "(at most --relay-connections at once)", advanced=True)
-    relay_connections: int = opt(8, "relayed connections at once", advanced=True)
+    relay_connections: int = opt(32, "relayed connections at once (a quarter of them per "
+                                     "caller's address block)", advanced=True)
     relay_listeners: int = opt(64, "nodes behind routers waiting for callers here at once",
                                advanced=True)
     relay_mb: int = opt(1024, "bytes each way one relayed connection may carry, in MiB",

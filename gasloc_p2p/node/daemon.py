@@ -44,6 +44,7 @@ from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
 from gasloc_p2p.node.state_dir import dht_identity
 from gasloc_p2p.node.stats import ExchangeStats, TrainStats
+from gasloc_p2p.node.transport.circuits import Peer
 from gasloc_p2p.node.transport.circuits.client import RelayDialer, RelayListener
 from gasloc_p2p.node.transport.circuits.hub import RelayHub, RelayLimits
 from gasloc_p2p.node.transport.service import (
@@ -112,6 +113,7 @@ class Node:
         self.peers: list[PeerInfo] = []  # compatible peers from discovery, this node excluded
         self.channels = PeerChannels(cfg.network)
         self.listener: RelayListener | None = None  # behind a router: Listen calls at relays
+        self._relay_listener_args: tuple[Any, ...] | None = None
         self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, self._peer_counts,
                                    self.mode.fragment_stats)
         self._stop = asyncio.Event()
@@ -391,22 +393,28 @@ class Node:
         self.channels.relayed = RelayDialer(self.signer, self._relay_stub, self._relays_of,
                                             timeout)
         stack.push_async_callback(_timed, "relayed paths close", self.channels.relayed.close)
+        gate = "127.0.0.1" if net.client_mode or net.host in ("0.0.0.0", "") else (
+            "::1" if net.host == "::" else net.host)
+        self._relay_listener_args = (self.signer, self._relay_stub, (gate, self.port), timeout,
+                                     self._relays_changed)
+        stack.push_async_callback(_timed, "relay listeners stop", self._stop_listener)
         if net.client_mode:
-            self.listener = RelayListener(self.signer, self._relay_stub,
-                                          ("127.0.0.1", self.port), timeout,
-                                          self._relays_changed)
-            stack.push_async_callback(_timed, "relay listeners stop", self.listener.close)
+            self.listener = RelayListener(*self._relay_listener_args)
         elif net.relay:
             servicer.relay = RelayHub(RelayLimits(
                 True, net.relay_connections, net.relay_listeners, net.relay_mb << 20,
                 net.relay_minutes * 60))
 
-    def _relay_stub(self, peer: PeerInfo) -> Any:
+    async def _stop_listener(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
+
+    def _relay_stub(self, peer: Peer) -> Any:
         return self.channels.stub(peer.endpoint, peer.cert)
 
-    def _relays_of(self, peer: PeerInfo) -> list[PeerInfo]:
+    def _relays_of(self, peer: Peer) -> list[Peer]:
         """The reachable peers known here that ``peer``'s record names as its relays."""
-        known = {p.peer_id: p for p in self.peers if p.reachable}
+        known: dict[str, Peer] = {p.peer_id: p for p in self.peers if p.reachable}
         if self.reachable and self.cfg.network.relay and self.trainer is not None:
             known[self.me.peer_id] = self.peer_info()  # this node relays for it: its own hub
         return [known[r] for r in peer.relays if r in known]
@@ -470,7 +478,7 @@ class Node:
             jobs.append(("revocations", self._refresh_revocations, REVOCATION_REFRESH_S, True))
         if cfg.network.reachability_interval_s > 0 and not cfg.network.client_mode:
             jobs.append(("reachability", self._check_reachability,
-                         cfg.network.reachability_interval_s, False))
+                         cfg.network.reachability_interval_s, True))
         return jobs
 
     async def _probe_endpoint(self, endpoint: str, cert: bytes, peer_id: str) -> bool:
@@ -487,10 +495,29 @@ class Node:
 
     async def _check_reachability(self) -> None:
         """Ask known peers (any, unreachable ones too) to dial our announced endpoint back;
-        :class:`Reachability` decides from several answers (see its module)."""
+        :class:`Reachability` decides from several answers (see its module). The first
+        check runs once peers are known (a node behind a router learns it at its start)."""
+        until = time.monotonic() + self.cfg.network.reachability_interval_s
+        while self.reachability.checks == 0 and not self.peers and time.monotonic() < until:
+            await asyncio.sleep(1.0)
         if self.endpoint and self.peers:
             by_id = {p.peer_id: p for p in self.peers}
             await self.reachability.check(list(by_id), lambda pid: self._ask_dial_back(by_id[pid]))
+            await self._follow_reachability()
+
+    async def _follow_reachability(self) -> None:
+        """Behind a router without ``--client-mode`` (the dial-backs failed): take callers
+        through relays, as ``--client-mode`` does, until a dial-back succeeds again."""
+        if self.cfg.network.client_mode or self._relay_listener_args is None:
+            return
+        if not self.reachable and self.listener is None:
+            self.listener = RelayListener(*self._relay_listener_args)
+            self.listener.update(self.peers)
+            log.info("nobody can dial this node: taking exchanges through relays")
+        elif self.reachable and self.listener is not None:
+            listener, self.listener = self.listener, None
+            await listener.close()
+            await self._announce()
 
     async def _ask_dial_back(self, peer: PeerInfo) -> bool | None:
         """``peer``'s dial-back verdict on our endpoint, or None if it did not answer."""
@@ -541,6 +568,7 @@ class Node:
         self.mode.peers_changed(self.peers)
         if self.listener is not None:
             self.listener.update(self.peers)
+
 
     def _peer_counts(self) -> tuple[int, int]:
         """(known compatible peers, those dialable now) for the metrics."""

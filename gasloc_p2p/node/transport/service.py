@@ -70,7 +70,7 @@ from gasloc_p2p.protocol.messages import (
 from gasloc_p2p.safelog import safe
 
 if TYPE_CHECKING:
-    from gasloc_p2p.node.discovery.base import PeerInfo
+    from gasloc_p2p.node.transport.circuits import Peer as PeerInfo
     from gasloc_p2p.node.transport.circuits.client import RelayDialer
 
 log = logging.getLogger(__name__)
@@ -430,7 +430,8 @@ class GossipServicer(pb_grpc.GossipServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
         self.door.proved(_peer(context))
         assert self.relay is not None and listener is not None
-        async with self.relay.listening(listener) as tokens:
+        block = address_block(self.door.address_of(_peer(context)))
+        async with self.relay.listening(listener, block) as tokens:
             while token := await tokens.get():
                 yield pb.RelayEvent(token=token)
 
@@ -460,7 +461,8 @@ class GossipServicer(pb_grpc.GossipServicer):
             caller = self._relay_caller(opened)
             if caller is None:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
-            side = self.relay.call(opened.target_peer, read, write)
+            side = self.relay.call(opened.target_peer, read, write,
+                                   address_block(self.door.address_of(_peer(context))))
         self.door.proved(_peer(context))
         task = asyncio.ensure_future(side)
         try:
@@ -650,6 +652,9 @@ def check_bindable(host: str, port: int, flag: str, what: str) -> None:
             raise error from None
 
 
+RELAYED_IDLE_MS = 5000  # a relayed channel without calls closes its connection after this
+
+
 class PeerChannels:
     """A bounded LRU of TLS client channels by ``host:port`` and pinned certificate;
     ``close`` is safe to call twice."""
@@ -688,7 +693,10 @@ class PeerChannels:
         key = (endpoint, cert)
         channel = self._channels.get(key)
         if channel is None:
-            channel = secure_channel(endpoint, cert, grpc_options(self.net, False))
+            options = grpc_options(self.net, False)
+            if self.relayed is not None and self.relayed.owns(endpoint):  # holds a slot of
+                options.append(("grpc.client_idle_timeout_ms", RELAYED_IDLE_MS))  # the relay
+            channel = secure_channel(endpoint, cert, options)
             self._channels[key] = channel
             if len(self._channels) > self.net.max_channels:
                 _, old = self._channels.popitem(last=False)

@@ -1,1 +1,23 @@
-"""Relayed connections for nodes nobody can dial: a reachable node relays (:mod:`.hub`), callers and listeners reach it over gRPC (:mod:`.client`)."""
+"""Relayed connections for nodes nobody can dial: a reachable node relays (:mod:`.hub`),
+callers and listeners reach it over gRPC (:mod:`.client`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Peer(Protocol):
+    """What the transport reads of a peer's record (discovery's PeerInfo)."""
+
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def cert(self) -> bytes: ...
+    @property
+    def reachable(self) -> bool: ...
+    @property
+    def relayed(self) -> bool: ...
+    @property
+    def relays(self) -> tuple[str, ...]: ...

@@ -21,16 +21,18 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
 from gasloc_p2p.protocol.messages import sign_relay_request
 from gasloc_p2p.safelog import safe
+
+if TYPE_CHECKING:
+    from gasloc_p2p.node.transport.circuits import Peer as PeerInfo
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ MAX_RELAYS = 2  # relays a node behind a router listens at
 CHUNK = 64 * 1024  # bytes per relayed message
 _RETRY_S = 5.0  # a lost Listen call is replaced after this long (at most)
 
-Stub = Callable[[PeerInfo], pb_grpc.GossipStub]
+Stub = Callable[["PeerInfo"], pb_grpc.GossipStub]
 
 
 async def _challenge(stub: pb_grpc.GossipStub, timeout_s: float) -> tuple[str, bytes]:
@@ -107,6 +109,10 @@ class RelayDialer:
                 _close(old_end)
         self._ends.move_to_end(peer.peer_id)
         return f"127.0.0.1:{end[2]}"
+
+    def owns(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` is one of this dialer's loopback endpoints."""
+        return any(endpoint == f"127.0.0.1:{end[2]}" for end in self._ends.values())
 
     async def _carry(self, peer_id: str, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:

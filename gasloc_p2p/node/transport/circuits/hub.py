@@ -11,10 +11,13 @@ to the listener: the relay reads ciphertext, and the listener's certificate is p
 caller from the listener's signed record.
 
 Bounds, against an attacker who knows them (identities are free: nothing here is per peer
-id): at most ``max_listeners`` listeners (a new one displaces the oldest; a listener that
-comes back replaces its own), at most ``connections`` relayed connections at once counting
-those waiting for their listener, each at most ``bytes_per_connection`` each way and
-``seconds_per_connection`` long. Callers and listeners have proved membership (signed
+id): at most ``max_listeners`` listeners, an eighth of them per address block (/24, /48); a
+new listener displaces the oldest of its own block when that block is full, else, when all
+are taken, the oldest of the block holding the most (a listener that comes back replaces its
+own); at most ``connections`` relayed connections at once counting those waiting for their
+listener, a quarter of them per caller's address block, each at most
+``bytes_per_connection`` each way and ``seconds_per_connection`` long. So one address block
+can neither take every slot nor keep other blocks' listeners out. Callers and listeners have proved membership (signed
 requests) before they reach the hub; a listener's accept proves itself with the token, sent
 only down its own authenticated call.
 """
@@ -25,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -42,7 +45,7 @@ class RelayLimits:
     """What a node spends relaying for nodes behind routers."""
 
     enabled: bool = True
-    connections: int = 8  # relayed connections at once (waiting ones included)
+    connections: int = 32  # relayed connections at once (waiting ones included)
     max_listeners: int = 64
     bytes_per_connection: int = 1 << 30  # each way
     seconds_per_connection: float = 1800.0
@@ -76,43 +79,66 @@ class RelayHub:
     def __init__(self, limits: RelayLimits) -> None:
         self.limits = limits
         self.stats = RelayStats()
-        self._listeners: OrderedDict[str, asyncio.Queue[bytes]] = OrderedDict()
+        self._listeners: OrderedDict[str, tuple[str, asyncio.Queue[bytes]]] = OrderedDict()
         self._pending: dict[bytes, tuple[str, _Circuit]] = {}
         self._open = 0  # relayed connections held (waiting or joined)
+        self._calls: Counter[str] = Counter()  # ... by the caller's address block
+
+    @property
+    def listeners_per_block(self) -> int:
+        return max(1, self.limits.max_listeners // 8)
+
+    @property
+    def calls_per_block(self) -> int:
+        return max(1, self.limits.connections // 4)
 
     # ------------------------------------------------------------ the listener's Listen call
     @contextlib.asynccontextmanager
-    async def listening(self, peer_id: str) -> AsyncIterator[asyncio.Queue[bytes]]:
-        """Tokens of the callers waiting for ``peer_id`` (b"": displaced, end the call)."""
+    async def listening(self, peer_id: str, block: str = ""
+                        ) -> AsyncIterator[asyncio.Queue[bytes]]:
+        """Tokens of the callers waiting for ``peer_id`` (calling from address ``block``);
+        b"": displaced, end the call."""
         old = self._listeners.pop(peer_id, None)
         if old is not None:
-            _offer(old, _END)
-        while len(self._listeners) >= self.limits.max_listeners:
-            _, oldest = self._listeners.popitem(last=False)
-            _offer(oldest, _END)
+            _offer(old[1], _END)
+        blocks = Counter(b for b, _ in self._listeners.values())
+        if blocks[block] >= self.listeners_per_block:
+            self._evict(block)
+        elif len(self._listeners) >= self.limits.max_listeners:
+            self._evict(blocks.most_common(1)[0][0])
         queue: asyncio.Queue[bytes] = asyncio.Queue(self.limits.connections)
-        self._listeners[peer_id] = queue
+        self._listeners[peer_id] = (block, queue)
         try:
             yield queue
         finally:
-            if self._listeners.get(peer_id) is queue:
+            if self._listeners.get(peer_id, ("", None))[1] is queue:
                 del self._listeners[peer_id]
+
+    def _evict(self, block: str) -> None:
+        """End the oldest listener of ``block``."""
+        oldest = next(p for p, (b, _) in self._listeners.items() if b == block)
+        _offer(self._listeners.pop(oldest)[1], _END)
 
     def listening_to(self, peer_id: str) -> bool:
         return peer_id in self._listeners
 
     # ------------------------------------------------------------ the two Relay calls
-    async def call(self, target: str, read: Read, write: Write) -> None:
-        """A caller's relayed connection to ``target``; RelayRefused if it cannot be made."""
-        queue = self._listeners.get(target)
-        if queue is None:
+    async def call(self, target: str, read: Read, write: Write, block: str = "") -> None:
+        """A caller's (from address ``block``) relayed connection to ``target``;
+        RelayRefused if it cannot be made."""
+        listener = self._listeners.get(target)
+        if listener is None:
             raise RelayRefused(f"{target} is not listening here")
+        queue = listener[1]
         if self._open >= self.limits.connections:
             raise RelayRefused(f"relaying {self._open} connections already")
+        if self._calls[block] >= self.calls_per_block:
+            raise RelayRefused(f"relaying {self._calls[block]} connections for {block} already")
         token, circuit = os.urandom(TOKEN_BYTES), _Circuit()
         if not _offer(queue, token):
             raise RelayRefused(f"{target} has callers waiting already")
         self._open += 1
+        self._calls[block] += 1
         self._pending[token] = (target, circuit)
         try:
             try:
@@ -125,6 +151,9 @@ class RelayHub:
             await self._carry(read, write, circuit.to_caller, circuit.to_listener)
         finally:
             self._open -= 1
+            self._calls[block] -= 1
+            if not self._calls[block]:
+                del self._calls[block]
 
     async def accept(self, token: bytes, read: Read, write: Write) -> None:
         """The listener's side, with a token from its Listen call; RelayRefused if no caller
