@@ -41,7 +41,7 @@ TRAFFIC = re.compile(r"exchanges ok (\d+) .* sent ([\d.]+) MB recv ([\d.]+) MB")
 class Node:
     name: str
     host: Host
-    child: Child
+    child: Child | _Logs
     peer_id: str = ""
     up_at: float = 0.0
     sent: list[tuple[float, str, str, float]] = field(default_factory=list)  # t, to, path, s
@@ -53,6 +53,17 @@ def _clock(stamp: str) -> float:
     day, clock = stamp.split(" ")
     t = time.mktime(time.strptime(f"{day} {clock.split(',')[0]}", "%Y-%m-%d %H:%M:%S"))
     return t + int(clock.split(",")[1]) / 1000
+
+
+class _Logs:
+    """An earlier run's logs, where :func:`read` looks for a child's."""
+
+    def __init__(self, log_dir: Path, name: str) -> None:
+        self.err = log_dir / f"{name}.err"
+
+
+def net_host_unknown() -> Host:
+    return Host(ns="", addr="", rate_mbit=None)
 
 
 def start(name: str, host: Host, log_dir: Path, flags: list[str],
@@ -80,24 +91,27 @@ def report(nodes: list[Node], rate_mbit: float, public_rate: float | None) -> di
     pairs: Counter[tuple[str, str, str]] = Counter()
     partners: dict[str, set[str]] = defaultdict(set)
     times: dict[str, list[float]] = defaultdict(list)
+    first_at: dict[str, float] = {}
     for n in nodes:
-        for _, to, path, seconds in n.sent:
+        for at, to, path, seconds in n.sent:
             other = by_prefix.get(to)
             name = other.name if other else to
             pairs[(n.name, name, path)] += 1
             partners[n.name].add(name)
             partners[name].add(n.name)
             times[path].append(seconds)
+            for who in (n.name, name):  # either side's first commit, whoever started it
+                first_at[who] = min(first_at.get(who, at), at)
     total = sum(pairs.values())
     public = nodes[0].name
     with_public = sum(c for (a, b, _), c in pairs.items() if public in (a, b))
     print(f"\n{'initiator':>10} -> {'partner':<10} {'path':<8} exchanges")
     for (a, b, path), c in sorted(pairs.items()):
         print(f"{a:>10} -> {b:<10} {path:<8} {c}")
-    print("\nnode        distinct partners   first exchange after start (s)")
+    print("\nnode        distinct partners   first exchange (either role) after its start (s)")
     firsts = {}
     for n in nodes:
-        first = min((t for t, *_ in n.sent), default=float("nan"))
+        first = first_at.get(n.name, float("nan"))
         firsts[n.name] = first - n.up_at if n.up_at else float("nan")
         print(f"{n.name:<10} {len(partners[n.name]):>8}            {firsts[n.name]:8.1f}")
     payload_mb = statistics.median(n.mb / n.ok for n in nodes if n.ok) if any(
@@ -130,8 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--symmetric", action="store_true",
                         help="the last home's router maps each connection to a random port")
     parser.add_argument("--log-dir", default="", help="keep the nodes' logs here")
+    parser.add_argument("--report", default="", metavar="DIR",
+                        help="only print the report of an earlier run's --log-dir")
     parser.add_argument("extra", nargs="*", help="more join flags for every node (after --)")
     args = parser.parse_args(argv)
+    if args.report:
+        names = sorted(p.stem for p in Path(args.report).glob("home*.err"))
+        again = [Node(name, net_host_unknown(), _Logs(Path(args.report), name))
+                 for name in ["public", *names]]
+        for n in again:
+            read(n)
+        report(again, args.rate_mbit, args.public_rate_mbit or None)
+        return 0
     reason = nat_unavailable()
     if reason is not None:
         print(f"bench_nat: {reason}", file=sys.stderr)

@@ -129,7 +129,7 @@ def test_peer_info_round_trips_through_a_dht_value():
     assert not math.isnan(info.tokens_per_s)
 
 
-def test_client_mode_node_gossips_by_dialing_out_only(corpus):
+def test_client_mode_node_dials_out_and_is_reached_through_a_relay(corpus):
     async def main():
         reg = InMemoryRegistry()
         open_cfg = tiny_config(corpus, fragments=2)
@@ -138,21 +138,26 @@ def test_client_mode_node_gossips_by_dialing_out_only(corpus):
         b = Node(nat_cfg, InMemoryDiscovery(reg, "gasloc", "nat"))
         async with a, b:
             assert len(a.trainer.fragments) == 3  # 2 strided layer groups + the rest
-            await wait_until(lambda: b.stats.ok_initiator >= 3, timeout_s=60,
-                             what="the NAT'ed node's outbound exchanges")
-            assert not b.peer_info().reachable
-            assert a.mode.book.candidates() == []  # the open node never dials the NAT'ed one
-            assert a.stats.ok_initiator == 0 and b.stats.ok_responder == 0
-            outbound = b.stats.ok_initiator  # read first: a's count is never behind it
-            assert a.stats.ok_responder >= outbound
+            await wait_until(lambda: b.stats.by_path["direct"] >= 3, timeout_s=scaled(60),
+                             what="the NAT'ed node's direct exchanges")
+            info = b.peer_info()
+            assert not info.reachable and b.endpoint.startswith("127.0.0.1:")
+            # it listens at the open node, which relays its own calls to it too
+            await wait_until(lambda: b.peer_info().relays == (a.me.peer_id,),
+                             timeout_s=scaled(30), what="b listens at a")
+            await wait_until(lambda: a.stats.by_path["relayed"] >= 2, timeout_s=scaled(60),
+                             what="a's exchanges with b through the relay")
+            assert a.stats.by_path["direct"] == 0 and b.stats.by_path["relayed"] == 0
+            assert b.stats.ok_responder >= 1 and a.channels.path_of(b.peer_info()) == "relayed"
 
-    run(main(), timeout_s=120)
+    run(main(), timeout_s=scaled(150))
 
 
-def test_unreachable_node_is_detected_and_gossips_by_dialing_out(corpus):
+def test_unreachable_node_is_detected_and_taken_through_a_relay(corpus):
     # b announces an address nobody listens on (127.0.0.2; it binds 127.0.0.1): a's dial-back
-    # fails, so b marks itself unreachable, a stops choosing it, and b keeps gossiping by
-    # dialing out. a's own check (through b) succeeds, so a stays reachable.
+    # fails, so b marks itself unreachable, keeps gossiping by dialing out, and listens at a
+    # (the relay), through which a reaches it. a's own check (through b) succeeds, so a stays
+    # reachable.
     async def main():
         reg = InMemoryRegistry()
         fast = {"reachability_interval_s": 0.5}
@@ -171,7 +176,9 @@ def test_unreachable_node_is_detected_and_gossips_by_dialing_out(corpus):
             before = a.stats.ok_responder
             await wait_until(lambda: a.stats.ok_responder >= before + 2, timeout_s=scaled(60),
                              what="b still gossips by dialing out")
-            assert not a.mode.book.candidates()  # a never dials b now
+            await wait_until(lambda: a.stats.by_path["relayed"] >= 1, timeout_s=scaled(60),
+                             what="a reaches b through its relay")
+            assert b.peer_info().relays == (a.me.peer_id,) and b.listener is not None
 
     run(main(), timeout_s=scaled(150))
 

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 _IDLE_S = 0.5  # re-check interval while there is no rate (no step yet, or no peers)
 _WINDOW_MIN_S = 2.0  # shortest utilization window (a round, at least this)
 _CONNECT_GRACE_S = 0.1  # after the first connection, others this close count as a tie
+_RELAYED_GRACE_S = 1.0  # ... and this close for a relayed one (its relay's calls first)
 _NEW_PEER_CONNECT_S = 2.0
 _RELAYED_CONNECT_S = 10.0
 
@@ -242,15 +243,19 @@ class GossipLoop:
     async def _first_connected(self, picks: Sequence[PeerInfo]) -> PeerInfo | None:
         """A random one of ``picks`` whose endpoint connects first or within
         ``_CONNECT_GRACE_S`` of the first (attempts run concurrently, so a peer whose channel
-        is already open is not favoured over a new one on a fast link); the ones that fail
-        (dead or fake records) are backed off, the slower ones abandoned."""
+        is already open is not favoured over a new one on a fast link), ``_RELAYED_GRACE_S``
+        while a relayed attempt runs (a relayed connection takes the relay's calls first: with
+        the short grace a reachable peer whose channel is open wins every event it is picked
+        for); the
+        ones that fail (dead or fake records) are backed off, the slower ones abandoned."""
         attempts = {asyncio.ensure_future(connect(
             self.channels.stub_and_channel(self.channels.endpoint_for(p), p.cert)[1],
             p.endpoint, self.connect_timeout_s(p))): p for p in picks}
         pending, connected = set(attempts), list[PeerInfo]()
         try:
             while pending:
-                grace = _CONNECT_GRACE_S if connected else None
+                relayed = any(not attempts[task].reachable for task in pending)
+                grace = (_RELAYED_GRACE_S if relayed else _CONNECT_GRACE_S) if connected else None
                 done, pending = await asyncio.wait(pending, timeout=grace,
                                                    return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
