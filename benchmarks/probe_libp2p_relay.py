@@ -4,8 +4,8 @@ not carry exchanges over it; docs/architecture.md "Paths between nodes").
     python -m benchmarks.probe_libp2p_relay [--tries 5] [--mib 1]
 
 In a :class:`benchmarks.tools.netns.NatNetwork` (one public host, two homes behind MASQUERADE
-routers), a public ``p2pd`` serves circuit relay v2 (reachability forced public, relay limits
-raised to 1 GiB and 30 minutes by its flags), home A reserves a slot there (static relay,
+routers), a public ``p2pd`` serves circuit relay v2 (reachability forced public; relay limits
+raised to 1 GiB and 30 minutes by its flags, or hivemind's defaults with ``--default-limits``), home A reserves a slot there (static relay,
 reachability forced private), and home B opens a stream to A through the relay and writes
 ``--mib`` MiB, ``--tries`` times. It prints the bytes A received per try and the path of each
 stream, then whether any stream was upgraded to a direct (hole-punched) connection.
@@ -28,7 +28,9 @@ import asyncio, json, sys, time
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 role, addr, work = sys.argv[1], sys.argv[2], sys.argv[3]
-relay_flags = {"relayDataLimit": 1 << 30, "relayTimeLimit": "1800s"}
+relay_flags = {} if open(f"{work}/defaults").read() == "1" else {
+    "relayDataLimit": 1 << 30, "relayTimeLimit": "1800s"}
+quic = open(f"{work}/quic").read() == "1"
 
 def daemon_maddr(text):  # /p2p/ values as bare multihashes, as go-multiaddr reads them
     head, *rest = text.split("/p2p/")
@@ -52,13 +54,16 @@ class Host(P2P):
 
 async def main():
     if role == "relay":
-        p = await Host.create(host_maddrs=[f"/ip4/{addr}/tcp/4001"], force_reachability="public",
+        p = await Host.create(host_maddrs=[f"/ip4/{addr}/tcp/4001"] + (
+                                  [f"/ip4/{addr}/udp/4001/quic-v1"] if quic else []),
+                              force_reachability="public",
                               check_if_identity_free=False)
         print(json.dumps({"id": p.peer_id.to_base58()}), flush=True)
         await asyncio.sleep(3600)
     info = json.loads(open(f"{work}/relay.json").read())
     relay = f"/ip4/{info['addr']}/tcp/4001/p2p/{info['id']}"
-    p = await Host.create(initial_peers=[relay], host_maddrs=["/ip4/0.0.0.0/tcp/4001"],
+    p = await Host.create(initial_peers=[relay], host_maddrs=["/ip4/0.0.0.0/tcp/4001"] + (
+                              ["/ip4/0.0.0.0/udp/4001/quic-v1"] if quic else []),
                           use_auto_relay=True, trusted_relays=[relay],
                           force_reachability="private", check_if_identity_free=False)
     if role == "a":
@@ -98,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tries", type=int, default=5)
     parser.add_argument("--mib", type=int, default=1)
+    parser.add_argument("--quic", action="store_true", help="every host also listens on QUIC")
+    parser.add_argument("--default-limits", action="store_true",
+                        help="the relay without the flags that raise its limits (hivemind's)")
     args = parser.parse_args(argv)
     reason = nat_unavailable()
     if reason is not None:
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="probe-libp2p-"))
     script = work / "node.py"
     script.write_text(_NODE)
+    (work / "defaults").write_text("1" if args.default_limits else "0")
+    (work / "quic").write_text("1" if args.quic else "0")
     procs: list[subprocess.Popen[str]] = []
     with NatNetwork([None], [[None], [None]]) as net:
         try:
