@@ -523,9 +523,9 @@ class Node:
         """``peer``'s dial-back verdict on our endpoint, or None if it did not answer."""
         net = self.cfg.network
         try:
-            stub = self.channels.stub(peer.endpoint, peer.cert)
+            stub = self.channels.stub(self.channels.endpoint_for(peer), peer.cert)  # (relayed
             target, challenge = await target_of(stub, net.info_timeout_s + net.connect_timeout_s)
-            reply = await stub.Info(
+            reply = await stub.Info(  # for a helper behind a router)
                 info_request(self.signer, target, challenge, self.endpoint, self.tls.cert_der),
                 timeout=net.info_timeout_s + net.connect_timeout_s)
         except (grpc.RpcError, OSError, ValueError) as exc:
