@@ -235,3 +235,18 @@ def test_an_exchange_failure_is_said_once_per_reason(caplog):
         "inbound exchange failed: ExchangeError: BUSY: this node has not finished a round of "
         "its own yet"], said
     assert sum("g1b" in r.getMessage() for r in caplog.records) == 1  # at DEBUG
+
+
+def test_rate_guard_counts_the_message_in_flight_as_big_as_the_last_one():
+    from gasloc_p2p.node.transport.exchange import RateGuard
+    from gasloc_p2p.protocol.messages import MAX_CHUNK_BYTES
+
+    # an honest 1 MiB chunk on a link at twice the minimum rate arrives in time: before, the
+    # message in flight counted as one byte and the first chunk had to arrive within the grace
+    guard = RateGuard(0.0, min_bps=16384, grace_s=5.0)
+    assert guard.seconds_left(0.0, 0) > 2 * MAX_CHUNK_BYTES / 16384 / 2
+    assert guard.seconds_left(32.0, MAX_CHUNK_BYTES) > 0  # the second chunk has its time too
+    # a trickler of one-byte messages is cut soon after the grace, as before
+    trickle = RateGuard(0.0, min_bps=2000, grace_s=1.0)
+    lefts = [trickle.seconds_left(float(t), t) for t in range(1, 4)]  # one byte a second
+    assert lefts[-1] < 0

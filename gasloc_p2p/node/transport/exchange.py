@@ -493,18 +493,26 @@ class GossipTransport:
 
 class RateGuard:
     """A minimum transfer rate: after ``grace_s``, the peer's payload must have arrived at
-    ``min_bps`` bytes/s on average since the transfer started (0: no minimum). A peer that
-    trickles bytes just inside the per-message timeout is cut after about grace + its payload
-    size / min_bps, not after payload-size per-message timeouts."""
+    ``min_bps`` bytes/s on average since the transfer started (0: no minimum), counting the
+    message in flight as the size of the peer's last one (the first: a whole chunk). A peer
+    that trickles bytes just inside the per-message timeout is cut after about grace + its
+    payload size / min_bps, not after payload-size per-message timeouts; an honest peer whose
+    1 MiB chunks arrive at the minimum rate is not cut (counting the message in flight as one
+    byte demanded the first chunk within the grace: about 1.7 Mbit/s for the exchange)."""
 
-    def __init__(self, started: float, min_bps: float, grace_s: float) -> None:
+    def __init__(self, started: float, min_bps: float, grace_s: float,
+                 first_message: int = MAX_CHUNK_BYTES) -> None:
         self.started, self.min_bps, self.grace_s = started, min_bps, grace_s
+        self.in_flight = first_message  # bytes the next message is counted as
+        self._seen = 0
 
     def seconds_left(self, now: float, received: int) -> float:
         """How long the next message may take before the stream is below the rate."""
+        if received > self._seen:
+            self.in_flight, self._seen = received - self._seen, received
         if self.min_bps <= 0:
             return float("inf")
-        return self.started + self.grace_s + (received + 1) / self.min_bps - now
+        return self.started + self.grace_s + (received + self.in_flight) / self.min_bps - now
 
 
 def _message(act: Action) -> pb.ExchangeMsg:
