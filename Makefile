@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: setup test test-long lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
-	bench-data bench-streaming bench-streaming-link bench-fuzz bench-byzantine bench-direction \
+	bench-data bench-streaming bench-streaming-link bench-nat bench-fuzz bench-byzantine bench-direction \
 	bench-chaos bench-poison bench-tamper bench-redteam bench-soak bench-external bench-external-1000 bench-projection bench-engine bench-optim bench-ranks reproduce \
 	gpu-check gpu-plan gpu-next gpu-wheels proto corpus ladder-cpu clean
 
@@ -138,6 +138,10 @@ bench-streaming: setup
 bench-streaming-link: setup
 	$(PY) -m benchmarks.bench_streaming_link
 
+# nodes behind home routers (namespaces with NAT; root and iptables): partners, paths, times
+bench-nat: setup
+	$(PY) -m benchmarks.bench_nat
+
 # Security figures (README, Security): each runs real node processes for minutes.
 bench-fuzz: setup
 	$(PY) -m benchmarks.bench_fuzz
@@ -200,7 +204,7 @@ bench-projection: setup
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
 	bench-byzantine bench-direction bench-chaos bench-poison bench-tamper bench-redteam bench-soak bench-external \
-	bench-external-1000 bench-projection bench-engine bench-optim bench-ranks
+	bench-external-1000 bench-projection bench-engine bench-optim bench-ranks bench-nat
 
 reproduce: setup
 	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,codecs-8,codecs-16
