@@ -386,7 +386,7 @@ class Node:
     async def _start_relaying(self, stack: contextlib.AsyncExitStack,
                               servicer: GossipServicer) -> None:
         """Paths through relays: every node dials peers behind routers through the relays
-        their records name; a reachable node relays (unless ``--no-relay``); a node in
+        their records name; a reachable node relays (unless ``GASLOC_RELAY=false``); a node in
         ``--client-mode`` listens at reachable peers (:meth:`_refresh_peers` keeps them)."""
         net = self.cfg.network
         timeout = net.info_timeout_s + net.connect_timeout_s
@@ -523,9 +523,10 @@ class Node:
         """``peer``'s dial-back verdict on our endpoint, or None if it did not answer."""
         net = self.cfg.network
         try:
-            stub = self.channels.stub(self.channels.endpoint_for(peer), peer.cert)  # (relayed
+            # (through its relay for a helper behind a router)
+            stub = self.channels.stub(self.channels.endpoint_for(peer), peer.cert)
             target, challenge = await target_of(stub, net.info_timeout_s + net.connect_timeout_s)
-            reply = await stub.Info(  # for a helper behind a router)
+            reply = await stub.Info(
                 info_request(self.signer, target, challenge, self.endpoint, self.tls.cert_der),
                 timeout=net.info_timeout_s + net.connect_timeout_s)
         except (grpc.RpcError, OSError, ValueError) as exc:
@@ -568,7 +569,6 @@ class Node:
         self.mode.peers_changed(self.peers)
         if self.listener is not None:
             self.listener.update(self.peers)
-
 
     def _peer_counts(self) -> tuple[int, int]:
         """(known compatible peers, those dialable now) for the metrics."""
