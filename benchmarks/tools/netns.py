@@ -180,12 +180,7 @@ class ShapedNetwork:
                  ", ".join(f"{h.addr}@{h.rate_mbit or 'unshaped'}" for h in self.hosts))
 
     def _shape(self, host: Host) -> None:
-        rate = float(host.rate_mbit or 0)
-        # Burst: at least one MTU-sized packet, about 5 ms of traffic at the rate (tbf needs
-        # burst >= rate / HZ to reach the rate at all on a kernel with a 250 Hz timer).
-        burst = self._burst or max(16_000, int(rate * 1e6 / 8 / 200))
-        _run(host.cmd(["tc", "qdisc", "add", "dev", host.dev, "root", "tbf",
-                       "rate", f"{rate}mbit", "burst", str(burst), "latency", "100ms"]))
+        _shape(host, self._burst)
 
     def _allow_forwarding(self, allow: bool) -> None:
         # With br_netfilter loaded, bridged frames pass iptables' FORWARD chain, which a Docker
@@ -351,10 +346,13 @@ class NatNetwork:
             self.close()
 
 
-def _shape(host: Host) -> None:
+def _shape(host: Host, burst_bytes: int | None = None) -> None:
+    """Shape ``host``'s egress to its rate with tc tbf (nothing when it has none)."""
     if host.rate_mbit is None:
         return
     rate = float(host.rate_mbit)
-    burst = max(16_000, int(rate * 1e6 / 8 / 200))
+    # Burst: at least one MTU-sized packet, about 5 ms of traffic at the rate (tbf needs
+    # burst >= rate / HZ to reach the rate at all on a kernel with a 250 Hz timer).
+    burst = burst_bytes or max(16_000, int(rate * 1e6 / 8 / 200))
     _run(host.cmd(["tc", "qdisc", "add", "dev", host.dev, "root", "tbf", "rate", f"{rate}mbit",
                    "burst", str(burst), "latency", "100ms"]))

@@ -3,7 +3,19 @@ callers and listeners reach it over gRPC (:mod:`.client`)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+async def cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Cancel ``tasks`` and wait until each has ended (their errors are dropped)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(BaseException):
+            await task
 
 
 class Peer(Protocol):

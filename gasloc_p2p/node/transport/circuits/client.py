@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from gasloc_p2p.node.transport.circuits import cancel_all
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
@@ -69,11 +70,7 @@ async def carry(call: Any, reader: asyncio.StreamReader, writer: asyncio.StreamW
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_all(tasks)
         call.cancel()
         with contextlib.suppress(Exception):
             writer.close()

@@ -32,6 +32,8 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from gasloc_p2p.node.transport.circuits import cancel_all
+
 log = logging.getLogger(__name__)
 
 QUEUE_CHUNKS = 8  # chunks buffered per direction of a relayed connection
@@ -185,7 +187,7 @@ class RelayHub:
         async def writes() -> None:
             while data := await inbox.get():
                 if data is _ABORT:
-                    raise _Spent("the other side failed")
+                    raise _OtherSideFailed
                 await write(data)
 
         tasks = [asyncio.ensure_future(reads()), asyncio.ensure_future(writes())]
@@ -195,21 +197,21 @@ class RelayHub:
                                                return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 exc = task.exception()
-                if isinstance(exc, _Spent) and "MiB" in str(exc):
+                if isinstance(exc, _Spent):
                     log.info("%s; closing it", exc)
             clean = not pending and all(t.exception() is None for t in done)
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(BaseException):
-                    await task
+            await cancel_all(tasks)
             if not clean:  # the other side must not wait for more
                 _offer(outbox, _ABORT)
 
 
 class _Spent(Exception):
-    """A relayed connection used up its bytes, or its other side failed."""
+    """A relayed connection used up its bytes."""
+
+
+class _OtherSideFailed(Exception):
+    """The other side of a relayed connection ended it abnormally."""
 
 
 def _offer(queue: asyncio.Queue[bytes], item: bytes) -> bool:
