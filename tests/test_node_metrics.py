@@ -9,6 +9,7 @@ import math
 import re
 import socket
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.node.observability.metrics import OUTCOMES, NodeCollector, NodeMetrics
 from gasloc_p2p.node.settings import build_config
-from gasloc_p2p.node.stats import ExchangeStats, FragmentStats, TrainStats
+from gasloc_p2p.node.stats import ExchangeStats, FragmentStats, RelayCounts, TrainStats
+from gasloc_p2p.node.transport.circuits.hub import RelayHub, RelayLimits, RelayRefused
 from tests.daemon_helpers import tiny_config, write_corpus
 from tests.node_helpers import make_peer, run, wait_until
 
@@ -34,7 +36,8 @@ DOCUMENTED = {
     "gasloc_event_loop_lag_seconds", "gasloc_threads", "gasloc_info",
     "gasloc_rollbacks", "gasloc_checkpoint_failures", "gasloc_updates_rejected",
     "gasloc_updates_clipped", "gasloc_exchanges_by_path", "gasloc_exchange_path_seconds",
-    "gasloc_exchange_partners",
+    "gasloc_exchange_partners", "gasloc_relay_connections", "gasloc_relay_refused",
+    "gasloc_relay_bytes", "gasloc_relay_open", "gasloc_relay_listeners", "gasloc_relays_held",
 }
 FRAGMENT_METRICS = {
     "gasloc_fragment_syncs", "gasloc_fragment_sent_bytes", "gasloc_fragment_received_bytes",
@@ -130,6 +133,56 @@ def test_fragment_series_are_read_at_scrape_time_and_absent_without_fragments():
         for family in registry.collect():
             if family.name in FRAGMENT_METRICS:  # the sample names users query
                 assert family.samples[0].name in text, (doc.name, family.samples[0].name)
+
+
+def test_relay_series_are_read_at_scrape_time_from_a_real_hub():
+    hub = RelayHub(RelayLimits())
+    held = [0]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(
+        TrainStats(), ExchangeStats(), lambda: None, {"a": "b"}, lambda: 0.0, tuple,
+        lambda: RelayCounts(hub.stats.relayed, hub.stats.refused, hub.stats.bytes, hub.open,
+                            hub.listeners, held[0])))
+    get = registry.get_sample_value
+
+    async def run() -> None:
+        with pytest.raises(RelayRefused):
+            await hub.call("B", _no_bytes, _drop)
+        async with hub.listening("B") as tokens:
+            assert get("gasloc_relay_listeners") == 1
+            call = asyncio.ensure_future(hub.call("B", _once(b"ping"), _drop))
+            token = await asyncio.wait_for(tokens.get(), 5)
+            assert get("gasloc_relay_open") == 1
+            await hub.accept(token, _once(b"pong!"), _drop)
+            await asyncio.wait_for(call, 5)
+
+    asyncio.run(run())
+    held[0] = 2
+    assert (get("gasloc_relay_connections_total"), get("gasloc_relay_refused_total"),
+            get("gasloc_relay_bytes_total"), get("gasloc_relay_open"),
+            get("gasloc_relay_listeners"), get("gasloc_relays_held")) == (1, 1, 9, 0, 0, 2)
+
+
+async def _no_bytes() -> bytes:
+    return b""
+
+
+def _once(data: bytes) -> Callable[[], Awaitable[bytes]]:
+    chunks = [data, b""]
+
+    async def read() -> bytes:
+        return chunks.pop(0) if chunks else b""
+    return read
+
+
+async def _drop(data: bytes) -> None:
+    pass
+
+
+def test_every_documented_family_is_in_the_observability_table():
+    text = (Path(__file__).resolve().parent.parent / "docs/observability.md").read_text()
+    missing = [name for name in sorted(DOCUMENTED) if f"`{name}" not in text]
+    assert not missing, missing
 
 
 def test_failures_have_their_own_outcomes():

@@ -59,6 +59,7 @@ def test_a_target_that_is_not_listening_is_refused() -> None:
             pass
         with pytest.raises(RelayRefused, match="not listening"):  # it left
             await hub.call("B", Side([]).read, Side([]).write)
+        assert (hub.stats.refused, hub.stats.relayed, hub.open, hub.listeners) == (2, 0, 0, 0)
 
     asyncio.run(run())
 
@@ -101,8 +102,10 @@ def test_a_caller_whose_listener_never_takes_it_is_refused_in_time() -> None:
             with pytest.raises(RelayRefused, match="did not take"):
                 await hub.call("B", Side([]).read, Side([]).write)
             # and its slot is free again: the next caller waits its own turn
+            assert (hub.open, hub.listeners) == (0, 1)
             with pytest.raises(RelayRefused, match="did not take"):
                 await hub.call("B", Side([]).read, Side([]).write)
+        assert (hub.stats.refused, hub.listeners) == (2, 0)
 
     asyncio.run(run())
 

@@ -43,7 +43,7 @@ from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost
 from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
 from gasloc_p2p.node.state_dir import dht_identity
-from gasloc_p2p.node.stats import ExchangeStats, TrainStats
+from gasloc_p2p.node.stats import ExchangeStats, RelayCounts, TrainStats
 from gasloc_p2p.node.transport.circuits import Peer
 from gasloc_p2p.node.transport.circuits.client import RelayDialer, RelayListener
 from gasloc_p2p.node.transport.circuits.hub import RelayHub, RelayLimits
@@ -113,9 +113,10 @@ class Node:
         self.peers: list[PeerInfo] = []  # compatible peers from discovery, this node excluded
         self.channels = PeerChannels(cfg.network)
         self.listener: RelayListener | None = None  # behind a router: Listen calls at relays
+        self._hub: RelayHub | None = None  # reachable: the relay it runs for others
         self._relay_listener_args: tuple[Any, ...] | None = None
         self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, self._peer_counts,
-                                   self.mode.fragment_stats)
+                                   self.mode.fragment_stats, self._relay_counts)
         self._stop = asyncio.Event()
         self._train_stop = threading.Event()
         self._stack: contextlib.AsyncExitStack | None = None
@@ -401,7 +402,7 @@ class Node:
         if net.client_mode:
             self.listener = RelayListener(*self._relay_listener_args)
         elif net.relay:
-            servicer.relay = RelayHub(RelayLimits(
+            servicer.relay = self._hub = RelayHub(RelayLimits(
                 True, net.relay_connections, net.relay_listeners, net.relay_mb << 20,
                 net.relay_minutes * 60))
 
@@ -569,6 +570,15 @@ class Node:
         self.mode.peers_changed(self.peers)
         if self.listener is not None:
             self.listener.update(self.peers)
+
+    def _relay_counts(self) -> RelayCounts:
+        """This node's relaying for the metrics (read from the scrape's thread: ints only)."""
+        hub, listener = self._hub, self.listener
+        held = len(listener.relays) if listener is not None else 0
+        if hub is None:
+            return RelayCounts(held=held)
+        s = hub.stats
+        return RelayCounts(s.relayed, s.refused, s.bytes, hub.open, hub.listeners, held)
 
     def _peer_counts(self) -> tuple[int, int]:
         """(known compatible peers, those dialable now) for the metrics."""

@@ -173,6 +173,20 @@ class Utilization:
         return new if math.isnan(old) else (1 - self.EMA) * old + self.EMA * new
 
 
+@dataclass(frozen=True)
+class RelayCounts:
+    """A node's relaying, read at scrape time: as a relay (``connections``, ``refused`` and
+    ``bytes`` since start; ``open`` and ``listeners`` now) and behind a router (``held``: relays
+    it listens at now)."""
+
+    connections: int = 0
+    refused: int = 0
+    bytes: int = 0
+    open: int = 0
+    listeners: int = 0
+    held: int = 0
+
+
 @dataclass
 class FragmentStats:
     """One DiLoCo fragment's syncs (``gasloc_fragment_*`` metrics, Info, logs).

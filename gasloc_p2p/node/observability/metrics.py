@@ -24,6 +24,13 @@ gasloc_exchanges_by_role_total{role}   counter    committed exchanges, role init
 gasloc_exchanges_by_path_total{path}   counter    initiated commits by path, see PATHS
 gasloc_exchange_path_seconds_total     counter    their wall time, summed, by path
 gasloc_exchange_partners               gauge      distinct peers committed with (either role)
+gasloc_relay_connections_total         counter    connections this node relayed for peers behind
+                                                  routers (as a relay)
+gasloc_relay_refused_total             counter    relayed connections it refused (its limits)
+gasloc_relay_bytes_total               counter    bytes it relayed, both directions
+gasloc_relay_open                      gauge      relayed connections it holds now
+gasloc_relay_listeners                 gauge      peers behind routers listening at it now
+gasloc_relays_held                     gauge      relays this node listens at (behind a router)
 gasloc_updates_rejected_total          counter    exchanges aborted: implausibly large update
 gasloc_updates_clipped_total           counter    exchanges committed with a clipped weight
 gasloc_compute_utilization             gauge      estimated compute / (compute + exchange work),
@@ -86,7 +93,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gasloc_p2p import __version__
-from gasloc_p2p.node.stats import Buckets, ExchangeStats, FragmentStats, TrainStats
+from gasloc_p2p.node.stats import (
+    Buckets,
+    ExchangeStats,
+    FragmentStats,
+    RelayCounts,
+    TrainStats,
+)
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -111,6 +124,8 @@ PeerCounts = Callable[[], "tuple[int, int] | None"]
 #: the mode's per-fragment sync counters (empty but in streaming-diloco mode)
 FragmentSource = Callable[[], Sequence[FragmentStats]]
 FRAGMENT_OUTCOMES = ("ok", "failed", "solo")
+#: the node's relaying now (a relay's hub and the Listen calls it holds behind a router)
+RelaySource = Callable[[], RelayCounts]
 
 
 def os_threads() -> int:
@@ -140,18 +155,20 @@ class NodeCollector(Collector):
 
     def __init__(self, train: TrainStats, exchange: ExchangeStats, peers: PeerCounts,
                  info: Mapping[str, str], loop_lag_s: Callable[[], float],
-                 fragments: FragmentSource = tuple) -> None:
+                 fragments: FragmentSource = tuple, relay: RelaySource = RelayCounts) -> None:
         self.train = train
         self.exchange = exchange
         self.peers = peers
         self.info = dict(info)
         self.loop_lag_s = loop_lag_s
         self.fragments = fragments
+        self.relay = relay
 
     def collect(self) -> Iterator[Metric]:
         yield from self._training()
         yield from self._gossip()
         yield from self._fragments(list(self.fragments()))
+        yield from self._relaying(self.relay())
         yield from self._system()
 
     @staticmethod
@@ -183,6 +200,24 @@ class NodeCollector(Collector):
             for f, s in enumerate(stats):
                 family.add_metric([str(f)], read(s))
             yield family
+
+    @staticmethod
+    def _relaying(r: RelayCounts) -> Iterator[Metric]:
+        """The ``gasloc_relay*`` families (zeros on a node that relays nothing)."""
+        for name, doc, n in (
+                ("gasloc_relay_connections", "Connections this node relayed for peers behind "
+                 "routers.", r.connections),
+                ("gasloc_relay_refused", "Relayed connections refused (the relay's limits).",
+                 r.refused),
+                ("gasloc_relay_bytes", "Bytes relayed, both directions.", r.bytes)):
+            yield CounterMetricFamily(name, doc, value=n)
+        for name, doc, n in (
+                ("gasloc_relay_open", "Relayed connections held now.", r.open),
+                ("gasloc_relay_listeners", "Peers behind routers listening at this node now.",
+                 r.listeners),
+                ("gasloc_relays_held", "Relays this node listens at now (behind a router).",
+                 r.held)):
+            yield GaugeMetricFamily(name, doc, value=n)
 
     def _training(self) -> Iterator[Metric]:
         t = self.train
@@ -291,8 +326,10 @@ class NodeMetrics:
     """
 
     def __init__(self, cfg: NodeConfig, train: TrainStats, exchange: ExchangeStats,
-                 peers: PeerCounts, fragments: FragmentSource = tuple) -> None:
-        """``fragments``: the mode's per-fragment sync counters, read at scrape time."""
+                 peers: PeerCounts, fragments: FragmentSource = tuple,
+                 relay: RelaySource = RelayCounts) -> None:
+        """``fragments``: the mode's per-fragment sync counters, ``relay`` the node's relaying,
+        both read at scrape time."""
         m = cfg.metrics
         self.port_wanted = m.metrics_port
         self.host = m.metrics_host or cfg.network.host
@@ -301,7 +338,7 @@ class NodeMetrics:
         info = {"version": __version__, "run_id": cfg.discovery.run_id,
                 "codec": cfg.gossip.codec, "algorithm": cfg.outer.algorithm}
         self.registry.register(NodeCollector(train, exchange, peers, info,
-                                             lambda: self.loop_lag_s, fragments))
+                                             lambda: self.loop_lag_s, fragments, relay))
         ProcessCollector(registry=self.registry)
         self.port = 0
         self._server: WSGIServer | None = None

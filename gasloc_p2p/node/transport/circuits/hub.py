@@ -87,6 +87,16 @@ class RelayHub:
         self._calls: Counter[str] = Counter()  # ... by the caller's address block
 
     @property
+    def open(self) -> int:
+        """Relayed connections held now (waiting for their listener or joined)."""
+        return self._open
+
+    @property
+    def listeners(self) -> int:
+        """Peers behind routers holding a Listen call here now."""
+        return len(self._listeners)
+
+    @property
     def listeners_per_block(self) -> int:
         return max(1, self.limits.max_listeners // 8)
 
@@ -128,6 +138,13 @@ class RelayHub:
     async def call(self, target: str, read: Read, write: Write, block: str = "") -> None:
         """A caller's (from address ``block``) relayed connection to ``target``;
         RelayRefused if it cannot be made."""
+        try:
+            await self._call(target, read, write, block)
+        except RelayRefused:
+            self.stats.refused += 1
+            raise
+
+    async def _call(self, target: str, read: Read, write: Write, block: str) -> None:
         listener = self._listeners.get(target)
         if listener is None:
             raise RelayRefused(f"{target} is not listening here")
