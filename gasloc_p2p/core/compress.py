@@ -31,10 +31,11 @@ import torch
 from gasloc_p2p.core import sparse
 from gasloc_p2p.core.bitpack import seeded_hash
 from gasloc_p2p.core.codecs import CodecSpec, parse_optional
+from gasloc_p2p.core.modulo import ModuloSpec
 from gasloc_p2p.core.sparse import SELECTIONS, SparsePayload, SparseSpec
 
 REFERENCES = ("theta0", "link")
-PayloadSpec = CodecSpec | SparseSpec
+PayloadSpec = CodecSpec | SparseSpec | ModuloSpec
 
 
 def parse_codec(text: str) -> PayloadSpec | None:
@@ -43,6 +44,8 @@ def parse_codec(text: str) -> PayloadSpec | None:
     ValueError for anything else."""
     if text.startswith(SELECTIONS):
         return SparseSpec.parse(text)
+    if text.startswith("mod"):
+        return ModuloSpec.parse(text)
     return parse_optional(text)
 
 

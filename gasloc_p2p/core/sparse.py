@@ -327,19 +327,30 @@ def encode(spec: SparseSpec, x: torch.Tensor, seed: int = 0) -> SparsePayload:
 def positions(payload: SparsePayload) -> torch.Tensor:
     """Global positions of the payload's entries: int64 [K], strictly increasing."""
     spec = payload.spec
-    _, full, last, entries = spec.counts(payload.numel)
+    entries = spec.counts(payload.numel)[3]
     dev, k = payload.scales.device, spec.k
-    if spec.select == "dense":
-        return torch.arange(payload.numel, device=dev)
     if spec.select == "topk":
         local = bitpack.unpack_indices(payload.index, entries)
         chunk_of = torch.arange(entries, device=dev) // k  # the last chunk's entries: // k too
         return local + chunk_of * spec.chunk
-    # randk: offsets broadcast per chunk row (no division per entry)
-    rows = _positions_in_chunks(spec, full, spec.chunk, k, 0, payload.seed, dev)
-    parts = [rows.add_(torch.arange(full, device=dev)[:, None] * spec.chunk).view(-1)]
+    return seeded_positions(spec, payload.numel, payload.seed, dev)
+
+
+def seeded_positions(spec: SparseSpec, numel: int, seed: int,
+                     device: torch.device) -> torch.Tensor:
+    """randk's (or dense's) positions for ``numel`` elements and ``seed``: int64 [K],
+    increasing, the same on every peer (also the modulo payloads' positions)."""
+    if spec.select == "topk":
+        raise ValueError("topk positions are chosen by the sender, not by a seed")
+    _, full, last, _ = spec.counts(numel)
+    if spec.select == "dense":
+        return torch.arange(numel, device=device)
+    k = spec.k
+    # offsets broadcast per chunk row (no division per entry)
+    rows = _positions_in_chunks(spec, full, spec.chunk, k, 0, seed, device)
+    parts = [rows.add_(torch.arange(full, device=device)[:, None] * spec.chunk).view(-1)]
     if last:
-        tail = _positions_in_chunks(spec, 1, last, min(k, last), full, payload.seed, dev)
+        tail = _positions_in_chunks(spec, 1, last, min(k, last), full, seed, device)
         parts.append(tail.view(-1) + full * spec.chunk)
     return torch.cat(parts)
 

@@ -30,8 +30,10 @@ from gasloc_p2p.core.async_state import spans
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.compress import ErrorFeedback, mean_of, parse_codec
 from gasloc_p2p.core.flat import Fragment, host_buffer
+from gasloc_p2p.core.modulo import ModuloSpec
 from gasloc_p2p.core.options import check_outer_step
 from gasloc_p2p.core.outer import make_outer
+from gasloc_p2p.core.sparse import SparseSpec
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,9 @@ class StreamingDiloco:
             self.global_params, self.global_params.device, self.global_params)
         spec = parse_codec(cfg.codec)
         self.codec = spec.codec() if isinstance(spec, CodecSpec) else None
-        self.sparse = spec if spec is not None and not isinstance(spec, CodecSpec) else None
+        if isinstance(spec, ModuloSpec):  # config validation refuses it before this
+            raise ValueError(f"{spec} is a gossip payload; DiLoCo takes a block or sparse codec")
+        self.sparse = spec if isinstance(spec, SparseSpec) else None
         # sparse codecs: one error-feedback accumulator per (worker, fragment), on first use
         self.feedback: dict[tuple[int, int], ErrorFeedback] = {}
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (land step, global)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec
 from gasloc_p2p.core.compress import REFERENCES, PayloadSpec, parse_codec
+from gasloc_p2p.core.modulo import ModuloSpec
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
 from gasloc_p2p.core.outer import momentum_forms
 from gasloc_p2p.core.sparse import SparseSpec
@@ -67,7 +68,9 @@ class SimConfig:
     codec: str = opt("int8", "payload codec: none (exact), fp32, fp16, int8, int4, fp4 "
                              "(block size: int8:256), or sparse: topkB:K (top-K of every 4096 "
                              "elements, B-bit values: topk2:41), randkB:K (shared-seed "
-                             "positions), denseB (B-bit dense); B in 1, 2, 4, 8")
+                             "positions), denseB (B-bit dense); B in 1, 2, 4, 8; or modulo: "
+                             "modB (B-bit low bits of every coordinate), modB:K (K of every "
+                             "4096), decoded next to the receiver's own state")
     reference: str = opt("theta0", "gossip with a sparse codec: what messages are taken "
                                    "against: theta0 (no state) or link (one copy per pair of "
                                    "peers, CHOCO-style)")
@@ -143,6 +146,11 @@ class SimConfig:
         return isinstance(parse_codec(self.codec), SparseSpec)
 
     @property
+    def modulo(self) -> bool:
+        """A modulo codec (mod3, mod3:1365): gossip only."""
+        return isinstance(parse_codec(self.codec), ModuloSpec)
+
+    @property
     def start_rate(self) -> float:
         """Exchanges a worker starts per own round: each exchange has two participants."""
         if self.starts_per_round is not None:
@@ -190,8 +198,11 @@ class SimConfig:
             (self.graph in GRAPHS, f"unknown graph {self.graph!r}; choose from {GRAPHS}"),
             (self.matching in MATCHINGS, f"unknown matching {self.matching!r}; {MATCHINGS}"),
             (_parses(self.codec),
-             f"unknown codec {self.codec!r}; choose none, one of {CODEC_NAMES}, or a sparse "
-             "codec such as topk2:41, randk8:123, dense2"),
+             f"unknown codec {self.codec!r}; choose none, one of {CODEC_NAMES}, a sparse "
+             "codec such as topk2:41, randk8:123, dense2, or a modulo one: mod3, mod3:1365"),
+            (not (_parses(self.codec) and self.modulo)
+             or self.algorithm in ("gasloc", "gossip-sgd"),
+             "modulo codecs (mod3, ...) are gossip payloads: --algorithms gasloc or gossip-sgd"),
             (self.reference in REFERENCES, f"--reference must be one of {REFERENCES}"),
             (self.reference == "theta0" or (_parses(self.codec) and self.sparse
                                             and self.algorithm in ("gasloc", "gossip-sgd")),

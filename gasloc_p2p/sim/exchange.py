@@ -71,6 +71,11 @@ class Exchanger(abc.ABC):
     def payload_bytes(self, fragment: Fragment) -> int:
         """Bytes one side sends for this fragment."""
 
+    def pending_bytes(self, pend: Pending) -> int:
+        """Bytes one side sends for this exchange (the fragment's, unless the exchanger picks
+        a payload per pair)."""
+        return self.payload_bytes(pend.fragment)
+
 
 class ProtocolExchanger(Exchanger):
     """Exchanges through the daemon's protocol and engine, in memory (no timeouts: simulated

@@ -26,12 +26,14 @@ import random
 
 from gasloc_p2p.core.async_state import MAX_STALENESS, AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import Fragment, layer_fragments, whole
+from gasloc_p2p.core.modulo import ModuloSpec
 from gasloc_p2p.core.sparse import SparseSpec
 from gasloc_p2p.core.topology import default_weight, graph_edges, round_edges
 from gasloc_p2p.model import layer_index
 from gasloc_p2p.sim.acid import AcidState
 from gasloc_p2p.sim.clock import Clock, Record, compute_seconds
 from gasloc_p2p.sim.exchange import ExactExchanger, Exchanger, Pending, ProtocolExchanger
+from gasloc_p2p.sim.modulo_exchange import ModuloExchanger
 from gasloc_p2p.sim.sparse_exchange import SparseExchanger
 from gasloc_p2p.sim.workers import SimWorkers
 
@@ -65,6 +67,8 @@ class GossipSim:
         spec = cfg.payload_spec
         self.exchanger: Exchanger = (
             ExactExchanger(self.states, known, w) if spec is None
+            else ModuloExchanger(self.states, known, spec, w, cfg.seed)
+            if isinstance(spec, ModuloSpec)
             else SparseExchanger(self.states, sim.theta0, known, spec, w, cfg.reference,
                                  cfg.seed) if isinstance(spec, SparseSpec)
             else ProtocolExchanger(self.states, sim.theta0, known, spec, w))
@@ -147,6 +151,7 @@ class GossipSim:
         took part in per own round (``2 * exchanges / sum of rounds``)."""
         rounds = sum(w.steps / self.cfg.h_of(w.index) for w in self.sim.workers)
         out: dict[str, float] = dict(self.stats)
+        out.update(getattr(self.exchanger, "stats", {}))  # the exchanger's own (modulo: wraps)
         out["rounds"] = rounds
         out["participations_per_round"] = 2 * self.stats["exchanges"] / rounds if rounds else 0.0
         return out
@@ -166,7 +171,7 @@ class GossipSim:
 
     def account(self, pend: Pending) -> float:
         """Count the exchange's bytes on both sides; returns its simulated duration."""
-        nbytes = self.exchanger.payload_bytes(pend.fragment)
+        nbytes = self.exchanger.pending_bytes(pend)
         self.clock.bytes_sent[pend.i] += nbytes
         self.clock.bytes_sent[pend.j] += nbytes
         link = min(self.cfg.bandwidth_bytes_s(pend.i), self.cfg.bandwidth_bytes_s(pend.j))
