@@ -208,6 +208,8 @@ bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale ben
 
 reproduce: setup
 	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,codecs-8,codecs-16
+	$(PY) -m benchmarks.reproduce --only home-8 --seeds 0,1,2,3,4
+	$(PY) -m benchmarks.reproduce --only home-8-deciding --seeds 0,1,2,3,4,5,6,7,8,9
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -26,6 +26,8 @@ DILOCO_REFERENCE = "diloco fp32 (uncompressed)"
 TITLES = {
     "codecs-8": "n = 8: sparse and low-bit payloads in gossip and DiLoCo at equal steps",
     "codecs-16": "n = 16: sparse and low-bit payloads in gossip and DiLoCo at equal steps",
+    "home-8": "n = 8: gossip payloads 8x below int8 (issue 40), at equal steps",
+    "home-8-deciding": "n = 8: int8 against the link-reference payloads, 10 seeds",
 }
 
 
@@ -57,6 +59,23 @@ def rows(base: SimConfig, n: int) -> list[Row]:
             DILOCO_REFERENCE, "diloco topk1 1%, error feedback",
             "diloco topk2 3%, error feedback")
     return [row for row in every if row[0] in keep]
+
+
+def home_rows(base: SimConfig, n: int, deciding: bool = False) -> list[Row]:
+    """Issue 40's gossip payloads for home links, each 8x below int8, reference first:
+    CHOCO-style residuals against a copy each pair holds (``link``), and a modulo payload
+    (Moniqua: no state, decoded next to the receiver's own state; 3 bits on a third of the
+    coordinates). ``deciding``: int8 and the two candidates whose paired intervals included 0
+    at 5 seeds (the link references), for more seeds."""
+    g = dataclasses.replace(base, workers=n, H=10, graph="complete", algorithm="gasloc")
+    r = dataclasses.replace
+    rows = [
+        (REFERENCE, r(g, codec="int8")),
+        ("gossip dense1, link references", r(g, codec="dense1", reference="link")),
+        ("gossip randk2 50%, link references", r(g, codec="randk2:2048", reference="link")),
+        ("gossip mod3 33% (modulo, no state)", r(g, codec="mod3:1365")),
+    ]
+    return rows[:3] if deciding else rows
 
 
 def _final(res: dict[str, Any]) -> float:
@@ -140,6 +159,14 @@ def describe(part: str, group: dict[str, list[dict[str, Any]]], seeds: str,
             "a float32 scale per 4096. theta0: messages are the public iterate minus theta_0 "
             "(no state); link: minus a reference each pair of workers keeps (one model copy "
             "per pair).", "",
+            *([] if not part.startswith("home") else [
+                "Modulo `modB:K` (issue 40, gasloc_p2p/core/modulo.py): K of every 4096 "
+                "coordinates "
+                "(shared-seed positions) as the low B bits of a stochastically rounded lattice "
+                "code, the receiver recovering the rest next to its own public iterate; the "
+                "step per 4096 is 1.5x the largest distance the sender measured at its last "
+                "exchange over 2^(B-1); a pair's first exchange is int8. No state beyond 4 "
+                "bytes per 4096 per node.", ""]),
             "Final loss: the network-average model on 65,536 validation tokens (nats/byte), "
             "mean ± 95% t half-width over seeds; Δ: paired by seed (negative = better). "
             "Consensus: mean_i ||theta_i - mean(theta)||^2 at the end, mean over seeds. "

@@ -222,6 +222,8 @@ PARTS: dict[str, list[Row]] = {
     "gamma-graphs-16": _gamma_graphs(16, (0.0, 0.5, 0.9)),
     "codecs-8": repro_codecs.rows(BASE, 8),
     "codecs-16": repro_codecs.rows(BASE, 16),
+    "home-8": repro_codecs.home_rows(BASE, 8),
+    "home-8-deciding": repro_codecs.home_rows(BASE, 8, deciding=True),
     **{part: repro_ladder.rows(part) for part in repro_ladder.PARTS},
 }
 ARCHIVED = [p for p in TITLES if p not in PARTS]
