@@ -22,28 +22,23 @@ from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.compress import exchange_seed
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.modulo import Distances, ModuloSpec
-from gasloc_p2p.sim.exchange import Exchanger, Pending
+from gasloc_p2p.sim.exchange import ExactExchanger, Pending
 
 
-class ModuloExchanger(Exchanger):
-    """Modulo exchanges among ``states``; ``seed``: the run's (positions and roundings)."""
+class ModuloExchanger(ExactExchanger):
+    """Modulo exchanges among ``states``; ``seed``: the run's (positions and roundings). The
+    snapshots are the exact exchanger's (:meth:`ExactExchanger.begin`)."""
 
     def __init__(self, states: Sequence[AsyncGaslocState], fragments: Sequence[Fragment],
                  spec: ModuloSpec, w: float, seed: int = 0) -> None:
-        super().__init__(states, fragments)
-        self.spec, self.w, self.seed = spec, w, seed
+        super().__init__(states, fragments, w)
+        self.spec, self.seed = spec, seed
         self.distances = [Distances() for _ in states]
         self.generators = [torch.Generator().manual_seed(exchange_seed(seed, i, 1))
                            for i in range(len(states))]
         self.int8 = CodecSpec.of("int8").codec()
         self.counter = 0
         self.stats = {"wrapped": 0, "sent": 0, "int8_exchanges": 0}
-
-    def begin(self, i: int, j: int, fragment: int) -> Pending:
-        frag = self.fragments[fragment]
-        si, sj = self.states[i], self.states[j]
-        return Pending(i, j, frag, si.public_iterate(frag), sj.public_iterate(frag),
-                       si.rounds, sj.rounds)
 
     def commit(self, pend: Pending) -> tuple[int, float]:
         assert pend.p_i is not None and pend.p_j is not None
