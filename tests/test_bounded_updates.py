@@ -640,10 +640,13 @@ def test_the_push_meter_lets_honest_pulls_through_and_holds_a_push_in_one_direct
     sum of what gossip moved a node by over its last rounds, on private sampled blocks."""
     torch.manual_seed(1)
     meter = PushMeter(blocks=4, rounds=32)
-    runs = meter.runs(0, 100_000, 1024)
+    numel = 100 * 1024  # whole blocks: the sampled ones are full whichever the seed picks
+    runs = meter.runs(0, numel, 1024)
     k = sum(n for _, n in runs)
     assert len(runs) == 4 and all(s % 1024 == 0 for s, _ in runs) and k == 4096
-    assert meter.runs(0, 100_000, 1024) == runs and PushMeter().runs(0, 100_000, 1024) != runs
+    assert meter.runs(0, numel, 1024) == runs and PushMeter().runs(0, numel, 1024) != runs
+    # a fragment of fewer blocks than sampled: all of them, the last one cut at the end
+    assert meter.runs(1, 2500, 1024) == [(0, 1024), (1024, 1024), (2048, 452)]
     limit = 1.0  # RMS
     for r in range(200):  # honest: pulls now one way, now another (about independent)
         step = 0.15 * torch.randn(k)
