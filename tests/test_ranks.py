@@ -266,3 +266,38 @@ def test_torchrun_with_another_world_size_than_the_flag_is_refused():
     assert out.returncode == 2
     assert out.stderr.strip().endswith("--nproc-per-node=4 but torchrun started WORLD_SIZE=2 "
                                        "ranks"), out.stderr
+
+
+class _Ended:
+    """A child process that has ended with ``code`` (what ``_watch`` polls)."""
+
+    def __init__(self, code: int) -> None:
+        self.returncode = code
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode
+
+
+@pytest.mark.parametrize("codes", [(1, -9), (0, -9), (-15, 0, -9)])
+def test_the_launcher_names_the_rank_that_died_even_when_rank_0_went_down_with_it(codes,
+                                                                                   capsys):
+    """A rank killed mid-step fails rank 0's collective: by the time the launcher looks both
+    may be gone (CI run 72), and the line must still name the rank that died."""
+    from gasloc_p2p.node import launch
+
+    code = launch._watch([_Ended(c) for c in codes], len(codes))  # type: ignore[list-item]
+    died = len(codes) - 1
+    assert code == 1
+    assert capsys.readouterr().err.strip() == (
+        f"gasloc-node join: rank {died} of {len(codes)} died (signal SIGKILL); the node stops;"
+        " run the same command again to resume from its checkpoint")
+
+
+def test_the_launcher_returns_rank_0s_code_when_no_other_rank_failed(capsys):
+    from gasloc_p2p.node import launch
+
+    assert launch._watch([_Ended(3), _Ended(0)], 2) == 3  # type: ignore[list-item]
+    assert capsys.readouterr().err == ""

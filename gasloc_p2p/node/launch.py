@@ -100,7 +100,9 @@ def _watch(procs: list[subprocess.Popen[bytes]], world: int) -> int:
                 return 0
             time.sleep(POLL_S)
             continue
-        first = dead[0]
+        # a rank that died takes rank 0 down with it (a collective fails): where both are
+        # gone by the time we look, the rank that failed is the news, not rank 0's exit
+        first = next((r for r in dead if r != 0 and codes[r] != 0), dead[0])
         code = codes[first]
         assert code is not None
         if first == 0:  # the node ended: the others stop with it (or have already)
