@@ -151,7 +151,7 @@ bench-byzantine: setup
 
 # member attacks that know the defence (issue 39), each 10 minutes beside a clean swarm;
 # ATTACKS=farm-push,member-push,... for some of them
-ATTACKS ?= fresh-keys,farm-push,member-push,slow-push,orthogonal
+ATTACKS ?= fresh-keys,farm-push,member-push,slow-push,orthogonal,ascent,ascent-slow,rewind
 bench-redteam: setup
 	$(PY) -m benchmarks.bench_redteam --attacks $(ATTACKS)
 

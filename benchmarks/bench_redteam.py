@@ -12,7 +12,8 @@ issue's targets:
 
 - the network-average validation loss of each swarm and the ratio attacked / clean (within 5%
   at 10 minutes, 10% at 30);
-- the push left in each honest node along the attacker's direction (RMS units) against the
+- the push left in each honest node along the attacker's direction (RMS units: along the sum
+  of what the attacker committed to it, less its clean twin's component) against the
   clean swarm's consensus distance (the RMS distance of a node from the swarm's mean): at most
   that;
 - the exchanges the honest nodes started (all with honest peers: the attacker publishes no
@@ -109,12 +110,29 @@ def consensus_rms(thetas: list[torch.Tensor]) -> float:
     return float((stack - stack.mean(0)).pow(2).mean(1).sqrt().mean())
 
 
+def push_left(rows: dict[str, list[dict[str, Any]]], tally: Tally,
+              theta0: torch.Tensor) -> list[float]:
+    """Per honest node: the push left along the sum of what the attacker committed to it
+    (unit RMS; ``u`` for a victim it never pushed), less its clean twin's component along the
+    same direction (the twin holds the same key, so the same data): for a fixed direction the
+    twin's is about 0, for the loss's ascent it is what honest training alone did there."""
+    u = direction(theta0.numel())
+    out = []
+    for i, (hit, twin) in enumerate(zip(rows["attacked"], rows["clean"], strict=True)):
+        d = tally.vectors.get(f"a{i}")
+        if d is None or float(d.pow(2).mean()) == 0.0:
+            d = u.double()
+        d = (d / d.pow(2).mean().sqrt()).float()
+        out.append(abs(along(hit["theta"], theta0, d) - along(twin["theta"], theta0, d)))
+    return out
+
+
 def report(result: dict[str, Any], evaluator: Evaluator) -> dict[str, float]:
     attack, rows, tally = result["attack"], result["rows"], result["tally"]
     losses = {name: evaluator.loss(torch.stack([r["theta"] for r in nodes]).mean(0))
               for name, nodes in rows.items()}
     cd = consensus_rms([r["theta"] for r in rows["clean"]])
-    pushes = [abs(r["along"]) for r in rows["attacked"]]
+    pushes = push_left(rows, tally, evaluator.theta0)
     started = {name: sum(r["initiated"] for r in nodes) for name, nodes in rows.items()}
     figures = {"loss_ratio": losses["attacked"] / losses["clean"],
                "push_left_max": max(pushes), "clean_consensus": cd,
@@ -130,8 +148,10 @@ def report(result: dict[str, Any], evaluator: Evaluator) -> dict[str, float]:
               f"{[round(r['drift'], 5) for r in nodes]}")
     left = ", ".join(f"{r['along']:+.3g}" for r in rows["attacked"])
     twins = ", ".join(f"{r['along']:+.3g}" for r in rows["clean"])
-    print(f"push left along the attacker's direction (RMS units): {left} (clean twins "
-          f"{twins}); committed by the attacker {sum(tally.pushed.values()):.3g}")
+    print(f"along the fixed direction u (RMS units): {left} (clean twins {twins}); along "
+          f"what the attacker committed, less the clean twin's: "
+          f"{', '.join(f'{p:.3g}' for p in pushes)}; committed by the attacker "
+          f"{sum(tally.pushed.values()):.3g}")
     print(f"loss attacked / clean {figures['loss_ratio']:.3f} (target <= 1.05 at 10 min, 1.10 "
           f"at 30); push left {figures['push_left_max']:.3g} vs clean consensus distance "
           f"{cd:.3g} (target: at most); honest exchanges attacked / clean "

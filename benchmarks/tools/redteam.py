@@ -19,7 +19,15 @@ same settings measures about the same on itself).
   tuned to stay under every per-exchange and per-round threshold, so only a bound over many
   rounds can see it;
 - ``orthogonal``: ``farm-push`` along the part of ``u`` orthogonal to the victim's own
-  displacement from ``theta_0`` (no projection on what honest training does).
+  displacement from ``theta_0`` (no projection on what honest training does);
+- ``ascent``: one invited member pushing at full rate along the *ascent* direction of the
+  loss at the victim's iterate (the gradient on the attacker's own training batches, unit
+  RMS) instead of a fixed random one: the attack that aims at the loss, which a push along a
+  random direction barely moves, while each push stays as small as the others;
+- ``ascent-slow``: the same, one push of 2 drifts a victim round (under every per-exchange
+  and per-round threshold, and slow enough for the node's own descent to mask a rise);
+- ``rewind``: one invited member pushing at full rate towards the victim's own iterate of a
+  minute ago: undoing its progress along the path it took, where its loss surely rises.
 """
 
 from __future__ import annotations
@@ -44,14 +52,16 @@ class Attack:
     """One attacker: ``keys`` identities (0: a fresh one per exchange), ``farm`` trust-earning
     echoes per key, push ``k`` drifts, ``gap_s`` between one key's pushes to a victim (0: as
     fast as the victim answers; negative: one victim round, read from its log), and whether
-    the push is orthogonal to the victim's displacement."""
+    where the push aims: ``fixed`` (``u``), ``orthogonal`` (``u`` less its part along the
+    victim's displacement from theta_0), ``ascent`` (the loss's gradient at the victim's
+    iterate) or ``rewind`` (towards the victim's iterate of ``REWIND_S`` ago)."""
 
     name: str
     keys: int
     farm: int
     k: float
     gap_s: float = 0.0
-    orthogonal: bool = False
+    aim: str = "fixed"
 
 
 ATTACKS = {a.name: a for a in (
@@ -59,8 +69,53 @@ ATTACKS = {a.name: a for a in (
     Attack("farm-push", keys=12, farm=8, k=3.8),
     Attack("member-push", keys=1, farm=8, k=3.8),
     Attack("slow-push", keys=1, farm=8, k=2.0, gap_s=-1.0),
-    Attack("orthogonal", keys=12, farm=8, k=3.8, orthogonal=True),
+    Attack("orthogonal", keys=12, farm=8, k=3.8, aim="orthogonal"),
+    Attack("ascent", keys=1, farm=8, k=3.8, aim="ascent"),
+    Attack("ascent-slow", keys=1, farm=8, k=2.0, gap_s=-1.0, aim="ascent"),
+    Attack("rewind", keys=1, farm=8, k=3.8, aim="rewind"),
 )}
+REWIND_S = 60.0
+
+
+class Ascent:
+    """The loss's ascent direction at a given iterate, unit RMS: the gradient on ``batches``
+    of the attacker's own training batches (a member trains on the run's data like anyone)."""
+
+    def __init__(self, batches: int = 2, seed: int = 4242) -> None:
+        import argparse
+
+        from benchmarks.swarm_eval import TINY
+        from gasloc_p2p.core.flat import FlatParams
+        from gasloc_p2p.model import build_model
+        from gasloc_p2p.node.runtime.trainer import load_data
+        from gasloc_p2p.node.settings import build_config
+
+        cfg = build_config(argparse.Namespace(**TINY), environ={})
+        self.model = build_model(cfg.train.gpt(), cfg.train.seed)
+        self.flat = FlatParams(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.data = load_data(cfg.train, seed).train
+        self.shape = (cfg.train.batch_size, cfg.train.seq_len)
+        self.batches = batches
+        self.generator = torch.Generator().manual_seed(seed)
+        self._lock = asyncio.Lock()
+
+    def _direction(self, at: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.flat.buffer.copy_(at)
+        self.model.zero_grad(set_to_none=True)
+        for _ in range(self.batches):
+            x, y = self.data.batch(*self.shape, self.generator)
+            _, loss = self.model(x, y)
+            (loss / self.batches).backward()
+        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                       for p in self.params]).float()
+        return g / g.pow(2).mean().sqrt().clamp_min(1e-30)
+
+    async def direction(self, at: torch.Tensor) -> torch.Tensor:
+        """The unit-RMS ascent direction at ``at`` (one computation at a time)."""
+        async with self._lock:
+            return await asyncio.to_thread(self._direction, at)
 
 
 class Victim:
@@ -85,13 +140,19 @@ class Victim:
             return self.base
 
 
-def payload_of(base: torch.Tensor, theta0: torch.Tensor, u: torch.Tensor, offset: float,
-               orthogonal: bool) -> bytes:
-    push = u
-    if orthogonal:  # the part of u orthogonal to the victim's displacement from theta_0
-        d = (base - theta0).double()
-        push = (u.double() - d * (d @ u.double()) / max(float(d @ d), 1e-30)).float()
-        push = push / push.pow(2).mean().sqrt()
+def unit(v: torch.Tensor) -> torch.Tensor:
+    """``v`` scaled to unit RMS (float32)."""
+    v = v.double()
+    return (v / v.pow(2).mean().sqrt().clamp_min(1e-30)).float()
+
+
+def orthogonal_to(u: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The part of ``u`` orthogonal to ``d``, unit RMS."""
+    d = d.double()
+    return unit(u.double() - d * (d @ u.double()) / max(float(d @ d), 1e-30))
+
+
+def payload_of(base: torch.Tensor, push: torch.Tensor, offset: float) -> bytes:
     return CodecSpec("fp32", 0).codec().encode(base + offset * push).to_bytes()
 
 
@@ -100,9 +161,35 @@ async def run_attack(attack: Attack, victims: list[NodeChild], run_id: str,
                      refresh_s: float = 2.0, inner_steps: int = 10) -> None:
     """Every key against every victim, one exchange in flight per (key, victim), until
     ``until``. ``tally.pushed`` counts the pushes committed (``w * offset``), not the farming
-    echoes."""
+    echoes; ``tally.vectors`` sums them per victim as vectors (``w * offset * direction``)."""
     u = direction(theta0.numel())
-    signers = [Signer() for _ in range(attack.keys)] or [None]
+    signers: list[Signer | None] = [Signer() for _ in range(attack.keys)] or [None]
+    ascent = Ascent() if attack.aim == "ascent" else None
+    aimed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # victim: (base, its direction)
+    seen: dict[str, list[tuple[float, torch.Tensor]]] = {}  # victim: its iterates, oldest first
+
+    async def aim(name: str, base: torch.Tensor) -> torch.Tensor | None:
+        """Where to push a victim whose iterate is ``base`` (None: nothing to aim at yet)."""
+        if attack.aim == "fixed":
+            return u
+        if attack.aim == "orthogonal":
+            return orthogonal_to(u, base - theta0)
+        if name in aimed and aimed[name][0] is base:  # once per iterate downloaded
+            return aimed[name][1]
+        if ascent is not None:
+            push = await ascent.direction(base)
+        else:  # rewind: towards the newest iterate at least REWIND_S old
+            history = seen.setdefault(name, [])
+            if not history or history[-1][1] is not base:
+                history.append((time.monotonic(), base))
+            old = [b for t, b in history if t <= time.monotonic() - REWIND_S] or [history[0][1]]
+            while len(history) > 2 and history[1][0] <= time.monotonic() - REWIND_S:
+                history.pop(0)
+            if old[-1] is base:
+                return None
+            push = unit(old[-1] - base)
+        aimed[name] = (base, push)
+        return push
 
     async def one(node: NodeChild, signer: Signer | None) -> None:
         victim = Victim(node, run_id, theta0)
@@ -120,7 +207,11 @@ async def run_attack(attack: Attack, victims: list[NodeChild], run_id: str,
                     continue
                 farming = signer is not None and farmed < attack.farm
                 offset = 0.0 if farming else attack.k * drift
-                payload = payload_of(base, theta0, u, offset, attack.orthogonal)
+                push = await aim(node.name, base)
+                if push is None:
+                    await asyncio.sleep(1.0)
+                    continue
+                payload = payload_of(base, push, offset)
                 try:
                     outcome = await exchange(channel, target, payload, signer)
                 except grpc.RpcError as exc:
@@ -131,6 +222,7 @@ async def run_attack(attack: Attack, victims: list[NodeChild], run_id: str,
                         farmed += 1
                         continue
                     tally.pushed[node.name] += w * offset
+                    tally.add_vector(node.name, w * offset * push)
                 await asyncio.sleep(_gap(attack, node, inner_steps) if outcome == "committed"
                                     else 0.05)
 

@@ -63,6 +63,12 @@ class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     pushed: defaultdict[str, float] = field(  # victim -> sum of w * offset committed
         default_factory=lambda: defaultdict(float))
+    vectors: dict[str, torch.Tensor] = field(default_factory=dict)  # victim -> summed pushes
+
+    def add_vector(self, victim: str, push: torch.Tensor) -> None:
+        """Add one committed push (``w * offset * direction``) to the victim's sum."""
+        held = self.vectors.get(victim)
+        self.vectors[victim] = push.double() if held is None else held + push.double()
 
 
 async def exchange(channel: grpc.aio.Channel, target: Target, payload: bytes,
