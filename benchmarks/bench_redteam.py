@@ -163,7 +163,7 @@ def report(result: dict[str, Any], evaluator: Evaluator) -> dict[str, float]:
 # every defence of issue 39 off: the guard (clip, refuse, budgets, trust), the push meter, the
 # rise rollback and the direction test
 DEFENCES_OFF = {"guard_factor": 0.0, "guard_push_limit": 0.0, "guard_loss_rise": 0.0,
-                "guard_min_z": -1.0}
+                "guard_min_z": -1.0, "guard_loss_gate": 0.0}
 
 
 def defence_cost(honest: int, minutes: float, tmp: Path, evaluator: Evaluator,

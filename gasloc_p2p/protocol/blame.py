@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -173,3 +175,64 @@ class PushMeter:
         """``G``'s RMS on a fragment (its largest over block sizes; 0: none yet)."""
         sums = [g for (f, _), g in self._sum.items() if f == fragment]
         return max((float(g.square().mean().sqrt()) for g in sums), default=0.0)
+
+
+class LossGate:
+    """A bound on what gossip does to the *loss*, measured (issue 39). Every limit on a push's
+    size leaves a push aimed where the loss curves: along a gradient of the attacker's own
+    batches, a push of 1.9 drifts raised the loss by 2-9 nats where a random one of the same
+    size moved it by 0.02 (``benchmarks/probe_curvature.py``). So the node measures the loss
+    of a private held-out batch (``loss``: drawn from its own data with the OS's randomness;
+    no peer knows it) before and after each commit, under the same hold of the training
+    lock, and the rises of one round together stay within ``share`` of the loss: a commit
+    beyond that is taken back on this side (counted *bad* when its rise alone exceeds the
+    whole allowance, *full* when it found the allowance spent). Nobody is blamed for it: in
+    clean swarms one honest commit in a few hundred raised the small batch's loss beyond the
+    allowance alone, and blame is for good. A commit that lowers the loss costs nothing and
+    earns no credit. Thread-safe."""
+
+    def __init__(self, loss: Callable[[], float], share: float) -> None:
+        self.loss, self.share = loss, share
+        self._round = -1
+        self._spent = 0.0
+        self.taken_back = 0  # commits taken back (logs)
+        self.bad = 0  # of which their rise alone exceeded a round's allowance
+        self.measured = 0  # forward passes spent (logs, benchmarks)
+        self._known: tuple[object, float] | None = None  # (the parameters' version, loss)
+        self._lock = threading.Lock()
+
+    def measure(self, version: object = None) -> float:
+        """The private batch's loss now (under the training lock); ``version`` names the
+        parameters' state (None: unknown): a state measured after the last commit is not
+        measured again (commits back to back cost one pass each, not two)."""
+        known = self._known
+        if version is not None and known is not None and known[0] == version:
+            return known[1]
+        self.measured += 1
+        return self.loss()
+
+    def judge(self, before: float, round_: int, version: object = None) -> str:
+        """After a commit (still under the lock): "" if it stays (its rise charged to round
+        ``round_``), else why it goes: "full" (the round's allowance is spent) or "bad".
+        ``version``: what the parameters' version will be once this commit is done (kept
+        or taken back: taken back, the loss is ``before``'s, to rounding)."""
+        after = self.loss()
+        self.measured += 1
+        rise = after - before
+        self._known = None if version is None else (version, after)
+        with self._lock:
+            if round_ != self._round:
+                self._round, self._spent = round_, 0.0
+            allowed = self.share * abs(before)
+            if not math.isfinite(rise) or rise > allowed:
+                verdict = "bad"
+            elif rise > 0 and self._spent + rise > allowed:
+                verdict = "full"
+            else:
+                self._spent += max(rise, 0.0)
+                return ""
+            self.taken_back += 1
+            self.bad += verdict == "bad"
+        if version is not None and math.isfinite(before):
+            self._known = (version, before)
+        return verdict

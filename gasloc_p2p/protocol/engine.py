@@ -49,7 +49,7 @@ from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.wire import RunIndex, payload_buffer, payload_digest, run_index
 from gasloc_p2p.protocol import fused, streamed
-from gasloc_p2p.protocol.blame import Ledger, PushMeter
+from gasloc_p2p.protocol.blame import Ledger, LossGate, PushMeter
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
 
 ON_CPU_CHUNK = 1 << 18  # 1 MiB of float32 stays in a core's L2 (benchmarks/bench_scale.py)
@@ -78,6 +78,7 @@ class Prepared:
     # D(theirs) - D(mine) on the push meter's sample (protocol/blame.py), from the check
     pushed: torch.Tensor | None = None
     weight: float = 0.0  # the weight the commit applied (set by ``commit``)
+    taken_back: str = ""  # why the loss gate took this side's correction back ("full", "bad")
 
 
 class UrgentLock(Protocol):
@@ -144,6 +145,8 @@ class ExchangeEngine:
         # the meter's sampled blocks as gather indices, per (fragment, codec, block, device)
         self._meter_index: dict[tuple[int, str, int, str], RunIndex] = {}
         self.meter_limit = 8.0  # the meter's bound, in the guard's drift scale
+        # the loss of a private batch before and after each commit (protocol/blame.py)
+        self.gate: LossGate | None = None
         self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
         self.stream_payloads = stream_payloads
@@ -470,35 +473,60 @@ class ExchangeEngine:
     def commit(self, prep: Prepared, received: Encoded, weight: float) -> float:
         """Fold both messages and apply the correction ``c = weight * clip * (D(theirs) -
         D(mine))`` to the correction targets; returns ``||c||_2``. The lock is held while the
-        work is queued; one wait and one read follow."""
+        work is queued; one wait and one read follow. With a loss gate, the loss of a private
+        batch is measured before and after under the same hold, and a correction that raised
+        it beyond what the round has left is taken back on this side (``prep.weight`` 0)."""
         fragment, sent = prep.fragment, prep.encoded
         if received.numel != fragment.numel or received.spec != sent.spec:
             raise ValueError(f"received {received.spec}/{received.numel}, sent "
                              f"{sent.spec}/{fragment.numel}")
-        codec = sent.spec.codec()
-        step = chunk_elems(sent.spec, self.device, self.chunk)
         weight *= prep.clip
         prep.weight = weight
-        if self.streams(sent.spec):
-            return self._commit_streamed(prep, received, weight)
+        apply = self._apply_streamed if self.streams(sent.spec) else self._apply
+        gate = self.gate if weight != 0 else None
         with self.lock.urgent(), self._on_stream():
             before = self._sample()
-            mine_enc, theirs_enc = prep.on_device or (
-                sent.to(self.device, non_blocking=True),
-                received.to(self.device, non_blocking=True))
-            mine = torch.empty(min(step, fragment.numel), device=self.device)
-            theirs = torch.empty_like(mine)
-            square = torch.zeros((), device=self.device)
-            for pos, n, pieces in fragment.chunks(step):
-                c = codec.decode(mine_enc.view(pos, n), mine[:n])
-                torch.sub(codec.decode(theirs_enc.view(pos, n), theirs[:n]), c, out=c)
-                c.mul_(weight)
-                square += c.dot(c)
-                if weight > 0:
-                    for start, length, o in pieces:
-                        self.state.add_chunk(start, c[o : o + length])
+            version = self._version()
+            ahead = gate.measure(version) if gate is not None else 0.0
+            square = apply(prep, received, weight)
+            prep.taken_back = gate.judge(
+                ahead, self.state.rounds, None if version is None else (version[0],
+                                                                        version[1] + 1)
+            ) if gate is not None else ""
+            if prep.taken_back:
+                apply(prep, received, -weight)  # this side takes it back (the peer decides
+                prep.weight = 0.0  # for itself, as with a clip)
+                square = torch.zeros((), device=self.device)
             moved = self._moved(before)
         return self._committed(prep, square, moved)
+
+    def _version(self) -> tuple[int, int] | None:
+        """The parameters' version under the lock (the trainer's holds, the urgent writes;
+        None where the lock does not count them): the next urgent write is ``writes + 1``."""
+        steps, writes = getattr(self.lock, "steps", None), getattr(self.lock, "writes", None)
+        return None if steps is None or writes is None else (steps, writes)
+
+    def _apply(self, prep: Prepared, received: Encoded, weight: float) -> torch.Tensor:
+        """Add ``weight * (D(theirs) - D(mine))`` to the correction targets, chunk by chunk
+        (under the lock); returns its squared norm (on the device)."""
+        fragment, sent = prep.fragment, prep.encoded
+        codec = sent.spec.codec()
+        step = chunk_elems(sent.spec, self.device, self.chunk)
+        mine_enc, theirs_enc = prep.on_device or (
+            sent.to(self.device, non_blocking=True),
+            received.to(self.device, non_blocking=True))
+        mine = torch.empty(min(step, fragment.numel), device=self.device)
+        theirs = torch.empty_like(mine)
+        square = torch.zeros((), device=self.device)
+        for pos, n, pieces in fragment.chunks(step):
+            c = codec.decode(mine_enc.view(pos, n), mine[:n])
+            torch.sub(codec.decode(theirs_enc.view(pos, n), theirs[:n]), c, out=c)
+            c.mul_(weight)
+            square += c.dot(c)
+            if weight != 0:
+                for start, length, o in pieces:
+                    self.state.add_chunk(start, c[o : o + length])
+        return square
 
     def _sample(self) -> torch.Tensor | None:
         """theta on the ledger's sample (None without a ledger); under the lock."""
@@ -523,47 +551,49 @@ class ExchangeEngine:
             self.meter.add(prep.fragment.index, prep.encoded.block_size, self.state.rounds,
                            prep.weight * prep.pushed)
         if self.guard is not None and prep.ticket is not None:
-            if self.ledger is not None and moved is not None:
-                self.ledger.record(self.state.rounds, prep.peer_id, prep.block, moved.cpu())
-            self.guard.committed(prep.ticket)
+            if prep.taken_back:  # moved nothing, earns nothing (and blames nobody: one small
+                self.guard.release(prep.ticket)  # batch's verdict is not proof)
+            else:
+                if self.ledger is not None and moved is not None:
+                    self.ledger.record(self.state.rounds, prep.peer_id, prep.block,
+                                       moved.cpu())
+                self.guard.committed(prep.ticket)
         return math.sqrt(read([square])[0])
 
-    def _commit_streamed(self, prep: Prepared, received: Encoded, weight: float) -> float:
-        """:meth:`commit` with both payloads streamed through device staging: per chunk the
+    def _apply_streamed(self, prep: Prepared, received: Encoded,
+                        weight: float) -> torch.Tensor:
+        """:meth:`_apply` with both payloads streamed through device staging: per chunk the
         correction and its square, then the adds (with :mod:`fused`'s kernel, added into
         theta in the same pass where theta is the only target and the chunk one piece)."""
         targets = self.state.correction_targets()
-        into = (weight > 0 and len(targets) == 1 and targets[0][1] == 1.0
+        into = (weight != 0 and len(targets) == 1 and targets[0][1] == 1.0
                 and self.state.theta.dtype == torch.float32)
-        with self.lock.urgent(), self._on_stream():
-            before = self._sample()
-            square = torch.zeros((), device=self.device)
-            c: torch.Tensor | None = None
-            part: torch.Tensor | None = None
-            for _pos, n, pieces, mc, ms, tc, ts in self._walk(
-                    prep.fragment, prep.encoded.spec, prep.encoded, received):
-                if not self.kernels:
-                    c, sq = streamed.correction_rows(mc, ms, tc, ts, weight)
-                    square += sq
-                else:
-                    bs = prep.encoded.block_size
-                    if part is None:
-                        part = fused.scratch(mc.numel(), self.device)
-                    if into and len(pieces) == 1:
-                        start = pieces[0][0]
-                        square += fused.correct(mc.view(-1), ms, tc.view(-1), ts, weight, bs,
-                                                self.state.theta[start : start + n], True, part)
-                        continue
-                    if c is None:
-                        c = torch.empty(mc.numel(), device=self.device)
+        square = torch.zeros((), device=self.device)
+        c: torch.Tensor | None = None
+        part: torch.Tensor | None = None
+        for _pos, n, pieces, mc, ms, tc, ts in self._walk(
+                prep.fragment, prep.encoded.spec, prep.encoded, received):
+            if not self.kernels:
+                c, sq = streamed.correction_rows(mc, ms, tc, ts, weight)
+                square += sq
+            else:
+                bs = prep.encoded.block_size
+                if part is None:
+                    part = fused.scratch(mc.numel(), self.device)
+                if into and len(pieces) == 1:
+                    start = pieces[0][0]
                     square += fused.correct(mc.view(-1), ms, tc.view(-1), ts, weight, bs,
-                                            c[:n], False, part)
-                if weight > 0:
-                    assert c is not None
-                    for start, length, o in pieces:
-                        self.state.add_chunk(start, c[o : o + length])
-            moved = self._moved(before)
-        return self._committed(prep, square, moved)
+                                            self.state.theta[start : start + n], True, part)
+                    continue
+                if c is None:
+                    c = torch.empty(mc.numel(), device=self.device)
+                square += fused.correct(mc.view(-1), ms, tc.view(-1), ts, weight, bs,
+                                        c[:n], False, part)
+            if weight != 0:
+                assert c is not None
+                for start, length, o in pieces:
+                    self.state.add_chunk(start, c[o : o + length])
+        return square
 
     def warm_up(self, spec: CodecSpec) -> str | None:
         """Compile the fused kernels for ``spec`` before the first exchange (a second or two

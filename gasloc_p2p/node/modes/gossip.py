@@ -39,7 +39,7 @@ from gasloc_p2p.node.stats import TrainStats, Utilization
 from gasloc_p2p.node.transport.exchange import GossipTransport
 from gasloc_p2p.node.transport.service import PeerChannels, StateSnapshot
 from gasloc_p2p.protocol.actions import Outcome
-from gasloc_p2p.protocol.blame import Ledger, PushMeter
+from gasloc_p2p.protocol.blame import Ledger, LossGate, PushMeter
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.guard import LossWatch, UpdateGuard
 from gasloc_p2p.protocol.messages import BUSY, INTERNAL, ExchangeError
@@ -398,6 +398,9 @@ class GossipMode(Mode):
             if cfg.gossip.guard_push_limit > 0:  # a push in one direction, summed over rounds
                 engine.meter = PushMeter()
                 engine.meter_limit = cfg.gossip.guard_push_limit
+            loss = trainer.private_loss() if cfg.gossip.guard_loss_gate > 0 else None
+            if loss is not None:  # the loss itself, measured around each commit
+                engine.gate = LossGate(loss, cfg.gossip.guard_loss_gate)
             if cfg.gossip.guard_loss_rise > 0:  # a rise of the loss: roll back, blame
                 engine.ledger = Ledger(trainer.state.theta.numel())
                 trainer.losses = LossWatch(rise=cfg.gossip.guard_loss_rise)
@@ -467,8 +470,10 @@ class GossipMode(Mode):
         drift = guard.drift(0)
         pushed = (f" pushed {meter.level(0) / drift:.2f}" if meter is not None and drift > 0
                   else "")
+        gate = self._exchanger.engine.gate if self._exchanger is not None else None
+        gated = f" gated {gate.taken_back} (bad {gate.bad})" if gate is not None else ""
         return (f" | guard drift {drift:.4g} (measured {guard.measured(0):.4g}) spent "
-                f"{guard.spent(0):.2f}{pushed}")
+                f"{guard.spent(0):.2f}{pushed}{gated}")
 
     async def stop(self) -> None:
         if self._exchanger is not None:

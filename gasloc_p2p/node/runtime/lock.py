@@ -21,6 +21,7 @@ class TrainingLock:
         # urgent holds that may have written the parameters: a multi-rank node sends its
         # parameters to its other ranks before a step when this moved (node/runtime/ranks.py)
         self.writes = 0
+        self.steps = 0  # the trainer's holds (each may have moved the parameters)
         # called by each urgent holder once it holds the lock, before it reads or writes (a
         # sharded node fills its full copy of the parameters there: node/runtime/sharded.py)
         self.on_hold: Callable[[], None] | None = None
@@ -58,6 +59,7 @@ class TrainingLock:
         try:
             yield
         finally:
+            self.steps += 1
             self._release()
 
     def _release(self) -> None:

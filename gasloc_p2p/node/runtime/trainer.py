@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -471,6 +472,18 @@ class Trainer:
         if self._copy_behind and self.ranks is not None:
             self.ranks.pull(self.flat.buffer)
             self._copy_behind = False
+
+    def private_loss(self) -> Callable[[], float] | None:
+        """The loss of a private held-out batch (a quarter of a training batch drawn once
+        from this node's data with the OS's randomness: no peer knows it), for the loss gate
+        (:class:`gasloc_p2p.protocol.blame.LossGate`); called under the training lock. None
+        on a multi-rank node (a forward pass there is every rank's)."""
+        if self.ranks is not None or self.sharded is not None or self.shard is None:
+            return None
+        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+        x, y = self.shard.batch(max(1, self.cfg.batch_size // 4), self.cfg.seq_len, gen)
+        batch = [(x.to(self.device), y.to(self.device))]  # drawn now: before training runs
+        return lambda: evaluate(self.model, batch)
 
     def _probe_ranks(self, ranks: RankGroup, probe: DriftProbe) -> None:
         """Sharded: the drift probe samples the ranks' rows (its positions sent once)."""
