@@ -165,3 +165,28 @@ def test_a_resumed_stream_continues_where_it_was(tmp_path, corpus):
     assert not all(torch.equal(a, fresh.batch(4, 32, gen2)[0]) for a in ahead[:5])
     with pytest.raises(DataError, match="seq-len"):
         StreamShard(fresh.windows, 16).restore(saved["data"])
+
+
+def test_a_peek_at_a_stream_changes_none_of_the_batches_drawn_after_it(corpus):
+    """The loss gate's private batch (node/runtime/trainer.py) is drawn with ``peek``: a node
+    trains on the batches it would have drawn without it, as a resumed one must."""
+    from gasloc_p2p.data.stream import StreamShard
+
+    def shard() -> StreamShard:
+        data = load_training_data(str(corpus), "byte", shard=(1, 2), **SIZES)
+        assert isinstance(data.train, StreamShard)
+        data.train.capacity = 8
+        return data.train
+
+    plain, peeked = shard(), shard()
+    x, y = peeked.peek(2, 32, torch.Generator().manual_seed(99))
+    assert x.shape == (2, 32) and torch.equal(x[:, 1:], y[:, :-1])
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert all(torch.equal(plain.batch(4, 32, g1)[0], peeked.batch(4, 32, g2)[0])
+               for _ in range(50))
+    drawn = shard()  # drawing it with ``batch`` instead would have changed them
+    drawn.batch(2, 32, torch.Generator().manual_seed(99))
+    g1, g3 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    fresh = shard()
+    assert not all(torch.equal(fresh.batch(4, 32, g1)[0], drawn.batch(4, 32, g3)[0])
+                   for _ in range(50))

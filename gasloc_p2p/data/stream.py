@@ -366,3 +366,22 @@ class StreamShard:
                 self.buffer[i] = nxt
         w = torch.stack(picks).long()
         return w[:, :-1], w[:, 1:]
+
+    def peek(self, batch_size: int, seq_len: int,
+             generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """B windows drawn from the buffer like :meth:`batch`, none replaced: the batches
+        this node trains on next are the ones it would have drawn (the buffer is filled in
+        stream order either way)."""
+        if seq_len != self.seq_len:
+            raise DataError(f"stream packed for seq_len={self.seq_len}, asked for {seq_len}")
+        while len(self.buffer) < self.capacity:
+            nxt = next(self.windows, None)
+            if nxt is None:
+                break
+            self.buffer.append(nxt)
+        if not self.buffer:
+            raise DataError("the stream has no windows to draw from")
+        picks = [self.buffer[int(torch.randint(0, len(self.buffer), (1,), generator=generator))]
+                 for _ in range(batch_size)]
+        w = torch.stack(picks).long()
+        return w[:, :-1], w[:, 1:]

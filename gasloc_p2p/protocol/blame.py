@@ -187,8 +187,8 @@ class LossGate:
     lock, and the rises of one round together stay within ``share`` of the loss: a commit
     beyond that is taken back on this side (counted *bad* when its rise alone exceeds the
     whole allowance, *full* when it found the allowance spent). Nobody is blamed for it: in
-    clean swarms one honest commit in a few hundred raised the small batch's loss beyond the
-    allowance alone, and blame is for good. A commit that lowers the loss costs nothing and
+    clean swarms 4-10% of honest commits were taken back, most of them *bad* (a quarter batch
+    is a noisy judge), and blame is for good. A commit that lowers the loss costs nothing and
     earns no credit. Thread-safe."""
 
     def __init__(self, loss: Callable[[], float], share: float) -> None:

@@ -481,7 +481,8 @@ class Trainer:
         if self.ranks is not None or self.sharded is not None or self.shard is None:
             return None
         gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
-        x, y = self.shard.batch(max(1, self.cfg.batch_size // 4), self.cfg.seq_len, gen)
+        draw = getattr(self.shard, "peek", self.shard.batch)  # a stream's: nothing consumed
+        x, y = draw(max(1, self.cfg.batch_size // 4), self.cfg.seq_len, gen)
         batch = [(x.to(self.device), y.to(self.device))]  # drawn now: before training runs
         return lambda: evaluate(self.model, batch)
 
