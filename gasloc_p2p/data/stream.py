@@ -352,11 +352,7 @@ class StreamShard:
         """x, y LongTensor [B, T]: B windows drawn from the buffer, each replaced from the stream."""
         if seq_len != self.seq_len:
             raise DataError(f"stream packed for seq_len={self.seq_len}, asked for {seq_len}")
-        while len(self.buffer) < self.capacity:
-            nxt = next(self.windows, None)
-            if nxt is None:
-                break
-            self.buffer.append(nxt)
+        self._fill()
         picks = []
         for _ in range(batch_size):
             i = int(torch.randint(0, len(self.buffer), (1,), generator=generator))
@@ -367,6 +363,14 @@ class StreamShard:
         w = torch.stack(picks).long()
         return w[:, :-1], w[:, 1:]
 
+    def _fill(self) -> None:
+        """Top the buffer up from the stream, in stream order."""
+        while len(self.buffer) < self.capacity:
+            nxt = next(self.windows, None)
+            if nxt is None:
+                break
+            self.buffer.append(nxt)
+
     def peek(self, batch_size: int, seq_len: int,
              generator: torch.Generator) -> tuple[Tensor, Tensor]:
         """B windows drawn from the buffer like :meth:`batch`, none replaced: the batches
@@ -374,11 +378,7 @@ class StreamShard:
         stream order either way)."""
         if seq_len != self.seq_len:
             raise DataError(f"stream packed for seq_len={self.seq_len}, asked for {seq_len}")
-        while len(self.buffer) < self.capacity:
-            nxt = next(self.windows, None)
-            if nxt is None:
-                break
-            self.buffer.append(nxt)
+        self._fill()
         if not self.buffer:
             raise DataError("the stream has no windows to draw from")
         picks = [self.buffer[int(torch.randint(0, len(self.buffer), (1,), generator=generator))]
