@@ -182,57 +182,77 @@ class LossGate:
     size leaves a push aimed where the loss curves: along a gradient of the attacker's own
     batches, a push of 1.9 drifts raised the loss by 2-9 nats where a random one of the same
     size moved it by 0.02 (``benchmarks/probe_curvature.py``). So the node measures the loss
-    of a private held-out batch (``loss``: drawn from its own data with the OS's randomness;
-    no peer knows it) before and after each commit, under the same hold of the training
-    lock, and the rises of one round together stay within ``share`` of the loss: a commit
-    beyond that is taken back on this side (counted *bad* when its rise alone exceeds the
-    whole allowance, *full* when it found the allowance spent). Nobody is blamed for it: in
-    clean swarms 4-10% of honest commits were taken back, most of them *bad* (a quarter batch
-    is a noisy judge), and blame is for good. A commit that lowers the loss costs nothing and
-    earns no credit. Thread-safe."""
+    of two private held-out halves of a batch (``loss``: drawn from its own data with the
+    OS's randomness; no peer knows them) before and after each commit, under the same hold
+    of the training lock, and keeps two sums on the *accounting* half over the last rounds
+    (each decays by ``1 - 1/WINDOW_ROUNDS`` a round): the node's own *descent* (what its own
+    steps lowered that loss by, between one commit and the next) and gossip's net *rise*
+    (what the kept commits changed it by). A commit is kept if its rise on the *judging*
+    half, added to gossip's sum, stays within ``share`` of the own descent; else it is taken
+    back on this side (*bad* when its rise alone exceeds that share, *full* when earlier rises
+    had spent it). So gossip cannot take back more than ``share`` of the node's own measured
+    progress, whatever its pace: an allowance in proportion to the loss let a slow push
+    (``rewind``) through on the plateau, where a round's own descent is a small part of it.
 
-    def __init__(self, loss: Callable[[], float], share: float) -> None:
+    Two halves, because a sum kept on the half that chooses is biased: commits kept because
+    they happened to lower *that* batch's loss leave it low, the node's next steps lose the
+    luck, and its own descent reads negative (measured: -0.6 nats over a window where the
+    loss fell, every honest rise then taken back). Chosen on one half, the other's sums are
+    not selected. A push that lets the node descend faster afterwards (pushed uphill, it
+    falls back) earns at most ``share`` of what it spent: the loop contracts. Falls earn
+    credit against later rises, up to the allowance itself. Nobody is blamed: this measures
+    the node's own state, it proves nothing against a peer. Thread-safe."""
+
+    WINDOW_ROUNDS = 64  # long: a quarter batch's noise per commit is rounds of own descent
+
+    def __init__(self, loss: Callable[[], tuple[float, float]], share: float) -> None:
         self.loss, self.share = loss, share
         self._round = -1
-        self._spent = 0.0
+        self.descent = 0.0  # own steps' descent over the window (nats; decayed)
+        self.rise = 0.0  # kept commits' net change over the window (nats; decayed)
+        self._last: float | None = None  # the accounting loss after the last commit
         self.taken_back = 0  # commits taken back (logs)
-        self.bad = 0  # of which their rise alone exceeded a round's allowance
+        self.bad = 0  # of which their rise alone exceeded the allowance
         self.measured = 0  # forward passes spent (logs, benchmarks)
-        self._known: tuple[object, float] | None = None  # (the parameters' version, loss)
+        self._known: tuple[object, tuple[float, float]] | None = None  # (version, losses)
         self._lock = threading.Lock()
 
-    def measure(self, version: object = None) -> float:
-        """The private batch's loss now (under the training lock); ``version`` names the
-        parameters' state (None: unknown): a state measured after the last commit is not
-        measured again (commits back to back cost one pass each, not two)."""
+    def measure(self, version: object = None) -> tuple[float, float]:
+        """The private halves' losses now (under the training lock): (judging, accounting);
+        ``version`` names the parameters' state (None: unknown): a state measured after the
+        last commit is not measured again (commits back to back cost one pass each, not two)."""
         known = self._known
         if version is not None and known is not None and known[0] == version:
             return known[1]
         self.measured += 1
         return self.loss()
 
-    def judge(self, before: float, round_: int, version: object = None) -> str:
-        """After a commit (still under the lock): "" if it stays (its rise charged to round
-        ``round_``), else why it goes: "full" (the round's allowance is spent) or "bad".
-        ``version``: what the parameters' version will be once this commit is done (kept
-        or taken back: taken back, the loss is ``before``'s, to rounding)."""
+    def judge(self, before: tuple[float, float], round_: int, version: object = None) -> str:
+        """After a commit (still under the lock): "" if it stays, else why it goes: "full" or
+        "bad". ``before``: the losses just before the commit (what changed since the last
+        commit is the node's own). ``version``: what the parameters' version will be once this
+        commit is done (kept or taken back: taken back, the losses are ``before``'s)."""
         after = self.loss()
         self.measured += 1
-        rise = after - before
-        self._known = None if version is None else (version, after)
+        change, account = after[0] - before[0], after[1] - before[1]
         with self._lock:
             if round_ != self._round:
-                self._round, self._spent = round_, 0.0
-            allowed = self.share * abs(before)
-            if not math.isfinite(rise) or rise > allowed:
-                verdict = "bad"
-            elif rise > 0 and self._spent + rise > allowed:
-                verdict = "full"
-            else:
-                self._spent += max(rise, 0.0)
+                keep = (1 - 1 / self.WINDOW_ROUNDS) ** max(round_ - self._round, 0)
+                self._round = round_
+                self.descent, self.rise = self.descent * keep, self.rise * keep
+            if self._last is not None and math.isfinite(before[1]):
+                self.descent += self._last - before[1]
+            allowed = self.share * max(self.descent, 0.0)
+            finite = math.isfinite(change) and math.isfinite(account)
+            if finite and self.rise + change <= allowed:
+                self.rise = max(self.rise + account, -allowed)  # credit up to the allowance
+                self._last = after[1]
+                self._known = None if version is None else (version, after)
                 return ""
+            verdict = "full" if finite and change <= allowed else "bad"
             self.taken_back += 1
             self.bad += verdict == "bad"
-        if version is not None and math.isfinite(before):
-            self._known = (version, before)
+            good = all(math.isfinite(v) for v in before)
+            self._last = before[1] if good else None
+            self._known = None if version is None or not good else (version, before)
         return verdict

@@ -487,7 +487,7 @@ class ExchangeEngine:
         with self.lock.urgent(), self._on_stream():
             before = self._sample()
             version = self._version()
-            ahead = gate.measure(version) if gate is not None else 0.0
+            ahead = gate.measure(version) if gate is not None else (0.0, 0.0)
             square = apply(prep, received, weight)
             prep.taken_back = gate.judge(
                 ahead, self.state.rounds, None if version is None else (version[0],
