@@ -149,6 +149,22 @@ def test_a_commit_that_raises_the_loss_is_taken_back_here_and_kept_by_the_peer()
     assert a[1].guard.demerits(b[0].me.peer_id) == 0  # one small batch's verdict blames no one
 
 
+def test_a_peer_whose_commits_keep_raising_the_loss_is_blamed_in_the_guard():
+    target = None
+
+    def loss(theta: torch.Tensor) -> float:  # A's "loss": its distance from where it was
+        return 2.0 + 100 * float((theta - target).pow(2).mean())
+
+    a, b = _pair(loss)
+    a[1].gate.BLAME_AFTER, a[1].gate.BLAME_Z = 3, 1.0  # small: three exchanges tell
+    target = a[1].state.theta.clone()
+    for _ in range(3):  # B keeps moving (its own commits): each exchange pulls A away again
+        MemoryExchange(a, b, 0).run()
+        assert a[1].guard.demerits(b[0].me.peer_id) == 0 or a[1].gate.blamed
+        b[1].state.theta.add_(0.01)
+    assert a[1].gate.blamed == 1 and a[1].guard.demerits(b[0].me.peer_id) == 1
+
+
 def test_a_commit_that_lowers_the_loss_stays():
     target = None
 
@@ -179,3 +195,46 @@ def test_a_state_measured_after_a_commit_is_not_measured_again():
     assert gate.measure((6, 8))[0] == 1.997 and len(calls) == 3  # a step came between
     assert gate.measure(None) and len(calls) == 4  # a lock that does not count: always
     assert gate.measured == 4
+
+
+def _keys_judged(means: dict[str, float], commits: int, seed: int) -> tuple[LossGate, dict]:
+    """Commits in turn from keys whose changes of the private loss have the given means (noise
+    0.01 each); returns the gate and, per key, the commit at which it was first convicted."""
+    rng = random.Random(seed)
+    gate = LossGate(lambda: (0.0, 0.0), share=0.25)
+    first: dict[str, int] = {}
+    for n in range(commits):
+        for key, mean in means.items():
+            change = mean + rng.gauss(0, 0.01)
+            gate.loss = lambda c=change: (c, c)
+            gate.judge((0.0, 0.0), n // 10, key=key)
+            if gate.convicted(key):
+                first.setdefault(key, n)
+    return gate, first
+
+
+def test_a_key_whose_commits_keep_raising_the_loss_is_convicted_and_honest_ones_are_not():
+    """The rewind push: each commit raises the loss by a third of one commit's noise, inside
+    every per-commit test; its sum gives it away. Honest keys (their commits lower the loss,
+    or do nothing on average) are not convicted in 3,000 commits each."""
+    for seed in range(3):
+        gate, first = _keys_judged({"push": 0.003, "help": -0.005, "idle": 0.0, "idle2": 0.0},
+                                   3000, seed)
+        assert set(first) == {"push"}, first
+        assert first["push"] < 600, first
+
+
+def test_credit_banked_by_helping_is_bounded():
+    """A key that helps for 1,000 commits, then pushes, is convicted within 900 pushes (its
+    credit is floored at the first judgement's bound: 16 sigma; the bound grows with all its
+    commits, so it takes longer than one that pushed from the start: about 180)."""
+    rng = random.Random(1)
+    gate = LossGate(lambda: (0.0, 0.0), share=0.25)
+    for n in range(2000):
+        change = (-0.01 if n < 1000 else 0.003) + rng.gauss(0, 0.01)
+        gate.loss = lambda c=change: (c, c)
+        gate.judge((0.0, 0.0), n // 10, key="farmer")
+        if gate.convicted("farmer"):
+            assert 1000 < n < 1000 + 900, n
+            return
+    raise AssertionError("never convicted")

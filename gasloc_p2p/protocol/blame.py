@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -204,6 +204,9 @@ class LossGate:
     the node's own state, it proves nothing against a peer. Thread-safe."""
 
     WINDOW_ROUNDS = 64  # long: a quarter batch's noise per commit is rounds of own descent
+    BLAME_Z = 4.0  # a key's summed rise on the accounting half, in standard errors
+    BLAME_AFTER = 16  # commits of a key before its sum is judged
+    KEYS = 4096  # keys with evidence kept (least recently seen forgotten first)
 
     def __init__(self, loss: Callable[[], tuple[float, float]], share: float) -> None:
         self.loss, self.share = loss, share
@@ -215,6 +218,11 @@ class LossGate:
         self.bad = 0  # of which their rise alone exceeded the allowance
         self.measured = 0  # forward passes spent (logs, benchmarks)
         self._known: tuple[object, tuple[float, float]] | None = None  # (version, losses)
+        self._square = [0.0, 0.0]  # a commit's change on the accounting half: decayed sums
+        # of its square and of the weights (their ratio: its mean square, unbiased at start)
+        self._evidence: OrderedDict[str, tuple[float, int]] = OrderedDict()  # key -> sum, n
+        self._convicted: set[str] = set()
+        self.blamed = 0  # keys blamed (logs)
         self._lock = threading.Lock()
 
     def measure(self, version: object = None) -> tuple[float, float]:
@@ -227,11 +235,13 @@ class LossGate:
         self.measured += 1
         return self.loss()
 
-    def judge(self, before: tuple[float, float], round_: int, version: object = None) -> str:
+    def judge(self, before: tuple[float, float], round_: int, version: object = None,
+              key: str = "") -> str:
         """After a commit (still under the lock): "" if it stays, else why it goes: "full" or
         "bad". ``before``: the losses just before the commit (what changed since the last
         commit is the node's own). ``version``: what the parameters' version will be once this
-        commit is done (kept or taken back: taken back, the losses are ``before``'s)."""
+        commit is done (kept or taken back: taken back, the losses are ``before``'s). ``key``:
+        the peer's, whose evidence the commit adds to (:meth:`convicted`)."""
         after = self.loss()
         self.measured += 1
         change, account = after[0] - before[0], after[1] - before[1]
@@ -244,6 +254,8 @@ class LossGate:
                 self.descent += self._last - before[1]
             allowed = self.share * max(self.descent, 0.0)
             finite = math.isfinite(change) and math.isfinite(account)
+            if key:
+                self._weigh(key, account if finite else math.inf)
             if finite and self.rise + change <= allowed:
                 self.rise = max(self.rise + account, -allowed)  # credit up to the allowance
                 self._last = after[1]
@@ -256,3 +268,39 @@ class LossGate:
             self._last = before[1] if good else None
             self._known = None if version is None or not good else (version, before)
         return verdict
+
+    def _weigh(self, key: str, account: float) -> None:
+        """Add a commit's change of the accounting half (kept or taken back: what the peer's
+        half did to this node's loss) to ``key``'s evidence; convict the key when its sum is
+        ``BLAME_Z`` standard errors above 0. Honest keys pull the node towards the swarm,
+        which lowers its loss (their sums run negative); a key whose commits keep raising it
+        (a slow push, each inside every limit: ``rewind``) adds up, and is blamed for good
+        (its weight cut, :meth:`gasloc_p2p.protocol.guard.UpdateGuard.demerit`) however
+        little each push does. Under ``_lock``."""
+        if math.isfinite(account):
+            keep = 1 - 1 / (4 * self.WINDOW_ROUNDS)  # the noise's scale: a long memory
+            self._square = [keep * self._square[0] + account * account,
+                            keep * self._square[1] + 1]
+        sigma = math.sqrt(self._square[0] / self._square[1]) if self._square[1] else 0.0
+        total, count = self._evidence.pop(key, (0.0, 0))
+        count += 1
+        bound = self.BLAME_Z * sigma * math.sqrt(count)
+        # a non-finite change counts as a rise of 10 sigma; credit (falls) only down to the
+        # bound at the first judgement: a key cannot bank much help for later pushes
+        total = max(total + min(account, 10 * sigma),
+                    -self.BLAME_Z * sigma * math.sqrt(self.BLAME_AFTER))
+        if count >= self.BLAME_AFTER and total > bound > 0:
+            self._convicted.add(key)  # the next blame needs evidence of its own
+            self.blamed += 1
+            return
+        self._evidence[key] = (total, count)
+        while len(self._evidence) > self.KEYS:
+            self._evidence.popitem(last=False)
+
+    def convicted(self, key: str) -> bool:
+        """Whether ``key``'s commits were found to raise this node's loss (once per finding)."""
+        with self._lock:
+            if key in self._convicted:
+                self._convicted.discard(key)
+                return True
+            return False

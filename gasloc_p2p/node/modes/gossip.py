@@ -472,7 +472,7 @@ class GossipMode(Mode):
                   else "")
         gate = self._exchanger.engine.gate if self._exchanger is not None else None
         gated = (f" gated {gate.taken_back} (bad {gate.bad}; descent {gate.descent:.3g}, "
-                 f"gossip {gate.rise:+.3g})" if gate is not None else "")
+                 f"gossip {gate.rise:+.3g}; blamed {gate.blamed})" if gate is not None else "")
         return (f" | guard drift {drift:.4g} (measured {guard.measured(0):.4g}) spent "
                 f"{guard.spent(0):.2f}{pushed}{gated}")
 
