@@ -141,10 +141,9 @@ class GossipConfig:
                                   "(a sum decaying by 1/32 a round, on sampled blocks) stays "
                                   "within this many own drifts (RMS; 0: no bound)",
                                   advanced=True)
-    guard_loss_gate: float = opt(0.25, "take back, on this node's side, commits that would "
-                                 "lift gossip's net rise of a private held-out batch's loss "
-                                 "above this share of what the node's own steps lowered it "
-                                 "by (over about the last 64 rounds; 0: off)",
+    guard_loss_gate: float = opt(0.01, "take back, on this node's side, commits that raised "
+                                 "the loss of a private held-out batch by more than this "
+                                 "fraction of it (the rises of a round together; 0: off)",
                                  advanced=True)
     guard_loss_rise: float = opt(0.05, "roll back when the training loss's moving average "
                                  "stays this fraction above its recent best, and blame the "
@@ -180,7 +179,7 @@ class GossipConfig:
         need(self.guard_push_limit >= 0, "guard_push_limit", self.guard_push_limit,
              "must be >= 0 (0: no bound)")
         need(0 <= self.guard_loss_gate < 1, "guard_loss_gate", self.guard_loss_gate,
-             "must be in [0, 1) (0.25: a quarter of the own descent; 0: off)")
+             "must be in [0, 1) (0.01: 1% of the loss a round; 0: off)")
         need(0 <= self.guard_loss_rise < 1, "guard_loss_rise", self.guard_loss_rise,
              "must be in [0, 1) (0.05: a 5% rise)")
         need(self.fragment_order in FRAGMENT_ORDERS, "fragment_order", self.fragment_order,

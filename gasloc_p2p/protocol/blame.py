@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -182,125 +182,57 @@ class LossGate:
     size leaves a push aimed where the loss curves: along a gradient of the attacker's own
     batches, a push of 1.9 drifts raised the loss by 2-9 nats where a random one of the same
     size moved it by 0.02 (``benchmarks/probe_curvature.py``). So the node measures the loss
-    of two private held-out halves of a batch (``loss``: drawn from its own data with the
-    OS's randomness; no peer knows them) before and after each commit, under the same hold
-    of the training lock, and keeps two sums on the *accounting* half over the last rounds
-    (each decays by ``1 - 1/WINDOW_ROUNDS`` a round): the node's own *descent* (what its own
-    steps lowered that loss by, between one commit and the next) and gossip's net *rise*
-    (what the kept commits changed it by). A commit is kept if its rise on the *judging*
-    half, added to gossip's sum, stays within ``share`` of the own descent; else it is taken
-    back on this side (*bad* when its rise alone exceeds that share, *full* when earlier rises
-    had spent it). So gossip cannot take back more than ``share`` of the node's own measured
-    progress, whatever its pace: an allowance in proportion to the loss let a slow push
-    (``rewind``) through on the plateau, where a round's own descent is a small part of it.
+    of a private held-out batch (``loss``: drawn from its own data with the OS's randomness;
+    no peer knows it) before and after each commit, under the same hold of the training
+    lock, and the rises of one round together stay within ``share`` of the loss: a commit
+    beyond that is taken back on this side (counted *bad* when its rise alone exceeds the
+    whole allowance, *full* when it found the allowance spent). Nobody is blamed for it: in
+    clean swarms 4-10% of honest commits were taken back, most of them *bad* (a quarter batch
+    is a noisy judge), and blame is for good. A commit that lowers the loss costs nothing and
+    earns no credit. Thread-safe."""
 
-    Two halves, because a sum kept on the half that chooses is biased: commits kept because
-    they happened to lower *that* batch's loss leave it low, the node's next steps lose the
-    luck, and its own descent reads negative (measured: -0.6 nats over a window where the
-    loss fell, every honest rise then taken back). Chosen on one half, the other's sums are
-    not selected. A push that lets the node descend faster afterwards (pushed uphill, it
-    falls back) earns at most ``share`` of what it spent: the loop contracts. Falls earn
-    credit against later rises, up to the allowance itself. Nobody is blamed: this measures
-    the node's own state, it proves nothing against a peer. Thread-safe."""
-
-    WINDOW_ROUNDS = 64  # long: a quarter batch's noise per commit is rounds of own descent
-    BLAME_Z = 4.0  # a key's summed rise on the accounting half, in standard errors
-    BLAME_AFTER = 16  # commits of a key before its sum is judged
-    KEYS = 4096  # keys with evidence kept (least recently seen forgotten first)
-
-    def __init__(self, loss: Callable[[], tuple[float, float]], share: float) -> None:
+    def __init__(self, loss: Callable[[], float], share: float) -> None:
         self.loss, self.share = loss, share
         self._round = -1
-        self.descent = 0.0  # own steps' descent over the window (nats; decayed)
-        self.rise = 0.0  # kept commits' net change over the window (nats; decayed)
-        self._last: float | None = None  # the accounting loss after the last commit
+        self._spent = 0.0
         self.taken_back = 0  # commits taken back (logs)
-        self.bad = 0  # of which their rise alone exceeded the allowance
+        self.bad = 0  # of which their rise alone exceeded a round's allowance
         self.measured = 0  # forward passes spent (logs, benchmarks)
-        self._known: tuple[object, tuple[float, float]] | None = None  # (version, losses)
-        self._square = [0.0, 0.0]  # a commit's change on the accounting half: decayed sums
-        # of its square and of the weights (their ratio: its mean square, unbiased at start)
-        self._evidence: OrderedDict[str, tuple[float, int]] = OrderedDict()  # key -> sum, n
-        self._convicted: set[str] = set()
-        self.blamed = 0  # keys blamed (logs)
+        self._known: tuple[object, float] | None = None  # (the parameters' version, loss)
         self._lock = threading.Lock()
 
-    def measure(self, version: object = None) -> tuple[float, float]:
-        """The private halves' losses now (under the training lock): (judging, accounting);
-        ``version`` names the parameters' state (None: unknown): a state measured after the
-        last commit is not measured again (commits back to back cost one pass each, not two)."""
+    def measure(self, version: object = None) -> float:
+        """The private batch's loss now (under the training lock); ``version`` names the
+        parameters' state (None: unknown): a state measured after the last commit is not
+        measured again (commits back to back cost one pass each, not two)."""
         known = self._known
         if version is not None and known is not None and known[0] == version:
             return known[1]
         self.measured += 1
         return self.loss()
 
-    def judge(self, before: tuple[float, float], round_: int, version: object = None,
-              key: str = "") -> str:
-        """After a commit (still under the lock): "" if it stays, else why it goes: "full" or
-        "bad". ``before``: the losses just before the commit (what changed since the last
-        commit is the node's own). ``version``: what the parameters' version will be once this
-        commit is done (kept or taken back: taken back, the losses are ``before``'s). ``key``:
-        the peer's, whose evidence the commit adds to (:meth:`convicted`)."""
+    def judge(self, before: float, round_: int, version: object = None) -> str:
+        """After a commit (still under the lock): "" if it stays (its rise charged to round
+        ``round_``), else why it goes: "full" (the round's allowance is spent) or "bad".
+        ``version``: what the parameters' version will be once this commit is done (kept
+        or taken back: taken back, the loss is ``before``'s, to rounding)."""
         after = self.loss()
         self.measured += 1
-        change, account = after[0] - before[0], after[1] - before[1]
+        rise = after - before
+        self._known = None if version is None else (version, after)
         with self._lock:
             if round_ != self._round:
-                keep = (1 - 1 / self.WINDOW_ROUNDS) ** max(round_ - self._round, 0)
-                self._round = round_
-                self.descent, self.rise = self.descent * keep, self.rise * keep
-            if self._last is not None and math.isfinite(before[1]):
-                self.descent += self._last - before[1]
-            allowed = self.share * max(self.descent, 0.0)
-            finite = math.isfinite(change) and math.isfinite(account)
-            if key:
-                self._weigh(key, account if finite else math.inf)
-            if finite and self.rise + change <= allowed:
-                self.rise = max(self.rise + account, -allowed)  # credit up to the allowance
-                self._last = after[1]
-                self._known = None if version is None else (version, after)
+                self._round, self._spent = round_, 0.0
+            allowed = self.share * abs(before)
+            if not math.isfinite(rise) or rise > allowed:
+                verdict = "bad"
+            elif rise > 0 and self._spent + rise > allowed:
+                verdict = "full"
+            else:
+                self._spent += max(rise, 0.0)
                 return ""
-            verdict = "full" if finite and change <= allowed else "bad"
             self.taken_back += 1
             self.bad += verdict == "bad"
-            good = all(math.isfinite(v) for v in before)
-            self._last = before[1] if good else None
-            self._known = None if version is None or not good else (version, before)
+        if version is not None and math.isfinite(before):
+            self._known = (version, before)
         return verdict
-
-    def _weigh(self, key: str, account: float) -> None:
-        """Add a commit's change of the accounting half (kept or taken back: what the peer's
-        half did to this node's loss) to ``key``'s evidence; convict the key when its sum is
-        ``BLAME_Z`` standard errors above 0. Honest keys pull the node towards the swarm,
-        which lowers its loss (their sums run negative); a key whose commits keep raising it
-        (a slow push, each inside every limit: ``rewind``) adds up, and is blamed for good
-        (its weight cut, :meth:`gasloc_p2p.protocol.guard.UpdateGuard.demerit`) however
-        little each push does. Under ``_lock``."""
-        if math.isfinite(account):
-            keep = 1 - 1 / (4 * self.WINDOW_ROUNDS)  # the noise's scale: a long memory
-            self._square = [keep * self._square[0] + account * account,
-                            keep * self._square[1] + 1]
-        sigma = math.sqrt(self._square[0] / self._square[1]) if self._square[1] else 0.0
-        total, count = self._evidence.pop(key, (0.0, 0))
-        count += 1
-        bound = self.BLAME_Z * sigma * math.sqrt(count)
-        # a non-finite change counts as a rise of 10 sigma; credit (falls) only down to the
-        # bound at the first judgement: a key cannot bank much help for later pushes
-        total = max(total + min(account, 10 * sigma),
-                    -self.BLAME_Z * sigma * math.sqrt(self.BLAME_AFTER))
-        if count >= self.BLAME_AFTER and total > bound > 0:
-            self._convicted.add(key)  # the next blame needs evidence of its own
-            self.blamed += 1
-            return
-        self._evidence[key] = (total, count)
-        while len(self._evidence) > self.KEYS:
-            self._evidence.popitem(last=False)
-
-    def convicted(self, key: str) -> bool:
-        """Whether ``key``'s commits were found to raise this node's loss (once per finding)."""
-        with self._lock:
-            if key in self._convicted:
-                self._convicted.discard(key)
-                return True
-            return False

@@ -487,19 +487,17 @@ class ExchangeEngine:
         with self.lock.urgent(), self._on_stream():
             before = self._sample()
             version = self._version()
-            ahead = gate.measure(version) if gate is not None else (0.0, 0.0)
+            ahead = gate.measure(version) if gate is not None else 0.0
             square = apply(prep, received, weight)
             prep.taken_back = gate.judge(
                 ahead, self.state.rounds, None if version is None else (version[0],
-                                                                        version[1] + 1),
-                prep.peer_id) if gate is not None else ""
+                                                                        version[1] + 1)
+            ) if gate is not None else ""
             if prep.taken_back:
                 apply(prep, received, -weight)  # this side takes it back (the peer decides
                 prep.weight = 0.0  # for itself, as with a clip)
                 square = torch.zeros((), device=self.device)
             moved = self._moved(before)
-        if gate is not None and self.guard is not None and gate.convicted(prep.peer_id):
-            self.guard.demerit(prep.peer_id, prep.block)  # its commits kept raising the loss
         return self._committed(prep, square, moved)
 
     def _version(self) -> tuple[int, int] | None:

@@ -6,10 +6,10 @@ torch, the model, the data pipeline and the core only; never the simulator, the 
 tooling or any network or I/O package (``tests/test_layers.py`` enforces it).
 """
 
-from gasloc_p2p.train.evaluate import evaluate, evaluate_each
+from gasloc_p2p.train.evaluate import evaluate
 from gasloc_p2p.train.inner import InnerLoop, StepConfig, resolve_device
 from gasloc_p2p.train.optim import AdamWConfig, build_adamw, param_groups
 from gasloc_p2p.train.schedule import LRSchedule
 
 __all__ = ["AdamWConfig", "InnerLoop", "LRSchedule", "StepConfig", "build_adamw", "evaluate",
-           "evaluate_each", "param_groups", "resolve_device"]
+           "param_groups", "resolve_device"]

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from gasloc_p2p.data import DataError
 
 
+@torch.no_grad()
 def evaluate(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> float:
     """Mean cross-entropy (nats per token) of ``model(x, y)`` over ``batches``.
 
@@ -17,22 +18,17 @@ def evaluate(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> floa
     batch counts for what it holds. Runs in eval mode (no dropout: the number must not depend
     on an RNG) and restores the previous train/eval mode afterwards.
     """
-    each = evaluate_each(model, batches)
-    counts = [y.numel() for _, y in batches]
-    return sum(v * n for v, n in zip(each, counts, strict=True)) / sum(counts)
-
-
-@torch.no_grad()
-def evaluate_each(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]]) -> list[float]:
-    """The mean cross-entropy of each of ``batches`` (as :func:`evaluate`), with one read
-    from the device for all of them."""
     if not batches:
         raise DataError("evaluate() needs at least one batch")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     try:
-        losses = [model(x.to(device), y.to(device))[1].double() for x, y in batches]
+        total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+        for x, y in batches:
+            _, loss = model(x.to(device), y.to(device))
+            total += loss.double() * y.numel()  # summed on the device: one read at the end
+            count += y.numel()
     finally:
         model.train(was_training)
-    return torch.stack(losses).tolist()  # one read at the end
+    return float(total) / count

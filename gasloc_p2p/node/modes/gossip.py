@@ -471,8 +471,7 @@ class GossipMode(Mode):
         pushed = (f" pushed {meter.level(0) / drift:.2f}" if meter is not None and drift > 0
                   else "")
         gate = self._exchanger.engine.gate if self._exchanger is not None else None
-        gated = (f" gated {gate.taken_back} (bad {gate.bad}; descent {gate.descent:.3g}, "
-                 f"gossip {gate.rise:+.3g}; blamed {gate.blamed})" if gate is not None else "")
+        gated = f" gated {gate.taken_back} (bad {gate.bad})" if gate is not None else ""
         return (f" | guard drift {drift:.4g} (measured {guard.measured(0):.4g}) spent "
                 f"{guard.spent(0):.2f}{pushed}{gated}")
 

@@ -58,7 +58,6 @@ from gasloc_p2p.train import (
     LRSchedule,
     StepConfig,
     evaluate,
-    evaluate_each,
     resolve_device,
 )
 from gasloc_p2p.train.optim import BackwardAdamW, gradients_at_once
@@ -474,25 +473,18 @@ class Trainer:
             self.ranks.pull(self.flat.buffer)
             self._copy_behind = False
 
-    def private_loss(self) -> Callable[[], tuple[float, float]] | None:
-        """The losses of two private held-out halves of a batch (a quarter of a training batch,
-        at least 2 sequences, drawn once from this node's data with the OS's randomness: no
-        peer knows it), for the loss gate (:class:`gasloc_p2p.protocol.blame.LossGate`: one
-        half judges, the other keeps its accounts); called under the training lock. None on a
-        multi-rank node (a forward pass there is every rank's)."""
+    def private_loss(self) -> Callable[[], float] | None:
+        """The loss of a private held-out batch (a quarter of a training batch drawn once
+        from this node's data with the OS's randomness: no peer knows it), for the loss gate
+        (:class:`gasloc_p2p.protocol.blame.LossGate`); called under the training lock. None
+        on a multi-rank node (a forward pass there is every rank's)."""
         if self.ranks is not None or self.sharded is not None or self.shard is None:
             return None
         gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
         draw = getattr(self.shard, "peek", self.shard.batch)  # a stream's: nothing consumed
-        x, y = draw(max(2, self.cfg.batch_size // 4), self.cfg.seq_len, gen)
-        half = len(x) // 2
-        batches = [(x[:half].to(self.device), y[:half].to(self.device)),
-                   (x[half:].to(self.device), y[half:].to(self.device))]  # drawn before training
-
-        def losses() -> tuple[float, float]:
-            judge, account = evaluate_each(self.model, batches)
-            return judge, account
-        return losses
+        x, y = draw(max(1, self.cfg.batch_size // 4), self.cfg.seq_len, gen)
+        batch = [(x.to(self.device), y.to(self.device))]  # drawn now: before training runs
+        return lambda: evaluate(self.model, batch)
 
     def _probe_ranks(self, ranks: RankGroup, probe: DriftProbe) -> None:
         """Sharded: the drift probe samples the ranks' rows (its positions sent once)."""
