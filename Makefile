@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 STEP := bash scripts/step.sh
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup test test-long lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
+.PHONY: setup test test-processes test-long lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-nat bench-fuzz bench-byzantine bench-direction \
 	bench-chaos bench-poison bench-tamper bench-redteam bench-soak bench-external bench-external-1000 bench-projection bench-engine bench-optim bench-ranks reproduce \
@@ -32,8 +32,9 @@ MYPY := $(PY) -m mypy gasloc_p2p
 # (tests/conftest.py). PYTEST_WORKERS=0: one process, as plain `pytest`.
 PYTEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
-# tests marked `long` (variants of what the suite covers, each 40-100 s here) run apart
-PYTEST_TIER ?= -m "not long"
+# tests marked `long` (variants of what the suite covers, each 40-100 s here) run apart, and
+# the tests of real processes (swarms, ranks; tests/conftest.py) in `make test-processes`
+PYTEST_TIER ?= -m "not long and not processes"
 
 typecheck: setup
 	@$(STEP) "typecheck: mypy" -- $(MYPY)
@@ -48,6 +49,12 @@ test: lint
 	$(STEP) "unit: pytest" -- $(PYTEST) $(PYTEST_TIER); unit=$$?; \
 	wait $$!; typecheck=$$?; cat $(VENV)/typecheck.out; \
 	[ $$unit -eq 0 ] && [ $$typecheck -eq 0 ]
+
+# the tests of real processes: node swarms, DHTs, Prometheus, Chromium, NAT routers in network
+# namespaces, torch.distributed ranks (about 15 minutes on 2 cores; .ci/run runs it after
+# `make test`)
+test-processes: setup
+	@$(STEP) "processes: pytest" -- $(PYTEST) -m "processes and not long"
 
 # the tests `make test` leaves out (marked long: compiled ranks, a DDP and a Llama rank swarm,
 # the dashboard without Prometheus, bench-external's runner); about 5 minutes

@@ -1,11 +1,12 @@
 """Fixtures shared by the test modules (helpers live in tests/*_helpers.py and tests/toy.py),
 and the grouping of tests for parallel runs.
 
-``make test`` runs pytest on two workers (pytest-xdist, ``--dist loadgroup``). The modules in
-:data:`PROCESS_MODULES` start swarms of real processes (node processes, DHTs, hivemind
+``make test`` runs pytest on two workers (pytest-xdist, ``--dist loadgroup``) over the tests
+that run in the test process; ``make test-processes`` runs the tests of real processes. The
+modules in :data:`PROCESS_MODULES` start swarms of them (node processes, DHTs, hivemind
 averagers, Prometheus, Chromium, shaped links in network namespaces) with wall-clock timeouts:
 they form one group, so they run one after another on one worker, as in a serial run, while
-the other worker takes the in-process tests. Two swarms never compete for the two cores.
+the other worker takes the rest. Two swarms never compete for the two cores.
 """
 
 from __future__ import annotations
@@ -95,10 +96,20 @@ PROCESS_MODULES = frozenset({
 })
 
 
+# Modules that start real processes of their own (torch.distributed ranks, the CLI as a user
+# runs it) but no swarm: they run beside the swarms, on the other worker.
+RANK_MODULES = frozenset({"test_ranks"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests of real processes are marked ``processes``: ``make test`` leaves them out (its
+    8 minutes on 2 cores), ``make test-processes`` runs them, ``.ci/run`` both."""
     for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in PROCESS_MODULES:
+        name = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        if name in PROCESS_MODULES:
             item.add_marker(pytest.mark.xdist_group("processes"))
+        if name in PROCESS_MODULES or name in RANK_MODULES:
+            item.add_marker(pytest.mark.processes)
 
 
 @pytest.fixture(scope="session")

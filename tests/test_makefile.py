@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {
     "swarm": ["gasloc-node swarm --nodes 3"],
     "test": ["ruff check", "proto/generate.py --check", "mypy gasloc_p2p", "pytest",
-             '-m "not long"'],
+             '-m "not long and not processes"'],
+    "test-processes": ["pytest", '-m "processes and not long"'],
     "lint": ["ruff check", "proto/generate.py --check"],
     "sim": ["gasloc-node sim "],
     "proto": ["proto/generate.py"],
@@ -57,6 +58,11 @@ EXPECTED = {
     "reproduce": ["benchmarks.reproduce"],
     "test-long": ["pytest", "-m long"],
 }
+
+
+def test_ci_runs_the_readme_test_command_and_the_process_tests():
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert lines[-2:] == ["make test", "make test-processes"], lines[-2:]
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no `make` on this machine")
 
