@@ -680,3 +680,47 @@ def test_a_node_serves_one_key_a_few_exchanges_a_round():
     assert admit("other")  # per key
     engine.state.rounds = 4
     assert admit("k")  # the next round
+
+
+def _rewound(back_share: float) -> tuple[float, float, PushMeter]:
+    """A node whose path advances 0.05 of a drift a round (the rest of its drift, 0.5 RMS a
+    round, is jitter), pushed at every round back towards where it was by a tenth of a drift,
+    well inside the meter's bound of 8 drifts. Returns how far it was taken back along its
+    path, how far it went forward, and the meter."""
+    meter = PushMeter(blocks=4, rounds=32)
+    meter.BACK_SHARE = back_share
+    n = 4 * 1024
+    gen = torch.Generator().manual_seed(3)
+    forward = torch.randn(n, generator=gen, dtype=torch.float64)
+    forward /= forward.norm() / math.sqrt(n)  # RMS 1: one drift
+    unit = forward / forward.norm()
+    pos = torch.zeros(n, dtype=torch.float64)
+    taken = 0.0
+    for round_ in range(200):
+        pos += 0.05 * forward + 0.5 * torch.randn(n, generator=gen, dtype=torch.float64)
+        meter.seen(0, 1024, round_, pos.float())
+        back = meter.back(0, 1024)
+        if back is None:
+            continue
+        step = 0.1 * back / (back.norm() / math.sqrt(n))  # 0.1 drift RMS, straight back
+        f = meter.room(0, 1024, round_, step.float(), 8.0)
+        meter.add(0, 1024, round_, f * step.float())
+        pos += f * step
+        taken -= f * float(step @ unit)
+    return taken, 200 * 0.05 * math.sqrt(n), meter
+
+
+def test_the_push_meter_holds_a_push_back_along_the_nodes_own_path():
+    """The rewind attack: within the meter's bound alone it takes back 93% of what the node
+    made; held to a quarter of the path of the node's own steps over 32 rounds, 37% (the
+    path's jitter lengthens it, and the windows overlap). A step forward, or across, is not
+    held by it."""
+    free, made, _ = _rewound(math.inf)
+    taken, _, meter = _rewound(0.25)
+    assert free > 0.8 * made and 0 < taken < 0.45 * made, (free, taken, made)
+    gen = torch.Generator().manual_seed(4)
+    forward = -meter.back(0, 1024).float()
+    forward /= forward.norm() / math.sqrt(forward.numel())
+    across = torch.randn(forward.numel(), generator=gen)
+    assert meter.room(0, 1024, 200, 0.1 * forward, 8.0) == 1.0
+    assert meter.room(0, 1024, 200, 0.1 * across, 8.0) > 0.9

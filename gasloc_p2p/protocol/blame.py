@@ -105,9 +105,18 @@ class PushMeter:
     reaches the limit and then moves the node by no more than the decay per round.
     """
 
+    BACK_SHARE = 0.25  # of the node's path over the last ``rounds``: how far gossip may
+    # move it back along that path (``room``)
+
     def __init__(self, blocks: int = 16, rounds: int = 32) -> None:
         self.blocks, self.rounds = blocks, rounds
         self._seed = int.from_bytes(os.urandom(8), "little")
+        # (fragment, bs) -> (round, the node's own payload on the sample less what gossip
+        # moved it by up to then, what gossip moved it by up to then), oldest first: the
+        # path of its own steps and gossip's
+        self._path: dict[tuple[int, int],
+                         deque[tuple[int, torch.Tensor, torch.Tensor | None]]] = {}
+        self._moved: dict[tuple[int, int], torch.Tensor] = {}  # gossip's moves, summed
         self._runs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (fragment, bs) -> runs
         self._sum: dict[tuple[int, int], torch.Tensor] = {}  # (fragment, bs) -> G, float64
         self._at: dict[tuple[int, int], int] = {}  # (fragment, bs) -> the round G was at
@@ -133,13 +142,67 @@ class PushMeter:
         self._at[key] = round_
         return g
 
+    def seen(self, fragment: int, block_size: int, round_: int, mine: torch.Tensor) -> None:
+        """This node's own payload on the sample, at an exchange of round ``round_``: the
+        points of its path (one a round kept, over the last ``rounds``)."""
+        key = (fragment, block_size)
+        path = self._path.setdefault(key, deque())
+        if not path or path[-1][0] != round_:
+            moved = self._moved.get(key)
+            own = mine.double() if moved is None else mine.double() - moved
+            path.append((round_, own, None if moved is None else moved.clone()))
+        while path and path[0][0] < round_ - self.rounds:
+            path.popleft()
+
+    def back(self, fragment: int, block_size: int) -> torch.Tensor | None:
+        """Back along the path of this node's own steps over the last ``rounds`` (from where
+        they took it to where it was; what gossip moved it by left out, so a push across
+        cannot lengthen the path and turn its direction away from the node's progress);
+        None before a path of a quarter of ``rounds``."""
+        path = self._path.get((fragment, block_size))
+        if not path or path[-1][0] - path[0][0] < self.rounds // 4:
+            return None
+        return path[0][1] - path[-1][1]
+
+    def _gossip_since_path(self, key: tuple[int, int]) -> torch.Tensor | None:
+        """What gossip moved this node by since the oldest point of its path."""
+        path, moved = self._path.get(key), self._moved.get(key)
+        if not path or moved is None:
+            return None
+        then = path[0][2]
+        return moved if then is None else moved - then
+
     def room(self, fragment: int, block_size: int, round_: int, step: torch.Tensor,
              limit: float) -> float:
         """The largest ``f`` in [0, 1] such that ``G + f * step`` stays within ``limit`` RMS
-        (or, where ``G`` is beyond it already, does not grow); ``step`` is the exchange's
-        correction on the sample at its full weight."""
+        (or, where ``G`` is beyond it already, does not grow), and such that what gossip
+        moved the node by over its path (:meth:`back`) plus ``f * step``, back along that
+        path, stays within ``BACK_SHARE`` of the path's length; ``step`` is the exchange's
+        correction on the sample at its full weight.
+
+        The second bound is for a push towards where the node was (issue 39's ``rewind``):
+        on the plateau a node's steps are mostly jitter about the swarm's mean, its net
+        progress per round a small part of its drift, so a push back along its path of a
+        fraction of a drift a round, inside the first bound, undoes much of its progress,
+        and each such push lowers the loss of the commit it rides on (it averages the node's
+        recent iterates): no test of the loss sees it. Honest pulls go back along the path
+        only as far as the node is ahead of its peers."""
         key = (fragment, block_size)
         g = self._sum_at(key, step.numel(), round_)
+        f = self._room(g, step, limit)
+        back = self.back(fragment, block_size)
+        if back is not None and f > 0:
+            length = float(back.norm())
+            since = self._gossip_since_path(key)
+            if length > 0:
+                u = back / length
+                su = float(step.double() @ u)
+                gu = 0.0 if since is None else float(since @ u)
+                if su > 0:  # this step goes back: within what is left of the share
+                    f = min(f, max(0.0, (self.BACK_SHARE * length - gu) / su))
+        return f
+
+    def _room(self, g: torch.Tensor, step: torch.Tensor, limit: float) -> float:
         s = step.double()
         n = max(s.numel(), 1)
         bound2 = limit * limit * n
@@ -170,6 +233,10 @@ class PushMeter:
         """A commit moved the node by ``moved`` on the sample."""
         key = (fragment, block_size)
         self._sum_at(key, moved.numel(), round_).add_(moved.double())
+        total = self._moved.get(key)
+        if total is None:
+            total = self._moved[key] = torch.zeros(moved.numel(), dtype=torch.float64)
+        total.add_(moved.double())
 
     def level(self, fragment: int = 0) -> float:
         """``G``'s RMS on a fragment (its largest over block sizes; 0: none yet)."""

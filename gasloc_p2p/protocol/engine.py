@@ -431,7 +431,9 @@ class ExchangeEngine:
                                                            enc.data.device)
             return codec.decode(enc.select(index).to("cpu")).float()
 
-        prep.pushed = sample(received) - sample(prep.encoded)
+        mine = sample(prep.encoded)
+        meter.seen(frag.index, spec.block_size, self.state.rounds, mine)
+        prep.pushed = sample(received) - mine
         limit = self.meter_limit * self.guard.drift(frag.index)
         step = self.guard.w * clip * prep.pushed
         room = self.meter.room(frag.index, spec.block_size, self.state.rounds, step, limit)
