@@ -687,8 +687,7 @@ def _rewound(back_share: float) -> tuple[float, float, PushMeter]:
     round, is jitter), pushed at every round back towards where it was by a tenth of a drift,
     well inside the meter's bound of 8 drifts. Returns how far it was taken back along its
     path, how far it went forward, and the meter."""
-    meter = PushMeter(blocks=4, rounds=32)
-    meter.BACK_SHARE = back_share
+    meter = PushMeter(blocks=4, rounds=32, back_share=back_share)
     n = 4 * 1024
     gen = torch.Generator().manual_seed(3)
     forward = torch.randn(n, generator=gen, dtype=torch.float64)
@@ -715,7 +714,7 @@ def test_the_push_meter_holds_a_push_back_along_the_nodes_own_path():
     made; held to a quarter of the path of the node's own steps over 32 rounds, 37% (the
     path's jitter lengthens it, and the windows overlap). A step forward, or across, is not
     held by it."""
-    free, made, _ = _rewound(math.inf)
+    free, made, _ = _rewound(1e9)  # no bound (the path still kept)
     taken, _, meter = _rewound(0.25)
     assert free > 0.8 * made and 0 < taken < 0.45 * made, (free, taken, made)
     gen = torch.Generator().manual_seed(4)

@@ -105,11 +105,11 @@ class PushMeter:
     reaches the limit and then moves the node by no more than the decay per round.
     """
 
-    BACK_SHARE = 0.25  # of the node's path over the last ``rounds``: how far gossip may
-    # move it back along that path (``room``)
-
-    def __init__(self, blocks: int = 16, rounds: int = 32) -> None:
+    def __init__(self, blocks: int = 16, rounds: int = 32, back_share: float = 0.0) -> None:
         self.blocks, self.rounds = blocks, rounds
+        # of the path of the node's own steps over the last ``rounds``: how far gossip may
+        # move it back along that path (``room``; 0: no bound)
+        self.back_share = back_share
         self._seed = int.from_bytes(os.urandom(8), "little")
         # (fragment, bs) -> (round, the node's own payload on the sample less what gossip
         # moved it by up to then, what gossip moved it by up to then), oldest first: the
@@ -144,7 +144,10 @@ class PushMeter:
 
     def seen(self, fragment: int, block_size: int, round_: int, mine: torch.Tensor) -> None:
         """This node's own payload on the sample, at an exchange of round ``round_``: the
-        points of its path (one a round kept, over the last ``rounds``)."""
+        points of its path (one a round kept, over the last ``rounds``; none without a
+        bound back along it: 33 copies of the sample per fragment)."""
+        if self.back_share <= 0:
+            return
         key = (fragment, block_size)
         path = self._path.setdefault(key, deque())
         if not path or path[-1][0] != round_:
@@ -177,7 +180,7 @@ class PushMeter:
         """The largest ``f`` in [0, 1] such that ``G + f * step`` stays within ``limit`` RMS
         (or, where ``G`` is beyond it already, does not grow), and such that what gossip
         moved the node by over its path (:meth:`back`) plus ``f * step``, back along that
-        path, stays within ``BACK_SHARE`` of the path's length; ``step`` is the exchange's
+        path, stays within ``back_share`` of the path's length; ``step`` is the exchange's
         correction on the sample at its full weight.
 
         The second bound is for a push towards where the node was (issue 39's ``rewind``):
@@ -190,7 +193,7 @@ class PushMeter:
         key = (fragment, block_size)
         g = self._sum_at(key, step.numel(), round_)
         f = self._room(g, step, limit)
-        back = self.back(fragment, block_size)
+        back = self.back(fragment, block_size) if self.back_share > 0 else None
         if back is not None and f > 0:
             length = float(back.norm())
             since = self._gossip_since_path(key)
@@ -199,7 +202,7 @@ class PushMeter:
                 su = float(step.double() @ u)
                 gu = 0.0 if since is None else float(since @ u)
                 if su > 0:  # this step goes back: within what is left of the share
-                    f = min(f, max(0.0, (self.BACK_SHARE * length - gu) / su))
+                    f = min(f, max(0.0, (self.back_share * length - gu) / su))
         return f
 
     def _room(self, g: torch.Tensor, step: torch.Tensor, limit: float) -> float:

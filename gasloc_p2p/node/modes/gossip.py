@@ -398,6 +398,7 @@ class GossipMode(Mode):
             if cfg.gossip.guard_push_limit > 0:  # a push in one direction, summed over rounds
                 engine.meter = PushMeter()
                 engine.meter_limit = cfg.gossip.guard_push_limit
+                engine.meter.back_share = cfg.gossip.guard_push_back
             loss = trainer.private_loss() if cfg.gossip.guard_loss_gate > 0 else None
             if loss is not None:  # the loss itself, measured around each commit
                 engine.gate = LossGate(loss, cfg.gossip.guard_loss_gate)
