@@ -51,7 +51,7 @@ test: lint
 	[ $$unit -eq 0 ] && [ $$typecheck -eq 0 ]
 
 # the tests of real processes: node swarms, DHTs, Prometheus, Chromium, NAT routers in network
-# namespaces, torch.distributed ranks (about 15 minutes on 2 cores; .ci/run runs it after
+# namespaces, torch.distributed ranks (about 10 minutes on 2 cores; .ci/run runs it after
 # `make test`)
 test-processes: setup
 	@$(STEP) "processes: pytest" -- $(PYTEST) -m "processes and not long"

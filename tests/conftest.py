@@ -96,8 +96,8 @@ PROCESS_MODULES = frozenset({
 })
 
 
-# Modules that start real processes of their own (torch.distributed ranks, the CLI as a user
-# runs it) but no swarm: they run beside the swarms, on the other worker.
+# Modules that start real processes of their own (torch.distributed ranks) but no swarm: they
+# run beside the swarms, on the other worker.
 RANK_MODULES = frozenset({"test_ranks"})
 
 

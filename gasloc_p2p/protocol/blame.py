@@ -144,8 +144,8 @@ class PushMeter:
 
     def seen(self, fragment: int, block_size: int, round_: int, mine: torch.Tensor) -> None:
         """This node's own payload on the sample, at an exchange of round ``round_``: the
-        points of its path (one a round kept, over the last ``rounds``; none without a
-        bound back along it: 33 copies of the sample per fragment)."""
+        points of its path (one a round kept, over the last ``rounds``, with what gossip had
+        moved it by: 66 copies of the sample per fragment; none without a bound back)."""
         if self.back_share <= 0:
             return
         key = (fragment, block_size)
@@ -188,8 +188,10 @@ class PushMeter:
         progress per round a small part of its drift, so a push back along its path of a
         fraction of a drift a round, inside the first bound, undoes much of its progress,
         and each such push lowers the loss of the commit it rides on (it averages the node's
-        recent iterates): no test of the loss sees it. Honest pulls go back along the path
-        only as far as the node is ahead of its peers."""
+        recent iterates): no test of the loss sees it. Its price: honest averaging takes a
+        node's jitter out, which is partly back along this path, and the bound holds that
+        too (clean swarms 1.032x their loss side by side: docs/security.md), so it is off
+        unless ``back_share`` is set."""
         key = (fragment, block_size)
         g = self._sum_at(key, step.numel(), round_)
         f = self._room(g, step, limit)
