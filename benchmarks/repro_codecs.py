@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from gasloc_p2p.core.codecs import CodecSpec
-from gasloc_p2p.sim.analysis import mean_ci, paired_ci
+from gasloc_p2p.sim.analysis import mean_ci, paired_ci, time_to_target
 from gasloc_p2p.sim.config import SimConfig
 
 Row = tuple[str, SimConfig]
@@ -28,7 +28,10 @@ TITLES = {
     "codecs-16": "n = 16: sparse and low-bit payloads in gossip and DiLoCo at equal steps",
     "home-8": "n = 8: gossip payloads 8x below int8 (issue 40), at equal steps",
     "home-8-deciding": "n = 8: int8 against the link-reference payloads, 10 seeds",
+    "home-links-8": "n = 8, async, 1 Mbit/s links (an int8 exchange: 2 rounds of compute)",
+    "home-links-8-uneven": "n = 8, async, 1 Mbit/s links and one of 0.1 Mbit/s",
 }
+HOME_LINK_MBPS = 1.0  # 121,048 int8 bytes: 0.97 s on the link + 0.02 latency, a round is 0.5 s
 
 
 def rows(base: SimConfig, n: int) -> list[Row]:
@@ -78,6 +81,28 @@ def home_rows(base: SimConfig, n: int, deciding: bool = False) -> list[Row]:
     return rows[:3] if deciding else rows
 
 
+def home_link_rows(base: SimConfig, n: int, uneven: bool = False) -> list[Row]:
+    """Issue 40 where bytes set the wall clock: async gossip (the daemon's schedule, 2
+    participations per round asked, a worker in one exchange at a time) on links where an
+    int8 exchange takes about 2 rounds of compute, so every row runs for the same simulated
+    time and its codec decides how many exchanges fit. Control: int8 with stale exchanges at
+    full weight (the daemon divides an exchange's weight by 1 + the round ends it spans beyond
+    one; is what int8 loses its bytes or that rule?). ``uneven``: worker 0's link is 10x slower
+    (an int8 exchange with it spans 20 rounds)."""
+    g = dataclasses.replace(base, workers=n, H=10, graph="complete", algorithm="gasloc",
+                            mode="async", eta=1.0, gamma=0.0, bandwidth_mbps=HOME_LINK_MBPS,
+                            **(dict(slow_workers=1, slow_link_factor=10.0) if uneven else {}))
+    r = dataclasses.replace
+    rows = [
+        (REFERENCE, r(g, codec="int8")),
+        ("gossip int8, stale exchanges at full weight", r(g, codec="int8", max_staleness=1000)),
+        ("gossip dense1, link references", r(g, codec="dense1", reference="link")),
+        ("gossip randk2 50%, link references", r(g, codec="randk2:2048", reference="link")),
+        ("gossip int4 plain", r(g, codec="int4")),
+    ]
+    return rows[:3] if uneven else rows
+
+
 def _final(res: dict[str, Any]) -> float:
     return float(res["final"]["val_loss"])
 
@@ -104,12 +129,41 @@ def _ratio(base: float, mine: float) -> str:
     return f"{ratio:.1f}x" if ratio < 100 else f"{ratio:.0f}x"
 
 
-def table(group: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Markdown rows: final loss, paired differences, consensus distance, bytes."""
+def _time_to(run: dict[str, Any], target: float) -> float | None:
+    return time_to_target(run["trace"], target)
+
+
+def _times(runs: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str:
+    """Simulated seconds until the row's quick loss reaches the int8 run's final quick loss of
+    the same seed (mean over seeds, how many reached), and the ratio of mean times to int8's
+    own (all paired seeds reached)."""
+    by_seed = {r["config"]["seed"]: r for r in ref}
+    mine, base = [], []
+    for r in runs:
+        other = by_seed.get(r["config"]["seed"])
+        if other is None:
+            continue
+        target = other["trace"][-1]["loss"]
+        mine.append(_time_to(r, target))
+        base.append(_time_to(other, target))
+    got = [t for t in mine if t is not None]
+    if not got:
+        return f"not reached (0/{len(mine)}) | n/a"
+    ratio = (f"{sum(t for t in mine if t is not None) / sum(b for b in base if b is not None):.2f}x"
+             if len(got) == len(mine) and all(b is not None for b in base) else "n/a")
+    return f"{sum(got) / len(got):.1f} ({len(got)}/{len(mine)}) | {ratio}"
+
+
+def table(group: dict[str, list[dict[str, Any]]], times: bool = False) -> list[str]:
+    """Markdown rows: final loss, paired differences, consensus distance, bytes; ``times``:
+    also the simulated time to int8's final loss and the exchanges' staleness (async parts)."""
     head = ["config", "codec", "seeds", "final loss", "Δ vs int8 plain (paired)",
             "Δ vs uncompressed DiLoCo (paired)", "consensus", "bytes/node/token",
             "fewer bytes than int8 plain gossip", "than fp32 plain gossip",
             "than fp32 DiLoCo"]
+    if times:
+        head += ["sim s to int8's final loss (reached)", "time vs int8",
+                 "participations/round", "stale exchanges"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ref = group.get(REFERENCE, [])
 
@@ -135,8 +189,33 @@ def table(group: dict[str, list[dict[str, Any]]]) -> list[str]:
                  f"{mean_ci([r['final']['consensus'] for r in runs])[0]:.3g}",
                  f"{bpt:.3g}", _ratio(ref_bpt, bpt), _ratio(ref_bpt * fp32_over_int8, bpt),
                  _ratio(diloco_bpt, bpt) if diloco else ""]
+        if times:
+            stats = [r["stats"] for r in runs]
+            cells += [*_times(runs, ref).split(" | "),
+                      f"{mean_ci([s['participations_per_round'] for s in stats])[0]:.2f}",
+                      f"{sum(s['stale'] for s in stats) / max(1, sum(s['exchanges'] for s in stats)):.0%}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _async_regime(cfg: dict[str, Any]) -> str:
+    slow = (f" Worker 0's link is {cfg['slow_link_factor']:g}x slower "
+            f"({cfg['bandwidth_mbps'] / cfg['slow_link_factor']:g} Mbit/s)."
+            if cfg["slow_workers"] else "")
+    return (f"Gossip: async (the daemon's schedule): each worker asks for "
+            f"{cfg['participations_per_round']:g} exchanges per own round with a free peer of "
+            "the complete graph at exponential waiting times, takes part in one exchange at "
+            f"a time, and an exchange lasts its bytes over the slower of the two links "
+            f"({cfg['bandwidth_mbps']:g} Mbit/s) plus {cfg['latency_s'] * 1000:g} ms; a round "
+            f"is {cfg['H']} steps of {cfg['step_time_s']:g} simulated s, so every row trains "
+            "for the same simulated time and the codec decides how many exchanges fit. An "
+            "exchange spanning more than one round end (both sides together) has its weight "
+            "w = 1/2 divided by 1 + the excess (the daemon's rule), unless the row keeps "
+            f"stale exchanges at full weight.{slow} eta 1, gamma 0. Time to int8's final "
+            "loss: simulated seconds until the quick loss (first 4,096 validation tokens, "
+            "logged every 10 steps of the mean worker) reaches the int8 run's last quick loss "
+            "of the same seed; time vs int8: the ratio of mean times. Stale exchanges: the "
+            "share whose weight was cut.")
 
 
 def describe(part: str, group: dict[str, list[dict[str, Any]]], seeds: str,
@@ -150,8 +229,9 @@ def describe(part: str, group: dict[str, list[dict[str, Any]]], seeds: str,
             f"(H = {cfg['H']}, {cfg['batch_size'] * cfg['seq_len']} tokens per step), "
             f"{runs[0]['params']:,} parameters, {cpu_minutes:.0f} CPU-minutes (1 thread per "
             "run).", "",
-            "Gossip: sync rounds, a fresh random 1-peer matching of the complete graph every "
-            "round, w = 1/2, eta 1, gamma 0. DiLoCo: an all-reduce (fp32) or, for sparse "
+            (_async_regime(cfg) if cfg.get("mode") == "async" else
+             "Gossip: sync rounds, a fresh random 1-peer matching of the complete graph every "
+             "round, w = 1/2, eta 1, gamma 0.") + " DiLoCo: an all-reduce (fp32) or, for sparse "
             "codecs, an all-gather of each worker's message with SparseLoCo's error feedback "
             "(beta 1), eta 1, gamma 0. Codecs: `randkB:K` sends K of every 4096 coordinates, "
             "drawn from a seed both sides share (no indices), at B bits; `topkB:K` the K "
@@ -159,7 +239,7 @@ def describe(part: str, group: dict[str, list[dict[str, Any]]], seeds: str,
             "a float32 scale per 4096. theta0: messages are the public iterate minus theta_0 "
             "(no state); link: minus a reference each pair of workers keeps (one model copy "
             "per pair).", "",
-            *([] if not part.startswith("home") else [
+            *([] if part not in ("home-8", "home-8-deciding") else [
                 "Modulo `modB:K` (issue 40, gasloc_p2p/core/modulo.py): K of every 4096 "
                 "coordinates "
                 "(shared-seed positions) as the low B bits of a stochastically rounded lattice "

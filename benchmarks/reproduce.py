@@ -224,6 +224,8 @@ PARTS: dict[str, list[Row]] = {
     "codecs-16": repro_codecs.rows(BASE, 16),
     "home-8": repro_codecs.home_rows(BASE, 8),
     "home-8-deciding": repro_codecs.home_rows(BASE, 8, deciding=True),
+    "home-links-8": repro_codecs.home_link_rows(BASE, 8),
+    "home-links-8-uneven": repro_codecs.home_link_rows(BASE, 8, uneven=True),
     **{part: repro_ladder.rows(part) for part in repro_ladder.PARTS},
 }
 ARCHIVED = [p for p in TITLES if p not in PARTS]
@@ -364,7 +366,7 @@ def write_part(part: str, group: dict[str, list[dict[str, Any]]], out: Path,
         return
     if part in repro_codecs.TITLES:
         lines = [*repro_codecs.describe(part, group, ",".join(map(str, seeds)), wall), "",
-                 *repro_codecs.table(group), "", f"![{part}]({part}.png)", ""]
+                 *repro_codecs.table(group, times=part.startswith("home-links")), "", f"![{part}]({part}.png)", ""]
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{part}.md").write_text("\n".join(lines))
         write_results(runs, out, part)

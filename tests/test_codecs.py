@@ -16,9 +16,9 @@ from gasloc_p2p.core.codecs import (
     parse_optional,
 )
 
-BLOCK_CODECS = ("int8", "int4", "fp4")
+BLOCK_CODECS = ("int8", "int4", "fp4", "sign1")
 # Relative L2 error on N(0, 1) data, block 1024, measured (seed 0, 100k elements):
-# fp16 2.1e-4, int8 7.9e-3, int4 0.143, fp4 0.195. The bands are about +-20%: a wrong scale
+# fp16 2.1e-4, int8 7.9e-3, int4 0.143, fp4 0.195, sign1 0.603 (sqrt(1 - 2/pi) = 0.603). The bands are about +-20%: a wrong scale
 # (e.g. absmax/128 for int8) or a lost sign falls outside them.
 REL_ERR_BAND = {
     "fp32": (0.0, 0.0),
@@ -26,6 +26,7 @@ REL_ERR_BAND = {
     "int8": (6.5e-3, 9.5e-3),
     "int4": (0.12, 0.17),
     "fp4": (0.16, 0.23),
+    "sign1": (0.55, 0.66),
 }
 AWKWARD_SIZES = (0, 1, 2, 3, 63, 64, 65, 1000, 64 * 5 + 17)
 
@@ -127,6 +128,17 @@ def test_golden_wire_bytes(name: str, scale: float, data: bytes) -> None:
     assert enc.to_bytes() == struct.pack("<f", scale) + data
 
 
+def test_golden_wire_bytes_sign1() -> None:
+    # scale = mean |x| = (1 + 0.5 + 0.25 + 0 + 2 + 0.25 + 0 + 0) / 8 = 0.5; bit k of the byte is
+    # element k's sign (1: >= 0): + - + + + - + +  ->  0b11011101; the tail of 3 elements
+    # [-4, 1, 1]: its mean over its own 3 (2.0), bits - + +  ->  0b110
+    x = torch.tensor([1.0, -0.5, 0.25, 0.0, 2.0, -0.25, 0.0, 0.0, -4.0, 1.0, 1.0])
+    enc = get_codec("sign1", block_size=8).encode(x)
+    assert enc.to_bytes() == struct.pack("<ff", 0.5, 2.0) + bytes([0b11011101, 0b110])
+    y = get_codec("sign1", block_size=8).decode(enc)
+    assert y.tolist() == [0.5, -0.5, 0.5, 0.5, 0.5, -0.5, 0.5, 0.5, -2.0, 2.0, 2.0]
+
+
 @pytest.mark.parametrize("name", CODEC_NAMES)
 def test_all_zeros_decode_to_exact_zero(name: str) -> None:
     codec = get_codec(name, block_size=64)
@@ -195,10 +207,11 @@ def test_bytes_round_trip_and_exact_length(name: str) -> None:
 @pytest.mark.parametrize("name", BLOCK_CODECS)
 @pytest.mark.parametrize("bad_scale", [float("nan"), float("inf"), -1.0])
 def test_from_bytes_rejects_bad_scales(name: str, bad_scale: float) -> None:
-    enc = get_codec(name, block_size=4).encode(torch.ones(4))
+    bs = 8 if name == "sign1" else 4  # whole bytes per block
+    enc = get_codec(name, block_size=bs).encode(torch.ones(bs))
     raw = struct.pack("<f", bad_scale) + enc.to_bytes()[4:]
     with pytest.raises(ValueError, match="scales"):
-        Encoded.from_bytes(name, 4, 4, raw)
+        Encoded.from_bytes(name, bs, bs, raw)
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
@@ -206,7 +219,8 @@ def test_wire_bytes_matches_layout(name: str) -> None:
     codec = get_codec(name, block_size=64)
     for n in (*AWKWARD_SIZES, 12_345):
         scales = 0 if name in ("fp32", "fp16") else -(-n // 64)
-        data = {"fp32": 4 * n, "fp16": 2 * n, "int8": n}.get(name, (n + 1) // 2)
+        data = {"fp32": 4 * n, "fp16": 2 * n, "int8": n, "sign1": (n + 7) // 8}.get(
+            name, (n + 1) // 2)
         assert codec.wire_bytes(n) == 4 * scales + data
     assert codec.encode(gaussian(12_345)).nbytes == codec.wire_bytes(12_345)
 
@@ -218,6 +232,8 @@ def test_compression_ratios_at_one_million_elements() -> None:
     assert get_codec("int8").encode(gaussian(n)).nbytes / fp32 <= 0.27
     for name in ("int4", "fp4"):
         assert get_codec(name).wire_bytes(n) / fp32 <= 0.14
+    # sign1 at its block of 4096: 8x fewer bytes than int8 at 1024, the scales included
+    assert get_codec("int8").wire_bytes(n) / get_codec("sign1").wire_bytes(n) >= 7.9
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)

@@ -115,6 +115,9 @@ def test_stale_exchanges_are_downweighted():
     assert exchange_weight(0.5, 0) == exchange_weight(0.5, 1) == 0.5
     assert exchange_weight(0.5, 2) == 0.25
     assert exchange_weight(0.5, 3) == 0.5 / 3
+    # the simulator's --max-staleness moves the allowance, the rule stays
+    assert exchange_weight(0.5, 3, allowance=3) == 0.5
+    assert exchange_weight(0.5, 5, allowance=3) == 0.5 / 3
 
 
 def test_async_config_rejects_bad_values():

@@ -55,6 +55,7 @@ EXPECTED = {
                             "--repeat 3", "--name external-1000", "gasloc-diloco-avg",
                             "--name external-1000-avg"],
     "bench-projection": ["benchmarks.bench_projection"],
+    "bench-home-links": ["benchmarks.bench_home_links"],
     "reproduce": ["benchmarks.reproduce"],
     "test-long": ["pytest", "-m long"],
 }

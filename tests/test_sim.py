@@ -304,3 +304,16 @@ def test_consensus_is_logged_per_round_end_and_plotted_without_a_floor(data):
     assert len(lines[f"{diloco['label']}; 0 at 5 of 5 points (replicas identical)"]
                .get_ydata()) == 0
     assert panel.get_yscale() == "log"
+
+
+def test_max_staleness_gives_slow_exchanges_their_full_weight():
+    """Exchanges that span several rounds (a slow link) are down-weighted by the daemon's rule;
+    ``--max-staleness`` (the home-link study's control) keeps them at full weight, through the
+    protocol's own Rules, and the swarm then agrees sooner."""
+    cfg = dataclasses.replace(TINY, task="consensus", mode="async", workers=8, graph="complete",
+                              steps=300, H=10, codec="int8", bandwidth_mbps=0.002,
+                              eval_every=300, trace_batches=0)
+    rule = run(cfg)
+    full = run(dataclasses.replace(cfg, max_staleness=1000))
+    assert rule["stats"]["stale"] > 0.5 * rule["stats"]["exchanges"]  # the regime: slow
+    assert full["final"]["consensus"] < 0.5 * rule["final"]["consensus"]

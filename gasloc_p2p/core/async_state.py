@@ -76,15 +76,17 @@ class AsyncConfig:
         return self.outer().reads_anchor
 
 
-def exchange_weight(w: float, staleness: int) -> float:
-    """Gossip weight for an exchange spanning ``staleness`` round ends (sum over both sides).
+def exchange_weight(w: float, staleness: int, allowance: int = MAX_STALENESS) -> float:
+    """Gossip weight for an exchange spanning ``staleness`` round ends (sum over both sides);
+    ``allowance``: the round ends it may span at full weight (the simulator's
+    ``--max-staleness``; the daemon uses :data:`MAX_STALENESS`).
 
     Both peers know both counts at commit time, so they compute the same weight and the
     corrections stay exact negatives.
     """
-    if staleness <= MAX_STALENESS:
+    if staleness <= allowance:
         return w
-    return w / (1 + staleness - MAX_STALENESS)
+    return w / (1 + staleness - allowance)
 
 
 def spans(numel: int, step: int = TRANSFER_ELEMS) -> Iterator[tuple[int, int]]:

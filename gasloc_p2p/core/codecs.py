@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gasloc_p2p.core.wire import BLOCK_CODECS, CODEC_NAMES, Encoded, layout
+from gasloc_p2p.core.wire import BLOCK_CODECS, CODEC_NAMES, PLAIN_CODECS, Encoded, layout
 
-__all__ = ["BLOCK_CODECS", "CODEC_NAMES", "Codec", "CodecSpec", "Encoded", "NonFiniteError",
+__all__ = ["BLOCK_CODECS", "CODEC_NAMES", "PLAIN_CODECS", "Codec", "CodecSpec", "Encoded",
+           "NonFiniteError",
            "get_codec",
            "parse_optional"]
 
@@ -403,6 +404,62 @@ class Fp4Codec(_NibbleCodec):
         return torch.index_select(table, 0, idx.view(-1)).view(y.shape)
 
 
+class Sign1Codec(_BlockCodec):
+    """1 bit per element: its sign, times the block's mean ``|x|`` (the scale that minimises
+    the squared error of a sign code). Gossip sends it only as a residual against a reference
+    both ends of a link hold (:mod:`gasloc_p2p.core.links`), never a parameter itself. Bits in
+    little-endian order: element ``8i + k`` is bit ``k`` of byte ``i``; 1 is ``+scale``. The
+    last, partial block's mean is over its own elements."""
+
+    name = "sign1"
+    _levels = 1.0
+    _bits = 1
+
+    def __init__(self, block_size: int = 4096) -> None:
+        super().__init__(block_size)
+        bits = torch.arange(256)[:, None].bitwise_right_shift(torch.arange(8)).bitwise_and(1)
+        self._byte_table = bits.float().mul_(2.0).sub_(1.0)  # [256, 8] of -1 / +1
+
+    def _encode_into(self, x: torch.Tensor, out: Encoded, finite: torch.Tensor | None = None,
+                     clobber: bool = False) -> None:
+        super()._encode_into(x, out, finite, clobber)
+        n, bs = x.numel(), self.block_size
+        if n % bs:  # the padded tail's mean counted its zeros: over its own elements instead
+            out.scales[-1:].mul_(bs / (n % bs))
+        if n % 8:  # the last byte's bits past the end are 0 (the padding's signs are not sent)
+            out.data[-1:].bitwise_and_((1 << (n % 8)) - 1)
+
+    def _encode_blocks(self, x: torch.Tensor, xb: torch.Tensor, scales: torch.Tensor,
+                       data: torch.Tensor, work: torch.Tensor | None,
+                       finite: torch.Tensor | None = None) -> None:
+        a = xb.float().abs() if work is None else work[: xb.shape[0]].copy_(xb).abs_()
+        # the mean as a sum of |x| / bs: no overflow for any finite input (equal to
+        # ``mean`` bit for bit where bs is a power of 2); NaN- and Inf-propagating
+        mean = a.mul_(1.0 / self.block_size).sum(dim=1)
+        if finite is not None:
+            finite.logical_and_(torch.isfinite(mean).all())
+        elif not bool(torch.isfinite(mean).all()):
+            _raise_non_finite(x, self.name)
+        ok = mean >= _MIN_ABSMAX
+        scales.copy_(torch.where(ok, mean, 0.0))
+        # a flushed block's bits are all 1: it decodes to +0.0, never -0.0
+        self._pack_signs(xb.ge(0).logical_or_(ok.logical_not()[:, None]), data)
+
+    def _pack(self, y: torch.Tensor, data: torch.Tensor) -> None:
+        self._pack_signs(y.ge(0), data)
+
+    @staticmethod
+    def _pack_signs(signs: torch.Tensor, data: torch.Tensor) -> None:
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8,
+                               device=signs.device)
+        torch.sum(signs.view(-1, 8).to(torch.uint8).mul_(weights), dim=1, dtype=torch.uint8,
+                  out=data)
+
+    def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
+        table = _on(self._byte_table, out.device)
+        torch.index_select(table, 0, data.to(torch.int32), out=out.view(-1, 8))
+
+
 @functools.lru_cache(maxsize=32)
 def _table_on(table_id: int, table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table.to(device)
@@ -414,16 +471,20 @@ def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 _CODECS: dict[str, type[Codec]] = {
-    c.name: c for c in (Fp32Codec, Fp16Codec, Int8Codec, Int4Codec, Fp4Codec)
+    c.name: c for c in (Fp32Codec, Fp16Codec, Int8Codec, Int4Codec, Fp4Codec, Sign1Codec)
 }
+# block size a name implies where none is given (a scale per 1024 is 3% of a 1-bit payload)
+_DEFAULT_BLOCKS = {"sign1": 4096}
 
 
-def get_codec(name: str, block_size: int = 1024) -> Codec:
-    """Codec by name; ``block_size`` (elements per scale) is ignored by fp32 and fp16."""
+def get_codec(name: str, block_size: int | None = None) -> Codec:
+    """Codec by name; ``block_size`` (elements per scale; default the name's, 1024 for most)
+    is ignored by fp32 and fp16."""
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}")
     cls = _CODECS[name]
-    return cls(block_size) if issubclass(cls, _BlockCodec) else cls()
+    size = _DEFAULT_BLOCKS.get(name, DEFAULT_BLOCK_SIZE) if block_size is None else block_size
+    return cls(size) if issubclass(cls, _BlockCodec) else cls()
 
 
 DEFAULT_BLOCK_SIZE = 1024
@@ -449,9 +510,13 @@ class CodecSpec:
                              f"{MAX_BLOCK_SIZE}")
 
     @classmethod
-    def of(cls, name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> CodecSpec:
-        """``name`` with ``block_size`` if it has blocks, else with 0 (fp32/fp16)."""
-        return cls(name, block_size if name in BLOCK_CODECS else 0)
+    def of(cls, name: str, block_size: int | None = None) -> CodecSpec:
+        """``name`` with ``block_size`` (default: the name's own, 1024 for most) if it has
+        blocks, else with 0 (fp32/fp16)."""
+        if name not in BLOCK_CODECS:
+            return cls(name, 0)
+        return cls(name, _DEFAULT_BLOCKS.get(name, DEFAULT_BLOCK_SIZE) if block_size is None
+                   else block_size)
 
     @classmethod
     def parse(cls, text: str) -> CodecSpec:

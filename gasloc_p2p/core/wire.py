@@ -27,9 +27,20 @@ import torch
 if TYPE_CHECKING:
     from gasloc_p2p.core.codecs import CodecSpec
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "fp16", "int8", "int4", "fp4")
-BLOCK_CODECS = frozenset({"int8", "int4", "fp4"})
-_NIBBLE_CODECS = frozenset({"int4", "fp4"})
+# Bits per element on the wire, one line per codec (a block codec adds a float32 scale per
+# block before its data; its block size is a multiple of 8 / bits elements, so every block
+# starts on a byte).
+CODEC_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "fp4": 4, "sign1": 1}
+CODEC_NAMES: tuple[str, ...] = tuple(CODEC_BITS)
+BLOCK_CODECS = frozenset({"int8", "int4", "fp4", "sign1"})
+# sent only as a residual against a reference both ends of a link hold, never as parameters
+RESIDUAL_CODECS = frozenset({"sign1"})
+PLAIN_CODECS: tuple[str, ...] = tuple(c for c in CODEC_NAMES if c not in RESIDUAL_CODECS)
+
+
+def _data_offset(codec: str, start: int) -> int:
+    """The byte of a payload's data where element ``start`` begins (on a byte boundary)."""
+    return start * CODEC_BITS[codec] // 8
 
 
 def layout(codec: str, numel: int, block_size: int) -> tuple[int, int]:
@@ -38,14 +49,16 @@ def layout(codec: str, numel: int, block_size: int) -> tuple[int, int]:
         raise ValueError(f"unknown codec {codec!r}; valid codecs: {', '.join(CODEC_NAMES)}")
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
+    bits = CODEC_BITS[codec]
     if codec in BLOCK_CODECS:
-        if block_size < 2 or block_size % 2:
-            raise ValueError(f"{codec}: block_size must be a positive even int, got {block_size}")
-        n_data = (numel + 1) // 2 if codec in _NIBBLE_CODECS else numel
-        return -(-numel // block_size), n_data
+        multiple = max(2, 8 // bits)
+        if block_size < multiple or block_size % multiple:
+            raise ValueError(f"{codec}: block_size must be a positive multiple of {multiple}, "
+                             f"got {block_size}")
+        return -(-numel // block_size), -(-numel * bits // 8)
     if block_size != 0:
         raise ValueError(f"{codec} has no blocks: block_size must be 0, got {block_size}")
-    return 0, numel * (4 if codec == "fp32" else 2)
+    return 0, numel * bits // 8
 
 
 def _require_little_endian() -> None:
@@ -152,7 +165,7 @@ def run_index(codec: str, block_size: int, runs: list[tuple[int, int]],
         if block_size and (start % block_size or (n % block_size and i < len(runs) - 1)):
             raise ValueError(f"run [{start}, {start + n}) is not whole blocks of {block_size}")
         if block_size:
-            d0 = start // 2 if codec in _NIBBLE_CODECS else start
+            d0 = _data_offset(codec, start)
             scales.append(torch.arange(start // block_size, start // block_size + n_scales))
         else:
             d0 = start * (n_data // max(n, 1))
@@ -225,7 +238,7 @@ class Encoded:
             return Encoded(self.codec, numel, 0, self.data[start * width:(start + numel) * width],
                            self.scales)
         n_scales, n_data = layout(self.codec, numel, bs)
-        d0 = start // 2 if self.codec in _NIBBLE_CODECS else start
+        d0 = _data_offset(self.codec, start)
         s0 = start // bs
         return Encoded(self.codec, numel, bs, self.data[d0 : d0 + n_data],
                        self.scales[s0 : s0 + n_scales])

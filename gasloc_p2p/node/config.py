@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from gasloc_p2p.core.async_state import AsyncConfig
-from gasloc_p2p.core.codecs import CODEC_NAMES, MAX_BLOCK_SIZE, CodecSpec
+from gasloc_p2p.core.codecs import MAX_BLOCK_SIZE, PLAIN_CODECS, CodecSpec
 from gasloc_p2p.core.compress import parse_codec
 from gasloc_p2p.core.options import ConfigError as ConfigError  # part of this module's API
 from gasloc_p2p.core.options import check_outer_step, need, opt
@@ -69,7 +69,7 @@ class AlgorithmConfig(AsyncConfig):
 class GossipConfig:
     """Gossip exchanges: codec, rate, fragments, limits and per-stage timeouts."""
 
-    codec: str = opt("int8", f"payload codec: {' | '.join(CODEC_NAMES)}")
+    codec: str = opt("int8", f"payload codec: {' | '.join(PLAIN_CODECS)}")
     block_size: int = opt(1024, "quantization block, elements (int8/int4/fp4)", advanced=True)
     fragments: int = opt(1, "P: exchange one strided fragment of P per event (1: whole model); "
                             "streaming-diloco: fragments synced in turn")
@@ -177,7 +177,7 @@ class GossipConfig:
             min_z=self.guard_min_z, min_cosine=self.guard_min_cosine)
 
     def validate(self) -> None:
-        need(self.codec in CODEC_NAMES, "codec", self.codec, f"choose one of {CODEC_NAMES}")
+        need(self.codec in PLAIN_CODECS, "codec", self.codec, f"choose one of {PLAIN_CODECS}")
         need(2 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size % 2 == 0, "block_size",
               self.block_size, f"must be an even number in [2, {MAX_BLOCK_SIZE}] (try 1024)")
         need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")

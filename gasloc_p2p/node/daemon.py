@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from gasloc_p2p import __version__
-from gasloc_p2p.core.codecs import CODEC_NAMES
+from gasloc_p2p.core.codecs import PLAIN_CODECS
 from gasloc_p2p.node.config import ConfigError, NodeConfig
 from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
 from gasloc_p2p.node.discovery.dht import HivemindDiscovery
@@ -640,7 +640,7 @@ class Node:
         relays = self.listener.relays if self.listener is not None else ()
         return PeerInfo(self.me.peer_id, self.endpoint, PROTOCOL_VERSION, self.trainer.fingerprint,
                         self.train_stats.step, self.train_stats.tokens_per_s, self.reachable,
-                        CODEC_NAMES, self.cfg.outer.algorithm, self.tls.cert_der, relays)
+                        PLAIN_CODECS, self.cfg.outer.algorithm, self.tls.cert_der, relays)
 
     def info(self) -> pb.InfoReply:
         t, x = self.train_stats, self.stats

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-from gasloc_p2p.core.codecs import BLOCK_CODECS, CODEC_NAMES, CodecSpec
+from gasloc_p2p.core.codecs import BLOCK_CODECS, PLAIN_CODECS, CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.wire import DIGEST_BYTES
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
@@ -298,7 +298,7 @@ def accepted_codecs(own: CodecSpec) -> frozenset[CodecSpec]:
     sizes and the node's own."""
     sizes = {*STANDARD_BLOCK_SIZES, *((own.block_size,) if own.has_blocks else ())}
     return frozenset(CodecSpec(name, size if name in BLOCK_CODECS else 0)
-                     for name in CODEC_NAMES for size in sizes)
+                     for name in PLAIN_CODECS for size in sizes)
 
 
 def header_codec(h: pb.Header) -> CodecSpec:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from gasloc_p2p.core.async_state import exchange_weight
+from gasloc_p2p.core.async_state import MAX_STALENESS, exchange_weight
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
 from gasloc_p2p.core.wire import PayloadHasher
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
@@ -102,14 +102,16 @@ class Rules:
     accepted: frozenset[CodecSpec]  # what it accepts in a peer's header
     w: float  # the gossip weight at staleness 0 (1/2: the pair average)
     timeouts: Timeouts
+    max_staleness: int = MAX_STALENESS  # round ends at full weight (the simulator may vary it)
 
     @classmethod
-    def build(cls, me: Identity, codec: CodecSpec, w: float, timeouts: Timeouts) -> Rules:
-        return cls(me, codec, accepted_codecs(codec), w, timeouts)
+    def build(cls, me: Identity, codec: CodecSpec, w: float, timeouts: Timeouts,
+              max_staleness: int = MAX_STALENESS) -> Rules:
+        return cls(me, codec, accepted_codecs(codec), w, timeouts, max_staleness)
 
     def weight(self, staleness: int) -> float:
         """The exchange's gossip weight; both sides know both round counts, so they agree."""
-        return exchange_weight(self.w, staleness)
+        return exchange_weight(self.w, staleness, self.max_staleness)
 
 
 class Role(enum.Enum):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gasloc_p2p.core.codecs import CODEC_NAMES, CodecSpec
+from gasloc_p2p.core.codecs import PLAIN_CODECS, CodecSpec
 from gasloc_p2p.core.compress import REFERENCES, PayloadSpec, parse_codec
 from gasloc_p2p.core.modulo import ModuloSpec
 from gasloc_p2p.core.options import ConfigError, check_outer_step, opt
 from gasloc_p2p.core.outer import momentum_forms
 from gasloc_p2p.core.sparse import SparseSpec
 from gasloc_p2p.core.topology import GRAPHS, MATCHINGS, acid_parameters
+from gasloc_p2p.core.wire import RESIDUAL_CODECS
 
 TASKS = ("lm", "consensus")
 ALGORITHMS = ("gasloc", "diloco", "streaming-diloco", "gossip-sgd", "local")
@@ -74,6 +75,9 @@ class SimConfig:
     reference: str = opt("theta0", "gossip with a sparse codec: what messages are taken "
                                    "against: theta0 (no state) or link (one copy per pair of "
                                    "peers, CHOCO-style)")
+    max_staleness: int = opt(1, "gossip: round ends (both sides together) an exchange may "
+                                "span at full weight; beyond, its weight is divided by 1 + "
+                                "the excess (the daemon's rule, at 1)")
     ef_beta: float = opt(1.0, "diloco and streaming-diloco with a sparse codec: decay of the "
                               "error-feedback accumulator (SparseLoCo's beta; 1: plain error "
                               "feedback)")
@@ -198,8 +202,11 @@ class SimConfig:
             (self.graph in GRAPHS, f"unknown graph {self.graph!r}; choose from {GRAPHS}"),
             (self.matching in MATCHINGS, f"unknown matching {self.matching!r}; {MATCHINGS}"),
             (_parses(self.codec),
-             f"unknown codec {self.codec!r}; choose none, one of {CODEC_NAMES}, a sparse "
+             f"unknown codec {self.codec!r}; choose none, one of {PLAIN_CODECS}, a sparse "
              "codec such as topk2:41, randk8:123, dense2, or a modulo one: mod3, mod3:1365"),
+            (self.codec.partition(":")[0] not in RESIDUAL_CODECS,
+             f"{self.codec} is the daemon's residual payload (dense1 against a link "
+             "reference): use --codec dense1 --reference link"),
             (not (_parses(self.codec) and self.modulo)
              or self.algorithm in ("gasloc", "gossip-sgd"),
              "modulo codecs (mod3, ...) are gossip payloads: --algorithms gasloc or gossip-sgd"),
@@ -208,6 +215,7 @@ class SimConfig:
                                             and self.algorithm in ("gasloc", "gossip-sgd")),
              "--reference applies to gasloc and gossip-sgd with a sparse codec"),
             (0.0 <= self.ef_beta <= 1.0, "--ef-beta must be in [0, 1]"),
+            (self.max_staleness >= 0, "--max-staleness must be >= 0"),
             (self.ef_beta == 1.0 or (_parses(self.codec) and self.sparse
                                      and self.algorithm in ("diloco", "streaming-diloco")),
              "--ef-beta applies to diloco and streaming-diloco with a sparse codec"),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gasloc_p2p.core.async_state import AsyncGaslocState, exchange_weight
+from gasloc_p2p.core.async_state import MAX_STALENESS, AsyncGaslocState, exchange_weight
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
@@ -52,12 +52,17 @@ class Pending:
 
 
 class Exchanger(abc.ABC):
-    """Pairwise exchanges among ``states``; ``fragments`` indexed by position."""
+    """Pairwise exchanges among ``states``; ``fragments`` indexed by position;
+    ``max_staleness``: round ends an exchange may span at full weight."""
 
     def __init__(self, states: Sequence[AsyncGaslocState],
                  fragments: Sequence[Fragment]) -> None:
         self.states = list(states)
         self.fragments = list(fragments)
+        self.max_staleness = MAX_STALENESS
+
+    def weight(self, w: float, staleness: int) -> float:
+        return exchange_weight(w, staleness, self.max_staleness)
 
     @abc.abstractmethod
     def begin(self, i: int, j: int, fragment: int) -> Pending:
@@ -83,14 +88,15 @@ class ProtocolExchanger(Exchanger):
 
     def __init__(self, states: Sequence[AsyncGaslocState], theta0: torch.Tensor,
                  fragments: Sequence[Fragment], spec: CodecSpec, w: float,
-                 peer_ids: Sequence[str] | None = None) -> None:
+                 peer_ids: Sequence[str] | None = None,
+                 max_staleness: int = MAX_STALENESS) -> None:
         super().__init__(states, fragments)
         never = Timeouts(math.inf, math.inf, math.inf)
         ids = list(peer_ids) if peer_ids is not None else [str(i) for i in range(len(states))]
-        self.spec = spec
+        self.spec, self.max_staleness = spec, max_staleness
         self.engines = [ExchangeEngine(s, theta0, fragments, NoLock()) for s in states]
-        self.rules = [Rules.build(Identity(SIM_RUN, SIM_FINGERPRINT, ids[i]), spec, w, never)
-                      for i in range(len(states))]
+        self.rules = [Rules.build(Identity(SIM_RUN, SIM_FINGERPRINT, ids[i]), spec, w, never,
+                                  max_staleness) for i in range(len(states))]
 
     def begin(self, i: int, j: int, fragment: int) -> Pending:
         link = MemoryExchange((self.rules[i], self.engines[i]), (self.rules[j], self.engines[j]),
@@ -126,7 +132,7 @@ class ExactExchanger(Exchanger):
         assert pend.p_i is not None and pend.p_j is not None
         si, sj = self.states[pend.i], self.states[pend.j]
         staleness = (si.rounds - pend.rounds_i) + (sj.rounds - pend.rounds_j)
-        w = exchange_weight(self.w, staleness)
+        w = self.weight(self.w, staleness)
         c = (pend.p_j - pend.p_i).mul_(w)
         si.apply_correction(c, pend.fragment)
         sj.apply_correction(c.neg_(), pend.fragment)

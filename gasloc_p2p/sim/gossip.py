@@ -71,7 +71,9 @@ class GossipSim:
             if isinstance(spec, ModuloSpec)
             else SparseExchanger(self.states, sim.theta0, known, spec, w, cfg.reference,
                                  cfg.seed) if isinstance(spec, SparseSpec)
-            else ProtocolExchanger(self.states, sim.theta0, known, spec, w))
+            else ProtocolExchanger(self.states, sim.theta0, known, spec, w,
+                                   max_staleness=cfg.max_staleness))
+        self.exchanger.max_staleness = cfg.max_staleness  # the others read it at each commit
         self.edges = graph_edges(cfg.graph, n)
         self.neighbours: list[list[int]] = [[] for _ in range(n)]
         for i, j in self.edges:

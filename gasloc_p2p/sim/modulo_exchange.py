@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from gasloc_p2p.core import modulo
-from gasloc_p2p.core.async_state import AsyncGaslocState, exchange_weight
+from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.compress import exchange_seed
 from gasloc_p2p.core.flat import Fragment
@@ -44,7 +44,7 @@ class ModuloExchanger(ExactExchanger):
         assert pend.p_i is not None and pend.p_j is not None
         si, sj = self.states[pend.i], self.states[pend.j]
         staleness = (si.rounds - pend.rounds_i) + (sj.rounds - pend.rounds_j)
-        w = exchange_weight(self.w, staleness)
+        w = self.weight(self.w, staleness)
         key = pend.fragment.index
         di, dj = self.distances[pend.i].get(key), self.distances[pend.j].get(key)
         seed = exchange_seed(self.seed, self.counter)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gasloc_p2p.core.async_state import AsyncGaslocState, exchange_weight
+from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.compress import (
     LinkReference,
     exchange_seed,
@@ -62,7 +62,7 @@ class SparseExchanger(Exchanger):
         assert pend.p_i is not None and pend.p_j is not None
         si, sj = self.states[pend.i], self.states[pend.j]
         staleness = (si.rounds - pend.rounds_i) + (sj.rounds - pend.rounds_j)
-        w = exchange_weight(self.w, staleness)
+        w = self.weight(self.w, staleness)
         seed = exchange_seed(self.seed, self.counter)
         self.counter += 1
         ref = self.reference_of(pend.i, pend.j, pend.fragment)
