@@ -425,7 +425,10 @@ class Sign1Codec(_BlockCodec):
         super()._encode_into(x, out, finite, clobber)
         n, bs = x.numel(), self.block_size
         if n % bs:  # the padded tail's mean counted its zeros: over its own elements instead
-            out.scales[-1:].mul_(bs / (n % bs))
+            a = x[n - n % bs :].float().abs()[None]
+            mean = a.mean(dim=1)  # as a full block's where it does not overflow
+            mean = torch.where(torch.isfinite(mean), mean, a.mul_(1.0 / (n % bs)).sum(dim=1))
+            out.scales[-1:].copy_(torch.where(out.scales[-1:] > 0, mean, 0.0))
         if n % 8:  # the last byte's bits past the end are 0 (the padding's signs are not sent)
             out.data[-1:].bitwise_and_((1 << (n % 8)) - 1)
 

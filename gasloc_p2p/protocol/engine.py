@@ -47,7 +47,14 @@ import torch
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.wire import RunIndex, payload_buffer, payload_digest, run_index
+from gasloc_p2p.core.links import Decode, Link, LinkCache, next_state, seed_state
+from gasloc_p2p.core.wire import (
+    RESIDUAL_CODECS,
+    RunIndex,
+    payload_buffer,
+    payload_digest,
+    run_index,
+)
 from gasloc_p2p.protocol import fused, streamed
 from gasloc_p2p.protocol.blame import Ledger, LossGate, PushMeter
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
@@ -79,6 +86,11 @@ class Prepared:
     pushed: torch.Tensor | None = None
     weight: float = 0.0  # the weight the commit applied (set by ``commit``)
     taken_back: str = ""  # why the loss gate took this side's correction back ("full", "bad")
+    # residual payloads: the link whose reference the payload was encoded against
+    # (core/links.py); a plain exchange that seeds one sets ``seed`` before the commit
+    link: Link | None = None
+    seed: bool = False
+    peer_digest: bytes = b""  # the peer's payload digest (set by ``check``): the link's chain
 
 
 class UrgentLock(Protocol):
@@ -151,6 +163,9 @@ class ExchangeEngine:
         self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
         self.stream_payloads = stream_payloads
         self.kernels = fused.usable(self.device) if kernels is None else kernels
+        # residual payloads' references, one per linked peer and fragment (host memory)
+        self.links: LinkCache | None = None
+        self._meter_elems: dict[tuple[int, int], torch.Tensor] = {}  # sampled elements
 
     def streams(self, spec: CodecSpec) -> bool:
         """Whether exchanges of ``spec`` stream their payloads (int8 only)."""
@@ -187,9 +202,10 @@ class ExchangeEngine:
 
     # ------------------------------------------------------------------ phases
     def prepare(self, peer_id: str, fragment_index: int, spec: CodecSpec,
-                block: str = "") -> Prepared:
+                block: str = "", link: Link | None = None) -> Prepared:
         """Snapshot the public iterate of one fragment and encode it into a fresh payload
-        (``block``: the peer's address block, for the guard).
+        (``block``: the peer's address block, for the guard; ``link``: a residual codec's
+        reference, whose chunks are subtracted before encoding).
 
         Under the training lock, per chunk: ``p`` into scratch (the anchor's chunk uploaded
         from host memory if the state keeps one there), the codec writing into the payload's
@@ -197,6 +213,12 @@ class ExchangeEngine:
         payload). Then, without the lock, one wait and one read of the finiteness flag.
         """
         fragment = self.fragments[fragment_index]
+        if (spec.name in RESIDUAL_CODECS) != (link is not None):
+            raise ValueError(f"{spec.name} payloads are residuals against a link: "
+                             f"{'no link given' if link is None else 'a link for a plain one'}")
+        if link is not None and link.ref.numel() != fragment.numel:
+            raise ValueError(f"link of {link.ref.numel()} elements for fragment "
+                             f"{fragment.index} of {fragment.numel}")
         codec, step = spec.codec(), chunk_elems(spec, self.device, self.chunk)
         pin = self.stream is not None
         payload, encoded = Encoded.empty(spec.name, fragment.numel, spec.block_size, pin=pin)
@@ -213,6 +235,8 @@ class ExchangeEngine:
                 x = work[:n]
                 for start, length, o in pieces:
                     self.state.public_chunk(start, start + length, out=x[o : o + length])
+                if link is not None:  # the residual against the pair's reference
+                    x.sub_(link.ref[pos : pos + n].to(self.device, non_blocking=True))
                 if staged is None:  # straight into the payload's memory
                     codec.encode_into(x, encoded.view(pos, n), finite=finite)
                     continue
@@ -225,7 +249,8 @@ class ExchangeEngine:
         if not read([finite])[0]:
             raise NonFiniteError("this node's public iterate holds NaN or Inf (or values out of "
                                  f"{spec.name}'s range): nothing is sent")
-        return Prepared(peer_id, fragment, rounds0, encoded, payload, payload_digest(payload), block)
+        return Prepared(peer_id, fragment, rounds0, encoded, payload, payload_digest(payload), block,
+                        link=link)
 
     def _prepare_streamed(self, peer_id: str, fragment: Fragment, spec: CodecSpec,
                           payload: bytearray | memoryview, encoded: Encoded,
@@ -316,6 +341,8 @@ class ExchangeEngine:
         if not hmac.compare_digest(seen, digest):
             raise ValueError("payload does not match the SHA-256 its sender signed")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
+        if prep is not None:
+            prep.peer_digest = digest
         if self.streams(spec):
             self._check_streamed(spec, received, prep)
             return received
@@ -381,6 +408,10 @@ class ExchangeEngine:
             mine = codec.decode(mine_enc.view(pos, n), a[:n])
             theirs = codec.decode(theirs_enc.view(pos, n), b[:n])
             sums[0] += torch.dist(theirs, mine).square()
+            if prep.link is not None:  # residuals: the iterates are the reference plus them
+                ref = prep.link.ref[pos : pos + n].to(self.device, non_blocking=True)
+                mine.add_(ref)
+                theirs.add_(ref)
             for start, length, o in pieces:  # displacements from theta_0 (bfloat16 is fine)
                 t0 = self.theta0[start : start + length].to(self.device, non_blocking=True)
                 mine[o : o + length].sub_(t0)
@@ -432,8 +463,10 @@ class ExchangeEngine:
             return codec.decode(enc.select(index).to("cpu")).float()
 
         mine = sample(prep.encoded)
+        prep.pushed = sample(received) - mine  # a link's reference cancels
+        if prep.link is not None:  # the node's iterate on the sample: the reference's too
+            mine += prep.link.ref.index_select(0, self._meter_elements(frag, spec.block_size))
         meter.seen(frag.index, spec.block_size, self.state.rounds, mine)
-        prep.pushed = sample(received) - mine
         limit = self.meter_limit * self.guard.drift(frag.index)
         step = self.guard.w * clip * prep.pushed
         room = self.meter.room(frag.index, spec.block_size, self.state.rounds, step, limit)
@@ -445,6 +478,17 @@ class ExchangeEngine:
                 # bound: a push in one direction, not a pull towards the swarm
                 self.guard.demerit(prep.peer_id, prep.block)
         return room
+
+    def _meter_elements(self, frag: Fragment, block_size: int) -> torch.Tensor:
+        """The fragment positions of the meter's sampled runs (int64, host), once per
+        fragment and block size."""
+        key = (frag.index, block_size)
+        if key not in self._meter_elems:
+            assert self.meter is not None
+            runs = self.meter.runs(frag.index, frag.numel, block_size)
+            self._meter_elems[key] = torch.cat([torch.arange(s, s + n) for s, n in runs]
+                                               or [torch.zeros(0, dtype=torch.int64)])
+        return self._meter_elems[key]
 
     def _base2_of(self, fragment: Fragment) -> float:
         """``||theta_0||^2`` over the fragment, once per fragment (theta_0 never changes)."""
@@ -500,7 +544,30 @@ class ExchangeEngine:
                 prep.weight = 0.0  # for itself, as with a clip)
                 square = torch.zeros((), device=self.device)
             moved = self._moved(before)
-        return self._committed(prep, square, moved)
+        norm = self._committed(prep, square, moved)
+        self._fold_link(prep, received)
+        return norm
+
+    def _fold_link(self, prep: Prepared, received: Encoded) -> None:
+        """After a commit: a residual exchange moves its link's reference to the middle of
+        the two messages; a plain one marked ``seed`` starts the link there (core/links.py).
+        Whatever either side's weight was: the reference follows the messages alone, so both
+        ends compute it alike. Host work on the payloads' host memory."""
+        if prep.link is None and not prep.seed:
+            return
+        codec = prep.encoded.spec.codec()
+        mine, theirs = prep.encoded, received.to("cpu")
+
+        def decoder(enc: Encoded) -> Decode:
+            return lambda pos, n, out: codec.decode(enc.view(pos, n), out)
+
+        if prep.link is not None:
+            prep.link.fold(decoder(mine), decoder(theirs), False,
+                           next_state(prep.link.state, prep.digest, prep.peer_digest))
+        elif self.links is not None:
+            link = self.links.slot(prep.peer_id, prep.fragment.index, prep.fragment.numel)
+            link.fold(decoder(mine), decoder(theirs), True,
+                      seed_state(prep.digest, prep.peer_digest))
 
     def _version(self) -> tuple[int, int] | None:
         """The parameters' version under the lock (the trainer's holds, the urgent writes;

@@ -1,0 +1,147 @@
+"""Link references for residual payloads (``core/links.py``, ``sign1``): the cache, the chained
+state, and exchanges through two real engines: a plain int8 exchange seeds the link, residual
+exchanges then keep the pair's sum exactly, leave both references bit for bit alike, cost 8x
+fewer bytes than int8 and lose less and less as the reference catches up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.compress import LinkReference, pair_correction
+from gasloc_p2p.core.flat import Fragment, whole
+from gasloc_p2p.core.links import LinkCache, next_state, seed_state
+from gasloc_p2p.core.sparse import SparseSpec, encode
+from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock, Prepared
+from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
+
+NUMEL = 3 * 4096 + 1000  # several blocks of 4096 and a partial one
+INT8, SIGN1 = CodecSpec.of("int8"), CodecSpec.of("sign1")
+STRIDED = Fragment(0, [(0, 1500), (4000, 5000), (11000, NUMEL - 11000)])
+
+
+def test_cache_evicts_the_least_recently_used_and_reuses_its_memory():
+    cache = LinkCache(2)
+    a = cache.slot("A", 0, 10)
+    b = cache.slot("B", 0, 10)
+    assert cache.get("A", 0) is a  # A is now the most recent: B goes first
+    ref_b = b.ref
+    c = cache.slot("C", 0, 10)
+    assert cache.get("B", 0) is None and len(cache) == 2
+    assert c.ref is ref_b  # the evicted link's memory, same size
+    assert cache.slot("D", 0, 7).ref.numel() == 7  # another size: new memory
+    assert cache.drop("D", 0) and not cache.drop("D", 0)
+    assert cache.state("nobody", 0) == b""
+    assert LinkCache.nbytes(4, 1000) == 16_000
+    with pytest.raises(ValueError, match="at least one"):
+        LinkCache(0)
+
+
+def test_the_state_chains_both_digests_in_either_order():
+    d1, d2, d3 = bytes(32), bytes([1]) * 32, bytes([2]) * 32
+    s = seed_state(d1, d2)
+    assert s == seed_state(d2, d1) and len(s) == 32
+    assert next_state(s, d1, d3) == next_state(s, d3, d1)
+    assert len({s, next_state(s, d1, d2), next_state(s, d1, d3), seed_state(d1, d3)}) == 4
+
+
+def _engines(fragment: Fragment) -> list[ExchangeEngine]:
+    theta0 = torch.randn(NUMEL, generator=torch.Generator().manual_seed(9))
+    common = torch.randn(NUMEL, generator=torch.Generator().manual_seed(8))  # shared training
+    engines = []
+    for seed in (0, 1):
+        gen = torch.Generator().manual_seed(seed)
+        theta = theta0 + 0.02 * common + 0.01 * torch.randn(NUMEL, generator=gen)
+        state = AsyncGaslocState(theta, theta0.clone(), AsyncConfig())
+        engine = ExchangeEngine(state, theta0.to(torch.bfloat16), [fragment], NoLock(), 4096)
+        engine.links = LinkCache(2)
+        engine.guard = UpdateGuard(GuardRule(trust_after=1, round_budget=1e30,
+                                             block_budget=1e30))
+        engine.guard.round_end({0: 1.0})
+        engines.append(engine)
+    return engines
+
+
+def _exchange(engines: list[ExchangeEngine], spec: CodecSpec, seed: bool = False,
+              weight: float = 0.5) -> tuple[Prepared, Prepared]:
+    links = [e.links.get(peer, 0) if spec == SIGN1 else None
+             for e, peer in zip(engines, ("B", "A"), strict=True)]
+    a = engines[0].prepare("B", 0, spec, link=links[0])
+    b = engines[1].prepare("A", 0, spec, link=links[1])
+    numel = a.fragment.numel
+    got_b = engines[0].check(spec, numel, bytearray(b.payload), b.digest, a)
+    got_a = engines[1].check(spec, numel, bytearray(a.payload), a.digest, b)
+    a.seed = b.seed = seed
+    norms = engines[0].commit(a, got_b, weight), engines[1].commit(b, got_a, weight)
+    assert norms[0] == norms[1] > 0  # c_i = -c_j bit for bit
+    return a, b
+
+
+@pytest.mark.parametrize("fragment", [whole(NUMEL), STRIDED], ids=["whole", "strided"])
+def test_residual_exchanges_keep_the_sum_and_the_references_alike(fragment):
+    engines = _engines(fragment)
+    with pytest.raises(ValueError, match="residuals against a link"):
+        engines[0].prepare("B", 0, SIGN1)  # no link yet
+    _exchange(engines, INT8, seed=True)  # a plain exchange seeds the link on both sides
+    la, lb = engines[0].links.get("B", 0), engines[1].links.get("A", 0)
+    assert la is not None and lb is not None
+    assert torch.equal(la.ref, lb.ref) and la.state == lb.state and la.exchanges == 1
+    sizes, gaps = [], []
+    for _ in range(6):
+        for e in engines:  # each side trains on between exchanges: the iterates move apart
+            e.state.theta.add_(0.002 * torch.randn(NUMEL))
+        before = sum(e.state.theta.double() for e in engines)
+        gap_before = gap(engines, fragment)
+        a, b = _exchange(engines, SIGN1)
+        after = sum(e.state.theta.double() for e in engines)
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-5)  # the pair's sum kept
+        assert torch.equal(la.ref, lb.ref) and la.state == lb.state
+        sizes.append(len(a.payload))
+        gaps.append((gap_before, gap(engines, fragment)))
+    assert la.exchanges == 7
+    assert sizes[0] * 7.9 <= INT8.codec().wire_bytes(fragment.numel)  # 8x fewer bytes
+    # each residual exchange pulls the pair's public iterates together (a 1-bit code of what
+    # the reference has not caught up with: the pull is about half, less its error)
+    assert all(after < 0.75 * before for before, after in gaps), gaps
+
+
+def gap(engines: list[ExchangeEngine], fragment: Fragment) -> float:
+    a, b = (e.state.public_iterate(fragment) for e in engines)
+    return float((a - b).norm())
+
+
+def test_a_commit_one_side_missed_leaves_the_states_apart():
+    """A link used out of step would decode garbage: the chained state tells the two ends
+    apart after a commit only one of them made."""
+    engines = _engines(whole(NUMEL))
+    _exchange(engines, INT8, seed=True)
+    la, lb = engines[0].links.get("B", 0), engines[1].links.get("A", 0)
+    a = engines[0].prepare("B", 0, SIGN1, link=la)
+    b = engines[1].prepare("A", 0, SIGN1, link=lb)
+    got_b = engines[0].check(SIGN1, NUMEL, bytearray(b.payload), b.digest, a)
+    engines[0].commit(a, got_b, 0.5)  # B never commits (its Commit was lost)
+    assert la.state != lb.state
+
+
+def test_a_residual_exchange_equals_the_simulators_link_exchange():
+    """The daemon's sign1 against a link is the simulator's dense1 against a link reference
+    (``--codec dense1 --reference link``), whose study decided it: same correction and same
+    reference afterwards, from the same reference and iterates."""
+    engines = _engines(whole(NUMEL))
+    _exchange(engines, INT8, seed=True)
+    la = engines[0].links.get("B", 0)
+    ref = LinkReference(la.ref.clone())
+    p = [e.state.public_iterate(whole(NUMEL)).clone() for e in engines]
+    spec = SparseSpec.parse("dense1")
+    m_a, m_b = (encode(spec, x - ref.ref) for x in p)
+    want = pair_correction(m_a, m_b, 0.5)
+    ref.update(m_a, m_b)
+    before = engines[0].state.theta.double()
+    _exchange(engines, SIGN1)
+    # theta + c rounds to theta's float32 grid (|theta| < 8: within half an ulp, 4.8e-7)
+    torch.testing.assert_close(engines[0].state.theta.double() - before, want.double(),
+                               rtol=0, atol=4.8e-7)
+    assert float(want.abs().max()) > 1e-3  # the correction is far above that rounding
+    assert torch.equal(la.ref, ref.ref)
