@@ -5,6 +5,8 @@ fewer bytes than int8 and lose less and less as the reference catches up."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,22 +18,25 @@ from gasloc_p2p.core.links import LinkCache, next_state, seed_state
 from gasloc_p2p.core.sparse import SparseSpec, encode
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock, Prepared
 from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
+from gasloc_p2p.protocol.memory import MemoryExchange
+from gasloc_p2p.protocol.messages import LINK_OUT_OF_STEP, PROTOCOL_VERSION, Identity, Rejected
+from gasloc_p2p.protocol.session import Rules, Timeouts
 
 NUMEL = 3 * 4096 + 1000  # several blocks of 4096 and a partial one
 INT8, SIGN1 = CodecSpec.of("int8"), CodecSpec.of("sign1")
 STRIDED = Fragment(0, [(0, 1500), (4000, 5000), (11000, NUMEL - 11000)])
 
 
-def test_cache_evicts_the_least_recently_used_and_reuses_its_memory():
+def test_cache_evicts_the_least_recently_used():
     cache = LinkCache(2)
     a = cache.slot("A", 0, 10)
     b = cache.slot("B", 0, 10)
     assert cache.get("A", 0) is a  # A is now the most recent: B goes first
-    ref_b = b.ref
     c = cache.slot("C", 0, 10)
     assert cache.get("B", 0) is None and len(cache) == 2
-    assert c.ref is ref_b  # the evicted link's memory, same size
-    assert cache.slot("D", 0, 7).ref.numel() == 7  # another size: new memory
+    assert c.ref.data_ptr() != b.ref.data_ptr()  # an exchange in flight may still hold B's
+    assert cache.slot("C", 0, 10) is c  # re-seeding keeps the link object
+    assert cache.slot("D", 0, 7).ref.numel() == 7
     assert cache.drop("D", 0) and not cache.drop("D", 0)
     assert cache.state("nobody", 0) == b""
     assert LinkCache.nbytes(4, 1000) == 16_000
@@ -145,3 +150,58 @@ def test_a_residual_exchange_equals_the_simulators_link_exchange():
                                rtol=0, atol=4.8e-7)
     assert float(want.abs().max()) > 1e-3  # the correction is far above that rounding
     assert torch.equal(la.ref, ref.ref)
+
+
+def _rules(peer: str, codec: CodecSpec) -> Rules:
+    never = Timeouts(math.inf, math.inf, math.inf)
+    return Rules.build(Identity("run", "model", peer), codec, 0.5, never)
+
+
+def test_the_protocol_seeds_uses_and_reseeds_links():
+    """Through the sessions (the daemon's protocol, in memory): a pair's first exchange is
+    plain int8 and seeds the link on both sides, the next ones send sign1 against it; a link
+    one side lost is refused in the Header (LINK_OUT_OF_STEP, nothing applied), both drop it
+    and the exchange after that seeds again. A node without links gets plain int8 only."""
+    engines = _engines(whole(NUMEL))
+    sides = [(_rules(peer, SIGN1), e) for peer, e in zip(("A", "B"), engines, strict=True)]
+    first, _ = MemoryExchange(sides[0], sides[1], 0).run()
+    assert first.bytes_sent == INT8.codec().wire_bytes(NUMEL)  # plain, seeding
+    la, lb = engines[0].links.get("B", 0), engines[1].links.get("A", 0)
+    assert la is not None and lb is not None and la.state == lb.state
+    second, _ = MemoryExchange(sides[1], sides[0], 0).run()  # B initiates this time
+    assert second.bytes_sent == SIGN1.codec().wire_bytes(NUMEL)
+    assert la.exchanges == lb.exchanges == 2 and torch.equal(la.ref, lb.ref)
+    engines[1].links.drop("A", 0)  # B restarted, say
+    before = [e.state.theta.clone() for e in engines]
+    with pytest.raises(Rejected) as refused:
+        MemoryExchange(sides[0], sides[1], 0).run()
+    assert refused.value.code == LINK_OUT_OF_STEP
+    assert all(torch.equal(b, e.state.theta) for b, e in zip(before, engines, strict=True))
+    assert engines[0].links.get("B", 0) is None  # A dropped its side on the Reject
+    third, _ = MemoryExchange(sides[0], sides[1], 0).run()
+    assert third.bytes_sent == INT8.codec().wire_bytes(NUMEL)  # seeds again
+    assert engines[0].links.get("B", 0).state == engines[1].links.get("A", 0).state
+    plain = (_rules("C", INT8), _engines(whole(NUMEL))[1])
+    plain[1].links = None
+    out, _ = MemoryExchange(sides[0], plain, 0).run()
+    assert out.bytes_sent == INT8.codec().wire_bytes(NUMEL)
+    assert engines[0].links.get("C", 0) is None  # C keeps no links: nothing seeded
+
+
+def test_a_residual_header_must_name_a_link_state():
+    """check_header: sign1 with no (or a short) link state, or with a seed, is a bad request;
+    a node that keeps no links accepts no residual payload at all."""
+    from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+    from gasloc_p2p.protocol.messages import accepted_codecs, check_header
+    me = Identity("run", "model", "B")
+    frag = [whole(NUMEL)]
+    base = dict(protocol_version=PROTOCOL_VERSION, run_id="run", model_fingerprint="model",
+                peer_id="A", codec="sign1", block_size=4096, fragment_index=0,
+                fragment_count=1, fragment_numel=NUMEL, payload_digest=bytes(32),
+                payload_bytes=SIGN1.codec().wire_bytes(NUMEL))
+    ok = pb.Header(**base, link_state=bytes(32))
+    assert check_header(ok, me, frag, accepted_codecs(SIGN1)) is None
+    for bad in (pb.Header(**base), pb.Header(**base, link_state=bytes(31)),
+                pb.Header(**base, link_state=bytes(32), link_seed=True)):
+        assert "link state" in check_header(bad, me, frag, accepted_codecs(SIGN1)).message
+    assert "not accepted" in check_header(ok, me, frag, accepted_codecs(INT8)).message

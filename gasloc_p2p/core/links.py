@@ -110,18 +110,17 @@ class LinkCache:
         return self._links.pop((peer_id, fragment), None) is not None
 
     def slot(self, peer_id: str, fragment: int, numel: int) -> Link:
-        """A link to be seeded: the existing one, else a new one in a free slot or in the
-        least recently used one's memory (reused when its size fits). Its reference is
-        uninitialised until :meth:`Link.fold` with ``seed``."""
+        """A link to be seeded: the existing one, else a new one, the least recently used
+        evicted when the cache is full. Its reference is uninitialised until
+        :meth:`Link.fold` with ``seed``. An evicted link's memory is not reused: an exchange
+        in flight may still hold it (it folds into a link no longer kept; the peer's next
+        residual payload against it is refused and the pair seeds again)."""
         key = (peer_id, fragment)
         link = self._links.pop(key, None)
         if link is None:
-            ref = None
             if len(self._links) >= self.capacity:
-                _, old = self._links.popitem(last=False)
-                ref = old.ref if old.ref.numel() == numel else None
-            if ref is None:
-                ref = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
+                self._links.popitem(last=False)
+            ref = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
             link = Link(peer_id, fragment, ref, b"")
         self._links[key] = link
         return link

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
+from gasloc_p2p.core.links import Link
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.engine import Prepared
 
@@ -34,13 +35,14 @@ class Send:
     msg: pb.ExchangeMsg
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Prepare:
-    """Run ``engine.prepare(peer_id, fragment, codec)``; then call ``prepared``."""
+    """Run ``engine.prepare(peer_id, fragment, codec, link=link)``; then call ``prepared``."""
 
     peer_id: str
     fragment: int
     codec: CodecSpec
+    link: Link | None = None  # a residual codec's link (core/links.py)
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,9 @@ class MemoryExchange:
                  chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
         (rules_i, engine_i), (rules_r, engine_r) = initiator, responder
         peer = rules_r.me.peer_id
-        self.sides = (_Side(ExchangeSession.initiator(rules_i, engine_i, peer, fragment),
-                            engine_i),
+        # the responder keeps links where its codec is a residual one (a record says so)
+        self.sides = (_Side(ExchangeSession.initiator(rules_i, engine_i, peer, fragment,
+                                                      rules_r.links), engine_i),
                       _Side(ExchangeSession.responder(rules_r, engine_r), engine_r))
         self.chunk_bytes = chunk_bytes
         self._release = False  # payload chunks go straight to the peer (after open)
@@ -95,7 +96,8 @@ class MemoryExchange:
             other.inbox.append(act.msg)
             return []
         if isinstance(act, Prepare):
-            return s.prepared(me.engine.prepare(act.peer_id, act.fragment, act.codec))
+            return s.prepared(me.engine.prepare(act.peer_id, act.fragment, act.codec,
+                                                link=act.link))
         if isinstance(act, Admit):
             return s.admitted()
         if isinstance(act, SendPayload):

@@ -16,7 +16,8 @@ from typing import Any, Protocol, cast
 
 from gasloc_p2p.core.codecs import BLOCK_CODECS, PLAIN_CODECS, CodecSpec
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.wire import DIGEST_BYTES
+from gasloc_p2p.core.links import STATE_BYTES
+from gasloc_p2p.core.wire import DIGEST_BYTES, RESIDUAL_CODECS
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.auth import Signer, Verifier, peer_id_of
 from gasloc_p2p.protocol.engine import Prepared
@@ -39,6 +40,7 @@ RUN_MISMATCH = pb.RUN_MISMATCH
 BAD_REQUEST = pb.BAD_REQUEST
 INTERNAL = pb.INTERNAL
 UNAUTHENTICATED = pb.UNAUTHENTICATED
+LINK_OUT_OF_STEP = pb.LINK_OUT_OF_STEP
 REFUSED = "refused"  # all a caller that is not a member reads (the reason stays in our log)
 
 
@@ -103,14 +105,18 @@ class Identity:
         return cls(run_id, fingerprint, signer.peer_id, signer)
 
 
-def make_header(me: Identity, prep: Prepared, fragment_count: int) -> pb.ExchangeMsg:
+def make_header(me: Identity, prep: Prepared, fragment_count: int,
+                link_seed: bool = False) -> pb.ExchangeMsg:
+    """Our Header for ``prep``: a residual payload names its link's state; ``link_seed``
+    asks (or agrees) to seed a link with this plain exchange."""
     enc = prep.encoded
     return pb.ExchangeMsg(header=pb.Header(
         protocol_version=PROTOCOL_VERSION, run_id=me.run_id, model_fingerprint=me.fingerprint,
         peer_id=me.peer_id, codec=enc.codec, block_size=enc.block_size,
         fragment_index=prep.fragment.index, fragment_count=fragment_count,
         fragment_numel=prep.fragment.numel, payload_bytes=len(prep.payload),
-        payload_digest=prep.digest, rounds=prep.rounds0))
+        payload_digest=prep.digest, rounds=prep.rounds0,
+        link_state=prep.link.state if prep.link is not None else b"", link_seed=link_seed))
 
 
 HEADER_DOMAIN = "gasloc/header"
@@ -120,10 +126,12 @@ COMMIT_DOMAIN = "gasloc/commit"
 def header_fields(h: pb.Header, peer_nonce: bytes) -> list[object]:
     """What a header's signature covers: every field but the signature, and the other side's
     nonce."""
-    return [h.protocol_version, h.run_id, h.model_fingerprint, h.peer_id, h.codec,
-            h.block_size, h.fragment_index, h.fragment_count, h.fragment_numel,
-            h.payload_bytes, h.payload_digest, h.rounds, h.public_key, h.nonce, h.invitation,
-            peer_nonce]
+    fields = [h.protocol_version, h.run_id, h.model_fingerprint, h.peer_id, h.codec,
+              h.block_size, h.fragment_index, h.fragment_count, h.fragment_numel,
+              h.payload_bytes, h.payload_digest, h.rounds, h.public_key, h.nonce, h.invitation,
+              peer_nonce]
+    # the link fields only where set: a header without them verifies as before they existed
+    return fields + ([h.link_state, h.link_seed] if h.link_state or h.link_seed else [])
 
 
 def sign_header(msg: pb.ExchangeMsg, signer: Signer, nonce: bytes,
@@ -294,11 +302,13 @@ def abort(code: int, message: str) -> pb.ExchangeMsg:
 
 
 def accepted_codecs(own: CodecSpec) -> frozenset[CodecSpec]:
-    """The codec specs a node accepts in a peer's header: every codec, with the standard block
-    sizes and the node's own."""
+    """The codec specs a node accepts in a peer's header: every plain codec, with the
+    standard block sizes and the node's own; a residual codec only if it is the node's own
+    (it keeps links), at its own block size."""
     sizes = {*STANDARD_BLOCK_SIZES, *((own.block_size,) if own.has_blocks else ())}
-    return frozenset(CodecSpec(name, size if name in BLOCK_CODECS else 0)
-                     for name in PLAIN_CODECS for size in sizes)
+    plain = frozenset(CodecSpec(name, size if name in BLOCK_CODECS else 0)
+                      for name in PLAIN_CODECS for size in sizes)
+    return plain | ({own} if own.name in RESIDUAL_CODECS else set())
 
 
 def header_codec(h: pb.Header) -> CodecSpec:
@@ -334,6 +344,13 @@ def check_header(h: pb.Header, me: Identity, fragments: Sequence[Fragment],
         return ExchangeError(BAD_REQUEST, f"codec {spec} not accepted (block sizes "
                                           f"{', '.join(map(str, STANDARD_BLOCK_SIZES))} or ours)")
     codec = spec.codec()
+    if (spec.name in RESIDUAL_CODECS) != (len(h.link_state) == STATE_BYTES) or (
+            h.link_seed and spec.name in RESIDUAL_CODECS):
+        return ExchangeError(BAD_REQUEST, f"{spec.name} with a link state of "
+                                          f"{len(h.link_state)} bytes"
+                                          f"{' and a seed' if h.link_seed else ''}: a residual "
+                                          f"payload names its link's {STATE_BYTES}-byte state, "
+                                          "a plain one none")
     if len(h.payload_digest) != DIGEST_BYTES:
         return ExchangeError(BAD_REQUEST, f"payload digest of {len(h.payload_digest)} bytes, "
                                           f"not {DIGEST_BYTES}")
@@ -348,9 +365,10 @@ def check_reply_header(h: pb.Header, mine: pb.Header, me: Identity,
                        accepted: Collection[CodecSpec]) -> ExchangeError | None:
     """The responder's header must also echo our fragment and codec."""
     problem = check_header(h, me, fragments, accepted)
-    if problem is None and (h.fragment_index, h.codec, h.block_size) != (
-            mine.fragment_index, mine.codec, mine.block_size):
-        problem = ExchangeError(BAD_REQUEST, "reply header names another fragment or codec")
+    if problem is None and (h.fragment_index, h.codec, h.block_size, h.link_state) != (
+            mine.fragment_index, mine.codec, mine.block_size, mine.link_state):
+        problem = ExchangeError(BAD_REQUEST, "reply header names another fragment, codec or "
+                                             "link state")
     return problem
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from gasloc_p2p.core.async_state import MAX_STALENESS, exchange_weight
 from gasloc_p2p.core.codecs import CodecSpec, Encoded
-from gasloc_p2p.core.wire import PayloadHasher
+from gasloc_p2p.core.wire import RESIDUAL_CODECS, PayloadHasher
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import (
     Action,
@@ -57,6 +57,7 @@ from gasloc_p2p.protocol.messages import (
     BUSY,
     COMMIT_DOMAIN,
     INTERNAL,
+    LINK_OUT_OF_STEP,
     MAX_CHUNK_BYTES,
     PROTOCOL_VERSION,
     REFUSED,
@@ -109,9 +110,22 @@ class Rules:
               max_staleness: int = MAX_STALENESS) -> Rules:
         return cls(me, codec, accepted_codecs(codec), w, timeouts, max_staleness)
 
+    @property
+    def links(self) -> bool:
+        """This node sends residuals against links (its codec is one: sign1)."""
+        return self.codec.name in RESIDUAL_CODECS
+
+    @property
+    def plain(self) -> CodecSpec:
+        """What this node sends where it has no link: its codec, or int8 (which seeds one)."""
+        return SEED_CODEC if self.links else self.codec
+
     def weight(self, staleness: int) -> float:
         """The exchange's gossip weight; both sides know both round counts, so they agree."""
         return exchange_weight(self.w, staleness, self.max_staleness)
+
+
+SEED_CODEC = CodecSpec.of("int8")  # a links node's plain payload: it seeds a pair's link
 
 
 class Role(enum.Enum):
@@ -140,8 +154,12 @@ class ExchangeSession:
     """
 
     def __init__(self, rules: Rules, engine: ExchangeEngine, role: Role, peer_id: str = "",
-                 fragment: int = 0) -> None:
+                 fragment: int = 0, peer_links: bool = False) -> None:
         self.rules = rules
+        # links: the initiator's peer keeps links too (its record names a residual codec);
+        # seed: this side asks (initiator) or agrees (responder) to seed the pair's link
+        self.peer_links = peer_links
+        self._seed = False
         self.engine = engine
         self.role = role
         self.stage = Stage.PREPARING if role is Role.INITIATOR else Stage.HEADER
@@ -166,8 +184,9 @@ class ExchangeSession:
 
     @classmethod
     def initiator(cls, rules: Rules, engine: ExchangeEngine, peer_id: str,
-                  fragment: int) -> ExchangeSession:
-        return cls(rules, engine, Role.INITIATOR, peer_id, fragment)
+                  fragment: int, peer_links: bool = False) -> ExchangeSession:
+        """``peer_links``: the peer keeps links too (its record names a residual codec)."""
+        return cls(rules, engine, Role.INITIATOR, peer_id, fragment, peer_links)
 
     @classmethod
     def responder(cls, rules: Rules, engine: ExchangeEngine) -> ExchangeSession:
@@ -211,14 +230,24 @@ class ExchangeSession:
 
     # ----------------------------------------------------------------- events
     def start(self) -> list[Action]:
-        """Initiator: snapshot and encode."""
+        """Initiator: snapshot and encode (a residual against our link with the peer where
+        both keep links and ours exists; else plain, asking to seed one where both keep
+        them)."""
         assert self.role is Role.INITIATOR and self.stage is Stage.PREPARING
-        return [Prepare(self.peer_id, self.fragment, self.rules.codec)]
+        if not self.rules.links:
+            return [Prepare(self.peer_id, self.fragment, self.rules.codec)]
+        links = self.engine.links
+        link = (links.get(self.peer_id, self.fragment)
+                if links is not None and self.peer_links else None)
+        if link is not None:
+            return [Prepare(self.peer_id, self.fragment, self.rules.codec, link)]
+        self._seed = self.peer_links and links is not None
+        return [Prepare(self.peer_id, self.fragment, self.rules.plain)]
 
     def prepared(self, prep: Prepared) -> list[Action]:
         assert self.stage is Stage.PREPARING
         self._prep = prep
-        header = make_header(self.rules.me, prep, len(self.engine.fragments))
+        header = make_header(self.rules.me, prep, len(self.engine.fragments), self._seed)
         signer = self.rules.me.signer
         if signer is not None:  # the initiator's first Header: no peer nonce yet
             sign_header(header, signer, self._nonce,
@@ -257,7 +286,12 @@ class ExchangeSession:
         assert self.stage is Stage.ADMIT and self._peer is not None
         h = self._peer
         self.stage = Stage.PREPARING
-        return [Prepare(h.peer_id, h.fragment_index, header_codec(h))]
+        spec = header_codec(h)
+        link = (self.engine.links.get(h.peer_id, h.fragment_index)
+                if spec.name in RESIDUAL_CODECS and self.engine.links is not None else None)
+        if spec.name in RESIDUAL_CODECS and link is None:  # evicted since the header's check
+            return self._reject(ExchangeError(LINK_OUT_OF_STEP, "no link with you any more"))
+        return [Prepare(h.peer_id, h.fragment_index, spec, link)]
 
     def refused(self) -> list[Action]:
         return self._reject(ExchangeError(BUSY, "at the inbound limit or already exchanging "
@@ -335,11 +369,25 @@ class ExchangeSession:
             if problem is not None:
                 return self._reject(problem, REFUSED)
         problem = check_header(h, self.rules.me, self.engine.fragments, self.rules.accepted)
+        if problem is None and h.link_state:
+            problem = self._link_in_step(h)
         if problem is not None:
             return self._reject(problem)
         self._peer, self.peer_id, self.fragment = h, h.peer_id, h.fragment_index
+        self._seed = h.link_seed and self.rules.links and self.engine.links is not None
         self.stage = Stage.ADMIT
         return [Admit(h.peer_id)]
+
+    def _link_in_step(self, h: pb.Header) -> ExchangeError | None:
+        """A residual payload needs our link with its (authenticated) sender at the same
+        state; else both drop the link (the sender on our Reject) and seed a new one."""
+        links = self.engine.links
+        if links is not None and links.state(h.peer_id, h.fragment_index) == h.link_state:
+            return None
+        if links is not None:
+            links.drop(h.peer_id, h.fragment_index)
+        return ExchangeError(LINK_OUT_OF_STEP, "this node holds another state of our link "
+                                               "(or none): seed a new one")
 
     def _reject(self, problem: ExchangeError, text: str = "") -> list[Action]:
         """Refuse with ``problem`` (kept for our log); the peer reads ``text`` if given."""
@@ -349,6 +397,8 @@ class ExchangeSession:
 
     def _reply_header(self, msg: pb.ExchangeMsg, kind: str | None) -> list[Action]:
         if kind == "reject":
+            if msg.reject.code == LINK_OUT_OF_STEP and self.engine.links is not None:
+                self.engine.links.drop(self.peer_id, self.fragment)  # the next one seeds
             raise Rejected(msg.reject.code, msg.reject.message)
         if kind != "header":
             raise ProtocolError(f"expected Header or Reject, got {kind}")
@@ -438,6 +488,9 @@ class ExchangeSession:
 
     def _apply(self) -> Apply:
         assert self._prep is not None and self._received is not None
+        assert self._peer is not None
+        # a plain exchange seeds the pair's link where both headers asked for it
+        self._prep.seed = self._seed and self._peer.link_seed and self._prep.link is None
         self.stage = Stage.APPLYING
         return Apply(self._prep, self._received, self.rules.weight(self._staleness),
                      self._staleness)

@@ -401,7 +401,7 @@ class GossipTransport:
 
     async def _prepare(self, act: Prepare, block: str) -> Any:
         return await self._work(self.engine.prepare, act.peer_id, act.fragment, act.codec,
-                                block)
+                                block, act.link)
 
     async def _work(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread, marked as exchange work for the trainer's timing

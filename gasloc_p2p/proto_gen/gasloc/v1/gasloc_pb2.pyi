@@ -17,6 +17,7 @@ class RejectCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BAD_REQUEST: _ClassVar[RejectCode]
     INTERNAL: _ClassVar[RejectCode]
     UNAUTHENTICATED: _ClassVar[RejectCode]
+    LINK_OUT_OF_STEP: _ClassVar[RejectCode]
 REJECT_CODE_UNSPECIFIED: RejectCode
 BUSY: RejectCode
 VERSION_MISMATCH: RejectCode
@@ -25,6 +26,7 @@ RUN_MISMATCH: RejectCode
 BAD_REQUEST: RejectCode
 INTERNAL: RejectCode
 UNAUTHENTICATED: RejectCode
+LINK_OUT_OF_STEP: RejectCode
 
 class Auth(_message.Message):
     __slots__ = ("public_key", "timestamp", "signature", "target", "nonce", "invitation")
@@ -43,7 +45,7 @@ class Auth(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., timestamp: _Optional[float] = ..., signature: _Optional[bytes] = ..., target: _Optional[str] = ..., nonce: _Optional[bytes] = ..., invitation: _Optional[bytes] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_digest", "rounds", "public_key", "nonce", "signature", "invitation")
+    __slots__ = ("protocol_version", "run_id", "model_fingerprint", "peer_id", "codec", "block_size", "fragment_index", "fragment_count", "fragment_numel", "payload_bytes", "payload_digest", "rounds", "public_key", "nonce", "signature", "invitation", "link_state", "link_seed")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +62,8 @@ class Header(_message.Message):
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     INVITATION_FIELD_NUMBER: _ClassVar[int]
+    LINK_STATE_FIELD_NUMBER: _ClassVar[int]
+    LINK_SEED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     model_fingerprint: str
@@ -76,7 +80,9 @@ class Header(_message.Message):
     nonce: bytes
     signature: bytes
     invitation: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_digest: _Optional[bytes] = ..., rounds: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., invitation: _Optional[bytes] = ...) -> None: ...
+    link_state: bytes
+    link_seed: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., peer_id: _Optional[str] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., fragment_index: _Optional[int] = ..., fragment_count: _Optional[int] = ..., fragment_numel: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload_digest: _Optional[bytes] = ..., rounds: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., invitation: _Optional[bytes] = ..., link_state: _Optional[bytes] = ..., link_seed: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data",)
