@@ -22,6 +22,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.flat import Fragment
+from gasloc_p2p.core.links import LinkCache
+from gasloc_p2p.core.wire import RESIDUAL_CODECS
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig
 from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.transport.exchange import GossipTransport
@@ -133,7 +135,7 @@ class Peer:
 
     async def exchange(self, other: Peer, fragment: int = 0) -> Outcome:
         return await self.exchanger.initiate(lambda: self.open_call(other), other.me.peer_id,
-                                             fragment)
+                                             fragment, "", other.exchanger.rules.links)
 
     async def close(self) -> None:
         await self.channels.close()
@@ -158,6 +160,8 @@ async def make_peer(name: str, seed: int, gossip: GossipConfig | None = None,
     lock = TrainingLock()
     gossip = gossip or gossip_config()
     engine = ExchangeEngine(state, t0, fragments(), lock)
+    if gossip.codec in RESIDUAL_CODECS:  # as the gossip mode does
+        engine.links = LinkCache(gossip.links)
     me = Identity.keyed(RUN, fingerprint, signer or Signer(swarm_key=swarm_key))
     exchanger = GossipTransport(me, engine, gossip, outer)
 

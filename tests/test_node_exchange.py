@@ -72,6 +72,39 @@ def test_full_exchange_commits_on_both_sides(codec):
     run(main())
 
 
+def test_sign1_links_over_grpc_seed_then_send_8x_fewer_bytes():
+    """Two nodes with --codec sign1 on real gRPC (TLS, signed headers): the first exchange is
+    int8 and seeds the pair's link, the next ones in either direction carry 1-bit residuals
+    against it (8x fewer bytes), keep the pair's sum and leave both references alike."""
+    async def main():
+        a = await make_peer("A", 1, gossip_config(codec="sign1"))
+        b = await make_peer("B", 2, gossip_config(codec="sign1"))
+        try:
+            frag = a.engine.fragments[0]
+            first = await a.exchange(b, fragment=0)
+            assert first.bytes_sent == CodecSpec.of("int8").codec().wire_bytes(frag.numel)
+            await wait_until(lambda: b.exchanger.stats.ok_responder == 1, what="B commit")
+            sizes = []
+            for x, y in ((b, a), (a, b), (b, a)):
+                total = x.state.public_iterate(frag) + y.state.public_iterate(frag)
+                served = y.exchanger.stats.ok_responder
+                out = await x.exchange(y, fragment=0)
+                await wait_until(lambda y=y, n=served: y.exchanger.stats.ok_responder == n + 1,
+                                 what="the responder's commit")
+                torch.testing.assert_close(
+                    x.state.public_iterate(frag) + y.state.public_iterate(frag), total,
+                    rtol=0, atol=1e-5)
+                sizes.append(out.bytes_sent)
+            assert sizes == [CodecSpec.of("sign1").codec().wire_bytes(frag.numel)] * 3
+            assert sizes[0] * 7.9 <= first.bytes_sent
+            la, lb = a.engine.links.get(b.me.peer_id, 0), b.engine.links.get(a.me.peer_id, 0)
+            assert la.exchanges == lb.exchanges == 4 and torch.equal(la.ref, lb.ref)
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
 def test_repeated_exchanges_in_both_directions_converge():
     async def main():
         a, b = await make_peer("A", 1), await make_peer("B", 2)

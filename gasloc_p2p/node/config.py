@@ -21,6 +21,7 @@ from gasloc_p2p.core.compress import parse_codec
 from gasloc_p2p.core.options import ConfigError as ConfigError  # part of this module's API
 from gasloc_p2p.core.options import check_outer_step, need, opt
 from gasloc_p2p.core.sparse import SparseSpec
+from gasloc_p2p.core.wire import RESIDUAL_CODECS
 from gasloc_p2p.node.config_network import (  # the sections live in three modules, one API
     DiscoveryConfig,
     NetworkConfig,
@@ -69,8 +70,13 @@ class AlgorithmConfig(AsyncConfig):
 class GossipConfig:
     """Gossip exchanges: codec, rate, fragments, limits and per-stage timeouts."""
 
-    codec: str = opt("int8", f"payload codec: {' | '.join(PLAIN_CODECS)}")
-    block_size: int = opt(1024, "quantization block, elements (int8/int4/fp4)", advanced=True)
+    codec: str = opt("int8", f"payload codec: {' | '.join(PLAIN_CODECS)}, or sign1 for slow "
+                             "uplinks (1 bit per parameter against a copy each pair of peers "
+                             "keeps: 8x fewer bytes than int8; a pair's first exchange is int8)")
+    block_size: int = opt(1024, "quantization block, elements (int8/int4/fp4; sign1: 4096)",
+                          advanced=True)
+    links: int = opt(4, "sign1: peers this node keeps a link with (host memory: one float32 "
+                        "copy of the model per link)", advanced=True)
     fragments: int = opt(1, "P: exchange one strided fragment of P per event (1: whole model); "
                             "streaming-diloco: fragments synced in turn")
     fragment_order: str = opt("round-robin", f"fragment choice: {' | '.join(FRAGMENT_ORDERS)}",
@@ -163,7 +169,10 @@ class GossipConfig:
 
     @property
     def codec_spec(self) -> CodecSpec:
-        """What this node sends: ``codec`` with ``block_size`` (0 for fp32/fp16)."""
+        """What this node sends: ``codec`` with ``block_size`` (0 for fp32/fp16; sign1 its
+        own, the block size its study measured)."""
+        if self.codec in RESIDUAL_CODECS:
+            return CodecSpec.of(self.codec)
         return CodecSpec.of(self.codec, self.block_size)
 
     def guard_rule(self) -> GuardRule:
@@ -177,7 +186,9 @@ class GossipConfig:
             min_z=self.guard_min_z, min_cosine=self.guard_min_cosine)
 
     def validate(self) -> None:
-        need(self.codec in PLAIN_CODECS, "codec", self.codec, f"choose one of {PLAIN_CODECS}")
+        need(self.codec in PLAIN_CODECS + tuple(RESIDUAL_CODECS), "codec", self.codec,
+             f"choose one of {PLAIN_CODECS + tuple(sorted(RESIDUAL_CODECS))}")
+        need(self.links >= 1, "links", self.links, "must be >= 1")
         need(2 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size % 2 == 0, "block_size",
               self.block_size, f"must be an even number in [2, {MAX_BLOCK_SIZE}] (try 1024)")
         need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")

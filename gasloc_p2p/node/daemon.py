@@ -26,6 +26,7 @@ import grpc
 
 from gasloc_p2p import __version__
 from gasloc_p2p.core.codecs import PLAIN_CODECS
+from gasloc_p2p.core.wire import RESIDUAL_CODECS
 from gasloc_p2p.node.config import ConfigError, NodeConfig
 from gasloc_p2p.node.discovery.base import CompatibilityFilter, Discovery, PeerInfo
 from gasloc_p2p.node.discovery.dht import HivemindDiscovery
@@ -640,7 +641,14 @@ class Node:
         relays = self.listener.relays if self.listener is not None else ()
         return PeerInfo(self.me.peer_id, self.endpoint, PROTOCOL_VERSION, self.trainer.fingerprint,
                         self.train_stats.step, self.train_stats.tokens_per_s, self.reachable,
-                        PLAIN_CODECS, self.cfg.outer.algorithm, self.tls.cert_der, relays)
+                        self.codecs, self.cfg.outer.algorithm, self.tls.cert_der, relays)
+
+    @property
+    def codecs(self) -> tuple[str, ...]:
+        """What this node's record says it accepts: every plain codec, and its own residual
+        one (sign1: it keeps links, so peers that keep them too send it residuals)."""
+        own = self.cfg.gossip.codec
+        return PLAIN_CODECS + ((own,) if own in RESIDUAL_CODECS else ())
 
     def info(self) -> pb.InfoReply:
         t, x = self.train_stats, self.stats

@@ -42,6 +42,8 @@ import torch
 
 from gasloc_p2p.core.async_state import AsyncConfig
 from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.core.links import LinkCache
+from gasloc_p2p.core.wire import RESIDUAL_CODECS
 from gasloc_p2p.node.config import GATHER_PLANNED, NodeConfig
 from gasloc_p2p.node.runtime.trainer import Placed
 from gasloc_p2p.protocol import fused
@@ -171,6 +173,9 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
         else:
             out.append(Placed("exchange: both payloads + scratch", 2 * wire + 8 * chunk, dev))
         out.append(Placed("exchange: payload buffers", 2 * wire, "host"))
+        if spec.name in RESIDUAL_CODECS:  # one float32 reference per link (core/links.py)
+            out.append(Placed(f"links: {cfg.gossip.links} references",
+                              LinkCache.nbytes(cfg.gossip.links, shape.numel), "host"))
     else:  # the DiLoCo modes: hivemind's shared vector (the outer gradient, or the message)
         sparse = cfg.diloco.sparse_spec()
         if sparse is None:
@@ -359,6 +364,8 @@ def add_plan_parser(sub: Any) -> None:
                                                              "streaming-diloco"))
     p.add_argument("--gamma", type=float, default=0.0, help="outer momentum (a buffer if > 0)")
     p.add_argument("--codec", default="int8")
+    p.add_argument("--links", type=_positive, default=4,
+                   help="--codec sign1: links kept (a float32 model copy each, host)")
     p.add_argument("--diloco-codec", default="fp32",
                    help="DiLoCo modes' payload (a sparse one keeps an error feedback)")
     p.add_argument("--cpu", action="store_true", help="plan a CPU node (everything on the host)")
@@ -391,7 +398,7 @@ def run_plan(args: argparse.Namespace) -> int:
                       outer=replace(cfg.outer, algorithm=args.algorithm, gamma=args.gamma),
                       diloco=replace(cfg.diloco, diloco_codec=args.diloco_codec),
                       gossip=replace(cfg.gossip, codec=CodecSpec.parse(args.codec).name,
-                                     min_link_mbps=args.min_link_mbps))
+                                     min_link_mbps=args.min_link_mbps, links=args.links))
         cfg.diloco.validate()
         cfg.gossip.validate()
         if args.micro_batch % args.nproc_per_node:

@@ -31,6 +31,8 @@ import torch
 
 from gasloc_p2p.core.async_state import MAX_STALENESS, AsyncConfig
 from gasloc_p2p.core.drift import DriftProbe
+from gasloc_p2p.core.links import LinkCache
+from gasloc_p2p.core.wire import RESIDUAL_CODECS
 from gasloc_p2p.node.config import GossipConfig, NetworkConfig, NodeConfig
 from gasloc_p2p.node.discovery.base import PeerInfo
 from gasloc_p2p.node.modes.base import Mode, ModeContext, ModeTask
@@ -290,7 +292,8 @@ class GossipLoop:
         started = time.monotonic()
         outcome = await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
                                                 peer.peer_id, fragment,
-                                                peer.endpoint.rsplit(":", 1)[0])
+                                                peer.endpoint.rsplit(":", 1)[0],
+                                                bool(RESIDUAL_CODECS & set(peer.codecs)))
         self.exchanger.stats.record_path(self.channels.path_of(peer), peer.peer_id,
                                          time.monotonic() - started)
         return outcome
@@ -382,6 +385,8 @@ class GossipMode(Mode):
         cfg, trainer = ctx.cfg, ctx.trainer
         self.ctx = ctx
         engine = ExchangeEngine(trainer.state, trainer.theta0, trainer.fragments, ctx.lock)
+        if cfg.gossip.codec in RESIDUAL_CODECS:  # links in host memory (pinned beside a GPU)
+            engine.links = LinkCache(cfg.gossip.links, pin=engine.stream is not None)
         failed = await asyncio.to_thread(engine.warm_up, cfg.gossip.codec_spec)  # before any exchange
         if failed:
             log.warning("the fused exchange kernels did not build (%s); exchanges run the eager "

@@ -197,8 +197,9 @@ class GossipTransport:
 
     # ----------------------------------------------------------------- initiator
     async def initiate(self, open_call: CallFactory, peer_id: str, fragment_index: int,
-                       host: str = "") -> Outcome:
-        """One exchange with ``peer_id`` (at ``host``) as initiator; raises
+                       host: str = "", peer_links: bool = False) -> Outcome:
+        """One exchange with ``peer_id`` (at ``host``; ``peer_links``: its record says it
+        keeps links, see core/links.py) as initiator; raises
         :class:`ExchangeError` (or ``TimeoutError``/``grpc.RpcError``) on failure, with
         nothing applied."""
         if peer_id in self.inflight:
@@ -208,14 +209,15 @@ class GossipTransport:
             raise ExchangeError(BUSY, f"{block} is backed off")
         self.inflight.add(peer_id)
         try:
-            return await self._initiate(open_call, peer_id, fragment_index, block)
+            return await self._initiate(open_call, peer_id, fragment_index, block, peer_links)
         finally:
             self.inflight.discard(peer_id)
 
     async def _initiate(self, open_call: CallFactory, peer_id: str, fragment: int,
-                        block: str) -> Outcome:
+                        block: str, peer_links: bool = False) -> Outcome:
         started = time.monotonic()
-        session = ExchangeSession.initiator(self.rules, self.engine, peer_id, fragment)
+        session = ExchangeSession.initiator(self.rules, self.engine, peer_id, fragment,
+                                            peer_links)
         (prepare,) = session.start()
         assert isinstance(prepare, Prepare)
         first = session.prepared(await self._prepare(prepare, block))
