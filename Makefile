@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 .PHONY: setup test test-processes test-long lint typecheck unit sim swarm bench bench-core bench-codecs bench-sim \
 	bench-node bench-diloco bench-scale bench-swarm100m bench-trainer-memory bench-downloads \
 	bench-data bench-streaming bench-streaming-link bench-nat bench-fuzz bench-byzantine bench-direction \
-	bench-chaos bench-poison bench-tamper bench-redteam bench-soak bench-external bench-external-1000 bench-projection bench-home-links bench-engine bench-optim bench-ranks reproduce \
+	bench-chaos bench-poison bench-tamper bench-redteam bench-soak bench-external bench-external-1000 bench-projection bench-home-links bench-home-gossip bench-engine bench-optim bench-ranks reproduce \
 	gpu-check gpu-plan gpu-next gpu-wheels proto corpus ladder-cpu clean
 
 # torch is installed first and pinned: an open range would pull a multi-GB CUDA build.
@@ -208,6 +208,11 @@ bench-external-1000: setup
 bench-home-links: setup
 	$(PY) -m benchmarks.bench_home_links
 
+# Gossip codecs on home-scaled links (root, network namespaces): int8 against sign1, time to
+# int8's loss and bytes per node; about 50 minutes
+bench-home-gossip: setup
+	$(PY) -m benchmarks.bench_home_gossip --codecs int8 sign1 --reps 3
+
 # Timing projection to n = 64 and 256 from the measured profile (docs/results/pacing.json);
 # a second, no training
 bench-projection: setup
@@ -216,13 +221,14 @@ bench-projection: setup
 bench: bench-core bench-codecs bench-sim bench-node bench-diloco bench-scale bench-swarm100m \
 	bench-trainer-memory bench-downloads bench-data bench-streaming bench-streaming-link bench-fuzz \
 	bench-byzantine bench-direction bench-chaos bench-poison bench-tamper bench-redteam bench-soak bench-external \
-	bench-external-1000 bench-projection bench-home-links bench-engine bench-optim bench-ranks bench-nat
+	bench-external-1000 bench-projection bench-home-links bench-home-gossip bench-engine bench-optim bench-ranks bench-nat
 
 reproduce: setup
 	$(PY) -m benchmarks.reproduce --only momentum-h10,slow,async,momentum-h50,consensus,gamma-sweep-h100,gamma-sweep-h10,graphs,graphs-16,mixing,acid-consensus,acid,gamma-graphs-8,gamma-graphs-16,codecs-8,codecs-16
 	$(PY) -m benchmarks.reproduce --only home-8 --seeds 0,1,2,3,4
 	$(PY) -m benchmarks.reproduce --only home-8-deciding --seeds 0,1,2,3,4,5,6,7,8,9
 	$(PY) -m benchmarks.reproduce --only home-links-8,home-links-8-uneven --seeds 0,1,2,3,4
+	$(PY) -m benchmarks.reproduce --only home-links-8-deciding --seeds 0,1,2,3,4,5,6,7,8,9
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -30,6 +30,8 @@ TITLES = {
     "home-8-deciding": "n = 8: int8 against the link-reference payloads, 10 seeds",
     "home-links-8": "n = 8, async, 1 Mbit/s links (an int8 exchange: 2 rounds of compute)",
     "home-links-8-uneven": "n = 8, async, 1 Mbit/s links and one of 0.1 Mbit/s",
+    "home-links-8-deciding": "n = 8, async, 1 Mbit/s links: int8 against 1-bit link "
+                             "payloads, 10 seeds",
 }
 HOME_LINK_MBPS = 1.0  # 121,048 int8 bytes: 0.97 s on the link + 0.02 latency, a round is 0.5 s
 
@@ -81,14 +83,16 @@ def home_rows(base: SimConfig, n: int, deciding: bool = False) -> list[Row]:
     return rows[:3] if deciding else rows
 
 
-def home_link_rows(base: SimConfig, n: int, uneven: bool = False) -> list[Row]:
+def home_link_rows(base: SimConfig, n: int, uneven: bool = False,
+                   deciding: bool = False) -> list[Row]:
     """Issue 40 where bytes set the wall clock: async gossip (the daemon's schedule, 2
     participations per round asked, a worker in one exchange at a time) on links where an
     int8 exchange takes about 2 rounds of compute, so every row runs for the same simulated
     time and its codec decides how many exchanges fit. Control: int8 with stale exchanges at
     full weight (the daemon divides an exchange's weight by 1 + the round ends it spans beyond
     one; is what int8 loses its bytes or that rule?). ``uneven``: worker 0's link is 10x slower
-    (an int8 exchange with it spans 20 rounds)."""
+    (an int8 exchange with it spans 20 rounds). ``deciding``: int8 and the 1-bit link
+    payload only (the daemon's sign1), for more seeds."""
     g = dataclasses.replace(base, workers=n, H=10, graph="complete", algorithm="gasloc",
                             mode="async", eta=1.0, gamma=0.0, bandwidth_mbps=HOME_LINK_MBPS,
                             **(dict(slow_workers=1, slow_link_factor=10.0) if uneven else {}))
@@ -100,6 +104,8 @@ def home_link_rows(base: SimConfig, n: int, uneven: bool = False) -> list[Row]:
         ("gossip randk2 50%, link references", r(g, codec="randk2:2048", reference="link")),
         ("gossip int4 plain", r(g, codec="int4")),
     ]
+    if deciding:
+        return [rows[0], rows[2]]
     return rows[:3] if uneven else rows
 
 

@@ -226,6 +226,7 @@ PARTS: dict[str, list[Row]] = {
     "home-8-deciding": repro_codecs.home_rows(BASE, 8, deciding=True),
     "home-links-8": repro_codecs.home_link_rows(BASE, 8),
     "home-links-8-uneven": repro_codecs.home_link_rows(BASE, 8, uneven=True),
+    "home-links-8-deciding": repro_codecs.home_link_rows(BASE, 8, deciding=True),
     **{part: repro_ladder.rows(part) for part in repro_ladder.PARTS},
 }
 ARCHIVED = [p for p in TITLES if p not in PARTS]

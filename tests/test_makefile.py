@@ -56,6 +56,7 @@ EXPECTED = {
                             "--name external-1000-avg"],
     "bench-projection": ["benchmarks.bench_projection"],
     "bench-home-links": ["benchmarks.bench_home_links"],
+    "bench-home-gossip": ["benchmarks.bench_home_gossip"],
     "reproduce": ["benchmarks.reproduce"],
     "test-long": ["pytest", "-m long"],
 }

@@ -1,0 +1,164 @@
+"""Gossip codecs on home-scaled links, real processes: time to int8's loss and bytes per node.
+
+Usage (root, iproute2): python -m benchmarks.bench_home_gossip [--nodes 4] [--rate-mbit 0.3]
+        [--slow-factor 1] [--codecs int8 sign1] [--reps 3] [--minutes 8] [-- more join flags]
+
+Issue 40, item 4: the regime where bytes set the wall clock. Every node runs ``gasloc-node
+join`` (gossip, the test model) in its own network namespace (:mod:`benchmarks.tools.netns`);
+once all are up (the joiners download the first node's state on unshaped links), every node's
+egress is shaped with ``tc tbf`` to ``--rate-mbit`` (``--slow-factor K``: node 0's to 1/K of
+it, the uneven case) and the run goes on for ``--minutes``. Pick the rate so that one int8
+exchange takes 1-4 rounds of compute: the table prints each codec's payload time on the
+shaped link and the nodes' steps per second. Each repetition runs every codec once, one after the other, on
+the same network; rows of one run are compared (shared 2-core machines vary by about 30%).
+
+Every few seconds the bench reads each node's Info: its validation loss (its own periodic
+evaluation), bytes sent and exchanges. Per codec and repetition: the nodes' mean final loss,
+bytes per node, exchanges per node and the time until the nodes' mean loss first reached the
+target, the int8 run's final mean loss of the same repetition (``--codecs`` starts with the
+reference). Printed as a table; ``--out FILE`` keeps every sample as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.bench_streaming_link import NsNode, say, shape
+from benchmarks.tools.netns import ShapedNetwork, netns_unavailable
+from gasloc_p2p.core.codecs import CodecSpec
+from gasloc_p2p.data import ensure_shakespeare
+
+FLAGS = ["--torch-threads", "1", "--log-interval-s", "30", "--n-layer", "4", "--seq-len", "64",
+         "--batch-size", "4", "--warmup-steps", "10"]
+POLL_S = 5.0
+
+
+def run_codec(net: ShapedNetwork, codec: str, flags: list[str], args: argparse.Namespace,
+              log_dir: Path) -> list[dict[str, float]]:
+    """One swarm with ``--codec codec``: samples of (t, mean loss, bytes/node, exchanges/node)
+    from the moment the links are shaped."""
+    hosts = net.hosts
+    node_flags = [*flags, "--codec", codec]
+    nodes = [NsNode("n0", hosts[0], log_dir, node_flags)]
+    samples: list[dict[str, float]] = []
+    try:
+        peers = nodes[0].join_peers(180)
+        nodes += [NsNode(f"n{i}", hosts[i], log_dir, [*node_flags, "--peers", *peers])
+                  for i in range(1, len(hosts))]
+        for n in nodes:
+            n.wait_up(180)
+        for k, h in enumerate(hosts):
+            shape(h, args.rate_mbit / (args.slow_factor if k == 0 else 1.0))
+        say(f"{codec}: {len(nodes)} nodes up, links shaped; running {args.minutes:g} min")
+        t0 = time.monotonic()
+        first = [n.info() for n in nodes]
+        while time.monotonic() - t0 < args.minutes * 60:
+            time.sleep(POLL_S)
+            infos = [n.info() for n in nodes]
+            losses = [i.val_loss for i in infos if i.val_loss > 0]
+            samples.append({
+                "t": time.monotonic() - t0,
+                "loss": statistics.fmean(losses) if len(losses) == len(infos) else float("nan"),
+                "bytes_per_node": statistics.fmean(b.bytes_sent - a.bytes_sent
+                                                   for a, b in zip(first, infos, strict=True)),
+                "exchanges_per_node": statistics.fmean(
+                    b.exchanges_ok_initiator + b.exchanges_ok_responder
+                    - a.exchanges_ok_initiator - a.exchanges_ok_responder
+                    for a, b in zip(first, infos, strict=True)),
+                "steps": statistics.fmean(i.step for i in infos),
+            })
+    finally:
+        for n in nodes:
+            n.stop(30)
+        for h in hosts:
+            shape(h, None)
+    return samples
+
+
+def time_to(samples: list[dict[str, float]], target: float) -> float | None:
+    for s in samples:
+        if s["loss"] <= target:  # NaN (a node not evaluated yet) never counts
+            return s["t"]
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--rate-mbit", type=float, default=0.3, help="egress of every node")
+    parser.add_argument("--slow-factor", type=float, default=1.0,
+                        help="node 0's egress is --rate-mbit / this (the uneven case: 10)")
+    parser.add_argument("--codecs", nargs="+", default=["int8", "sign1"],
+                        help="--codec of every node, one swarm each (the first is the reference)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--minutes", type=float, default=8.0, help="per swarm, shaped")
+    parser.add_argument("--eval-interval-steps", type=int, default=50)
+    parser.add_argument("--data", default="", help="corpus (default: Shakespeare, fetched here "
+                        "once: the namespaces reach nothing but each other)")
+    parser.add_argument("--log-dir", default="", help="keep the nodes' logs here")
+    parser.add_argument("--out", default="", help="write every sample here (JSON)")
+    parser.add_argument("extra", nargs="*", help="more gasloc-node join flags (after --)")
+    args = parser.parse_args()
+    reason = netns_unavailable()
+    if reason is not None:
+        sys.exit(f"bench_home_gossip: {reason}")
+    for codec in args.codecs:
+        CodecSpec.of(codec)  # a bad name fails here, not in the nodes
+    data = args.data or str(ensure_shakespeare())
+    flags = [*FLAGS, "--data", data, "--eval-interval-steps", str(args.eval_interval_steps),
+             *args.extra]
+    print(f"{args.nodes} nodes, each in its own namespace, egress tbf {args.rate_mbit:g} Mbit/s"
+          + (f" (node 0: 1/{args.slow_factor:g} of it)" if args.slow_factor != 1 else "")
+          + f"; codecs {' '.join(args.codecs)}; {args.reps} repetitions of {args.minutes:g} min",
+          flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_home_gossip: terminated"))
+    runs: dict[str, list[list[dict[str, float]]]] = {c: [] for c in args.codecs}
+    with ShapedNetwork([None] * args.nodes) as net, tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            for codec in args.codecs:
+                log_dir = (Path(args.log_dir) if args.log_dir else Path(tmp)) / f"{codec}-{rep}"
+                log_dir.mkdir(parents=True, exist_ok=True)
+                runs[codec].append(run_codec(net, codec, flags, args, log_dir))
+                last = runs[codec][-1][-1] if runs[codec][-1] else {}
+                say(f"{codec} repetition {rep}: final loss {last.get('loss', float('nan')):.3f}, "
+                    f"{last.get('bytes_per_node', 0) / 1e6:.1f} MB and "
+                    f"{last.get('exchanges_per_node', 0):.0f} exchanges per node")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}))
+    ref = args.codecs[0]
+    print(f"\n| codec | final loss (mean over repetitions) | MB sent per node | exchanges per "
+          f"node | payload s on the link | steps/s per node | s to {ref}'s final loss "
+          f"(reached) | time vs {ref} |")
+    print("|---|---|---|---|---|---|---|---|")
+    for codec in args.codecs:
+        finals = [r[-1] for r in runs[codec] if r]
+        times, base = [], []
+        for rep, samples in enumerate(runs[codec]):
+            ref_samples = runs[ref][rep]
+            if not ref_samples or not samples:
+                continue
+            target = ref_samples[-1]["loss"]
+            times.append(time_to(samples, target))
+            base.append(time_to(ref_samples, target))
+        got = [t for t in times if t is not None]
+        ratio = (f"{sum(got) / sum(b for b in base if b is not None):.2f}x"
+                 if got and len(got) == len(times) and None not in base else "n/a")
+        sent = statistics.fmean(f["bytes_per_node"] for f in finals)
+        count = statistics.fmean(f["exchanges_per_node"] for f in finals)
+        payload_s = sent / max(count, 1) * 8 / (args.rate_mbit * 1e6)
+        rate = statistics.fmean(f["steps"] / f["t"] for f in finals)
+        print(f"| {codec} | {statistics.fmean(f['loss'] for f in finals):.3f} | "
+              f"{sent / 1e6:.1f} | {count:.0f} | {payload_s:.1f} | {rate:.2f} | "
+              f"{statistics.fmean(got) if got else float('nan'):.0f} ({len(got)}/{len(times)})"
+              f" | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
