@@ -160,8 +160,10 @@ def _rules(peer: str, codec: CodecSpec) -> Rules:
 def test_the_protocol_seeds_uses_and_reseeds_links():
     """Through the sessions (the daemon's protocol, in memory): a pair's first exchange is
     plain int8 and seeds the link on both sides, the next ones send sign1 against it; a link
-    one side lost is refused in the Header (LINK_OUT_OF_STEP, nothing applied), both drop it
-    and the exchange after that seeds again. A node without links gets plain int8 only."""
+    one side lost is refused in the Header (LINK_OUT_OF_STEP, nothing applied), the sender
+    drops its side and the exchange after that seeds again. A refusal changes nothing on the
+    refusing side (the Header may be a member's replay). A node without links gets plain int8
+    only."""
     engines = _engines(whole(NUMEL))
     sides = [(_rules(peer, SIGN1), e) for peer, e in zip(("A", "B"), engines, strict=True)]
     first, _ = MemoryExchange(sides[0], sides[1], 0).run()
@@ -181,6 +183,15 @@ def test_the_protocol_seeds_uses_and_reseeds_links():
     third, _ = MemoryExchange(sides[0], sides[1], 0).run()
     assert third.bytes_sent == INT8.codec().wire_bytes(NUMEL)  # seeds again
     assert engines[0].links.get("B", 0).state == engines[1].links.get("A", 0).state
+    kept = engines[1].links.get("A", 0)
+    kept_state = kept.state
+    engines[0].links.get("B", 0).state = bytes(32)  # A names a state B never held
+    with pytest.raises(Rejected):
+        MemoryExchange(sides[0], sides[1], 0).run()
+    assert engines[1].links.get("A", 0) is kept and kept.state == kept_state  # untouched
+    assert engines[0].links.get("B", 0) is None
+    MemoryExchange(sides[0], sides[1], 0).run()  # seeds anew, over B's old one
+    assert kept.state != kept_state and kept.state == engines[0].links.get("B", 0).state
     plain = (_rules("C", INT8), _engines(whole(NUMEL))[1])
     plain[1].links = None
     out, _ = MemoryExchange(sides[0], plain, 0).run()

@@ -13,8 +13,8 @@ A link starts with a plain exchange (int8) whose two decoded messages seed ``r``
 middle, and carries a 32-byte state both ends chain over every exchange they commit:
 ``H(domain, state, the two payload digests, smaller first)``. Each residual exchange names the
 state it was encoded against; an end that holds another (it missed a commit the other made, it
-evicted the link, it restarted) refuses, both drop the link, and the pair's next exchange seeds a
-new one. So a link is never used out of step, and nothing a peer sends sizes it: a reference is
+evicted the link, it restarted) refuses, the sender drops its side, and the pair's next
+exchange seeds a new one (overwriting the other side's). So a link is never used out of step, and nothing a peer sends sizes it: a reference is
 exactly our own fragment's size.
 
 :class:`LinkCache` holds the references in host memory, at most ``capacity`` of them (least

@@ -379,13 +379,13 @@ class ExchangeSession:
         return [Admit(h.peer_id)]
 
     def _link_in_step(self, h: pb.Header) -> ExchangeError | None:
-        """A residual payload needs our link with its (authenticated) sender at the same
-        state; else both drop the link (the sender on our Reject) and seed a new one."""
+        """A residual payload needs our link with its sender at the same state; else we
+        refuse, the sender drops its side on our Reject and its next exchange seeds a new
+        link (which overwrites ours). We change nothing here: a first Header is signed over
+        no nonce of ours, so it may be a replay (a member that received it once)."""
         links = self.engine.links
         if links is not None and links.state(h.peer_id, h.fragment_index) == h.link_state:
             return None
-        if links is not None:
-            links.drop(h.peer_id, h.fragment_index)
         return ExchangeError(LINK_OUT_OF_STEP, "this node holds another state of our link "
                                                "(or none): seed a new one")
 
