@@ -112,8 +112,11 @@ def main() -> None:
     for codec in args.codecs:
         CodecSpec.of(codec)  # a bad name fails here, not in the nodes
     data = args.data or str(ensure_shakespeare())
+    # deadlines follow the slowest link a node plans for (--min-link-mbps, default 10): here
+    # the shaped one, or every payload would time out (a user on such a link sets it too)
+    slowest = args.rate_mbit / args.slow_factor
     flags = [*FLAGS, "--data", data, "--eval-interval-steps", str(args.eval_interval_steps),
-             *args.extra]
+             "--min-link-mbps", f"{slowest:g}", *args.extra]
     print(f"{args.nodes} nodes, each in its own namespace, egress tbf {args.rate_mbit:g} Mbit/s"
           + (f" (node 0: 1/{args.slow_factor:g} of it)" if args.slow_factor != 1 else "")
           + f"; codecs {' '.join(args.codecs)}; {args.reps} repetitions of {args.minutes:g} min",
