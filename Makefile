@@ -208,10 +208,13 @@ bench-external-1000: setup
 bench-home-links: setup
 	$(PY) -m benchmarks.bench_home_links
 
-# Gossip codecs on home-scaled links (root, network namespaces): int8 against sign1, time to
-# int8's loss and bytes per node; about 50 minutes
+# Gossip codecs on home-scaled links (root, network namespaces): int8 against half2, time to
+# int8's loss and bytes per node, uniform links and one 10x slower; about 60 minutes
+HOME_GOSSIP := $(PY) -m benchmarks.bench_home_gossip --codecs int8 half2 --reps 3 --nodes 3 \
+	--rate-mbit 0.5 --minutes 4
 bench-home-gossip: setup
-	$(PY) -m benchmarks.bench_home_gossip --codecs int8 sign1 --reps 3
+	$(HOME_GOSSIP)
+	$(HOME_GOSSIP) --slow-factor 10
 
 # Timing projection to n = 64 and 256 from the measured profile (docs/results/pacing.json);
 # a second, no training

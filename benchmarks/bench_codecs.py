@@ -28,6 +28,7 @@ import torch
 
 from gasloc_p2p.core import sparse
 from gasloc_p2p.core.codecs import CODEC_NAMES, get_codec
+from gasloc_p2p.core.wire import RESIDUAL_CODECS
 
 SPARSE = ("topk2:41", "topk2:123", "topk1:41", "randk2:512", "randk1:1024", "randk8:123", "dense2")
 
@@ -68,7 +69,8 @@ def run(
         for n_threads in threads:
             torch.set_num_threads(n_threads)
             for name in codecs:
-                codec = get_codec(name, block_size)
+                # residual codecs at the block their study measured and the daemon uses
+                codec = get_codec(name, None if name in RESIDUAL_CODECS else block_size)
                 enc = codec.encode(x)  # warm-up, and the payload the decode timing uses
                 t_enc = _best_seconds(partial(codec.encode, x), reps)
                 t_dec = _best_seconds(partial(codec.decode, enc, out), reps)

@@ -1,7 +1,7 @@
 """Gossip codecs on home-scaled links, real processes: time to int8's loss and bytes per node.
 
 Usage (root, iproute2): python -m benchmarks.bench_home_gossip [--nodes 4] [--rate-mbit 0.3]
-        [--slow-factor 1] [--codecs int8 sign1] [--reps 3] [--minutes 8] [-- more join flags]
+        [--slow-factor 1] [--codecs int8 half2] [--reps 3] [--minutes 8] [-- more join flags]
 
 Issue 40, item 4: the regime where bytes set the wall clock. Every node runs ``gasloc-node
 join`` (gossip, the test model) in its own network namespace (:mod:`benchmarks.tools.netns`);
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--rate-mbit", type=float, default=0.3, help="egress of every node")
     parser.add_argument("--slow-factor", type=float, default=1.0,
                         help="node 0's egress is --rate-mbit / this (the uneven case: 10)")
-    parser.add_argument("--codecs", nargs="+", default=["int8", "sign1"],
+    parser.add_argument("--codecs", nargs="+", default=["int8", "half2"],
                         help="--codec of every node, one swarm each (the first is the reference)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--minutes", type=float, default=8.0, help="per swarm, shaped")

@@ -16,10 +16,12 @@ from gasloc_p2p.core.codecs import (
     parse_optional,
 )
 
-BLOCK_CODECS = ("int8", "int4", "fp4", "sign1")
+BLOCK_CODECS = ("int8", "int4", "fp4", "sign1", "half2")
 # Relative L2 error on N(0, 1) data, block 1024, measured (seed 0, 100k elements):
-# fp16 2.1e-4, int8 7.9e-3, int4 0.143, fp4 0.195, sign1 0.603 (sqrt(1 - 2/pi) = 0.603). The bands are about +-20%: a wrong scale
-# (e.g. absmax/128 for int8) or a lost sign falls outside them.
+# fp16 2.1e-4, int8 7.9e-3, int4 0.143, fp4 0.195, sign1 0.603 (sqrt(1 - 2/pi) = 0.603), half2
+# 0.749 (half the elements dropped, the other half at 2 bits: sqrt(0.5 + 0.5 * 0.34^2) = 0.747).
+# The bands are about +-20% (half2's tighter: its floor is 0.707): a wrong scale (e.g.
+# absmax/128 for int8) or a lost sign falls outside them.
 REL_ERR_BAND = {
     "fp32": (0.0, 0.0),
     "fp16": (1.5e-4, 3e-4),
@@ -27,6 +29,7 @@ REL_ERR_BAND = {
     "int4": (0.12, 0.17),
     "fp4": (0.16, 0.23),
     "sign1": (0.55, 0.66),
+    "half2": (0.72, 0.78),
 }
 AWKWARD_SIZES = (0, 1, 2, 3, 63, 64, 65, 1000, 64 * 5 + 17)
 
@@ -207,7 +210,7 @@ def test_bytes_round_trip_and_exact_length(name: str) -> None:
 @pytest.mark.parametrize("name", BLOCK_CODECS)
 @pytest.mark.parametrize("bad_scale", [float("nan"), float("inf"), -1.0])
 def test_from_bytes_rejects_bad_scales(name: str, bad_scale: float) -> None:
-    bs = 8 if name == "sign1" else 4  # whole bytes per block
+    bs = 8 if name in ("sign1", "half2") else 4  # whole bytes per block
     enc = get_codec(name, block_size=bs).encode(torch.ones(bs))
     raw = struct.pack("<f", bad_scale) + enc.to_bytes()[4:]
     with pytest.raises(ValueError, match="scales"):
@@ -219,8 +222,9 @@ def test_wire_bytes_matches_layout(name: str) -> None:
     codec = get_codec(name, block_size=64)
     for n in (*AWKWARD_SIZES, 12_345):
         scales = 0 if name in ("fp32", "fp16") else -(-n // 64)
-        data = {"fp32": 4 * n, "fp16": 2 * n, "int8": n, "sign1": (n + 7) // 8}.get(
-            name, (n + 1) // 2)
+        last = n % 64  # half2: 32 2-bit codes per block of 64, min(32, last) in the last
+        data = {"fp32": 4 * n, "fp16": 2 * n, "int8": n, "sign1": (n + 7) // 8,
+                "half2": (n - last) // 8 + (2 * min(32, last) + 7) // 8}.get(name, (n + 1) // 2)
         assert codec.wire_bytes(n) == 4 * scales + data
     assert codec.encode(gaussian(12_345)).nbytes == codec.wire_bytes(12_345)
 
@@ -232,8 +236,10 @@ def test_compression_ratios_at_one_million_elements() -> None:
     assert get_codec("int8").encode(gaussian(n)).nbytes / fp32 <= 0.27
     for name in ("int4", "fp4"):
         assert get_codec(name).wire_bytes(n) / fp32 <= 0.14
-    # sign1 at its block of 4096: 8x fewer bytes than int8 at 1024, the scales included
-    assert get_codec("int8").wire_bytes(n) / get_codec("sign1").wire_bytes(n) >= 7.9
+    # sign1 and half2 at their block of 4096: 8x fewer bytes than int8 at 1024, the scales
+    # included (7.97x: one float32 per 4096 elements)
+    for name in ("sign1", "half2"):
+        assert get_codec("int8").wire_bytes(n) / get_codec(name).wire_bytes(n) >= 7.96
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
@@ -311,3 +317,33 @@ def test_selected_runs_decode_as_each_run_does(name):
     if spec.block_size:  # a run that does not start on a block boundary is refused
         with pytest.raises(ValueError, match="whole blocks"):
             run_index(name, spec.block_size, [(32, 64)])
+
+
+@pytest.mark.parametrize("n", [3 * 4096 + 1000, 2 * 4096 + 3000, 4096, 100])
+def test_half2_is_the_simulators_randk2_bit_for_bit(n: int) -> None:
+    """half2 with a seed is the simulator's ``randk2:2048`` with that seed (the payload its
+    study measured): the same bytes and the same decoded values, whole, through views of
+    whole blocks and through a selection of blocks (the push meter's sample)."""
+    from gasloc_p2p.core import sparse
+    from gasloc_p2p.core.wire import run_index
+
+    codec, x = get_codec("half2"), gaussian(n, seed=3)
+    payload, enc = Encoded.empty("half2", n, 4096)
+    enc = enc.seeded(12345)
+    codec.encode_into(x, enc)
+    want = sparse.encode(sparse.SparseSpec.parse("randk2:2048"), x, 12345)
+    assert bytes(payload) == want.to_bytes()
+    y = codec.decode(enc)
+    assert torch.equal(bits(y), bits(sparse.decode(want)))
+    sent = min(2048, n % 4096) + n // 4096 * 2048
+    assert int((y != 0).sum()) == sent  # which half: nothing else decodes to non-zero
+    if n > 4096:
+        assert torch.equal(bits(codec.decode(enc.view(4096, n - 4096))), bits(y[4096:]))
+        runs = [(0, 4096), (n - n % 4096 or n - 4096, n % 4096 or 4096)]
+        picked = codec.decode(enc.select(run_index("half2", 4096, runs)))
+        assert torch.equal(bits(picked), bits(torch.cat([y[s:s + k] for s, k in runs])))
+    other = codec.decode(Encoded.from_bytes("half2", n, 4096, payload).seeded(999))
+    if n > 4096:  # another seed puts the same values elsewhere
+        assert not torch.equal((other != 0), (y != 0))
+    with pytest.raises(NonFiniteError):
+        codec.encode(torch.full((n,), float("nan")))

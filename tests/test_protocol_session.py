@@ -121,6 +121,9 @@ def test_timeouts_and_failures_name_what_was_awaited():
         init.timed_out()
     with pytest.raises(ProtocolError, match="stream closed"):
         init.closed()
+    init.stage = Stage.TRANSFER  # a payload late on a slow link: the flag that sets its deadline
+    with pytest.raises(ProtocolError, match=r"no payload within .*--min-link-mbps"):
+        init.timed_out()
     (act,) = init.fail(ProtocolError("broken"))
     assert isinstance(act, Send) and act.msg.abort.code == pb.BAD_REQUEST
     other = ExchangeSession.initiator(ra, ea, "B", 0)

@@ -90,8 +90,13 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 def seeded_hash(seed: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``count`` pseudo-random 32-bit values (int64 [count]) determined by ``seed`` alone (any
     Python int): the same on every peer, device and torch version."""
+    return seeded_hash_at(seed, torch.arange(count, dtype=torch.int64, device=device))
+
+
+def seeded_hash_at(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """Values ``index`` (int64, non-negative) of the sequence :func:`seeded_hash` draws from
+    ``seed``: ``seeded_hash(seed, n)[index]`` without the values in between."""
     folded = seed & ((1 << 64) - 1)
     s = ((folded ^ (folded >> 32)) & _MASK32)
     s = int(mix32(torch.tensor([s], dtype=torch.int64))[0])
-    i = torch.arange(count, dtype=torch.int64, device=device)
-    return mix32((i * 0x9E3779B1 + s) & _MASK32)
+    return mix32((index.to(torch.int64) * 0x9E3779B1 + s) & _MASK32)

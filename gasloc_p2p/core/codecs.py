@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gasloc_p2p.core import sparse
 from gasloc_p2p.core.wire import BLOCK_CODECS, CODEC_NAMES, PLAIN_CODECS, Encoded, layout
 
 __all__ = ["BLOCK_CODECS", "CODEC_NAMES", "PLAIN_CODECS", "Codec", "CodecSpec", "Encoded",
@@ -463,6 +464,48 @@ class Sign1Codec(_BlockCodec):
         torch.index_select(table, 0, data.to(torch.int32), out=out.view(-1, 8))
 
 
+class Half2Codec(_BlockCodec):
+    """Half of each block's elements at 2 bits: the simulator's ``randk2:B/2:B``
+    (:mod:`gasloc_p2p.core.sparse`, bit for bit), the payload that beat int8 where bytes set
+    the wall clock (docs/results/README.md, home links). Which half is drawn from the
+    payload's ``seed`` (a link's state: :func:`gasloc_p2p.core.links.position_seed`, held by
+    both ends, never sent) and the block's index: positions ``2 j + h`` with ``h`` one
+    seeded bit per block; a last block of ``L`` elements sends ``min(B/2, L)`` of them
+    (systematic sampling with a seeded phase). Values: levels ``{-3, -1, 1, 3}`` times the
+    block's least-squares scale; the other half decodes to 0. Sent only as a residual
+    against a link reference, so a 0 there stands for "as the reference"."""
+
+    name = "half2"
+    _levels = 3.0
+    _max_code = 3.0
+    _bits = 1  # per element of a whole block: half of them at 2 bits
+
+    def __init__(self, block_size: int = 4096) -> None:
+        super().__init__(block_size)
+        self._spec = sparse.SparseSpec("randk", 2, block_size // 2, block_size)
+
+    def _encode_into(self, x: torch.Tensor, out: Encoded, finite: torch.Tensor | None = None,
+                     clobber: bool = False) -> None:
+        ok = torch.ones((), dtype=torch.bool, device=x.device) if finite is None else finite
+        msg = sparse.encode(self._spec, x, out.seed, out.first_block, ok)
+        if finite is None and not bool(ok):
+            _raise_non_finite(x, self.name)
+        out.scales.copy_(msg.scales)
+        out.data.copy_(msg.codes)
+
+    def _decode(self, enc: Encoded, out: torch.Tensor) -> None:
+        none = enc.data[:0]
+        sparse.decode(sparse.SparsePayload(self._spec, enc.numel, enc.seed, enc.scales,
+                                           enc.data, none, enc.first_block, enc.block_ids),
+                      out)
+
+    def _pack(self, y: torch.Tensor, data: torch.Tensor) -> None:
+        raise NotImplementedError("half2 encodes through core/sparse.py")
+
+    def _unpack(self, data: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError("half2 decodes through core/sparse.py")
+
+
 @functools.lru_cache(maxsize=32)
 def _table_on(table_id: int, table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table.to(device)
@@ -474,10 +517,11 @@ def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 _CODECS: dict[str, type[Codec]] = {
-    c.name: c for c in (Fp32Codec, Fp16Codec, Int8Codec, Int4Codec, Fp4Codec, Sign1Codec)
+    c.name: c for c in (Fp32Codec, Fp16Codec, Int8Codec, Int4Codec, Fp4Codec, Sign1Codec,
+                        Half2Codec)
 }
 # block size a name implies where none is given (a scale per 1024 is 3% of a 1-bit payload)
-_DEFAULT_BLOCKS = {"sign1": 4096}
+_DEFAULT_BLOCKS = {"sign1": 4096, "half2": 4096}
 
 
 def get_codec(name: str, block_size: int | None = None) -> Codec:

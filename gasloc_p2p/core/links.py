@@ -1,7 +1,7 @@
 """Link references: what two peers hold in common so that gossip can send residuals (issue 40).
 
-A residual payload (``sign1``) is not a parameter vector: it is ``Q(p - r)``, the sender's public
-iterate less a reference ``r`` both ends of the link hold bit for bit, and decodes to
+A residual payload (``half2``, ``sign1``) is not a parameter vector: it is ``Q(p - r)``, the
+sender's public iterate less a reference ``r`` both ends of the link hold bit for bit, and decodes to
 ``r + D(m)``. The pair's correction is unchanged, ``w (D(m_j) - D(m_i))`` (the reference
 cancels), so the pair's sum is kept exactly as with plain payloads. After every exchange both
 ends move the reference to the middle of what was sent, ``r <- r + (D(m_i) + D(m_j)) / 2``
@@ -32,8 +32,16 @@ from dataclasses import dataclass
 import torch
 
 LINK_DOMAIN = b"gasloc/link/v1"
+POSITIONS_DOMAIN = b"gasloc/link-positions/v1"
 STATE_BYTES = 32
 CHUNK = 1 << 20  # elements per pass of a host update: temporaries stay in cache
+
+
+def position_seed(state: bytes) -> int:
+    """The 32-bit seed of a seeded codec's positions (``half2``) for an exchange against a link
+    at ``state``: both ends derive it, and it is new for every exchange (the state chains
+    each commit's payloads)."""
+    return int.from_bytes(hashlib.sha256(POSITIONS_DOMAIN + state).digest()[:4], "little")
 
 
 def seed_state(digest_a: bytes, digest_b: bytes) -> bytes:

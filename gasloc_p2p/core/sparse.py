@@ -137,7 +137,9 @@ class SparseSpec:
 class SparsePayload:
     """One encoded flat tensor: ``scales`` float32 [chunks], ``codes`` uint8 (packed values),
     ``index`` uint8 (packed 12-bit positions; empty unless topk), and the ``seed`` of randk
-    (never on the wire: both sides derive it)."""
+    (never on the wire: both sides derive it). randk positions depend on each chunk's index
+    in the whole tensor: ``first_chunk`` is the first one's (a part of a larger payload), or
+    ``chunk_ids`` lists them all (int64 [chunks], a selection of chunks)."""
 
     spec: SparseSpec
     numel: int
@@ -145,6 +147,15 @@ class SparsePayload:
     scales: torch.Tensor
     codes: torch.Tensor
     index: torch.Tensor
+    first_chunk: int = 0
+    chunk_ids: torch.Tensor | None = None
+
+    def ids(self) -> torch.Tensor:
+        """The index of each chunk in the whole tensor: int64 [chunks]."""
+        if self.chunk_ids is not None:
+            return self.chunk_ids
+        n = self.scales.numel()
+        return torch.arange(self.first_chunk, self.first_chunk + n, device=self.scales.device)
 
     @property
     def nbytes(self) -> int:
@@ -213,14 +224,14 @@ def _level_table(bits: int, device: torch.device) -> torch.Tensor:
     return c.to(torch.float32).to(device)
 
 
-def _positions_in_chunks(spec: SparseSpec, rows: int, length: int, k: int, first_chunk: int,
-                         seed: int, device: torch.device) -> torch.Tensor:
-    """randk/dense positions (int64 [rows, k]) inside ``rows`` chunks of ``length`` elements,
-    the first one being chunk number ``first_chunk``."""
-    j = torch.arange(k, dtype=torch.int64, device=device)
+def _positions_in_chunks(spec: SparseSpec, ids: torch.Tensor, length: int, k: int,
+                         seed: int) -> torch.Tensor:
+    """randk/dense positions (int64 [rows, k]) inside chunks of ``length`` elements whose
+    indices in the whole tensor are ``ids`` (int64 [rows])."""
+    j = torch.arange(k, dtype=torch.int64, device=ids.device)
     if spec.select == "dense":
-        return j.expand(rows, k)
-    phase = bitpack.seeded_hash(seed, first_chunk + rows, device)[first_chunk:] % length
+        return j.expand(ids.numel(), k)
+    phase = bitpack.seeded_hash_at(seed, ids) % length
     return (j[None, :] * length + phase[:, None]) // k
 
 
@@ -279,9 +290,13 @@ def _quantize2(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _codes2(v, scale).to(torch.uint8), scale
 
 
-def encode(spec: SparseSpec, x: torch.Tensor, seed: int = 0) -> SparsePayload:
+def encode(spec: SparseSpec, x: torch.Tensor, seed: int = 0, first_chunk: int = 0,
+           finite: torch.Tensor | None = None) -> SparsePayload:
     """Encode ``x`` (1-D float32/float16/bfloat16 [numel], on any device) with ``spec``; randk
-    positions come from ``seed``. ValueError if ``x`` holds NaN or Inf (nothing is sent)."""
+    positions come from ``seed`` and the chunks' indices (``x``'s first chunk is number
+    ``first_chunk`` of a larger tensor). ValueError if ``x`` holds NaN or Inf (nothing is
+    sent), or with ``finite`` (a bool scalar tensor on ``x``'s device) AND "finite" into it
+    instead (no host synchronisation: the caller reads it once)."""
     if x.dim() != 1 or not x.is_floating_point():
         raise ValueError(f"expected a 1-D float tensor, got {x.dtype} {list(x.shape)}")
     chunks, full, last, entries = spec.counts(x.numel())
@@ -289,7 +304,9 @@ def encode(spec: SparseSpec, x: torch.Tensor, seed: int = 0) -> SparsePayload:
     codes = torch.empty(entries, dtype=torch.uint8, device=dev)
     scales = torch.empty(chunks, dtype=torch.float32, device=dev)
     index = torch.empty(entries if spec.select == "topk" else 0, dtype=torch.int64, device=dev)
-    finite = torch.ones((), dtype=torch.bool, device=dev)
+    deferred = finite is not None
+    if finite is None:
+        finite = torch.ones((), dtype=torch.bool, device=dev)
     # dense 2-bit runs a dozen passes per row: smaller passes stay in cache (1.3x, measured)
     elems = _PASS_ELEMS // 4 if spec.select == "dense" else _PASS_ELEMS
     per = max(1, elems // spec.chunk) if dev.type == "cpu" else max(full, 1)
@@ -302,26 +319,30 @@ def encode(spec: SparseSpec, x: torch.Tensor, seed: int = 0) -> SparsePayload:
         xb = xb.float()
         finite &= torch.isfinite(xb.amax()) & torch.isfinite(xb.amin())
         lo, hi = c0 * k, c0 * k + (c1 - c0) * kk
+        ids = torch.arange(first_chunk + c0, first_chunk + c1, device=dev)
         if spec.select == "dense":
             vals = xb
-        else:
-            if spec.select == "topk":
-                if work is None or work.numel() < xb.numel():
-                    work = torch.empty(xb.numel(), dtype=torch.float32, device=dev)
-                a = torch.abs(xb, out=work[:xb.numel()].view_as(xb)).view(torch.int32)
-                pos = _topk_rows(a, kk).sort(dim=1).values
-                index[lo:hi] = pos.view(-1)
-            else:
-                pos = _positions_in_chunks(spec, c1 - c0, length, kk, c0, seed, dev)
+        elif spec.select == "topk":
+            if work is None or work.numel() < xb.numel():
+                work = torch.empty(xb.numel(), dtype=torch.float32, device=dev)
+            a = torch.abs(xb, out=work[:xb.numel()].view_as(xb)).view(torch.int32)
+            pos = _topk_rows(a, kk).sort(dim=1).values
+            index[lo:hi] = pos.view(-1)
             vals = xb.gather(1, pos)
+        elif _halves(spec) and length == spec.chunk:  # strided reads, no index
+            pairs = xb.view(c1 - c0, kk, 2)
+            vals = torch.where(_odd_half(spec, seed, ids)[:, None], pairs[:, :, 1],
+                               pairs[:, :, 0])
+        else:
+            vals = xb.gather(1, _positions_in_chunks(spec, ids, length, kk, seed))
         q, s = _quantize(vals, spec.bits)
         codes[lo:hi] = q.view(-1)
         scales[c0:c1] = s
-    if not bool(finite):
+    if not deferred and not bool(finite):
         raise ValueError(f"{spec}: input has non-finite values (NaN or Inf)")
     packed_index = bitpack.pack_indices(index) if spec.select == "topk" else index.to(torch.uint8)
     return SparsePayload(spec, x.numel(), seed, scales, bitpack.pack_codes(codes, spec.bits),
-                         packed_index)
+                         packed_index, first_chunk)
 
 
 def positions(payload: SparsePayload) -> torch.Tensor:
@@ -333,24 +354,29 @@ def positions(payload: SparsePayload) -> torch.Tensor:
         local = bitpack.unpack_indices(payload.index, entries)
         chunk_of = torch.arange(entries, device=dev) // k  # the last chunk's entries: // k too
         return local + chunk_of * spec.chunk
-    return seeded_positions(spec, payload.numel, payload.seed, dev)
+    return seeded_positions(spec, payload.numel, payload.seed, dev,
+                            payload.ids() if payload.first_chunk or payload.chunk_ids is not None
+                            else None)
 
 
-def seeded_positions(spec: SparseSpec, numel: int, seed: int,
-                     device: torch.device) -> torch.Tensor:
+def seeded_positions(spec: SparseSpec, numel: int, seed: int, device: torch.device,
+                     ids: torch.Tensor | None = None) -> torch.Tensor:
     """randk's (or dense's) positions for ``numel`` elements and ``seed``: int64 [K],
-    increasing, the same on every peer (also the modulo payloads' positions)."""
+    increasing, the same on every peer (also the modulo payloads' positions); ``ids``: the
+    chunks' indices in a larger tensor whose positions decide (default 0, 1, ...)."""
     if spec.select == "topk":
         raise ValueError("topk positions are chosen by the sender, not by a seed")
-    _, full, last, _ = spec.counts(numel)
+    chunks, full, last, _ = spec.counts(numel)
     if spec.select == "dense":
         return torch.arange(numel, device=device)
     k = spec.k
+    if ids is None:
+        ids = torch.arange(chunks, device=device)
     # offsets broadcast per chunk row (no division per entry)
-    rows = _positions_in_chunks(spec, full, spec.chunk, k, 0, seed, device)
+    rows = _positions_in_chunks(spec, ids[:full], spec.chunk, k, seed)
     parts = [rows.add_(torch.arange(full, device=device)[:, None] * spec.chunk).view(-1)]
     if last:
-        tail = _positions_in_chunks(spec, 1, last, min(k, last), full, seed, device)
+        tail = _positions_in_chunks(spec, ids[full:], last, min(k, last), seed)
         parts.append(tail.view(-1) + full * spec.chunk)
     return torch.cat(parts)
 
@@ -384,12 +410,39 @@ def decode(payload: SparsePayload, out: torch.Tensor | None = None) -> torch.Ten
     if payload.spec.select == "dense":  # every position: no zero fill, no scatter
         vals = values(payload)
         return vals if out is None else out.copy_(vals)
+    spec = payload.spec
     if out is None:
-        out = torch.zeros(payload.numel, dtype=torch.float32, device=payload.scales.device)
-    else:
-        out.zero_()
+        out = torch.empty(payload.numel, dtype=torch.float32, device=payload.scales.device)
+    if _halves(spec):  # whole chunks: a strided write per parity, no index
+        _, full, last, _ = spec.counts(payload.numel)
+        vals = values(payload)
+        ids = payload.ids()
+        odd = _odd_half(spec, payload.seed, ids[:full])[:, None]
+        pairs = out[: full * spec.chunk].view(full, spec.k, 2)
+        body = vals[: full * spec.k].view(full, spec.k)
+        zero = body.new_zeros(())
+        torch.where(odd, zero, body, out=pairs[:, :, 0])
+        torch.where(odd, body, zero, out=pairs[:, :, 1])
+        if last:
+            tail = out[full * spec.chunk:].zero_()
+            k = min(spec.k, last)
+            tail[_positions_in_chunks(spec, ids[full:], last, k, payload.seed).view(-1)] = (
+                vals[full * spec.k:])
+        return out
+    out.zero_()
     out[positions(payload)] = values(payload)
     return out
+
+
+def _halves(spec: SparseSpec) -> bool:
+    """randk of half of each chunk: positions ``2 j + h`` in a whole chunk (``h`` 0 or 1)."""
+    return spec.select == "randk" and 2 * spec.k == spec.chunk
+
+
+def _odd_half(spec: SparseSpec, seed: int, ids: torch.Tensor) -> torch.Tensor:
+    """Whether each whole chunk (indices ``ids``) sends its odd positions (bool [rows]): with
+    ``r`` the chunk's phase, ``(2 k j + r) // k = 2 j + r // k``."""
+    return bitpack.seeded_hash_at(seed, ids) % spec.chunk >= spec.k
 
 
 def magnitude(payload: SparsePayload) -> float:

@@ -7,6 +7,9 @@ memory. Sizes for ``n`` elements and block size ``B``:
 - ``fp32``: 4n data bytes. ``fp16``: 2n data bytes (IEEE half, raw bytes).
 - ``int8``: ceil(n/B) scales + n bytes.
 - ``int4`` and ``fp4``: ceil(n/B) scales + ceil(n/2) bytes.
+- ``sign1``: ceil(n/B) scales + ceil(n/8) bytes.
+- ``half2``: ceil(n/B) scales + B/8 bytes per whole block (B/2 codes of 2 bits) + for a last
+  block of L elements ceil(2 min(B/2, L) / 8) bytes.
 
 The value of each code is documented in :mod:`gasloc_p2p.core.codecs`.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -30,11 +34,16 @@ if TYPE_CHECKING:
 # Bits per element on the wire, one line per codec (a block codec adds a float32 scale per
 # block before its data; its block size is a multiple of 8 / bits elements, so every block
 # starts on a byte).
-CODEC_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "fp4": 4, "sign1": 1}
+CODEC_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "fp4": 4, "sign1": 1,
+                              "half2": 1}
 CODEC_NAMES: tuple[str, ...] = tuple(CODEC_BITS)
-BLOCK_CODECS = frozenset({"int8", "int4", "fp4", "sign1"})
+BLOCK_CODECS = frozenset({"int8", "int4", "fp4", "sign1", "half2"})
 # sent only as a residual against a reference both ends of a link hold, never as parameters
-RESIDUAL_CODECS = frozenset({"sign1"})
+RESIDUAL_CODECS = frozenset({"sign1", "half2"})
+# each block sends the elements a seed both ends hold picks (with the block's index): half of
+# them at 2 bits (a whole block's data is B bits, so CODEC_BITS' offsets hold), all of a last
+# block of at most B/2 elements (the simulator's randk rule, core/sparse.py)
+SEEDED_CODECS = frozenset({"half2"})
 PLAIN_CODECS: tuple[str, ...] = tuple(c for c in CODEC_NAMES if c not in RESIDUAL_CODECS)
 
 
@@ -55,6 +64,10 @@ def layout(codec: str, numel: int, block_size: int) -> tuple[int, int]:
         if block_size < multiple or block_size % multiple:
             raise ValueError(f"{codec}: block_size must be a positive multiple of {multiple}, "
                              f"got {block_size}")
+        if codec in SEEDED_CODECS:
+            full, last = divmod(numel, block_size)
+            return -(-numel // block_size), -(-(full * block_size + 2 * min(block_size // 2,
+                                                                             last)) // 8)
         return -(-numel // block_size), -(-numel * bits // 8)
     if block_size != 0:
         raise ValueError(f"{codec} has no blocks: block_size must be 0, got {block_size}")
@@ -178,13 +191,20 @@ def run_index(codec: str, block_size: int, runs: list[tuple[int, int]],
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no boolean equality
 class Encoded:
-    """One encoded flat tensor: ``scales`` float32 [n_blocks], ``data`` uint8 [n_bytes]."""
+    """One encoded flat tensor: ``scales`` float32 [n_blocks], ``data`` uint8 [n_bytes].
+
+    A seeded codec's (:data:`SEEDED_CODECS`) positions come from ``seed`` (never on the wire:
+    both ends derive it) and each block's index in the whole payload: ``first_block`` for a
+    view, ``block_ids`` (int64 [n_blocks]) for a selection of blocks."""
 
     codec: str
     numel: int
     block_size: int
     data: torch.Tensor
     scales: torch.Tensor
+    seed: int = 0
+    first_block: int = 0
+    block_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n_scales, n_data = layout(self.codec, self.numel, self.block_size)
@@ -210,9 +230,20 @@ class Encoded:
         host memory with ``non_blocking`` the copy is asynchronous on the current stream."""
         if self.data.device == torch.device(device):
             return self
+        ids = self.block_ids
         return Encoded(self.codec, self.numel, self.block_size,
                        self.data.to(device, non_blocking=non_blocking),
-                       self.scales.to(device, non_blocking=non_blocking))
+                       self.scales.to(device, non_blocking=non_blocking), self.seed,
+                       self.first_block, None if ids is None else ids.to(device))
+
+    def seeded(self, seed: int) -> Encoded:
+        """This payload (the same memory) with the seed of its positions (seeded codecs)."""
+        return dataclasses.replace(self, seed=seed)
+
+    def placed_as(self, other: Encoded) -> Encoded:
+        """This payload (the same memory) with ``other``'s seed and first block: scratch that
+        stands in for a part of a payload while a seeded codec encodes it."""
+        return dataclasses.replace(self, seed=other.seed, first_block=other.first_block)
 
     @property
     def nbytes(self) -> int:
@@ -231,7 +262,8 @@ class Encoded:
         blocks; ``start + numel`` must be a block boundary or the end.
         """
         bs = self.block_size
-        if bs and start % bs or start < 0 or start + numel > self.numel:
+        if bs and start % bs or start < 0 or start + numel > self.numel or (
+                self.block_ids is not None):
             raise ValueError(f"bad view [{start}, {start + numel}) of {self}")
         if not bs:
             width = self.data.numel() // max(self.numel, 1)
@@ -241,16 +273,21 @@ class Encoded:
         d0 = _data_offset(self.codec, start)
         s0 = start // bs
         return Encoded(self.codec, numel, bs, self.data[d0 : d0 + n_data],
-                       self.scales[s0 : s0 + n_scales])
+                       self.scales[s0 : s0 + n_scales], self.seed, self.first_block + s0)
 
     def select(self, index: RunIndex) -> Encoded:
         """The runs of ``index`` (:func:`run_index`) as one Encoded, copied out in two gathers
         (decoding it gives the runs' elements in order, bit for bit as decoding each)."""
         if index.numel and index.data.device != self.data.device:
             raise ValueError(f"run index on {index.data.device}, payload on {self.data.device}")
+        if self.block_ids is not None:
+            raise ValueError(f"a selection of a selection of {self.codec}")
         scales = self.scales.index_select(0, index.scales) if self.block_size else self.scales
+        ids = (index.scales.to(scales.device) + self.first_block
+               if self.codec in SEEDED_CODECS and self.block_ids is None else None)
         return Encoded(self.codec, index.numel, self.block_size,
-                       self.data.index_select(0, index.data), scales)
+                       self.data.index_select(0, index.data), scales, self.seed,
+                       self.first_block, ids)
 
     @classmethod
     def empty(cls, codec: str, numel: int, block_size: int,

@@ -70,13 +70,14 @@ class AlgorithmConfig(AsyncConfig):
 class GossipConfig:
     """Gossip exchanges: codec, rate, fragments, limits and per-stage timeouts."""
 
-    codec: str = opt("int8", f"payload codec: {' | '.join(PLAIN_CODECS)}, or sign1 for slow "
-                             "uplinks (1 bit per parameter against a copy each pair of peers "
-                             "keeps: 8x fewer bytes than int8; a pair's first exchange is int8)")
-    block_size: int = opt(1024, "quantization block, elements (int8/int4/fp4; sign1: 4096)",
-                          advanced=True)
-    links: int = opt(4, "sign1: peers this node keeps a link with (host memory: one float32 "
-                        "copy of the model per link)", advanced=True)
+    codec: str = opt("int8", f"payload codec: {' | '.join(PLAIN_CODECS)}, or for slow uplinks "
+                             "half2 (half the parameters at 2 bits) or sign1 (1 bit each), "
+                             "against a copy each pair of peers keeps: 8x fewer bytes than "
+                             "int8; a pair's first exchange is int8")
+    block_size: int = opt(1024, "quantization block, elements (int8/int4/fp4; half2 and sign1: "
+                                "4096)", advanced=True)
+    links: int = opt(4, "half2/sign1: peers this node keeps a link with (host memory: one "
+                        "float32 copy of the model per link)", advanced=True)
     fragments: int = opt(1, "P: exchange one strided fragment of P per event (1: whole model); "
                             "streaming-diloco: fragments synced in turn")
     fragment_order: str = opt("round-robin", f"fragment choice: {' | '.join(FRAGMENT_ORDERS)}",
@@ -169,8 +170,8 @@ class GossipConfig:
 
     @property
     def codec_spec(self) -> CodecSpec:
-        """What this node sends: ``codec`` with ``block_size`` (0 for fp32/fp16; sign1 its
-        own, the block size its study measured)."""
+        """What this node sends: ``codec`` with ``block_size`` (0 for fp32/fp16; half2 and
+        sign1 their own, the block size their study measured)."""
         if self.codec in RESIDUAL_CODECS:
             return CodecSpec.of(self.codec)
         return CodecSpec.of(self.codec, self.block_size)

@@ -646,7 +646,7 @@ class Node:
     @property
     def codecs(self) -> tuple[str, ...]:
         """What this node's record says it accepts: every plain codec, and its own residual
-        one (sign1: it keeps links, so peers that keep them too send it residuals)."""
+        one (half2 or sign1: it keeps links, so peers that keep them too send it residuals)."""
         own = self.cfg.gossip.codec
         return PLAIN_CODECS + ((own,) if own in RESIDUAL_CODECS else ())
 

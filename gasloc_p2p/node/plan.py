@@ -365,7 +365,7 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--gamma", type=float, default=0.0, help="outer momentum (a buffer if > 0)")
     p.add_argument("--codec", default="int8")
     p.add_argument("--links", type=_positive, default=4,
-                   help="--codec sign1: links kept (a float32 model copy each, host)")
+                   help="--codec half2 or sign1: links kept (a float32 model copy each, host)")
     p.add_argument("--diloco-codec", default="fp32",
                    help="DiLoCo modes' payload (a sparse one keeps an error feedback)")
     p.add_argument("--cpu", action="store_true", help="plan a CPU node (everything on the host)")

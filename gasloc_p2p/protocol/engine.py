@@ -47,9 +47,10 @@ import torch
 from gasloc_p2p.core.async_state import AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
-from gasloc_p2p.core.links import Decode, Link, LinkCache, next_state, seed_state
+from gasloc_p2p.core.links import Decode, Link, LinkCache, next_state, position_seed, seed_state
 from gasloc_p2p.core.wire import (
     RESIDUAL_CODECS,
+    SEEDED_CODECS,
     RunIndex,
     payload_buffer,
     payload_digest,
@@ -222,6 +223,8 @@ class ExchangeEngine:
         codec, step = spec.codec(), chunk_elems(spec, self.device, self.chunk)
         pin = self.stream is not None
         payload, encoded = Encoded.empty(spec.name, fragment.numel, spec.block_size, pin=pin)
+        if link is not None and spec.name in SEEDED_CODECS:  # positions from the link's state
+            encoded = encoded.seeded(position_seed(link.state))
         if self.streams(spec):
             return self._prepare_streamed(peer_id, fragment, spec, payload, encoded, block)
         with self.lock.urgent(writes=False), self._on_stream():
@@ -240,9 +243,9 @@ class ExchangeEngine:
                 if staged is None:  # straight into the payload's memory
                     codec.encode_into(x, encoded.view(pos, n), finite=finite)
                     continue
-                out = staged.view(0, n)
-                codec.encode_into(x, out, finite=finite)
                 host = encoded.view(pos, n)
+                out = staged.view(0, n).placed_as(host)  # a seeded codec's positions
+                codec.encode_into(x, out, finite=finite)
                 host.data.copy_(out.data, non_blocking=True)
                 host.scales.copy_(out.scales, non_blocking=True)
         self._done()
@@ -341,6 +344,10 @@ class ExchangeEngine:
         if not hmac.compare_digest(seen, digest):
             raise ValueError("payload does not match the SHA-256 its sender signed")
         received = Encoded.from_bytes(spec.name, numel, spec.block_size, payload, copy=False)
+        if spec.name in SEEDED_CODECS:  # its positions are ours: the same link state
+            if prep is None or prep.encoded.spec != spec:
+                raise ValueError(f"a {spec.name} payload is checked against our own half")
+            received = received.seeded(prep.encoded.seed)
         if prep is not None:
             prep.peer_digest = digest
         if self.streams(spec):

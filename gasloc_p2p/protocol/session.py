@@ -112,7 +112,7 @@ class Rules:
 
     @property
     def links(self) -> bool:
-        """This node sends residuals against links (its codec is one: sign1)."""
+        """This node sends residuals against links (its codec is one: half2, sign1)."""
         return self.codec.name in RESIDUAL_CODECS
 
     @property
@@ -222,7 +222,9 @@ class ExchangeSession:
 
     def timed_out(self) -> list[Action]:
         what, timeout_s = self.expecting() or ("a message", 0.0)
-        raise ProtocolError(f"no {what} within {timeout_s:g} s")
+        hint = (" (the payload deadline follows the slowest link the node plans for: "
+                "--min-link-mbps)" if what == "payload" else "")
+        raise ProtocolError(f"no {what} within {timeout_s:g} s{hint}")
 
     def closed(self) -> list[Action]:
         what, _ = self.expecting() or ("a message", 0.0)

@@ -293,7 +293,8 @@ class GossipLoop:
         outcome = await self.exchanger.initiate(lambda: stub.Exchange(timeout=deadline),
                                                 peer.peer_id, fragment,
                                                 peer.endpoint.rsplit(":", 1)[0],
-                                                bool(RESIDUAL_CODECS & set(peer.codecs)))
+                                                self.cfg.codec in RESIDUAL_CODECS
+                                                and self.cfg.codec in peer.codecs)
         self.exchanger.stats.record_path(self.channels.path_of(peer), peer.peer_id,
                                          time.monotonic() - started)
         return outcome
