@@ -2,7 +2,10 @@
 
 Used by ``tests/test_engine_counts.py`` and ``benchmarks/bench_engine.py``: two engines over
 ``numel`` float32 parameters (int8 payloads, the update guard on) run one whole exchange
-(prepare, check with the screen, commit, on both sides) under the counting mode.
+(prepare, check with the screen, commit, on both sides) under the counting mode. A residual
+codec's exchange (half2, sign1) runs against a link both engines seeded before the count;
+moving the link's reference after the commit is host work on host memory, walked in host
+chunks whatever the device, and is not counted.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gasloc_p2p.core import sparse
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec, _BlockCodec
 from gasloc_p2p.core.flat import whole
+from gasloc_p2p.core.links import Link, LinkCache
+from gasloc_p2p.core.wire import RESIDUAL_CODECS
 from gasloc_p2p.protocol.engine import ON_CPU_CHUNK, ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
 
@@ -30,9 +36,12 @@ class Counter(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.syncs = 0
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         full = str(getattr(func, "overloadpacket", func))
         if full in SYNC_OPS or (full == "aten._to_copy" and _to_host(args, kwargs)):
             self.syncs += 1
@@ -82,12 +91,34 @@ def device_passes(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    original = _BlockCodec._blocks_per_pass
+    original, passes = _BlockCodec._blocks_per_pass, sparse._PASS_ELEMS
     _BlockCodec._blocks_per_pass = lambda self, device: 1 << 62  # type: ignore[method-assign]
+    sparse._PASS_ELEMS = 1 << 62
     try:
         yield
     finally:
         _BlockCodec._blocks_per_pass = original  # type: ignore[method-assign]
+        sparse._PASS_ELEMS = passes
+
+
+@contextlib.contextmanager
+def uncounted_folds(counter: Counter) -> Iterator[None]:
+    """Links' folds (host work on host memory, see the module's docstring) left out of
+    ``counter``."""
+    fold = Link.fold
+
+    def quiet(self: Link, *args: object, **kwargs: object) -> None:
+        counter.paused = True
+        try:
+            fold(self, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            counter.paused = False
+
+    Link.fold = quiet  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Link.fold = fold  # type: ignore[method-assign]
 
 
 def count_exchange(numel: int, chunk: int, spec: str = "int8") -> dict[str, int]:
@@ -95,9 +126,24 @@ def count_exchange(numel: int, chunk: int, spec: str = "int8") -> dict[str, int]
     are ``chunk`` elements (the codecs' passes as on a GPU when chunks are device-sized)."""
     a, b = engines(numel, chunk)
     codec = CodecSpec.parse(spec)
+    links: list[Link | None] = [None, None]
+    if codec.name in RESIDUAL_CODECS:  # an int8 exchange seeds the pair's link
+        for e in (a, b):
+            e.links = LinkCache(1)
+        int8 = CodecSpec.of("int8")
+        pa, pb = a.prepare("B", 0, int8), b.prepare("A", 0, int8)
+        ra = b.check(int8, numel, bytearray(pa.payload), pa.digest, pb)
+        rb = a.check(int8, numel, bytearray(pb.payload), pb.digest, pa)
+        pa.seed = pb.seed = True
+        a.commit(pa, rb, 0.5)
+        b.commit(pb, ra, 0.5)
+        links = [a.links.get("B", 0), b.links.get("A", 0)]  # type: ignore[union-attr]
+    warm = codec.codec()  # its tables are built once per process: not the exchange's work
+    warm.decode(warm.encode(torch.ones(max(codec.block_size, 1))))
     counter = Counter()
-    with device_passes(chunk > ON_CPU_CHUNK), counter:
-        pa, pb = a.prepare("B", 0, codec), b.prepare("A", 0, codec)
+    with device_passes(chunk > ON_CPU_CHUNK), uncounted_folds(counter), counter:
+        pa = a.prepare("B", 0, codec, link=links[0])
+        pb = b.prepare("A", 0, codec, link=links[1])
         ra = b.check(codec, numel, bytearray(pa.payload), pa.digest, pb)
         rb = a.check(codec, numel, bytearray(pb.payload), pb.digest, pa)
         a.commit(pa, rb, 0.5)

@@ -12,6 +12,7 @@ they grew with the model, which is what a GPU paid for in launches and syncs
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.engine_counts import count_exchange
@@ -27,6 +28,16 @@ def test_launches_and_syncs_per_exchange_do_not_grow_with_the_model():
     # past one chunk: the syncs stay, the launches add a chunk's worth
     two = count_exchange(1 << 20, chunk=1 << 19)
     assert two["syncs"] == small["syncs"] and two["ops"] < 2 * small["ops"]
+
+
+@pytest.mark.parametrize("spec", ["half2", "sign1"])
+def test_residual_exchanges_do_not_grow_with_the_model_either(spec):
+    """half2 and sign1 against a link: the reference's chunks are uploaded as they are read
+    (no host wait per chunk), half2's positions come from integer hashes on the device."""
+    small = count_exchange(1 << 20, chunk=ON_DEVICE_CHUNK, spec=spec)
+    large = count_exchange(1 << 23, chunk=ON_DEVICE_CHUNK, spec=spec)
+    assert small == large, (small, large)
+    assert small["syncs"] <= 12, small
 
 
 def test_the_count_bites_on_chunked_loops():

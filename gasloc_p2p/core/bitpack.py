@@ -97,6 +97,12 @@ def seeded_hash_at(seed: int, index: torch.Tensor) -> torch.Tensor:
     """Values ``index`` (int64, non-negative) of the sequence :func:`seeded_hash` draws from
     ``seed``: ``seeded_hash(seed, n)[index]`` without the values in between."""
     folded = seed & ((1 << 64) - 1)
-    s = ((folded ^ (folded >> 32)) & _MASK32)
-    s = int(mix32(torch.tensor([s], dtype=torch.int64))[0])
+    s = _mix32_int((folded ^ (folded >> 32)) & _MASK32)
     return mix32((index.to(torch.int64) * 0x9E3779B1 + s) & _MASK32)
+
+
+def _mix32_int(x: int) -> int:
+    """:func:`mix32` of one Python int (no tensor: nothing for a device to wait on)."""
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
