@@ -1,5 +1,5 @@
-"""Bytes and link time per node on home uplinks: gossip (int8, and sign1: 1 bit against a copy each
-pair keeps) against DiLoCo's all-reduce (fp32) and its sparse all-gather (top-k 3% at 2 bits
+"""Bytes and link time per node on home uplinks: gossip (int8, and half2 or sign1 against a copy
+each pair keeps: half the parameters at 2 bits, or all at 1) against DiLoCo's all-reduce (fp32) and its sparse all-gather (top-k 3% at 2 bits
 with error feedback), at n = 8, 16 and 64 (issue 40, item 5). Arithmetic on the payloads' exact
 wire sizes (the codecs' own ``wire_bytes``) and the traffic patterns the daemon runs; no
 training, a second.
@@ -34,6 +34,7 @@ def payloads(numel: int) -> dict[str, int]:
     """Wire bytes of one message of ``numel`` parameters in each scheme."""
     return {
         "int8": get_codec("int8").wire_bytes(numel),
+        "half2": get_codec("half2").wire_bytes(numel),
         "sign1": get_codec("sign1").wire_bytes(numel),
         "fp32": get_codec("fp32").wire_bytes(numel),
         "topk2:123": SparseSpec.parse("topk2:123").wire_bytes(numel),
@@ -42,7 +43,7 @@ def payloads(numel: int) -> dict[str, int]:
 
 def upload_bytes(scheme: str, message: int, n: int) -> float:
     """Bytes one node uploads per exchange (gossip) or per sync (DiLoCo) in a group of ``n``."""
-    if scheme in ("gossip int8", "gossip sign1"):
+    if scheme.startswith("gossip"):
         return float(message)
     if scheme == "diloco fp32":
         return 2 * (n - 1) / n * message
@@ -54,7 +55,8 @@ def rows(numel: int) -> list[tuple[str, int, float]]:
     sizes = payloads(numel)
     out = []
     for n in GROUPS:
-        for scheme, key in (("gossip int8", "int8"), ("gossip sign1", "sign1"),
+        for scheme, key in (("gossip int8", "int8"), ("gossip half2", "half2"),
+                            ("gossip sign1", "sign1"),
                             ("diloco fp32", "fp32"), ("diloco topk2:123", "topk2:123")):
             out.append((scheme, n, upload_bytes(scheme, sizes[key], n)))
     return out

@@ -347,3 +347,19 @@ def test_half2_is_the_simulators_randk2_bit_for_bit(n: int) -> None:
         assert not torch.equal((other != 0), (y != 0))
     with pytest.raises(NonFiniteError):
         codec.encode(torch.full((n,), float("nan")))
+
+
+def test_every_layout_has_its_codec_and_a_codec_needs_a_layout() -> None:
+    """A codec is its class (registered by its name) and its line in wire.CODECS: one
+    without the other is refused or noticed here."""
+    from gasloc_p2p.core.codecs import _CODECS, Codec
+    from gasloc_p2p.core.wire import CODECS
+
+    assert sorted(_CODECS) == sorted(CODECS)
+    for name, lay in CODECS.items():
+        codec = get_codec(name)
+        assert codec.block_size == lay.default_block
+        assert codec.wire_bytes(4096) == 4 * (4096 // lay.default_block if lay.blocks else 0) \
+            + 4096 * lay.bits // 8
+    with pytest.raises(TypeError, match="no layout"):
+        type("Int3Codec", (Codec,), {"name": "int3"})

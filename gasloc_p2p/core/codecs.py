@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from gasloc_p2p.core import sparse
-from gasloc_p2p.core.wire import BLOCK_CODECS, CODEC_NAMES, PLAIN_CODECS, Encoded, layout
+from gasloc_p2p.core.wire import BLOCK_CODECS, CODEC_NAMES, CODECS, PLAIN_CODECS, Encoded, layout
 
 __all__ = ["BLOCK_CODECS", "CODEC_NAMES", "PLAIN_CODECS", "Codec", "CodecSpec", "Encoded",
            "NonFiniteError",
@@ -73,14 +73,26 @@ def _raise_non_finite(x: torch.Tensor, codec: str) -> None:
     )
 
 
+_CODECS: dict[str, type[Codec]] = {}  # name -> class: every concrete codec registers itself
+
+
 class Codec(abc.ABC):
     """Encodes a 1-D float tensor into an :class:`Encoded` payload and back to float32.
 
-    Instances hold no mutable state, so one may serve several worker threads at once.
+    Instances hold no mutable state, so one may serve several worker threads at once. A
+    subclass that sets ``name`` registers itself for :func:`get_codec`; its wire layout is
+    its line in :data:`gasloc_p2p.core.wire.CODECS`.
     """
 
     name: str
     block_size: int  # elements per scale block; 0 for fp32/fp16
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            if cls.name not in CODECS:
+                raise TypeError(f"codec {cls.name!r} has no layout in core/wire.py's CODECS")
+            _CODECS[cls.name] = cls
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """Encode ``x`` (1-D float32/float16/bfloat16, [numel]); NonFiniteError on NaN/Inf."""
@@ -516,12 +528,6 @@ def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table if table.device == device else _table_on(id(table), table, device)
 
 
-_CODECS: dict[str, type[Codec]] = {
-    c.name: c for c in (Fp32Codec, Fp16Codec, Int8Codec, Int4Codec, Fp4Codec, Sign1Codec,
-                        Half2Codec)
-}
-# block size a name implies where none is given (a scale per 1024 is 3% of a 1-bit payload)
-_DEFAULT_BLOCKS = {"sign1": 4096, "half2": 4096}
 
 
 def get_codec(name: str, block_size: int | None = None) -> Codec:
@@ -530,7 +536,7 @@ def get_codec(name: str, block_size: int | None = None) -> Codec:
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}")
     cls = _CODECS[name]
-    size = _DEFAULT_BLOCKS.get(name, DEFAULT_BLOCK_SIZE) if block_size is None else block_size
+    size = CODECS[name].default_block if block_size is None else block_size
     return cls(size) if issubclass(cls, _BlockCodec) else cls()
 
 
@@ -562,8 +568,7 @@ class CodecSpec:
         blocks, else with 0 (fp32/fp16)."""
         if name not in BLOCK_CODECS:
             return cls(name, 0)
-        return cls(name, _DEFAULT_BLOCKS.get(name, DEFAULT_BLOCK_SIZE) if block_size is None
-                   else block_size)
+        return cls(name, CODECS[name].default_block if block_size is None else block_size)
 
     @classmethod
     def parse(cls, text: str) -> CodecSpec:

@@ -31,19 +31,40 @@ import torch
 if TYPE_CHECKING:
     from gasloc_p2p.core.codecs import CodecSpec
 
-# Bits per element on the wire, one line per codec (a block codec adds a float32 scale per
-# block before its data; its block size is a multiple of 8 / bits elements, so every block
-# starts on a byte).
-CODEC_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "fp4": 4, "sign1": 1,
-                              "half2": 1}
-CODEC_NAMES: tuple[str, ...] = tuple(CODEC_BITS)
-BLOCK_CODECS = frozenset({"int8", "int4", "fp4", "sign1", "half2"})
-# sent only as a residual against a reference both ends of a link hold, never as parameters
-RESIDUAL_CODECS = frozenset({"sign1", "half2"})
-# each block sends the elements a seed both ends hold picks (with the block's index): half of
-# them at 2 bits (a whole block's data is B bits, so CODEC_BITS' offsets hold), all of a last
-# block of at most B/2 elements (the simulator's randk rule, core/sparse.py)
-SEEDED_CODECS = frozenset({"half2"})
+@dataclass(frozen=True)
+class Layout:
+    """What the wire format knows of a codec (its values are the codec class's business,
+    :mod:`gasloc_p2p.core.codecs`): ``bits`` per element of a whole block (of every element
+    without blocks); ``blocks``: a float32 scale per block precedes the data, and a block
+    size is a multiple of ``8 / bits`` elements, so every block starts on a byte;
+    ``default_block``: the block size the name implies; ``residual``: sent only against a
+    reference both ends of a link hold (:mod:`gasloc_p2p.core.links`), never as parameters;
+    ``seeded``: each block sends the half of its elements a seed both ends hold picks (with
+    the block's index), at 2 bits (a whole block's data is B bits), and a last block of ``L``
+    elements ``min(B/2, L)`` of them (the simulator's randk rule, :mod:`gasloc_p2p.core.sparse`)."""
+
+    bits: int
+    blocks: bool = True
+    default_block: int = 1024
+    residual: bool = False
+    seeded: bool = False
+
+
+# One line per codec; a new codec is this line and its class in core/codecs.py.
+CODECS: dict[str, Layout] = {
+    "fp32": Layout(32, blocks=False, default_block=0),
+    "fp16": Layout(16, blocks=False, default_block=0),
+    "int8": Layout(8),
+    "int4": Layout(4),
+    "fp4": Layout(4),
+    "sign1": Layout(1, default_block=4096, residual=True),  # a scale per 1024: 3% of the bytes
+    "half2": Layout(1, default_block=4096, residual=True, seeded=True),
+}
+CODEC_BITS: dict[str, int] = {name: c.bits for name, c in CODECS.items()}
+CODEC_NAMES: tuple[str, ...] = tuple(CODECS)
+BLOCK_CODECS = frozenset(name for name, c in CODECS.items() if c.blocks)
+RESIDUAL_CODECS = frozenset(name for name, c in CODECS.items() if c.residual)
+SEEDED_CODECS = frozenset(name for name, c in CODECS.items() if c.seeded)
 PLAIN_CODECS: tuple[str, ...] = tuple(c for c in CODEC_NAMES if c not in RESIDUAL_CODECS)
 
 
