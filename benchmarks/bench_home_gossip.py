@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import statistics
 import sys
@@ -82,6 +83,20 @@ def run_codec(net: ShapedNetwork, codec: str, flags: list[str], args: argparse.N
     return samples
 
 
+CLIPPED = re.compile(r"exchange (?:to|from) \S+ clipped: .* weight x([0-9.e+-]+)")
+
+
+def guard_weights(log_dir: Path) -> dict[str, float]:
+    """From the nodes' logs: how many committed exchanges the update guard clipped (from the
+    start, a few before the links were shaped) and the mean factor it left on their weight
+    (its trust ramp for keys with few exchanges, its budgets, its distance limit:
+    protocol/guard.py)."""
+    factors = []
+    for path in sorted(log_dir.glob("n*.err")):
+        factors += [float(f) for f in CLIPPED.findall(path.read_text(errors="replace"))]
+    return {"clipped": len(factors), "clip_factor": statistics.fmean(factors) if factors else 1.0}
+
+
 def time_to(samples: list[dict[str, float]], target: float) -> float | None:
     for s in samples:
         if s["loss"] <= target:  # NaN (a node not evaluated yet) never counts
@@ -123,23 +138,26 @@ def main() -> None:
           flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_home_gossip: terminated"))
     runs: dict[str, list[list[dict[str, float]]]] = {c: [] for c in args.codecs}
+    guard: dict[str, list[dict[str, float]]] = {c: [] for c in args.codecs}
     with ShapedNetwork([None] * args.nodes) as net, tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for codec in args.codecs:
                 log_dir = (Path(args.log_dir) if args.log_dir else Path(tmp)) / f"{codec}-{rep}"
                 log_dir.mkdir(parents=True, exist_ok=True)
                 runs[codec].append(run_codec(net, codec, flags, args, log_dir))
+                guard[codec].append(guard_weights(log_dir))
                 last = runs[codec][-1][-1] if runs[codec][-1] else {}
                 say(f"{codec} repetition {rep}: final loss {last.get('loss', float('nan')):.3f}, "
                     f"{last.get('bytes_per_node', 0) / 1e6:.1f} MB and "
                     f"{last.get('exchanges_per_node', 0):.0f} exchanges per node")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs,
+                                              "guard": guard}))
     ref = args.codecs[0]
     print(f"\n| codec | final loss (mean over repetitions) | MB sent per node | exchanges per "
           f"node | payload s on the link | steps/s per node | s to {ref}'s final loss "
-          f"(reached) | time vs {ref} |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"(reached) | time vs {ref} | clipped by the guard | mean factor when clipped |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for codec in args.codecs:
         finals = [r[-1] for r in runs[codec] if r]
         times, base = [], []
@@ -160,7 +178,15 @@ def main() -> None:
         print(f"| {codec} | {statistics.fmean(f['loss'] for f in finals):.3f} | "
               f"{sent / 1e6:.1f} | {count:.0f} | {payload_s:.1f} | {rate:.2f} | "
               f"{statistics.fmean(got) if got else float('nan'):.0f} ({len(got)}/{len(times)})"
-              f" | {ratio} |")
+              f" | {ratio} | {clipped(guard[codec], count * args.nodes * len(finals))} |")
+
+
+def clipped(rows: list[dict[str, float]], sides: float) -> str:
+    """The guard's clipped exchange sides per committed side (each exchange counts once on
+    either node) and their mean factor, over the repetitions."""
+    cut = sum(r["clipped"] for r in rows)
+    mean = (sum(r["clip_factor"] * r["clipped"] for r in rows) / cut) if cut else 1.0
+    return f"{cut / max(sides, 1):.0%} | {mean:.2f}"
 
 
 if __name__ == "__main__":
