@@ -6,7 +6,7 @@ Usage (root, iproute2): python -m benchmarks.bench_home_gossip [--nodes 4] [--ra
 Issue 40, item 4: the regime where bytes set the wall clock. Every node runs ``gasloc-node
 join`` (gossip, the test model) in its own network namespace (:mod:`benchmarks.tools.netns`);
 once all are up (the joiners download the first node's state on unshaped links), every node's
-egress is shaped with ``tc tbf`` to ``--rate-mbit`` (``--slow-factor K``: node 0's to 1/K of
+egress to its peers is shaped (HTB, :func:`shape_peers`) to ``--rate-mbit`` (``--slow-factor K``: node 0's to 1/K of
 it, the uneven case) and the run goes on for ``--minutes``. Pick the rate so that one int8
 exchange takes 1-4 rounds of compute: the table prints each codec's payload time on the
 shaped link and the nodes' steps per second. Each repetition runs every codec once, one after the other, on
@@ -26,13 +26,14 @@ import json
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_streaming_link import NsNode, say, shape
-from benchmarks.tools.netns import ShapedNetwork, netns_unavailable
+from benchmarks.bench_streaming_link import NsNode, say
+from benchmarks.tools.netns import Host, ShapedNetwork, netns_unavailable
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.data import ensure_shakespeare
 
@@ -56,7 +57,7 @@ def run_codec(net: ShapedNetwork, codec: str, flags: list[str], args: argparse.N
         for n in nodes:
             n.wait_up(180)
         for k, h in enumerate(hosts):
-            shape(h, args.rate_mbit / (args.slow_factor if k == 0 else 1.0))
+            shape_peers(h, args.rate_mbit / (args.slow_factor if k == 0 else 1.0), net.gateway)
         say(f"{codec}: {len(nodes)} nodes up, links shaped; running {args.minutes:g} min")
         t0 = time.monotonic()
         first = [n.info() for n in nodes]
@@ -79,8 +80,30 @@ def run_codec(net: ShapedNetwork, codec: str, flags: list[str], args: argparse.N
         for n in nodes:
             n.stop(30)
         for h in hosts:
-            shape(h, None)
+            shape_peers(h, None, net.gateway)
     return samples
+
+
+def shape_peers(host: Host, rate_mbit: float | None, bench: str) -> None:
+    """Shape ``host``'s egress to its peers at ``rate_mbit`` (None: remove the shaper), and
+    leave what it sends to ``bench`` (the address the bench reads every node's Info from)
+    unshaped: on a 50 kbit/s link an Info reply queued behind a 2.5 MB payload would wait
+    minutes. HTB, one shaped default class and one unshaped class for the bench."""
+    dev = host.dev
+    subprocess.run(host.cmd(["tc", "qdisc", "del", "dev", dev, "root"]), capture_output=True,
+                   check=False)
+    if rate_mbit is None:
+        return
+    burst = max(16_000, int(rate_mbit * 1e6 / 8 / 200))  # about 5 ms, as tbf's in netns.py
+    for argv in (["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
+                 ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate",
+                  "1000mbit"],
+                 ["class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate",
+                  f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "burst", str(burst),
+                  "cburst", str(burst)],
+                 ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                  "u32", "match", "ip", "dst", f"{bench}/32", "flowid", "1:10"]):
+        subprocess.run(host.cmd(["tc", *argv]), capture_output=True, check=True)
 
 
 CLIPPED = re.compile(r"exchange (?:to|from) \S+ clipped: .* weight x([0-9.e+-]+)")
@@ -132,7 +155,7 @@ def main() -> None:
     slowest = args.rate_mbit / args.slow_factor
     flags = [*FLAGS, "--data", data, "--eval-interval-steps", str(args.eval_interval_steps),
              "--min-link-mbps", f"{slowest:g}", *args.extra]
-    print(f"{args.nodes} nodes, each in its own namespace, egress tbf {args.rate_mbit:g} Mbit/s"
+    print(f"{args.nodes} nodes, each in its own namespace, egress to peers {args.rate_mbit:g} Mbit/s"
           + (f" (node 0: 1/{args.slow_factor:g} of it)" if args.slow_factor != 1 else "")
           + f"; codecs {' '.join(args.codecs)}; {args.reps} repetitions of {args.minutes:g} min",
           flush=True)
