@@ -354,9 +354,7 @@ def positions(payload: SparsePayload) -> torch.Tensor:
         local = bitpack.unpack_indices(payload.index, entries)
         chunk_of = torch.arange(entries, device=dev) // k  # the last chunk's entries: // k too
         return local + chunk_of * spec.chunk
-    return seeded_positions(spec, payload.numel, payload.seed, dev,
-                            payload.ids() if payload.first_chunk or payload.chunk_ids is not None
-                            else None)
+    return seeded_positions(spec, payload.numel, payload.seed, dev, payload.ids())
 
 
 def seeded_positions(spec: SparseSpec, numel: int, seed: int, device: torch.device,

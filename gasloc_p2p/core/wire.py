@@ -305,7 +305,7 @@ class Encoded:
             raise ValueError(f"a selection of a selection of {self.codec}")
         scales = self.scales.index_select(0, index.scales) if self.block_size else self.scales
         ids = (index.scales.to(scales.device) + self.first_block
-               if self.codec in SEEDED_CODECS and self.block_ids is None else None)
+               if self.codec in SEEDED_CODECS else None)
         return Encoded(self.codec, index.numel, self.block_size,
                        self.data.index_select(0, index.data), scales, self.seed,
                        self.first_block, ids)
