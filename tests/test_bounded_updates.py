@@ -26,6 +26,7 @@ from gasloc_p2p.core.wire import payload_digest
 from gasloc_p2p.node.daemon import Node
 from gasloc_p2p.node.discovery.base import InMemoryDiscovery, InMemoryRegistry
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
+from gasloc_p2p.protocol import guard as guard_module
 from gasloc_p2p.protocol.blame import Ledger, PushMeter
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import (
@@ -112,7 +113,7 @@ def test_the_anchor_only_shrinks_and_never_exceeds_the_step_bound():
 def test_what_peers_send_never_moves_the_limits():
     """The attack on the old rule: accepted distances just under the limit ratcheted the
     median up. Now the limits follow this node's own drift only."""
-    guard = rule_only()
+    guard = rule_only(factor=4)  # up to 3 soft limits: under the hard one
     guard.round_end({0: D})
     before = guard.limits(0)
     for i in range(500):
@@ -192,6 +193,42 @@ def test_a_new_key_earns_its_weight_over_its_first_exchanges_one_a_round():
     factor, ticket = guard.screen(0, 1.0, "other")
     guard.release(ticket)  # refused or failed exchanges earn nothing
     assert guard.screen(0, 1.0, "other")[0] == 0.25
+
+
+def test_trust_follows_this_nodes_rounds_so_a_peer_on_a_slow_link_earns_it_too():
+    """An honest peer whose exchanges span several rounds (a home link) earns its weight in
+    ``trust_after`` rounds, as a key that commits every round does; counted in commits (one a
+    round), it stayed a newcomer for the whole of issue 40's shaped runs."""
+    guard = rule_only(trust_after=4)
+    slow, fast = [], []
+    for r in range(9):
+        guard.round_end({0: 1.0})
+        if r % 3 == 0:  # one exchange every third round
+            factor, ticket = guard.screen(0, 1.0, "slow")
+            slow.append(factor)
+            guard.committed(ticket)
+        factor, ticket = guard.screen(0, 1.0, "fast")
+        fast.append(factor)
+        guard.committed(ticket)
+    assert slow == pytest.approx([0.25, 1.0, 1.0])  # 3 rounds after its first: full weight
+    assert fast[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])  # the same clock
+    guard.demerit("slow")  # blamed: the clock starts over
+    assert not guard.trusted("slow") and guard.trusted("fast")
+
+
+def test_keys_minted_in_bulk_forget_each_other_not_the_peers_this_node_exchanges_with(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guard_module, "MAX_PEERS", 8)
+    guard = rule_only(trust_after=2)
+    guard.round_end({0: 1.0})
+    guard.committed(guard.screen(0, 1.0, "honest")[1])
+    for r in range(3):
+        guard.round_end({0: 1.0})
+        for i in range(4):  # 12 minted keys, 4 a round: more than the map holds
+            guard.committed(guard.screen(0, 1.0, f"minted{r}.{i}")[1])
+        guard.committed(guard.screen(0, 1.0, "honest")[1])  # it keeps exchanging
+    assert guard.trusted("honest")
+    assert not guard.trusted("minted0.0")  # forgotten: a newcomer again
 
 
 def test_a_blamed_key_starts_over_and_keeps_a_quarter_of_its_weight_for_good():
@@ -274,7 +311,8 @@ def test_an_implausible_loss_jump_is_caught_like_a_non_finite_one():
 
 def guarded(name: str, seed: int, rule: GuardRule | None = None, codec: str = "int8"):
     rules, engine = node(name, seed, codec)
-    engine.guard = UpdateGuard(rule or GuardRule(trust_after=1), OUTER.w)
+    # a soft limit of 4 drifts (the default is 8): the geometry these tests were drawn with
+    engine.guard = UpdateGuard(rule or GuardRule(factor=4, trust_after=1), OUTER.w)
     engine.guard.round_end({0: D})
     return rules, engine
 
@@ -386,7 +424,7 @@ def test_a_bfloat16_theta0_serves_the_guard():
         t0 = linked.theta0.to(torch.bfloat16)
         state = AsyncGaslocState(linked.state.theta.clone(), linked.theta0, OUTER)
         engine = ExchangeEngine(state, t0, linked.fragments, NoLock())
-        engine.guard = UpdateGuard(GuardRule(trust_after=1, round_budget=1e9,
+        engine.guard = UpdateGuard(GuardRule(factor=4, trust_after=1, round_budget=1e9,
                                              block_budget=1e9), OUTER.w)
         engine.guard.round_end({0: 0.1})
         pair.append((rules, engine))
@@ -505,7 +543,7 @@ def test_an_in_swarm_peer_with_scaled_deltas_is_clipped_then_refused(corpus):
     async def main():
         reg = InMemoryRegistry()
         fast = {"exchanges_per_round": 4.0, "inner_steps": 5}
-        honest = Node(tiny_config(corpus, **fast),
+        honest = Node(tiny_config(corpus, guard_factor=4.0, **fast),  # 4: soft at 4 drifts
                       InMemoryDiscovery(reg, "gasloc", "honest"))
         evil = Node(tiny_config(corpus, peers=("/memory/honest",), guard_factor=0, **fast),
                     InMemoryDiscovery(reg, "gasloc", "evil"))

@@ -5,10 +5,10 @@ the swarm's credentials (the benchmark's swarm is open: any key may join, which 
 for a member minting keys). Each push is the victim's own public iterate (from a state
 download at most ``refresh_s`` old) plus ``k`` times the victim's drift scale along one fixed
 random direction ``u`` (:func:`benchmarks.tools.sybil.direction`): the victim's displacement
-from ``theta_0`` is its own plus a small push, so the direction test passes, and ``k`` under
-the guard's soft factor (4) keeps each exchange unclipped. The drift scale is what the victim
-judges by (its progress log's ``guard drift``: an attacker training beside the swarm with the
-same settings measures about the same on itself).
+from ``theta_0`` is its own plus a small push, so the direction test passes, and ``k`` just
+under the guard's soft factor (:data:`FULL`) keeps each exchange unclipped. The drift scale is
+what the victim judges by (its progress log's ``guard drift``: an attacker training beside
+the swarm with the same settings measures about the same on itself).
 
 - ``fresh-keys``: a new key for every exchange (issue 23's attack);
 - ``farm-push``: ``keys`` identities first earn trust with ``farm`` exchanges each that echo
@@ -44,6 +44,7 @@ from benchmarks.tools.sybil import DEADLINE_S, Tally, direction, exchange, victi
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.node.transport.tls import fetch_certificate, secure_channel
 from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.guard import GuardRule
 from gasloc_p2p.tools.nodes import NodeChild
 
 
@@ -64,15 +65,16 @@ class Attack:
     aim: str = "fixed"
 
 
+FULL = 0.95 * GuardRule().factor  # a push just under the soft limit: the most unclipped
 ATTACKS = {a.name: a for a in (
-    Attack("fresh-keys", keys=0, farm=0, k=3.5),
-    Attack("farm-push", keys=12, farm=8, k=3.8),
-    Attack("member-push", keys=1, farm=8, k=3.8),
+    Attack("fresh-keys", keys=0, farm=0, k=FULL),
+    Attack("farm-push", keys=12, farm=8, k=FULL),
+    Attack("member-push", keys=1, farm=8, k=FULL),
     Attack("slow-push", keys=1, farm=8, k=2.0, gap_s=-1.0),
-    Attack("orthogonal", keys=12, farm=8, k=3.8, aim="orthogonal"),
-    Attack("ascent", keys=1, farm=8, k=3.8, aim="ascent"),
+    Attack("orthogonal", keys=12, farm=8, k=FULL, aim="orthogonal"),
+    Attack("ascent", keys=1, farm=8, k=FULL, aim="ascent"),
     Attack("ascent-slow", keys=1, farm=8, k=2.0, gap_s=-1.0, aim="ascent"),
-    Attack("rewind", keys=1, farm=8, k=3.8, aim="rewind"),
+    Attack("rewind", keys=1, farm=8, k=FULL, aim="rewind"),
 )}
 REWIND_S = 60.0
 

@@ -118,7 +118,7 @@ class GossipConfig:
     init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any",
                                 group="training")
     download_timeout_s: float = opt(60.0, "deadline of a state download", advanced=True)
-    guard_factor: float = opt(4.0, "clip a peer's update whose RMS distance exceeds this many "
+    guard_factor: float = opt(8.0, "clip a peer's update whose RMS distance exceeds this many "
                               "times this node's own drift per round (0: no guard)",
                               advanced=True)
     guard_window: int = opt(16, "rounds of this node's own drift the guard's median covers",
@@ -141,8 +141,8 @@ class GossipConfig:
                                       "guard_newcomer_rounds rounds", advanced=True)
     guard_newcomer_rounds: int = opt(64, "the window of guard_newcomer_total (a sum decaying by "
                                      "1/this per round)", advanced=True)
-    guard_trust_after: int = opt(8, "a key's weight ramps to full over its first this many "
-                                 "committed exchanges with this node, one a round at most",
+    guard_trust_after: int = opt(8, "a key's weight ramps to full over this many rounds of "
+                                 "this node after its first committed exchange with it",
                                  advanced=True)
     guard_push_limit: float = opt(8.0, "what gossip moved this node by over its last rounds "
                                   "(a sum decaying by 1/32 a round, on sampled blocks) stays "

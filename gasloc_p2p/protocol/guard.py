@@ -26,7 +26,10 @@ raised through the node's own training.)
 
 Per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance, without ``w``):
 
-- up to the *soft* limit (``factor`` drifts) the exchange commits as is; up to the *hard*
+- up to the *soft* limit (``factor`` drifts: with ``w = 1/2``, 8 lets one exchange use the
+  round's whole budget, which bounds what an attacker moves a node by per round whatever it
+  sends; the soft limit of 4 before halved what an honest peer on a slow link, exchanging
+  once a round or less, could move it by) the exchange commits as is; up to the *hard*
   limit with its weight scaled by ``soft / distance`` (clipped: an honest node far away, one
   that trained alone before it found the swarm or is back from a partition, is pulled in over
   a few exchanges and rounds); beyond it, it is refused and the peer, and the newcomers of its
@@ -37,10 +40,14 @@ Per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance, without `
   none of which a peer can move. The budget, not the hard limit, bounds what a clipped
   exchange can do (an attacker beyond the soft limit gains nothing over one at it); the hard
   limit refuses what no honest node can be;
-- a key's weight ramps from ``1 / trust_after`` to 1 over its first ``trust_after`` committed
-  exchanges with this node, at most one a round of this node: a fresh identity (they are
-  free) moves it little, and trust takes rounds to earn, not a burst of echoes (12 keys earned
-  theirs in under 10 seconds when every exchange counted: issue 39);
+- a key's weight ramps from ``1 / trust_after`` to 1 over the first ``trust_after`` rounds of
+  this node after its first committed exchange with it: a fresh identity (they are free) moves
+  it little, and trust takes rounds of this node's clock to earn, not a burst of echoes (12
+  keys earned theirs in under 10 seconds when every exchange counted: issue 39). Rounds, not
+  exchanges: an attacker commits every round and earns it in ``trust_after`` rounds either
+  way, while an honest peer on a home link, whose exchange spans several rounds, stayed a
+  newcomer for the whole run when trust counted one commit a round (its weight x0.01-0.04 at
+  0.5 Mbit/s: issue 40's shaped runs);
 - a key blamed for a rise of this node's loss (:mod:`gasloc_p2p.protocol.blame`, after a
   rollback) loses its trust and, for good, three quarters of its weight per blame
   (:meth:`UpdateGuard.demerit`); its address block's newcomers share a budget cut the same
@@ -117,7 +124,7 @@ def address_block(host: str) -> str:
 class GuardRule:
     """Thresholds of :class:`UpdateGuard` (see the module docstring); lengths in own drifts."""
 
-    factor: float = 4.0  # soft limit: clip beyond this many own drifts
+    factor: float = 8.0  # soft limit: clip beyond this many own drifts (w * 8 = the budget)
     hard_factor: float = 16.0  # refuse beyond this many own drifts, twice the own path,
     hard_base: float = 4.0  # and this many times the RMS of theta_0, whichever is most
     window: int = 16  # rounds of own drift the median covers
@@ -126,7 +133,7 @@ class GuardRule:
     newcomer_total: float = 1.0  # and over the last ``newcomer_rounds`` (decaying sum)
     newcomer_rounds: int = 64
     block_budget: float = 0.25  # of which such keys from one address block
-    trust_after: int = 8  # committed exchanges before a key has its full weight
+    trust_after: int = 8  # rounds after its first commit before a key has its full weight
     min_z: float = 4.0  # the cosine must be >= min_z / sqrt(n) (negative: no such test)
     min_cosine: float = -1.0  # and >= this fixed value (-1: off)
 
@@ -186,8 +193,7 @@ class UpdateGuard:
         self._spent: dict[int, float] = {}  # fragment -> movement reserved this round
         self._spent_block: dict[tuple[int, str], float] = {}
         self._long: dict[int, float] = {}  # fragment -> newcomers' movement, decaying per round
-        self._trust = _Recent()  # key -> committed exchanges (capped at trust_after)
-        self._trusted_in = _Recent()  # key -> the round of its last trust earned (+1)
+        self._known = _Recent()  # key -> the round of its first commit here (+1), 0: none
         self._demerits = _Recent()  # key -> times blamed for a rise of the loss
         self._block_demerits = _Recent()  # address block -> times its keys were blamed
         self._lock = threading.Lock()
@@ -270,7 +276,7 @@ class UpdateGuard:
         clipped = distance > soft
         with self._lock:
             factor = min(1.0, soft / distance) if distance > 0 else 1.0
-            earned = (1 + self._trust.get(key, 0)) / max(r.trust_after, 1)
+            earned = self._earned(key)
             factor *= min(1.0, earned) * DEMERIT ** self._demerits.get(key, 0)
             movement = self.w * factor * distance
             left = r.round_budget * d - self._spent.get(fragment, 0.0)
@@ -322,24 +328,28 @@ class UpdateGuard:
         ticket.movement -= extra.movement
         self.release(extra)
 
+    def _earned(self, key: str) -> float:
+        """The share of its weight ``key`` has earned: ``(1 + level) / trust_after``, the level
+        0 before its first commit, then the rounds since (at least 1), at most 1 in all."""
+        first = self._known.get(key, 0)
+        level = 0 if not first else max(1, self._round + 1 - first)
+        return min(1.0, (1 + level) / max(self.rule.trust_after, 1))
+
     def committed(self, ticket: Ticket) -> None:
-        """The exchange committed: its reservation is spent for good, and its key earns trust
-        (once a round of this node)."""
+        """The exchange committed: its reservation is spent for good, and its key's clock of
+        trust starts (at its first commit) or is remembered for longer (later ones: the map
+        forgets the keys that committed least recently first, so keys minted in bulk evict
+        each other, not the peers this node exchanges with)."""
         with self._lock:
             ticket.movement = 0.0  # a later release gives nothing back
-            if self._trusted_in.get(ticket.key, 0) == self._round + 1:
-                return
-            self._trusted_in.put(ticket.key, self._round + 1)
-            self._trust.put(ticket.key, min(self._trust.get(ticket.key, 0) + 1,
-                                            self.rule.trust_after))
+            self._known.put(ticket.key, self._known.get(ticket.key, 0) or self._round + 1)
 
     def demerit(self, key: str, block: str = "") -> None:
         """``key`` was blamed for a rise of this node's loss: it starts over as a newcomer and
         keeps, for good, ``DEMERIT`` of its weight per blame; newcomers of ``block`` share a
         budget cut the same way."""
         with self._lock:
-            self._trust.put(key, 0)
-            self._trusted_in.put(key, 0)
+            self._known.pop(key, None)
             self._demerits.put(key, self._demerits.get(key, 0) + 1)
             if block:
                 self._block_demerits.put(block, self._block_demerits.get(block, 0) + 1)
@@ -351,7 +361,7 @@ class UpdateGuard:
     def trusted(self, key: str) -> bool:
         """Whether ``key`` has its full weight here."""
         with self._lock:
-            return self._trust.get(key, 0) + 1 >= self.rule.trust_after
+            return self._earned(key) >= 1
 
     def spent(self, fragment: int) -> float:
         """Movement reserved so far this round on ``fragment``, in own drifts."""
