@@ -6,11 +6,11 @@ Usage (root, iproute2): python -m benchmarks.bench_home_gossip [--nodes 4] [--ra
 Issue 40, item 4: the regime where bytes set the wall clock. Every node runs ``gasloc-node
 join`` (gossip, the test model) in its own network namespace (:mod:`benchmarks.tools.netns`);
 once all are up (the joiners download the first node's state on unshaped links), every node's
-egress to its peers is shaped (HTB, :func:`shape_peers`) to ``--rate-mbit`` (``--slow-factor K``: node 0's to 1/K of
-it, the uneven case) and the run goes on for ``--minutes``. Pick the rate so that one int8
-exchange takes 1-4 rounds of compute: the table prints each codec's payload time on the
-shaped link and the nodes' steps per second. Each repetition runs every codec once, one after the other, on
-the same network; rows of one run are compared (shared 2-core machines vary by about 30%).
+egress to its peers is shaped (HTB, :meth:`benchmarks.tools.netns.Host.shape`) to
+``--rate-mbit`` (``--slow-factor K``: node 0's to 1/K of it, the uneven case) and the run goes
+on for ``--minutes``. Pick the rate so that one int8 exchange takes 1-4 rounds of compute: the
+table prints each codec's payload time on the shaped link and the nodes' steps per second.
+Each repetition runs every codec once, one after the other, on the same network; rows of one run are compared (shared 2-core machines vary by about 30%).
 
 Every few seconds the bench reads each node's Info: its validation loss (its own periodic
 evaluation), bytes sent and exchanges. Per codec and repetition: the nodes' mean final loss,
@@ -26,14 +26,13 @@ import json
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_streaming_link import NsNode, say
-from benchmarks.tools.netns import Host, ShapedNetwork, netns_unavailable
+from benchmarks.bench_streaming_link import NsNode, say, start_nodes
+from benchmarks.tools.netns import ShapedNetwork, netns_unavailable
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.data import ensure_shakespeare
 
@@ -47,17 +46,12 @@ def run_codec(net: ShapedNetwork, codec: str, flags: list[str], args: argparse.N
     """One swarm with ``--codec codec``: samples of (t, mean loss, bytes/node, exchanges/node)
     from the moment the links are shaped."""
     hosts = net.hosts
-    node_flags = [*flags, "--codec", codec]
-    nodes = [NsNode("n0", hosts[0], log_dir, node_flags)]
+    nodes: list[NsNode] = []
     samples: list[dict[str, float]] = []
     try:
-        peers = nodes[0].join_peers(180)
-        nodes += [NsNode(f"n{i}", hosts[i], log_dir, [*node_flags, "--peers", *peers])
-                  for i in range(1, len(hosts))]
-        for n in nodes:
-            n.wait_up(180)
-        for k, h in enumerate(hosts):
-            shape_peers(h, args.rate_mbit / (args.slow_factor if k == 0 else 1.0), net.gateway)
+        start_nodes(hosts, log_dir, [*flags, "--codec", codec], nodes)
+        for k, h in enumerate(hosts):  # the bench's Info calls unshaped
+            h.shape(args.rate_mbit / (args.slow_factor if k == 0 else 1.0), net.gateway)
         say(f"{codec}: {len(nodes)} nodes up, links shaped; running {args.minutes:g} min")
         t0 = time.monotonic()
         first = [n.info() for n in nodes]
@@ -80,30 +74,8 @@ def run_codec(net: ShapedNetwork, codec: str, flags: list[str], args: argparse.N
         for n in nodes:
             n.stop(30)
         for h in hosts:
-            shape_peers(h, None, net.gateway)
+            h.shape(None)
     return samples
-
-
-def shape_peers(host: Host, rate_mbit: float | None, bench: str) -> None:
-    """Shape ``host``'s egress to its peers at ``rate_mbit`` (None: remove the shaper), and
-    leave what it sends to ``bench`` (the address the bench reads every node's Info from)
-    unshaped: on a 50 kbit/s link an Info reply queued behind a 2.5 MB payload would wait
-    minutes. HTB, one shaped default class and one unshaped class for the bench."""
-    dev = host.dev
-    subprocess.run(host.cmd(["tc", "qdisc", "del", "dev", dev, "root"]), capture_output=True,
-                   check=False)
-    if rate_mbit is None:
-        return
-    burst = max(16_000, int(rate_mbit * 1e6 / 8 / 200))  # about 5 ms, as tbf's in netns.py
-    for argv in (["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
-                 ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate",
-                  "1000mbit"],
-                 ["class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate",
-                  f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "burst", str(burst),
-                  "cburst", str(burst)],
-                 ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
-                  "u32", "match", "ip", "dst", f"{bench}/32", "flowid", "1:10"]):
-        subprocess.run(host.cmd(["tc", *argv]), capture_output=True, check=True)
 
 
 CLIPPED = re.compile(r"exchange (?:to|from) \S+ clipped: .* weight x([0-9.e+-]+)")

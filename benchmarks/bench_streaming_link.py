@@ -36,7 +36,6 @@ import argparse
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -70,6 +69,19 @@ class NsNode(NodeChild):
         self.host = host
 
 
+def start_nodes(hosts: list[Host], log_dir: Path, flags: list[str], nodes: list[NsNode]
+                ) -> None:
+    """A node in every host, the first starting the swarm and the others joining it; each
+    is appended to ``nodes`` as it starts (the caller stops them, also after a failure), and
+    all are up on return."""
+    nodes.append(NsNode("n0", hosts[0], log_dir, flags))
+    peers = nodes[0].join_peers(180)
+    nodes += [NsNode(f"n{i}", hosts[i], log_dir, [*flags, "--peers", *peers])
+              for i in range(1, len(hosts))]
+    for n in nodes:
+        n.wait_up(180)
+
+
 @dataclass
 class Run:
     label: str
@@ -94,19 +106,6 @@ def wait_warm(nodes: list[NsNode], syncs: int, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"warm-up: syncs {[syncs_ok(n.info()) for n in nodes]}")
         time.sleep(0.5)
-
-
-def shape(host: Host, rate_mbit: float | None) -> None:
-    """Shape ``host``'s egress with tbf at ``rate_mbit`` (None: remove the shaper). The burst
-    is :mod:`benchmarks.tools.netns`'s: about 5 ms of traffic, at least 16 kB."""
-    if rate_mbit is None:
-        subprocess.run(host.cmd(["tc", "qdisc", "del", "dev", host.dev, "root"]),
-                       capture_output=True, check=False)
-        return
-    burst = max(16_000, int(rate_mbit * 1e6 / 8 / 200))
-    subprocess.run(host.cmd(["tc", "qdisc", "replace", "dev", host.dev, "root", "tbf", "rate",
-                             f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]),
-                   capture_output=True, check=True)
 
 
 def tbf_drops(host: Host) -> int:
@@ -134,17 +133,13 @@ def measure(net: ShapedNetwork, label: str, flags: list[str], args: argparse.Nam
         tmp = Path(args.log_dir) / label.replace(" ", "_") if args.log_dir else Path(tmp_dir)
         tmp.mkdir(parents=True, exist_ok=True)
         hosts = net.hosts
-        nodes = [NsNode("n0", hosts[0], tmp, flags)]
+        nodes: list[NsNode] = []
         try:
-            peers = nodes[0].join_peers(180)
-            nodes += [NsNode(f"n{i}", hosts[i], tmp, [*flags, "--peers", *peers])
-                      for i in range(1, len(hosts))]
-            for n in nodes:
-                n.wait_up(180)
+            start_nodes(hosts, tmp, flags, nodes)
             say(f"{label}: {len(nodes)} nodes up; warming up on unshaped links")
             wait_warm(nodes, 2, args.timeout_s)
             for h in hosts:
-                shape(h, args.rate_mbit)
+                h.shape(args.rate_mbit)
             time.sleep(args.settle_s)
             say(f"{label}: links shaped to {args.rate_mbit:g} Mbit/s; measuring "
                 f"{args.seconds:g} s")
@@ -164,7 +159,7 @@ def measure(net: ShapedNetwork, label: str, flags: list[str], args: argparse.Nam
             for n in nodes:
                 n.stop(30)
             for h in hosts:
-                shape(h, None)
+                h.shape(None)
     return Run(label, t1 - t0, first, last, samples[0], drops)
 
 

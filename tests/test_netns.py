@@ -73,6 +73,22 @@ def test_egress_is_shaped_and_counted() -> None:
     assert nbytes <= sent <= 1.10 * nbytes
 
 
+def test_a_host_reshaped_later_keeps_one_destination_unshaped() -> None:
+    """``Host.shape(rate, unshaped_to=...)``: peers get the rate, the named address (a bench's
+    Info calls) does not; ``shape(None)`` removes the shaper."""
+    nbytes = 1_000_000  # 1.6 s at 5 Mbit/s
+    with ShapedNetwork([None, None, None]) as net:
+        net.hosts[1].shape(5.0, unshaped_to=net.hosts[2].addr)
+        assert "htb" in net.hosts[1].qdisc_stats()
+        shaped = _send(net, src=1, dst=0, nbytes=nbytes)
+        free = _send(net, src=1, dst=2, nbytes=nbytes)
+        net.hosts[1].shape(None)
+        assert "htb" not in net.hosts[1].qdisc_stats()
+        again = _send(net, src=1, dst=0, nbytes=nbytes)
+    assert shaped >= 0.85 * nbytes * 8 / 5e6, shaped
+    assert free < shaped / 2 and again < shaped / 2, (free, again, shaped)
+
+
 def test_root_namespace_reaches_hosts_through_the_gateway() -> None:
     with ShapedNetwork([None, None]) as net:
         host = net.hosts[1]

@@ -120,6 +120,33 @@ class Host:
         """``tc -s qdisc`` of the host's link: sent bytes, drops and overlimits of the shaper."""
         return _run(self.cmd(["tc", "-s", "qdisc", "show", "dev", self.dev]))
 
+    def shape(self, rate_mbit: float | None, unshaped_to: str = "") -> None:
+        """Shape this host's egress to ``rate_mbit`` from now on (None: remove the shaper),
+        tbf as at the start; with ``unshaped_to`` (an address, e.g. the gateway a benchmark
+        reads every node's Info from) HTB instead, with one unshaped class for what goes
+        there: on a 50 kbit/s link an Info reply queued behind a 2.5 MB payload waits
+        minutes."""
+        subprocess.run(self.cmd(["tc", "qdisc", "del", "dev", self.dev, "root"]),
+                       capture_output=True, check=False)
+        if rate_mbit is None:
+            return
+        if not unshaped_to:
+            _run(self.cmd(["tc", "qdisc", "add", "dev", self.dev, "root", "tbf", "rate",
+                           f"{rate_mbit}mbit", "burst", str(_burst(rate_mbit)), "latency",
+                           "100ms"]))
+            return
+        burst = str(_burst(rate_mbit))
+        for argv in (["qdisc", "add", "dev", self.dev, "root", "handle", "1:", "htb", "default",
+                      "20"],
+                     ["class", "add", "dev", self.dev, "parent", "1:", "classid", "1:10", "htb",
+                      "rate", "1000mbit"],
+                     ["class", "add", "dev", self.dev, "parent", "1:", "classid", "1:20", "htb",
+                      "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "burst", burst,
+                      "cburst", burst],
+                     ["filter", "add", "dev", self.dev, "parent", "1:", "protocol", "ip", "prio",
+                      "1", "u32", "match", "ip", "dst", f"{unshaped_to}/32", "flowid", "1:10"]):
+            _run(self.cmd(["tc", *argv]))
+
 
 class ShapedNetwork:
     """``len(rates_mbit)`` hosts on one bridge; ``rates_mbit[i]`` shapes host i's egress (None: unshaped).
@@ -351,8 +378,12 @@ def _shape(host: Host, burst_bytes: int | None = None) -> None:
     if host.rate_mbit is None:
         return
     rate = float(host.rate_mbit)
-    # Burst: at least one MTU-sized packet, about 5 ms of traffic at the rate (tbf needs
-    # burst >= rate / HZ to reach the rate at all on a kernel with a 250 Hz timer).
-    burst = burst_bytes or max(16_000, int(rate * 1e6 / 8 / 200))
+    burst = burst_bytes or _burst(rate)
     _run(host.cmd(["tc", "qdisc", "add", "dev", host.dev, "root", "tbf", "rate", f"{rate}mbit",
                    "burst", str(burst), "latency", "100ms"]))
+
+
+def _burst(rate_mbit: float) -> int:
+    """A shaper's burst: at least one MTU-sized packet, about 5 ms of traffic at the rate (tbf
+    needs burst >= rate / HZ to reach the rate at all on a kernel with a 250 Hz timer)."""
+    return max(16_000, int(rate_mbit * 1e6 / 8 / 200))
