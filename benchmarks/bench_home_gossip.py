@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
+
 from benchmarks.bench_streaming_link import NsNode, say, start_nodes
 from benchmarks.tools.netns import ShapedNetwork, netns_unavailable
 from gasloc_p2p.core.codecs import CodecSpec
@@ -57,7 +59,11 @@ def run_codec(net: ShapedNetwork, codec: str, flags: list[str], args: argparse.N
         first = [n.info() for n in nodes]
         while time.monotonic() - t0 < args.minutes * 60:
             time.sleep(POLL_S)
-            infos = [n.info() for n in nodes]
+            try:
+                infos = [n.info() for n in nodes]
+            except (grpc.RpcError, OSError) as exc:  # a late reply: the next poll reads it
+                say(f"{codec}: an Info call failed ({type(exc).__name__}); sample skipped")
+                continue
             losses = [i.val_loss for i in infos if i.val_loss > 0]
             samples.append({
                 "t": time.monotonic() - t0,

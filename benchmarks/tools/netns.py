@@ -125,7 +125,9 @@ class Host:
         tbf as at the start; with ``unshaped_to`` (an address, e.g. the gateway a benchmark
         reads every node's Info from) HTB instead, with one unshaped class for what goes
         there: on a 50 kbit/s link an Info reply queued behind a 2.5 MB payload waits
-        minutes."""
+        minutes. ARP is never shaped (it is the LAN's, not the uplink's): queued behind a
+        payload, a host's ARP request for the bench's address held its replies for 20 s and
+        the bench's Info calls timed out."""
         subprocess.run(self.cmd(["tc", "qdisc", "del", "dev", self.dev, "root"]),
                        capture_output=True, check=False)
         if rate_mbit is None:
@@ -144,7 +146,9 @@ class Host:
                       "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "burst", burst,
                       "cburst", burst],
                      ["filter", "add", "dev", self.dev, "parent", "1:", "protocol", "ip", "prio",
-                      "1", "u32", "match", "ip", "dst", f"{unshaped_to}/32", "flowid", "1:10"]):
+                      "1", "u32", "match", "ip", "dst", f"{unshaped_to}/32", "flowid", "1:10"],
+                     ["filter", "add", "dev", self.dev, "parent", "1:", "protocol", "arp",
+                      "prio", "2", "u32", "match", "u32", "0", "0", "flowid", "1:10"]):
             _run(self.cmd(["tc", *argv]))
 
 
