@@ -216,6 +216,24 @@ def test_trust_follows_this_nodes_rounds_so_a_peer_on_a_slow_link_earns_it_too()
     assert not guard.trusted("slow") and guard.trusted("fast")
 
 
+def test_a_stale_exchange_is_clipped_on_what_it_moves_the_node_by_not_on_its_distance():
+    """Weighed down for the round ends it spans, an exchange may come from farther before
+    the soft limit clips it: what it moves the node by is bounded as before."""
+    guard = rule_only(factor=4)  # soft limit 4 drifts: w * 4 = 2 drifts an exchange
+    guard.round_end({0: 1.0})
+    fresh, _ = guard.screen(0, 8.0)  # twice the soft limit at the full weight: clipped
+    assert fresh == pytest.approx(0.5)
+    stale, ticket = guard.screen(0, 8.0, weight=0.125)  # a quarter of w: moves 1 drift
+    assert stale == 1.0 and not ticket.clipped and ticket.movement == pytest.approx(1.0)
+    assert guard.screen(0, 15.0, weight=0.125)[0] == 1.0  # up to 16 drifts at a quarter
+    half, ticket = guard.screen(0, 12.0, weight=0.25)  # at half of w: clipped beyond 8
+    assert half == pytest.approx(8 / 12) and ticket.clipped
+    assert ticket.movement == pytest.approx(0.5 * 4)  # what a fresh exchange moves at most
+    with pytest.raises(ImplausibleUpdate):
+        guard.screen(0, 17.0, weight=0.125)  # the hard limit stays on the distance
+    assert guard.screen(0, 8.0, weight=5.0)[0] == pytest.approx(0.5)  # at most w counts
+
+
 def test_keys_minted_in_bulk_forget_each_other_not_the_peers_this_node_exchanges_with(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(guard_module, "MAX_PEERS", 8)
@@ -367,6 +385,22 @@ def test_an_offset_between_the_limits_is_clipped_to_the_soft_limit(attacker_init
     assert moved == pytest.approx(OUTER.w * 4 * D, rel=0.02)
     assert rms_move(before[1], evil[1].state.theta, frag) == pytest.approx(OUTER.w * 0.2,
                                                                            rel=0.02)
+
+
+def test_a_stale_exchange_commits_unclipped_where_its_weight_keeps_it_within_the_soft_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same offset of 0.2 (2.5 soft limits) on a side that saw 3 round ends by the check
+    (weight w / 3): it moves the node by w / 3 x 0.2, under w x 0.08, so no clip; the commit's
+    weight is never above what the guard judged."""
+    honest = guarded("H", 1, codec="fp32")
+    evil = twin(honest, "E", 0.2)
+    monkeypatch.setattr(honest[1], "rounds_since", lambda prep: 3)
+    before = honest[1].state.theta.clone()
+    mine = MemoryExchange(evil, honest, 0).run()[1]
+    assert not mine.clipped and mine.clip == 1.0
+    frag = honest[1].fragments[0]
+    assert rms_move(before, honest[1].state.theta, frag) == pytest.approx(OUTER.w / 3 * 0.2,
+                                                                          rel=0.02)
 
 
 def test_a_far_honest_node_is_pulled_in_over_a_few_rounds_not_refused():

@@ -44,7 +44,7 @@ from typing import Protocol
 
 import torch
 
-from gasloc_p2p.core.async_state import AsyncGaslocState
+from gasloc_p2p.core.async_state import AsyncGaslocState, exchange_weight
 from gasloc_p2p.core.codecs import CodecSpec, Encoded, NonFiniteError
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.links import Decode, Link, LinkCache, next_state, position_seed, seed_state
@@ -80,6 +80,9 @@ class Prepared:
     digest: bytes  # SHA-256 of the payload (in the signed Header)
     block: str = ""  # the peer's address block (protocol.guard.address_block)
     clip: float = 1.0  # the guard's factor on the weight, set by ``check`` (1: as is)
+    # the most the commit's weight may be before the clip: the weight at the round ends this
+    # side had seen at the check (the peer's can only add staleness); set by ``check``
+    weight_cap: float = math.inf
     ticket: Ticket | None = None  # the movement the guard reserved for this exchange
     # both payloads on the device, from the check to the commit (each uploaded once)
     on_device: tuple[Encoded, Encoded] | None = None
@@ -443,9 +446,11 @@ class ExchangeEngine:
                                         fragment.numel)
         root_n = math.sqrt(max(fragment.numel, 1))
         self.release(prep)
+        prep.weight_cap = exchange_weight(self.guard.w, self.rounds_since(prep))
         clip, prep.ticket = self.guard.screen(fragment.index, math.sqrt(dist2) / root_n,
                                               prep.peer_id, prep.block,
-                                              math.sqrt(self._base2_of(fragment)) / root_n)
+                                              math.sqrt(self._base2_of(fragment)) / root_n,
+                                              prep.weight_cap)
         if self.meter is not None:
             clip *= self._meter_room(prep, received, clip)
         return clip
@@ -475,7 +480,7 @@ class ExchangeEngine:
             mine += prep.link.ref.index_select(0, self._meter_elements(frag, spec.block_size))
         meter.seen(frag.index, spec.block_size, self.state.rounds, mine)
         limit = self.meter_limit * self.guard.drift(frag.index)
-        step = self.guard.w * clip * prep.pushed
+        step = prep.weight_cap * clip * prep.pushed
         room = self.meter.room(frag.index, spec.block_size, self.state.rounds, step, limit)
         if room < 1.0 and prep.ticket is not None:
             self.guard.shrink(prep.ticket, room)
@@ -533,7 +538,7 @@ class ExchangeEngine:
         if received.numel != fragment.numel or received.spec != sent.spec:
             raise ValueError(f"received {received.spec}/{received.numel}, sent "
                              f"{sent.spec}/{fragment.numel}")
-        weight *= prep.clip
+        weight = min(weight, prep.weight_cap) * prep.clip  # what the guard judged, at most
         prep.weight = weight
         apply = self._apply_streamed if self.streams(sent.spec) else self._apply
         gate = self.gate if weight != 0 else None

@@ -258,12 +258,21 @@ class UpdateGuard:
 
     # ------------------------------------------------------------------ screening
     def screen(self, fragment: int, distance: float, key: str = "", block: str = "",
-               base: float = 0.0) -> tuple[float, Ticket]:
+               base: float = 0.0, weight: float | None = None) -> tuple[float, Ticket]:
         """The factor on the exchange's weight (1: as is; below 1: clipped, a newcomer's
         share, or what the budget has left) and the budget it reserved (give it back with
         :meth:`release` unless the exchange commits). ImplausibleUpdate beyond the hard limit
         (or for a non-finite distance); NotNow before this node has a drift or once the
-        round's budget is spent. ``base``: the RMS of ``theta_0`` over the fragment."""
+        round's budget is spent. ``base``: the RMS of ``theta_0`` over the fragment.
+
+        ``weight``: the most the exchange will commit with (at most ``w``; the caller holds
+        it to that): a stale exchange, weighed down for the round ends it spans, moves the
+        node by ``weight * distance``, so the soft limit, which bounds one exchange's
+        movement to ``w * soft``, clips it only beyond ``soft * w / weight``. An int8
+        exchange on a home link spans 4-5 of this node's rounds: weighed down to a quarter,
+        then clipped as if it were not, it moved the node by a twentieth of what it could.
+        The hard limit stays on the distance. A peer cannot raise the weight (its rounds only
+        add staleness), so this moves no bound on what it can do."""
         d = self.drift(fragment)
         soft, hard = self.limits(fragment, base)
         r = self.rule
@@ -273,12 +282,14 @@ class UpdateGuard:
         if not distance <= hard:  # also catches NaN
             raise ImplausibleUpdate(f"implausible update: RMS distance {distance:.3g} on "
                                     f"fragment {fragment} beyond the limit")
-        clipped = distance > soft
+        w = self.w if weight is None else min(max(weight, 0.0), self.w)
+        reach = soft * self.w / w if w > 0 else math.inf  # the distance beyond which it clips
+        clipped = distance > reach
         with self._lock:
-            factor = min(1.0, soft / distance) if distance > 0 else 1.0
+            factor = min(1.0, reach / distance) if distance > 0 else 1.0
             earned = self._earned(key)
             factor *= min(1.0, earned) * DEMERIT ** self._demerits.get(key, 0)
-            movement = self.w * factor * distance
+            movement = w * factor * distance
             left = r.round_budget * d - self._spent.get(fragment, 0.0)
             if earned < 1:  # a newcomer: newcomers share a budget, and per address block
                 blamed = DEMERIT ** self._block_demerits.get(block, 0)
