@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -120,8 +121,14 @@ def main() -> None:
                         "once: the namespaces reach nothing but each other)")
     parser.add_argument("--log-dir", default="", help="keep the nodes' logs here")
     parser.add_argument("--out", default="", help="write every sample here (JSON)")
+    parser.add_argument("--report", default="", metavar="FILE",
+                        help="print the table of an earlier run's --out file; run nothing")
     parser.add_argument("extra", nargs="*", help="more gasloc-node join flags (after --)")
     args = parser.parse_args()
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        print("\n".join(table(saved["runs"], saved.get("guard", {}), saved["args"])))
+        return
     reason = netns_unavailable()
     if reason is not None:
         sys.exit(f"bench_home_gossip: {reason}")
@@ -154,12 +161,24 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs,
                                               "guard": guard}))
-    ref = args.codecs[0]
-    print(f"\n| codec | final loss (mean over repetitions) | MB sent per node | exchanges per "
-          f"node | payload s on the link | steps/s per node | s to {ref}'s final loss "
-          f"(reached) | time vs {ref} | clipped by the guard | mean factor when clipped |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for codec in args.codecs:
+    print("\n" + "\n".join(table(runs, guard, vars(args))))
+
+
+def table(runs: dict[str, list[list[dict[str, float]]]], guard: dict[str, list[dict[str, float]]],
+          args: dict[str, Any]) -> list[str]:
+    """The printed table (markdown) of ``runs`` (per codec, per repetition, the samples),
+    ``guard`` (per codec, per repetition, :func:`guard_weights`) and the run's arguments.
+    Besides the final loss, the loss at the most steps every run reached: runs on a shared
+    machine differ in speed, and a faster run's final loss is lower for its steps alone."""
+    codecs = list(runs)
+    ref = codecs[0]
+    every = [r for reps in runs.values() for r in reps if r]
+    common = min((r[-1]["steps"] for r in every), default=0.0)
+    lines = [f"| codec | final loss (mean over repetitions) | loss at step {common:.0f} | MB sent "
+             f"per node | exchanges per node | payload s on the link | steps/s per node | s to "
+             f"{ref}'s final loss (reached) | time vs {ref} | clipped by the guard | mean "
+             "factor when clipped |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for codec in codecs:
         finals = [r[-1] for r in runs[codec] if r]
         times, base = [], []
         for rep, samples in enumerate(runs[codec]):
@@ -174,17 +193,30 @@ def main() -> None:
                  if got and len(got) == len(times) and None not in base else "n/a")
         sent = statistics.fmean(f["bytes_per_node"] for f in finals)
         count = statistics.fmean(f["exchanges_per_node"] for f in finals)
-        payload_s = sent / max(count, 1) * 8 / (args.rate_mbit * 1e6)
+        payload_s = sent / max(count, 1) * 8 / (args["rate_mbit"] * 1e6)
         rate = statistics.fmean(f["steps"] / f["t"] for f in finals)
-        print(f"| {codec} | {statistics.fmean(f['loss'] for f in finals):.3f} | "
-              f"{sent / 1e6:.1f} | {count:.0f} | {payload_s:.1f} | {rate:.2f} | "
-              f"{statistics.fmean(got) if got else float('nan'):.0f} ({len(got)}/{len(times)})"
-              f" | {ratio} | {clipped(guard[codec], count * args.nodes * len(finals))} |")
+        at = statistics.fmean(loss_at(r, common) for r in runs[codec] if r)
+        lines.append(
+            f"| {codec} | {statistics.fmean(f['loss'] for f in finals):.3f} | {at:.3f} | "
+            f"{sent / 1e6:.1f} | {count:.0f} | {payload_s:.1f} | {rate:.2f} | "
+            f"{statistics.fmean(got) if got else float('nan'):.0f} ({len(got)}/{len(times)})"
+            f" | {ratio} | {clipped(guard.get(codec), count * args['nodes'] * len(finals))} |")
+    return lines
 
 
-def clipped(rows: list[dict[str, float]], sides: float) -> str:
+def loss_at(samples: list[dict[str, float]], step: float) -> float:
+    """The first evaluated loss once the nodes' mean step reached ``step`` (NaN: never)."""
+    for s in samples:
+        if s["steps"] >= step and s["loss"] == s["loss"]:
+            return s["loss"]
+    return float("nan")
+
+
+def clipped(rows: list[dict[str, float]] | None, sides: float) -> str:
     """The guard's clipped exchange sides per committed side (each exchange counts once on
-    either node) and their mean factor, over the repetitions."""
+    either node) and their mean factor, over the repetitions (n/a: not recorded)."""
+    if not rows:
+        return "n/a | n/a"
     cut = sum(r["clipped"] for r in rows)
     mean = (sum(r["clip_factor"] * r["clipped"] for r in rows) / cut) if cut else 1.0
     return f"{cut / max(sides, 1):.0%} | {mean:.2f}"
