@@ -1,7 +1,7 @@
 """A member with free identities against a swarm: 5 honest nodes + the attack of issue 23, beside
 the same 5 honest nodes unattacked.
 
-Usage: python -m benchmarks.bench_byzantine [--honest 5] [--minutes 10] [--k 7.6]
+Usage: python -m benchmarks.bench_byzantine [--honest 5] [--minutes 10] [--k 3.5]
 
 Two swarms of real `gasloc-node join` processes (tiny model, 1 torch thread each, under `nice`)
 train side by side for ``--minutes``:
@@ -9,7 +9,7 @@ train side by side for ``--minutes``:
 - ``attacked``: ``--honest`` honest nodes and the attacker of :mod:`benchmarks.tools.sybil`:
   a fresh ed25519 key for every exchange, a payload ``p_victim + k * drift * u`` (the victim's
   own public iterate at most 2 s old, pushed along one fixed random direction ``u`` by ``k``
-  times the victim's own drift per round: just under the guard's soft limit of 8), valid
+  times the victim's own drift per round: just under the guard's soft limit of 4), valid
   signatures and Commits, one exchange in flight per victim, all the time;
 - ``clean``: the same honest nodes alone (the same keys, so the same data): the best any
   defence can do is to ignore the attacker entirely.
@@ -68,7 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--honest", type=int, default=5)
     p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--k", type=float, default=7.6, help="the push, in the victim's drifts")
+    p.add_argument("--k", type=float, default=3.5, help="the push, in the victim's drifts")
     p.add_argument("--logs", default="", help="keep the nodes' logs and files in this directory")
     args = p.parse_args()
     seconds = 60 * args.minutes

@@ -118,7 +118,7 @@ class GossipConfig:
     init_from_swarm: bool = opt(True, "with no checkpoint, start from a peer's state if any",
                                 group="training")
     download_timeout_s: float = opt(60.0, "deadline of a state download", advanced=True)
-    guard_factor: float = opt(8.0, "clip a peer's update whose RMS distance exceeds this many "
+    guard_factor: float = opt(4.0, "clip a peer's update whose RMS distance exceeds this many "
                               "times this node's own drift per round (0: no guard)",
                               advanced=True)
     guard_window: int = opt(16, "rounds of this node's own drift the guard's median covers",

@@ -26,10 +26,8 @@ raised through the node's own training.)
 
 Per fragment, on the RMS of ``ref_in - ref_out`` (the pair's distance, without ``w``):
 
-- up to the *soft* limit (``factor`` drifts: with ``w = 1/2``, 8 lets one exchange use the
-  round's whole budget, which bounds what an attacker moves a node by per round whatever it
-  sends; the soft limit of 4 before halved what an honest peer on a slow link, exchanging
-  once a round or less, could move it by) the exchange commits as is; up to the *hard*
+- up to the *soft* limit (``factor`` drifts, on what the exchange moves the node by: see
+  :meth:`UpdateGuard.screen` for stale exchanges) the exchange commits as is; up to the *hard*
   limit with its weight scaled by ``soft / distance`` (clipped: an honest node far away, one
   that trained alone before it found the swarm or is back from a partition, is pulled in over
   a few exchanges and rounds); beyond it, it is refused and the peer, and the newcomers of its
@@ -124,7 +122,7 @@ def address_block(host: str) -> str:
 class GuardRule:
     """Thresholds of :class:`UpdateGuard` (see the module docstring); lengths in own drifts."""
 
-    factor: float = 8.0  # soft limit: clip beyond this many own drifts (w * 8 = the budget)
+    factor: float = 4.0  # soft limit: clip beyond this many own drifts
     hard_factor: float = 16.0  # refuse beyond this many own drifts, twice the own path,
     hard_base: float = 4.0  # and this many times the RMS of theta_0, whichever is most
     window: int = 16  # rounds of own drift the median covers
