@@ -21,6 +21,8 @@ from gasloc_p2p.protocol.membership import RevocationList
 log = logging.getLogger(__name__)
 # hivemind's default (3 s) is often too short for a clean DHT + p2pd stop on a loaded machine.
 DHT_SHUTDOWN_GRACE_S = 6.0
+REJOIN_S = 15.0  # alone in the DHT: ping the --peers again at most this often
+REJOIN_WAIT_S = 5.0  # for their answers
 
 
 def _default_signals_in_child() -> None:
@@ -168,6 +170,7 @@ class HivemindDiscovery(Discovery):
         self.identity_path = identity_path
         self.peer_id = ""  # the node's key-derived id (use_identity), else the DHT's
         self.dht_peer_id = ""  # libp2p id of the DHT node (bootstrap multiaddrs)
+        self._rejoined = -REJOIN_S  # when the --peers were last pinged again (monotonic)
         self._dht: Any = None
         self._pipe_lock = threading.Lock()  # the DHT's request pipe is not thread-safe
 
@@ -303,9 +306,14 @@ class HivemindDiscovery(Discovery):
     async def peers(self) -> list[PeerInfo]:
         from hivemind.utils import get_dht_time
 
-        found = await asyncio.to_thread(self._call, lambda: self._dht.get(
-            self.key, latest=True, return_future=True))
+        try:
+            found = await asyncio.to_thread(self._call, lambda: self._dht.get(
+                self.key, latest=True, return_future=True))
+        except Exception:  # a lookup that times out: alone, perhaps
+            await self._rejoin_if_alone([])
+            raise
         if found is None or not isinstance(found.value, dict):
+            await self._rejoin_if_alone([])
             return []
         out, now = [], get_dht_time()
         for subkey, item in found.value.items():  # checked again: the validator is per node
@@ -314,7 +322,27 @@ class HivemindDiscovery(Discovery):
                                  self.max_ttl_s)
             if info is not None:
                 out.append(info)
+        await self._rejoin_if_alone(out)
         return out
+
+    async def _rejoin_if_alone(self, found: list[PeerInfo]) -> None:
+        """No record but our own: ping the ``--peers`` again (at most every
+        :data:`REJOIN_S`). The DHT bootstraps from them once, at its start; a member whose
+        only bootstrap peer restarted (an owner's node, often the one reachable peer) stayed
+        alone for good (peers 0 on both sides minutes after the restart)."""
+        if (not self.initial_peers or any(p.peer_id != self.peer_id for p in found)
+                or time.monotonic() - self._rejoined < REJOIN_S):
+            return
+        self._rejoined = time.monotonic()
+        rejoin = partial(_rejoin, maddrs=list(self.initial_peers), timeout_s=REJOIN_WAIT_S)
+        try:
+            answered = await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(
+                rejoin, return_future=True))
+        except Exception as exc:  # noqa: BLE001 - a failed rejoin is tried again later
+            log.info("no peer in the DHT; pinging the --peers again failed: %s", exc)
+            return
+        log.info("no peer in the DHT: pinged the --peers again, %d of %d answered", answered,
+                 len(self.initial_peers))
 
     async def revocations(self) -> RevocationList | None:
         admission = self.verifier.admission
@@ -406,6 +434,27 @@ async def _ask_manifest(_dht: Any, node: Any, peer_id: str, timeout_s: float) ->
     except Exception:  # noqa: BLE001 - no handler, gone, slow: no manifest from it
         return ""
     return str(reply.manifest_json)[:MAX_MANIFEST_CHARS + 1]
+
+
+async def _rejoin(_dht: Any, node: Any, maddrs: list[str], timeout_s: float) -> int:
+    """Runs inside the DHT process: dial and ping each bootstrap multiaddr (what the DHT
+    does once at its start); how many answered within ``timeout_s``."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    async def one(text: str) -> bool:
+        ma = Multiaddr(text)
+        peer = PeerID.from_base58(ma["p2p"])
+        with contextlib.suppress(Exception):  # known already, or gone: the ping says
+            await node.p2p._client.connect(peer, [ma.decapsulate(Multiaddr(f"/p2p/{ma['p2p']}"))])
+        return await node.protocol.call_ping(peer) is not None
+
+    try:
+        done = await asyncio.wait_for(asyncio.gather(*(one(m) for m in maddrs),
+                                                     return_exceptions=True), timeout_s)
+    except TimeoutError:
+        return 0
+    return sum(d is True for d in done)
 
 
 async def _visible_maddrs(_dht: Any, node: Any) -> list[Any]:
