@@ -160,7 +160,10 @@ def test_a_non_finite_loss_rolls_back_then_gives_up(corpus):
             await wait_until(lambda: node.train_stats.step >= step + 15, timeout_s=60,
                              what="training after the rollback")
             assert torch.isfinite(node.trainer.state.theta).all()
-            assert node.train_stats.rollbacks == 1 and not node.error
+            # one non-finite rollback; a jump rollback after it (fresh AdamW moments against
+            # the watch's new start) never stops a node and was seen in CI run 92
+            assert node.trainer._nonfinite == 1 and node.train_stats.rollbacks >= 1
+            assert not node.error
             return node
 
     run(main(1), timeout_s=90)
