@@ -4,8 +4,10 @@ machine never share one."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
+import time
 
 from gasloc_p2p.node import state_dir
 from gasloc_p2p.node.settings import build_config
@@ -92,3 +94,77 @@ def test_a_member_whose_invitation_holds_its_key_keeps_its_dht_key_in_the_state_
     assert state_dir.dht_identity(member) == str(
         tmp_path / "gasloc_p2p" / "nodes" / "gasloc" / f"dht-{invitation.member_id}.key")
     assert state_dir.dht_identity(cfg()) == ""  # a key new at each start: its DHT's too
+
+
+def test_a_member_finds_the_owner_again_after_the_owners_dht_restarts(tmp_path, monkeypatch):
+    """A client-mode member bootstraps from one peer, the owner's node. The owner's DHT
+    restarts (same key, same port): the member, alone in the DHT, pings its ``--peers`` again
+    and both see each other's records; before, it stayed alone for good (peers 0 both sides).
+    Alone means no DHT peer known too: the owner's record cached at the member (120 s here)
+    must not hide that."""
+    import asyncio
+    import socket
+
+    from gasloc_p2p.node.discovery import dht as dht_module
+    from gasloc_p2p.node.discovery.base import PeerInfo
+    from gasloc_p2p.node.discovery.dht import HivemindDiscovery
+    from gasloc_p2p.protocol.auth import Signer
+    from tests.node_helpers import cert_for, run, scaled
+
+    monkeypatch.setattr(dht_module, "REJOIN_S", 1.0)  # 15 s in a node: the test's wait
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = str(tmp_path / "identity.dht.key")
+    owner_key, member_key = Signer(), Signer()
+    owner_info = PeerInfo(owner_key.peer_id, "127.0.0.1:1111", 2, "f" * 64,
+                          cert=cert_for(owner_key.peer_id))
+    member_info = PeerInfo(member_key.peer_id, "127.0.0.1:2222", 2, "f" * 64,
+                           cert=cert_for(member_key.peer_id))
+
+    def owner_dht() -> HivemindDiscovery:
+        d = HivemindDiscovery("gasloc", "127.0.0.1", port, [], scaled(10), scaled(60),
+                              identity_path=key)
+        d.use_identity(owner_key, 300.0)
+        return d
+
+    async def both_see_each_other(owner: HivemindDiscovery, member: HivemindDiscovery) -> bool:
+        deadline = time.monotonic() + scaled(60)
+        while time.monotonic() < deadline:
+            await owner.announce(owner_info, 120.0)
+            await member.announce(member_info, 120.0)
+            with contextlib.suppress(Exception):  # a lookup that times out while alone
+                seen = ({p.peer_id for p in await member.peers()},
+                        {p.peer_id for p in await owner.peers()})
+                if all(s == {owner_key.peer_id, member_key.peer_id} for s in seen):
+                    return True
+            await asyncio.sleep(0.5)
+        return False
+
+    async def main() -> None:
+        owner = owner_dht()
+        await owner.start()
+        addrs = await owner.visible_addrs()
+        member = HivemindDiscovery("gasloc", "127.0.0.1", 0, addrs, scaled(10), scaled(60),
+                                   client_mode=True)
+        member.use_identity(member_key, 300.0)
+        await member.start()
+        try:
+            assert await both_see_each_other(owner, member)
+            await owner.stop()
+            print("T stop", time.monotonic())
+            for _ in range(1):  # the member's lookups while the owner is down (a node's restart
+                with contextlib.suppress(Exception):  # takes seconds): it forgets the owner
+                    await member.announce(member_info, 120.0)
+                    await member.peers()
+            print("T down", time.monotonic())
+            owner = owner_dht()  # restarted: the same multiaddr, a DHT that knows nobody
+            await owner.start()
+            assert await owner.visible_addrs() == addrs
+            print("T up", time.monotonic())
+            assert await both_see_each_other(owner, member), "the member stayed alone"
+        finally:
+            await member.stop()
+            await owner.stop()
+
+    run(main(), timeout_s=scaled(240))

@@ -326,16 +326,20 @@ class HivemindDiscovery(Discovery):
         return out
 
     async def _rejoin_if_alone(self, found: list[PeerInfo]) -> None:
-        """No record but our own: ping the ``--peers`` again (at most every
-        :data:`REJOIN_S`). The DHT bootstraps from them once, at its start; a member whose
-        only bootstrap peer restarted (an owner's node, often the one reachable peer) stayed
-        alone for good (peers 0 on both sides minutes after the restart)."""
-        if (not self.initial_peers or any(p.peer_id != self.peer_id for p in found)
-                or time.monotonic() - self._rejoined < REJOIN_S):
+        """Alone in the DHT (no record but our own, or no DHT peer known: records cached here
+        outlive the peers that stored them): ping the ``--peers`` again. Checked at most every
+        :data:`REJOIN_S`. The DHT bootstraps from them once, at its start; a member whose only
+        bootstrap peer restarted (an owner's node, often the one reachable peer) stayed alone
+        for good (peers 0 on both sides minutes after the restart)."""
+        if not self.initial_peers or time.monotonic() - self._rejoined < REJOIN_S:
             return
         self._rejoined = time.monotonic()
-        rejoin = partial(_rejoin, maddrs=list(self.initial_peers), timeout_s=REJOIN_WAIT_S)
         try:
+            if any(p.peer_id != self.peer_id for p in found) and await asyncio.to_thread(
+                    self._call, lambda: self._dht.run_coroutine(_known_peers,
+                                                                return_future=True)):
+                return
+            rejoin = partial(_rejoin, maddrs=list(self.initial_peers), timeout_s=REJOIN_WAIT_S)
             answered = await asyncio.to_thread(self._call, lambda: self._dht.run_coroutine(
                 rejoin, return_future=True))
         except Exception as exc:  # noqa: BLE001 - a failed rejoin is tried again later
@@ -434,6 +438,11 @@ async def _ask_manifest(_dht: Any, node: Any, peer_id: str, timeout_s: float) ->
     except Exception:  # noqa: BLE001 - no handler, gone, slow: no manifest from it
         return ""
     return str(reply.manifest_json)[:MAX_MANIFEST_CHARS + 1]
+
+
+async def _known_peers(_dht: Any, node: Any) -> int:
+    """Runs inside the DHT process: how many DHT peers its routing table holds."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 async def _rejoin(_dht: Any, node: Any, maddrs: list[str], timeout_s: float) -> int:
