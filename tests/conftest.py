@@ -21,6 +21,9 @@ import pytest
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # as the CLI: no C-core INFO lines per handshake
 # owner keys of nodes that start a closed swarm go here, not into the user's home (children too)
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="gasloc-test-data-")
+# nodes of one run on one machine share the state folder: a test's node would resume the
+# checkpoint an earlier test's node kept there by default; the default's own tests unset this
+os.environ["GASLOC_AUTO_CHECKPOINT"] = "false"
 
 from gasloc_p2p.node.discovery import dht
 from tests.daemon_helpers import write_corpus

@@ -134,3 +134,57 @@ def test_ctrl_c_while_the_model_is_built_stops_promptly(tmp_path: Path):
                      r"[\d.]+ GiB while training, [\d.]+ GiB at most while building it", err), err
     assert code == 130 and "stopped while starting" in err and "Traceback" not in err, err
     assert took < scaled(15), f"the stop took {took:.1f} s"
+
+
+def test_a_restarted_node_resumes_from_the_checkpoint_it_keeps_by_default(tmp_path: Path):
+    """No ``--checkpoint-dir``: a node that keeps its identity in the state folder keeps a
+    checkpoint beside it, so a restart (the owner's node of a run, say) resumes where it
+    stopped instead of from theta_0."""
+    corpus = write_corpus(tmp_path / "corpus")
+    env = {k: v for k, v in ENV.items() if k != "GASLOC_AUTO_CHECKPOINT"} | {
+        "XDG_DATA_HOME": str(tmp_path / "state")}
+    cmd = [*CLI, "join", *TINY, "--data", str(corpus), "--log-interval-s", "0.5"]
+
+    def start(name: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        with out.open("w") as o, err.open("w") as e:
+            proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, process_group=0)
+        return proc, out, err
+
+    def stop(proc: subprocess.Popen[bytes], err: Path) -> None:
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=scaled(60)) == 0, err.read_text()[-3000:]
+
+    steps = re.compile(r"INFO gasloc_p2p\.node\.daemon: step (\d+) loss")
+    procs = []
+    try:
+        proc, out, err = start("first")
+        procs.append(proc)
+        block = wait_for(lambda: "new swarm" in out.read_text() and out.read_text(), 90,
+                         "the start-up block")
+        ckpt = re.search(r"^  ckpt     (\S+) \(every 300 s and at stop; a restart resumes "
+                         r"from it\)$", block, re.M)
+        assert ckpt, block
+        folder = Path(ckpt.group(1))
+        assert folder.parent == tmp_path / "state" / "gasloc_p2p" / "nodes" / "gasloc"
+        assert folder.name.startswith("checkpoint-identity-"), folder
+        wait_for(lambda: any(int(s) >= 10 for s in steps.findall(err.read_text())), 90,
+                 "ten steps")
+        stop(proc, err)
+        stopped_at = max(int(s) for s in steps.findall(err.read_text()))
+        assert list(folder.iterdir()), "no checkpoint written at stop"
+
+        proc, out, err = start("second")
+        procs.append(proc)
+        block = wait_for(lambda: "new swarm" in out.read_text() and out.read_text(), 90,
+                         "the start-up block after the restart")
+        resumed = re.search(rf"^  ckpt     {re.escape(str(folder))} \(every 300 s and at "
+                            r"stop; resumed at step (\d+)\)$", block, re.M)
+        assert resumed, block
+        assert int(resumed.group(1)) >= stopped_at >= 10  # the stop's own checkpoint
+        stop(proc, err)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

@@ -96,6 +96,43 @@ def test_a_member_whose_invitation_holds_its_key_keeps_its_dht_key_in_the_state_
     assert state_dir.dht_identity(cfg()) == ""  # a key new at each start: its DHT's too
 
 
+def test_a_node_that_keeps_its_key_in_the_state_folder_keeps_its_checkpoint_beside_it(
+        tmp_path, monkeypatch):
+    """One folder per kept key and model (fingerprint): another model of the run ``gasloc``
+    never meets a checkpoint it cannot load; a node whose key is its own business (a file
+    elsewhere, or new at each start), --checkpoint-dir and auto_checkpoint false: none."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from gasloc_p2p.protocol.membership import (
+        Invitation,
+        expires_in,
+        public_bytes,
+        write_invitation,
+    )
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr(state_dir, "_held", [])
+    folder = tmp_path / "gasloc_p2p" / "nodes" / "gasloc"
+    kept = cfg(identity_file=state_dir.default_identity(cfg()))
+    assert state_dir.default_checkpoint(kept, "ab" * 32) == str(
+        folder / "checkpoint-identity-abababababab")
+    assert state_dir.default_checkpoint(kept, "cd" * 32) != state_dir.default_checkpoint(
+        kept, "ab" * 32)
+    assert state_dir.default_checkpoint(cfg(identity_file=str(tmp_path / "mine.key")),
+                                        "ab" * 32) == ""
+    assert state_dir.default_checkpoint(cfg(), "ab" * 32) == ""
+    net = kept.network.identity_file
+    assert state_dir.default_checkpoint(cfg(identity_file=net, checkpoint_dir="ck"), "ab") == ""
+    assert state_dir.default_checkpoint(cfg(identity_file=net, auto_checkpoint=False),
+                                        "ab") == ""
+    owner, key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    invitation = Invitation.issue(owner, public_bytes(key), expires_in(1))
+    write_invitation(str(tmp_path / "b.invite"), invitation, key.private_bytes_raw())
+    member = build_config(argparse.Namespace(invitation=str(tmp_path / "b.invite")), environ={})
+    assert state_dir.default_checkpoint(member, "ab" * 32) == str(
+        folder / f"checkpoint-member-{invitation.member_id[:16]}-abababababab")
+
+
 def test_a_member_finds_the_owner_again_after_the_owners_dht_restarts(tmp_path, monkeypatch):
     """A client-mode member bootstraps from one peer, the owner's node. The owner's DHT
     restarts (same key, same port): the member, alone in the DHT, pings its ``--peers`` again

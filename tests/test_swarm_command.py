@@ -62,7 +62,7 @@ def test_swarm_runs_for_its_duration_and_leaves_nothing(tmp_path):
     assert last_ok > 0, text[-3000:]
     assert "swarm: stopped cleanly" in text
     # what stays is said, and all of it is in the run folder (no key in the user's data)
-    assert f"swarm: the nodes' logs, keys and invitations stay in {tmp_path / 'run'}" in text
+    assert f"swarm: the nodes' logs, keys, checkpoints and invitations stay in {tmp_path / 'run'}" in text
     logs = sorted(p.name for p in (tmp_path / "run").iterdir())
     # a run: node0 owns it and runs its manifest, node1 joined with an invitation it signed
     assert logs == ["node0.err", "node0.out", "node1.err", "node1.invite", "node1.out",

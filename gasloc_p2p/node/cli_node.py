@@ -380,7 +380,7 @@ def startup_block(node: Any, addrs: list[str]) -> str:
              f"  identity {node.signer.peer_id} "
              f"({node.cfg.network.identity_file or 'the key in the invitation'}, kept across "
              "restarts)",
-             *node.membership_lines(), *_run_lines(node)]
+             *node.membership_lines(), *_run_lines(node), *_checkpoint_lines(node)]
     if not node.cfg.discovery.peers:
         lines += ["new swarm; other nodes join with:", f"  {hint}"]
     elif client:
@@ -388,6 +388,17 @@ def startup_block(node: Any, addrs: list[str]) -> str:
     else:
         lines += ["joined; other nodes may also join with:", f"  {hint}"]
     return "\n".join(lines)
+
+
+def _checkpoint_lines(node: Any) -> list[str]:
+    """Where the node checkpoints, how often, and whether it resumed (none without)."""
+    cp = node.cfg.checkpoint
+    if not cp.checkpoint_dir:
+        return []
+    step = getattr(node, "resumed_at", None)
+    return [f"  ckpt     {cp.checkpoint_dir} (every {cp.checkpoint_interval_s:g} s and at stop; "
+            + (f"resumed at step {step})" if step is not None else
+               "a restart resumes from it)")]
 
 
 def _rank_lines(node: Any) -> list[str]:

@@ -372,9 +372,14 @@ class DilocoConfig:
 class CheckpointConfig:
     """Atomic periodic checkpoints (write a temporary file, then rename)."""
 
-    checkpoint_dir: str = opt("", "directory for checkpoints (empty: no checkpoints)")
+    checkpoint_dir: str = opt("", "directory for checkpoints (empty: the node's state folder "
+                                  "if it keeps its identity there, see auto_checkpoint)")
     checkpoint_interval_s: float = opt(300.0, "save every this many seconds")
     resume: bool = opt(True, "load the checkpoint in --checkpoint-dir at start if present")
+    auto_checkpoint: bool = opt(True, "with no --checkpoint-dir, checkpoint in the node's "
+                                      "state folder beside the identity it keeps there (one "
+                                      "folder per model), so a restart resumes; false: none",
+                                advanced=True)
 
     def validate(self) -> None:
         need(self.checkpoint_interval_s > 0, "checkpoint_interval_s",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -43,7 +44,7 @@ from gasloc_p2p.node.runtime.lock import TrainingLock
 from gasloc_p2p.node.runtime.ranks import RankGroup, RankLost
 from gasloc_p2p.node.runtime.reachability import Reachability
 from gasloc_p2p.node.runtime.trainer import Trainer, derive_seed
-from gasloc_p2p.node.state_dir import dht_identity
+from gasloc_p2p.node.state_dir import default_checkpoint, dht_identity
 from gasloc_p2p.node.stats import ExchangeStats, RelayCounts, TrainStats
 from gasloc_p2p.node.transport.circuits import Peer
 from gasloc_p2p.node.transport.circuits.client import RelayDialer, RelayListener
@@ -91,6 +92,7 @@ class Node:
             raise ValueError(f"mode {self.mode.name!r} given for --algorithm "
                              f"{cfg.outer.algorithm!r}")
         self.clock = clock or WallClock()
+        self.resumed_at: int | None = None  # the step of the checkpoint it resumed from
         d = cfg.discovery
         self.discovery = discovery or HivemindDiscovery(
             d.run_id, cfg.network.host, d.dht_port, d.peers, d.dht_timeout_s,
@@ -162,6 +164,10 @@ class Node:
             Trainer, cfg.train, self.mode.outer_config(cfg), cfg.gossip.fragments, self.lock,
             self.train_stats, self.mode.trainer_round_end(), self.mode.keeps_anchor,
             self.ranks, self._before_build)
+        kept = default_checkpoint(cfg, trainer.fingerprint)
+        if kept:  # a node that keeps its identity keeps its training too
+            cfg = self.cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+                cfg.checkpoint, checkpoint_dir=kept))
         trainer.checkpoint_dir = cfg.checkpoint.checkpoint_dir
         seed = cfg.train.data_seed if cfg.train.data_seed >= 0 else derive_seed(me_id)
         await asyncio.to_thread(trainer.load_data, seed)
@@ -250,6 +256,7 @@ class Node:
                 await asyncio.to_thread(self.trainer.restore, saved)
                 if isinstance(saved.get("mode_state"), Mapping):  # model-sized: off the loop
                     await asyncio.to_thread(self.mode.restore_state, saved["mode_state"])
+                self.resumed_at = self.train_stats.step
                 log.info("resumed from %s at step %d", ckpt.checkpoint_path(cp.checkpoint_dir),
                          self.train_stats.step)
                 return

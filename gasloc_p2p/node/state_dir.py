@@ -7,7 +7,8 @@ machine (a local swarm, tests) each take the first of ``identity.key``, ``identi
 that no running node holds: a node holds its key file's lock while it runs.
 
 Its DHT (libp2p) key lives beside its own key (:func:`dht_identity`), so the DHT multiaddr in
-the join line it prints stays valid across restarts too.
+the join line it prints stays valid across restarts too, and so do its checkpoints unless
+``--checkpoint-dir`` names a folder (:func:`default_checkpoint`): a restart resumes.
 """
 
 from __future__ import annotations
@@ -84,3 +85,30 @@ def dht_identity(cfg: NodeConfig) -> str:
         if key:
             return str(_state_folder(cfg) / f"dht-{invitation.member_id}.key")
     return ""
+
+
+def default_checkpoint(cfg: NodeConfig, fingerprint: str) -> str:
+    """The checkpoint folder of a node that keeps its identity in the state folder and was
+    given no ``--checkpoint-dir`` ("" for any other: its identity, hence its state, is its
+    own business): ``checkpoint-<key>-<model fingerprint>``. The model's fingerprint keeps a
+    node started with other model flags of the same run (the run ``gasloc`` of flags) from
+    meeting a checkpoint it cannot load."""
+    cp, net = cfg.checkpoint, cfg.network
+    if cp.checkpoint_dir or not cp.auto_checkpoint:
+        return ""
+    folder = data_home() / "gasloc_p2p" / "nodes" / cfg.discovery.run_id
+    if net.identity_file:
+        path = Path(net.identity_file)
+        if path.parent != folder:
+            return ""
+        key = path.name.removesuffix(".key")
+    elif net.invitation:
+        from gasloc_p2p.protocol.membership import read_invitation
+
+        invitation, held = read_invitation(net.invitation)
+        if not held:
+            return ""
+        key = f"member-{invitation.member_id[:16]}"
+    else:
+        return ""
+    return str(folder / f"checkpoint-{key}-{fingerprint[:12]}")

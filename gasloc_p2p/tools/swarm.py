@@ -357,7 +357,7 @@ class Swarm:
                       f"{self.run_dir})")
         else:
             self._say("stopped cleanly")
-        self._say(f"the nodes' logs, keys and invitations stay in {self.run_dir}"
+        self._say(f"the nodes' logs, keys, checkpoints and invitations stay in {self.run_dir}"
                   + (": delete it when done" if self._temporary else ""))
         return 1 if bad else 0
 
