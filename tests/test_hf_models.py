@@ -4,6 +4,8 @@ pretrained directories, the missing-extra error, and export loaded back by trans
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +189,29 @@ def test_export_of_a_trained_llama_loads_with_the_same_loss(hf_files, tmp_path, 
                  "--out", str(tmp_path / "cli2")]) == 2
     with pytest.raises(ExportError, match="no checkpoint"):
         export([str(tmp_path / "nothing")], str(tmp_path / "x"))
+
+    # no --checkpoint-dir: the one a node kept in this machine's state folder
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    nodes = tmp_path / "xdg" / "gasloc_p2p" / "nodes"
+    capsys.readouterr()
+    assert main(["export", "--out", str(tmp_path / "kept0")]) == 2
+    assert capsys.readouterr().err == (f"gasloc-node export: error: no checkpoint kept on this "
+                                       f"machine (under {tmp_path / 'xdg'}/gasloc_p2p/nodes): "
+                                       "give --checkpoint-dir DIR\n")
+    shutil.copytree(tmp_path / "ckpt", nodes / "r1" / "checkpoint-identity-0123")
+    (nodes / "r2" / "checkpoint-identity-4567").mkdir(parents=True)  # none written in it
+    assert main(["export", "--out", str(tmp_path / "kept1")]) == 0
+    assert (tmp_path / "kept1" / "config.json").is_file()
+    capsys.readouterr()
+    shutil.copytree(tmp_path / "ckpt", nodes / "r2" / "checkpoint-identity-4567",
+                    dirs_exist_ok=True)
+    newer = (nodes / "r2" / "checkpoint-identity-4567" / "node.pt").stat().st_mtime + 60
+    os.utime(nodes / "r2" / "checkpoint-identity-4567" / "node.pt", (newer, newer))
+    assert main(["export", "--out", str(tmp_path / "kept2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gasloc-node export: error: 2 checkpoints kept on this machine: give "
+                          "--checkpoint-dir, one of (newest first): ") and err.count("\n") == 1
+    assert f"{nodes / 'r2' / 'checkpoint-identity-4567'}, {nodes / 'r1'}" in err
 
 
 def test_builtin_gpt_exports_as_gpt2_with_equal_logits(tmp_path):

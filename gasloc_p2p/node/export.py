@@ -40,8 +40,9 @@ def add_export_parser(sub: Any) -> None:
                                    "(config.json + model.safetensors, tokenizer if any) that "
                                    "transformers' AutoModelForCausalLM.from_pretrained loads. "
                                    "Needs the 'hf' extra: pip install 'gasloc_p2p[hf]'.")
-    p.add_argument("--checkpoint-dir", nargs="+", required=True, metavar="DIR",
-                   help="a node's --checkpoint-dir (several: see --which average)")
+    p.add_argument("--checkpoint-dir", nargs="+", default=[], metavar="DIR",
+                   help="a node's --checkpoint-dir (several: see --which average; none: the "
+                        "checkpoint a node kept on this machine, if it is the only one)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--which", choices=WHICH, default="local",
                    help="local: the node's parameters | average: the mean over all the "
@@ -74,12 +75,28 @@ class Exported:
 
 def run_export(args: argparse.Namespace) -> int:
     try:
-        done = export(args.checkpoint_dir, args.out, args.which)
+        done = export(args.checkpoint_dir or [_the_kept_checkpoint()], args.out, args.which)
     except (ExportError, ImportError, ValueError) as exc:
         print(f"gasloc-node export: error: {exc}", file=sys.stderr)
         return 2
     print(done.summary())
     return 0
+
+
+def _the_kept_checkpoint() -> str:
+    """The one checkpoint folder nodes kept on this machine (state_dir.kept_checkpoints), or
+    ExportError naming them."""
+    from gasloc_p2p.node.state_dir import data_home, kept_checkpoints
+
+    kept = kept_checkpoints()
+    if len(kept) == 1:
+        return str(kept[0])
+    if not kept:
+        raise ExportError(f"no checkpoint kept on this machine (under {data_home()}/gasloc_p2p/"
+                          "nodes): give --checkpoint-dir DIR")
+    shown = ", ".join(str(p) for p in kept[:4]) + (", ..." if len(kept) > 4 else "")
+    raise ExportError(f"{len(kept)} checkpoints kept on this machine: give --checkpoint-dir, "
+                      f"one of (newest first): {shown}")
 
 
 def _load_all(dirs: list[str]) -> list[dict[str, Any]]:

@@ -112,3 +112,13 @@ def default_checkpoint(cfg: NodeConfig, fingerprint: str) -> str:
     else:
         return ""
     return str(folder / f"checkpoint-{key}-{fingerprint[:12]}")
+
+
+def kept_checkpoints() -> list[Path]:
+    """The checkpoint folders nodes kept in this machine's state folders
+    (:func:`default_checkpoint`) that hold a checkpoint, newest first."""
+    from gasloc_p2p.node.runtime.checkpoint import checkpoint_path
+
+    found = [d for d in (data_home() / "gasloc_p2p" / "nodes").glob("*/checkpoint-*")
+             if checkpoint_path(d).is_file()]
+    return sorted(found, key=lambda d: checkpoint_path(d).stat().st_mtime, reverse=True)
