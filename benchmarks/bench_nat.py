@@ -86,6 +86,22 @@ def read(node: Node) -> None:
         node.ok, node.mb = int(ok), float(sent)
 
 
+def sharing(exchanges: list[tuple[str, str, float, float]], shaped: set[str]) -> list[int]:
+    """For each exchange ``(initiator, partner, end, seconds)``: how many other exchanges
+    overlapped it in time on either of its two nodes (as initiator or partner) where that
+    node's uplink is shaped (``shaped``: their names; an unshaped one is not shared). A node's
+    uplink carries every exchange it runs at once, so one that overlapped another took about
+    twice the payload's time on the link wherever that node's uplink is the slow side
+    (bench_nat's 3-node run: a relayed exchange of 14.8 s beside a direct one of 13.3 s on the
+    same home uplink, each 7.4-7.6 s alone); only exchanges that ran alone time the path."""
+    spans = [(a, b, end - seconds, end) for a, b, end, seconds in exchanges]
+    out = []
+    for i, (a, b, start, end) in enumerate(spans):
+        out.append(sum(1 for j, (c, d, s2, e2) in enumerate(spans)
+                       if j != i and s2 < end and start < e2 and {a, b} & {c, d} & shaped))
+    return out
+
+
 def report(nodes: list[Node], rate_mbit: float, public_rate: float | None) -> dict[str, object]:
     by_prefix = {n.peer_id[:12]: n for n in nodes}
     pairs: Counter[tuple[str, str, str]] = Counter()
@@ -126,8 +142,25 @@ def report(nodes: list[Node], rate_mbit: float, public_rate: float | None) -> di
         median = statistics.median(values)
         print(f"  {path:<8} median {median:.2f} s = {median / payload_s:.2f}x payload/link "
               f"({len(values)} exchanges)")
+    # the same, for the exchanges that had both nodes' uplinks to themselves, by kind of pair
+    records = [(n.name, by_prefix[to].name if to in by_prefix else to, at, seconds, path)
+               for n in nodes for at, to, path, seconds in n.sent]
+    shaped = {n.name for n in nodes if n.name != public or public_rate}
+    shared = sharing([(a, b, at, s) for a, b, at, s, _ in records], shaped)
+    alone: dict[str, list[float]] = defaultdict(list)
+    for (a, b, _, seconds, path), k in zip(records, shared, strict=True):
+        if k == 0:
+            pair = "home-home" if public not in (a, b) else "public-home"
+            alone[f"{path} {pair}"].append(seconds)
+    print(f"alone on both nodes' shaped uplinks ({shared.count(0)} of {len(records)} exchanges; "
+          "the others overlapped another exchange on a shaped uplink of either node):")
+    for kind, values in sorted(alone.items()):
+        median = statistics.median(values)
+        print(f"  {kind:<20} median {median:.2f} s = {median / payload_s:.2f}x payload/link "
+              f"({len(values)} exchanges, {min(values):.2f}-{max(values):.2f} s)")
     return {"pairs": pairs, "partners": {k: len(v) for k, v in partners.items()},
-            "share": with_public / max(total, 1), "firsts": firsts, "times": times}
+            "share": with_public / max(total, 1), "firsts": firsts, "times": times,
+            "alone": dict(alone)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,3 +52,17 @@ def test_two_nodes_behind_different_routers_exchange_through_a_relay(tmp_path) -
     # the public node's relay carried it; nothing of the network is left behind
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert tag not in left
+
+
+def test_an_exchange_is_timed_alone_only_when_no_other_shared_a_shaped_uplink() -> None:
+    """bench_nat's split of exchange times: an exchange overlapping another on a home's
+    (shaped) uplink shares it; overlapping on the reachable node's unshaped uplink does not."""
+    from benchmarks.bench_nat import sharing
+
+    homes = {"h0", "h1", "h2"}
+    exchanges = [("h0", "pub", 10.0, 7.0),   # [3, 10]
+                 ("h1", "h0", 15.0, 14.0),   # [1, 15]: overlaps the first on h0
+                 ("pub", "h2", 9.0, 7.0),    # [2, 9]: overlaps both in time, shares only pub
+                 ("h2", "pub", 30.0, 7.0)]   # [23, 30]: alone
+    assert sharing(exchanges, homes) == [1, 1, 0, 0]
+    assert sharing(exchanges, homes | {"pub"}) == [2, 1, 1, 0]
