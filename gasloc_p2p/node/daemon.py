@@ -419,7 +419,7 @@ class Node:
             await self.listener.close()
 
     def _relay_stub(self, peer: Peer) -> Any:
-        return self.channels.stub(peer.endpoint, peer.cert)
+        return self.channels.relay_stub(peer.endpoint, peer.cert)
 
     def _relays_of(self, peer: Peer) -> list[Peer]:
         """The reachable peers known here that ``peer``'s record names as its relays."""
