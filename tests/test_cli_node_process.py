@@ -145,23 +145,24 @@ def test_a_restarted_node_resumes_from_the_checkpoint_it_keeps_by_default(tmp_pa
         "XDG_DATA_HOME": str(tmp_path / "state")}
     cmd = [*CLI, "join", *TINY, "--data", str(corpus), "--log-interval-s", "0.5"]
 
-    def start(name: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str) -> tuple[subprocess.Popen[bytes], Path, str]:
+        """The node started again, its stderr and its start-up block."""
         out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with out.open("w") as o, err.open("w") as e:
-            proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, process_group=0)
-        return proc, out, err
+            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, env=env, process_group=0))
+        block = wait_for(lambda: "new swarm" in out.read_text() and out.read_text(), 90,
+                         f"the {name} start-up block")
+        return procs[-1], err, block
 
     def stop(proc: subprocess.Popen[bytes], err: Path) -> None:
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=scaled(60)) == 0, err.read_text()[-3000:]
 
     steps = re.compile(r"INFO gasloc_p2p\.node\.daemon: step (\d+) loss")
-    procs = []
     try:
-        proc, out, err = start("first")
-        procs.append(proc)
-        block = wait_for(lambda: "new swarm" in out.read_text() and out.read_text(), 90,
-                         "the start-up block")
+        proc, err, block = start("first")
         ckpt = re.search(r"^  ckpt     (\S+) \(every 300 s and at stop; a restart resumes "
                          r"from it\)$", block, re.M)
         assert ckpt, block
@@ -174,10 +175,7 @@ def test_a_restarted_node_resumes_from_the_checkpoint_it_keeps_by_default(tmp_pa
         stopped_at = max(int(s) for s in steps.findall(err.read_text()))
         assert list(folder.iterdir()), "no checkpoint written at stop"
 
-        proc, out, err = start("second")
-        procs.append(proc)
-        block = wait_for(lambda: "new swarm" in out.read_text() and out.read_text(), 90,
-                         "the start-up block after the restart")
+        proc, err, block = start("second")
         resumed = re.search(rf"^  ckpt     {re.escape(str(folder))} \(every 300 s and at "
                             r"stop; resumed at step (\d+)\)$", block, re.M)
         assert resumed, block
