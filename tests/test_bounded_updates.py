@@ -795,3 +795,23 @@ def test_the_push_meter_holds_a_push_back_along_the_nodes_own_path():
     across = torch.randn(forward.numel(), generator=gen)
     assert meter.room(0, 1024, 200, 0.1 * forward, 8.0) == 1.0
     assert meter.room(0, 1024, 200, 0.1 * across, 8.0) > 0.9
+
+
+def test_the_push_meters_path_spans_its_own_window():
+    """``back_rounds`` (guard_back_rounds) sets how many rounds of the node's own path the
+    bound back along it looks at, apart from the decay of ``G`` (``rounds``)."""
+    n = 1024
+    forward = torch.ones(n, dtype=torch.float64)
+
+    def back_at(round_end: int, **kw: int) -> torch.Tensor | None:
+        meter = PushMeter(blocks=1, rounds=32, back_share=0.25, **kw)
+        for round_ in range(round_end + 1):
+            meter.seen(0, 1024, round_, (round_ * forward).float())
+        return meter.back(0, 1024)
+
+    assert back_at(20, back_rounds=128) is None  # not a quarter of its window yet
+    assert back_at(20) is not None  # 32 rounds: a quarter is 8
+    for window in (32, 128):
+        back = back_at(300, back_rounds=window)
+        assert back is not None
+        torch.testing.assert_close(back, -window * forward)  # from a window ago to now

@@ -148,11 +148,16 @@ class GossipConfig:
                                   "(a sum decaying by 1/32 a round, on sampled blocks) stays "
                                   "within this many own drifts (RMS; 0: no bound)",
                                   advanced=True)
-    guard_push_back: float = opt(0.0, "what gossip moved this node by over its last 32 rounds, "
+    guard_push_back: float = opt(0.0, "what gossip moved this node by over its last "
+                                 "guard_back_rounds rounds, "
                                  "back along the path of its own steps, stays within this "
                                  "share of that path (0: no bound; 0.25 holds a push towards "
                                  "where the node was, at a cost to clean swarms: "
                                  "docs/security.md)", advanced=True)
+    guard_back_rounds: int = opt(32, "the window of guard_push_back: the path of this "
+                                 "node's own steps over its last this many rounds (its "
+                                 "progress grows with the window, its jitter about as the "
+                                 "square root)", advanced=True)
     guard_loss_gate: float = opt(0.01, "take back, on this node's side, commits that raised "
                                  "the loss of a private held-out batch by more than this "
                                  "fraction of it (the rises of a round together; 0: off)",
@@ -193,6 +198,8 @@ class GossipConfig:
         need(2 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size % 2 == 0, "block_size",
               self.block_size, f"must be an even number in [2, {MAX_BLOCK_SIZE}] (try 1024)")
         need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
+        need(self.guard_back_rounds >= 4, "guard_back_rounds", self.guard_back_rounds,
+             "must be >= 4 rounds")
         need(0 <= self.guard_push_back < 1, "guard_push_back", self.guard_push_back,
              "must be in [0, 1) (0: no bound)")
         need(self.guard_push_limit >= 0, "guard_push_limit", self.guard_push_limit,

@@ -105,11 +105,13 @@ class PushMeter:
     reaches the limit and then moves the node by no more than the decay per round.
     """
 
-    def __init__(self, blocks: int = 16, rounds: int = 32, back_share: float = 0.0) -> None:
+    def __init__(self, blocks: int = 16, rounds: int = 32, back_share: float = 0.0,
+                 back_rounds: int = 0) -> None:
         self.blocks, self.rounds = blocks, rounds
-        # of the path of the node's own steps over the last ``rounds``: how far gossip may
-        # move it back along that path (``room``; 0: no bound)
+        # of the path of the node's own steps over the last ``back_rounds`` (0: ``rounds``):
+        # how far gossip may move it back along that path (``room``; 0: no bound)
         self.back_share = back_share
+        self.back_rounds = back_rounds or rounds
         self._seed = int.from_bytes(os.urandom(8), "little")
         # (fragment, bs) -> (round, the node's own payload on the sample less what gossip
         # moved it by up to then, what gossip moved it by up to then), oldest first: the
@@ -144,7 +146,7 @@ class PushMeter:
 
     def seen(self, fragment: int, block_size: int, round_: int, mine: torch.Tensor) -> None:
         """This node's own payload on the sample, at an exchange of round ``round_``: the
-        points of its path (one a round kept, over the last ``rounds``, with what gossip had
+        points of its path (one a round kept, over the last ``back_rounds``, with what gossip had
         moved it by: 66 copies of the sample per fragment; none without a bound back)."""
         if self.back_share <= 0:
             return
@@ -154,16 +156,16 @@ class PushMeter:
             moved = self._moved.get(key)
             own = mine.double() if moved is None else mine.double() - moved
             path.append((round_, own, None if moved is None else moved.clone()))
-        while path and path[0][0] < round_ - self.rounds:
+        while path and path[0][0] < round_ - self.back_rounds:
             path.popleft()
 
     def back(self, fragment: int, block_size: int) -> torch.Tensor | None:
-        """Back along the path of this node's own steps over the last ``rounds`` (from where
+        """Back along the path of this node's own steps over the last ``back_rounds`` (from where
         they took it to where it was; what gossip moved it by left out, so a push across
         cannot lengthen the path and turn its direction away from the node's progress);
-        None before a path of a quarter of ``rounds``."""
+        None before a path of a quarter of ``back_rounds``."""
         path = self._path.get((fragment, block_size))
-        if not path or path[-1][0] - path[0][0] < self.rounds // 4:
+        if not path or path[-1][0] - path[0][0] < self.back_rounds // 4:
             return None
         return path[0][1] - path[-1][1]
 

@@ -405,6 +405,7 @@ class GossipMode(Mode):
                 engine.meter = PushMeter()
                 engine.meter_limit = cfg.gossip.guard_push_limit
                 engine.meter.back_share = cfg.gossip.guard_push_back
+                engine.meter.back_rounds = cfg.gossip.guard_back_rounds
             loss = trainer.private_loss() if cfg.gossip.guard_loss_gate > 0 else None
             if loss is not None:  # the loss itself, measured around each commit
                 engine.gate = LossGate(loss, cfg.gossip.guard_loss_gate)
