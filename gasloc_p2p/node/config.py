@@ -198,8 +198,8 @@ class GossipConfig:
         need(2 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size % 2 == 0, "block_size",
               self.block_size, f"must be an even number in [2, {MAX_BLOCK_SIZE}] (try 1024)")
         need(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
-        need(self.guard_back_rounds >= 4, "guard_back_rounds", self.guard_back_rounds,
-             "must be >= 4 rounds")
+        need(4 <= self.guard_back_rounds <= 1024, "guard_back_rounds", self.guard_back_rounds,
+             "must be in [4, 1024] rounds (a copy of the sampled blocks per round)")
         need(0 <= self.guard_push_back < 1, "guard_push_back", self.guard_push_back,
              "must be in [0, 1) (0: no bound)")
         need(self.guard_push_limit >= 0, "guard_push_limit", self.guard_push_limit,

@@ -86,14 +86,14 @@ def run_export(args: argparse.Namespace) -> int:
 def _the_kept_checkpoint() -> str:
     """The one checkpoint folder nodes kept on this machine (state_dir.kept_checkpoints), or
     ExportError naming them."""
-    from gasloc_p2p.node.state_dir import data_home, kept_checkpoints
+    from gasloc_p2p.node.state_dir import kept_checkpoints, nodes_home
 
     kept = kept_checkpoints()
     if len(kept) == 1:
         return str(kept[0])
     if not kept:
-        raise ExportError(f"no checkpoint kept on this machine (under {data_home()}/gasloc_p2p/"
-                          "nodes): give --checkpoint-dir DIR")
+        raise ExportError(f"no checkpoint kept on this machine (under {nodes_home()}): give "
+                          "--checkpoint-dir DIR")
     shown = ", ".join(str(p) for p in kept[:4]) + (", ..." if len(kept) > 4 else "")
     raise ExportError(f"{len(kept)} checkpoints kept on this machine: give --checkpoint-dir, "
                       f"one of (newest first): {shown}")

@@ -28,6 +28,11 @@ def data_home() -> Path:
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
 
 
+def nodes_home() -> Path:
+    """Where the state folders of every run's nodes on this machine live, one per run id."""
+    return data_home() / "gasloc_p2p" / "nodes"
+
+
 def default_identity(cfg: NodeConfig) -> str:
     """The identity file a node with ``cfg`` uses ("" when it needs none of its own: a file
     was given, or its invitation holds its key); creates the folder and takes the file's
@@ -58,7 +63,7 @@ def default_identity(cfg: NodeConfig) -> str:
 def _state_folder(cfg: NodeConfig) -> Path:
     """The node's state folder (``--checkpoint-dir``, else one per run), made if missing."""
     given = cfg.checkpoint.checkpoint_dir
-    folder = Path(given) if given else data_home() / "gasloc_p2p" / "nodes" / cfg.discovery.run_id
+    folder = Path(given) if given else nodes_home() / cfg.discovery.run_id
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:
@@ -96,7 +101,7 @@ def default_checkpoint(cfg: NodeConfig, fingerprint: str) -> str:
     cp, net = cfg.checkpoint, cfg.network
     if cp.checkpoint_dir or not cp.auto_checkpoint:
         return ""
-    folder = data_home() / "gasloc_p2p" / "nodes" / cfg.discovery.run_id
+    folder = nodes_home() / cfg.discovery.run_id
     if net.identity_file:
         path = Path(net.identity_file)
         if path.parent != folder:
@@ -119,6 +124,6 @@ def kept_checkpoints() -> list[Path]:
     (:func:`default_checkpoint`) that hold a checkpoint, newest first."""
     from gasloc_p2p.node.runtime.checkpoint import checkpoint_path
 
-    found = [d for d in (data_home() / "gasloc_p2p" / "nodes").glob("*/checkpoint-*")
+    found = [d for d in nodes_home().glob("*/checkpoint-*")
              if checkpoint_path(d).is_file()]
     return sorted(found, key=lambda d: checkpoint_path(d).stat().st_mtime, reverse=True)
