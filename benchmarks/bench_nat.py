@@ -121,9 +121,9 @@ def report(nodes: list[Node], rate_mbit: float, public_rate: float | None) -> di
     total = sum(pairs.values())
     public = nodes[0].name
     with_public = sum(c for (a, b, _), c in pairs.items() if public in (a, b))
-    print(f"\n{'initiator':>10} -> {'partner':<10} {'path':<8} exchanges")
+    print(f"\n{'initiator':>10} -> {'partner':<10} {'path':<11} exchanges")
     for (a, b, path), c in sorted(pairs.items()):
-        print(f"{a:>10} -> {b:<10} {path:<8} {c}")
+        print(f"{a:>10} -> {b:<10} {path:<11} {c}")
     print("\nnode        distinct partners   first exchange (either role) after its start (s)")
     firsts = {}
     for n in nodes:
@@ -140,7 +140,7 @@ def report(nodes: list[Node], rate_mbit: float, public_rate: float | None) -> di
           f"{f'{public_rate:g} Mbit/s' if public_rate else 'unshaped'})")
     for path, values in sorted(times.items()):
         median = statistics.median(values)
-        print(f"  {path:<8} median {median:.2f} s = {median / payload_s:.2f}x payload/link "
+        print(f"  {path:<11} median {median:.2f} s = {median / payload_s:.2f}x payload/link "
               f"({len(values)} exchanges)")
     # the same, for the exchanges that had both nodes' uplinks to themselves, by kind of pair
     records = [(n.name, by_prefix[to].name if to in by_prefix else to, at, seconds, path)
@@ -156,7 +156,7 @@ def report(nodes: list[Node], rate_mbit: float, public_rate: float | None) -> di
           "the others overlapped another exchange on a shaped uplink of either node):")
     for kind, values in sorted(alone.items()):
         median = statistics.median(values)
-        print(f"  {kind:<20} median {median:.2f} s = {median / payload_s:.2f}x payload/link "
+        print(f"  {kind:<23} median {median:.2f} s = {median / payload_s:.2f}x payload/link "
               f"({len(values)} exchanges, {min(values):.2f}-{max(values):.2f} s)")
     return {"pairs": pairs, "partners": {k: len(v) for k, v in partners.items()},
             "share": with_public / max(total, 1), "firsts": firsts, "times": times,

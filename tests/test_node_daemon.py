@@ -133,7 +133,9 @@ def test_client_mode_node_dials_out_and_is_reached_through_a_relay(corpus):
     async def main():
         reg = InMemoryRegistry()
         open_cfg = tiny_config(corpus, fragments=2)
-        nat_cfg = tiny_config(corpus, fragments=2, client_mode=True, peers=("/memory/open",))
+        # b answers no hole punch: a's attempts fail and the relay carries every exchange
+        nat_cfg = tiny_config(corpus, fragments=2, client_mode=True, peers=("/memory/open",),
+                              hole_punch=False)
         a = Node(open_cfg, InMemoryDiscovery(reg, "gasloc", "open"))
         b = Node(nat_cfg, InMemoryDiscovery(reg, "gasloc", "nat"))
         async with a, b:
@@ -149,6 +151,32 @@ def test_client_mode_node_dials_out_and_is_reached_through_a_relay(corpus):
                              what="a's exchanges with b through the relay")
             assert a.stats.by_path["direct"] == 0 and b.stats.by_path["relayed"] == 0
             assert b.stats.ok_responder >= 1 and a.channels.path_of(b.peer_info()) == "relayed"
+            assert a.channels.punched is not None and a.channels.punched.failed >= 1
+            assert a.channels.punched.punched == 0
+
+    run(main(), timeout_s=scaled(150))
+
+
+def test_a_node_behind_a_router_is_reached_over_a_hole_punched_connection(corpus):
+    # As above with b answering hole punches: a learns b's address through b's answer (b asks
+    # a, a reachable peer, which address it sees), both dial each other from bound ports at
+    # once (on loopback the connection forms at once), and a's channel to b runs over it, TLS
+    # pinned end to end, into b's gate: a's exchanges with b leave the relay.
+    async def main():
+        reg = InMemoryRegistry()
+        a = Node(tiny_config(corpus), InMemoryDiscovery(reg, "gasloc", "open"))
+        b = Node(tiny_config(corpus, client_mode=True, peers=("/memory/open",)),
+                 InMemoryDiscovery(reg, "gasloc", "nat"))
+        async with a, b:
+            await wait_until(lambda: a.stats.by_path["holepunched"] >= 2, timeout_s=scaled(60),
+                             what="a's exchanges with b over a hole-punched connection")
+            assert a.channels.path_of(b.peer_info()) == "holepunched"
+            assert a.channels.punched is not None and b.channels.punched is not None
+            assert a.channels.punched.punched >= 1 and b.channels.punched.answered >= 1
+            relayed = a.stats.by_path["relayed"]
+            await wait_until(lambda: a.stats.by_path["holepunched"] >= 4, timeout_s=scaled(60),
+                             what="more exchanges over it")
+            assert a.stats.by_path["relayed"] == relayed  # the relay carries none of them
 
     run(main(), timeout_s=scaled(150))
 
@@ -163,7 +191,8 @@ def test_unreachable_node_is_detected_and_taken_through_a_relay(corpus):
         fast = {"reachability_interval_s": 0.5}
         cfg = tiny_config(corpus, **fast)
         a = Node(cfg, InMemoryDiscovery(reg, cfg.discovery.run_id, "node-a"))
-        b = Node(tiny_config(corpus, peers=("/memory/node-a",), announce_host="127.0.0.2", **fast),
+        b = Node(tiny_config(corpus, peers=("/memory/node-a",), announce_host="127.0.0.2",
+                             hole_punch=False, **fast),
                  InMemoryDiscovery(reg, cfg.discovery.run_id, "node-b"))
         async with a, b:
             await wait_until(lambda: not b.reachable, timeout_s=scaled(30),

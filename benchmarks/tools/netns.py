@@ -326,6 +326,11 @@ class NatNetwork:
             _run([*inside, "iptables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack",
                   "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"])
             _run([*inside, "iptables", "-A", "FORWARD", "-i", "wan", "-j", "DROP"])
+            # unsolicited packets to the router itself are dropped, not answered (no RST): a
+            # consumer router's default, and what lets a hole punch's first SYN wait there
+            _run([*inside, "iptables", "-A", "INPUT", "-i", "wan", "-m", "conntrack",
+                  "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"])
+            _run([*inside, "iptables", "-A", "INPUT", "-i", "wan", "-j", "DROP"])
             for i, host in enumerate(self.homes[h]):
                 outer = f"{self._veth}l{h}{i}"
                 _run(["ip", "netns", "add", host.ns])

@@ -76,6 +76,9 @@ class NetworkConfig:
     relay_mb: int = opt(1024, "bytes each way one relayed connection may carry, in MiB",
                         advanced=True)
     relay_minutes: float = opt(30.0, "how long one relayed connection may last", advanced=True)
+    hole_punch: bool = opt(True, "open direct connections with peers behind routers by TCP "
+                                 "hole punching (both dial at once); their relayed path "
+                                 "stays where it fails", advanced=True)
     max_downloads: int = opt(2, "DownloadState requests served at once; more are answered BUSY", advanced=True)
 
     def validate(self) -> None:

@@ -49,6 +49,8 @@ from gasloc_p2p.node.stats import ExchangeStats, RelayCounts, TrainStats
 from gasloc_p2p.node.transport.circuits import Peer
 from gasloc_p2p.node.transport.circuits.client import RelayDialer, RelayListener
 from gasloc_p2p.node.transport.circuits.hub import RelayHub, RelayLimits
+from gasloc_p2p.node.transport.circuits.punch import Puncher
+from gasloc_p2p.node.transport.gate import Gate
 from gasloc_p2p.node.transport.service import (
     GossipServicer,
     PeerChannels,
@@ -116,6 +118,7 @@ class Node:
         self.peers: list[PeerInfo] = []  # compatible peers from discovery, this node excluded
         self.channels = PeerChannels(cfg.network)
         self.listener: RelayListener | None = None  # behind a router: Listen calls at relays
+        self._gate: Gate | None = None  # the node's front door (None off Linux)
         self._hub: RelayHub | None = None  # reachable: the relay it runs for others
         self._relay_listener_args: tuple[Any, ...] | None = None
         self.metrics = NodeMetrics(cfg, self.train_stats, self.stats, self._peer_counts,
@@ -383,6 +386,7 @@ class Node:
         servicer.probe = self._probe_endpoint
         servicer.dht_peer_id = self.discovery.dht_peer_id
         server, self.port = await start_server(servicer, host, net.port, net, self.tls)
+        self._gate = server.gate
 
         async def stop_server() -> None:
             servicer.drain()  # new exchanges get BUSY during the grace
@@ -402,6 +406,14 @@ class Node:
         self.channels.relayed = RelayDialer(self.signer, self._relay_stub, self._relays_of,
                                             timeout)
         stack.push_async_callback(_timed, "relayed paths close", self.channels.relayed.close)
+        if net.hole_punch:
+            self.channels.punched = Puncher(
+                self.signer, self._relayed_stub, self._observers, self._public_host,
+                self._gate.take if self._gate is not None else None, self._punched_up,
+                self.channels.discard, timeout)
+            servicer.punch = self.channels.punched.answer
+            stack.push_async_callback(_timed, "hole-punched paths close",
+                                      self.channels.punched.close)
         gate = "127.0.0.1" if net.client_mode or net.host in ("0.0.0.0", "") else (
             "::1" if net.host == "::" else net.host)
         self._relay_listener_args = (self.signer, self._relay_stub, (gate, self.port), timeout,
@@ -420,6 +432,24 @@ class Node:
 
     def _relay_stub(self, peer: Peer) -> Any:
         return self.channels.relay_stub(peer.endpoint, peer.cert)
+
+    def _relayed_stub(self, peer: Peer) -> Any:
+        """A stub on the relayed path to ``peer`` (a hole punch is agreed over it)."""
+        assert self.channels.relayed is not None
+        return self.channels.stub(self.channels.relayed.endpoint(peer), peer.cert)
+
+    def _observers(self) -> list[PeerInfo]:
+        """Reachable peers, which can tell this node the address its router maps a port to."""
+        return [p for p in self.peers if p.reachable and p.peer_id != self.me.peer_id]
+
+    def _public_host(self) -> str:
+        """This node's own host when peers can dial it (a hole punch needs no observer)."""
+        return self.endpoint.rpartition(":")[0] if self.reachable else ""
+
+    def _punched_up(self, endpoint: str, cert: bytes) -> None:
+        """A hole-punched path is up: connect its channel now (the peer's gate closes a
+        connection that stays silent)."""
+        self.channels.stub_and_channel(endpoint, cert)[1].get_state(try_to_connect=True)
 
     def _relays_of(self, peer: Peer) -> list[Peer]:
         """The reachable peers known here that ``peer``'s record names as its relays."""

@@ -166,8 +166,11 @@ RELAY_DOMAIN = "gasloc/relay"
 
 
 def info_fields(r: pb.InfoRequest) -> list[object]:
-    return [r.probe_endpoint, r.probe_cert, r.auth.timestamp, r.auth.target, r.auth.nonce,
-            r.auth.invitation]
+    fields: list[object] = [r.probe_endpoint, r.probe_cert, r.auth.timestamp, r.auth.target,
+                            r.auth.nonce, r.auth.invitation]
+    if r.punch_endpoint:  # (signed as before without one)
+        fields.append(r.punch_endpoint)
+    return fields
 
 
 def state_fields(r: pb.StateRequest) -> list[object]:

@@ -116,7 +116,7 @@ OUTCOMES = (
     "rejected",       # an inbound exchange we refused (at the limit, or incompatible)
 )
 ROLES = ("initiator", "responder")
-PATHS = ("direct", "relayed")
+PATHS = ("direct", "holepunched", "relayed")
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 LOOP_LAG_PERIOD_S = 0.5
 #: (compatible peers known, those dialable now), None before the node knows any
@@ -253,8 +253,8 @@ class NodeCollector(Collector):
             roles.add_metric([role], n)
         yield roles
         paths = CounterMetricFamily("gasloc_exchanges_by_path", "Committed exchanges this node "
-                                    "initiated, by path: direct, or relayed (to a peer behind "
-                                    "a router).", labels=["path"])
+                                    "initiated, by path: direct, holepunched or relayed (to a "
+                                    "peer behind a router).", labels=["path"])
         seconds = CounterMetricFamily("gasloc_exchange_path_seconds", "Wall time of the "
                                       "exchanges this node initiated and committed, by path.",
                                       labels=["path"])

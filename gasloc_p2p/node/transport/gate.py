@@ -180,7 +180,8 @@ class Gate:
         self.displaced = 0  # closed to make room for a less busy block
         self.silent = 0  # closed after sending nothing for first_byte_s
         self.cut = 0  # closed when a call found its block's bucket empty
-        self._relayed: dict[int, tuple[int, str]] = {}  # loopback port -> (id, caller)
+        self._relayed: dict[int, tuple[int, str, int]] = {}  # loopback port -> (id, caller,
+        # the caller's port)
         self._ports: dict[int, int] = {}  # connection id -> its loopback port
         self._waiting: dict[int, asyncio.Task[None]] = {}  # connections before their 1st byte
         self._listener: socket.socket | None = None
@@ -201,8 +202,9 @@ class Gate:
         self._accepting = asyncio.create_task(self._accept_loop())
         return self.port
 
-    def _connection(self, peer: str) -> tuple[int, str] | None:
-        """(id, caller's address) of the relayed connection gRPC names ``peer``."""
+    def _connection(self, peer: str) -> tuple[int, str, int] | None:
+        """(id, caller's address, caller's port) of the relayed connection gRPC names
+        ``peer``."""
         port = peer.rpartition(":")[2]
         return self._relayed.get(int(port)) if port.isdigit() else None
 
@@ -212,13 +214,22 @@ class Gate:
         found = self._connection(peer)
         return found[1] if found is not None else peer.rpartition(":")[0] or peer
 
+    def observed_of(self, peer: str) -> str:
+        """The caller's ``host:port`` as this gate sees it (what its router maps to), for
+        gRPC's ``peer`` string; the address in ``peer`` itself for anything else."""
+        found = self._connection(peer)
+        if found is None:
+            return peer.partition(":")[2] or peer
+        host = found[1]
+        return f"[{host}]:{found[2]}" if ":" in host else f"{host}:{found[2]}"
+
     def unproven(self, peer: str) -> bool:
         """A call that has proved nothing starts on ``peer``'s connection: False if its
         block's bucket is empty (the connection is being closed and the block cools down)."""
         found = self._connection(peer)
         if found is None:
             return True
-        cid, host = found
+        cid, host, _ = found
         if self.table.charge(address_block(host), time.monotonic()):
             return True
         self.cut += 1
@@ -259,9 +270,11 @@ class Gate:
                 log.warning("gate: accept failed (%s)", exc)
                 await asyncio.sleep(0.1)
                 continue
-            self._admit(sock, str(addr[0]))
+            self.take(sock, str(addr[0]), int(addr[1]))
 
-    def _admit(self, sock: socket.socket, host: str) -> None:
+    def take(self, sock: socket.socket, host: str, port: int) -> None:
+        """Admit a connection from ``host:port`` as one accepted on the node's port (a
+        hole-punched one comes in here: the same limits, deadline and relay)."""
         cid, victim = self.table.admit(address_block(host), time.monotonic())
         if victim is not None:
             self.displaced += 1
@@ -271,9 +284,10 @@ class Gate:
             _reset(sock)
             return
         sock.setblocking(False)
-        self._waiting[cid] = asyncio.create_task(self._first_byte(cid, sock, host))
+        self._waiting[cid] = asyncio.create_task(self._first_byte(cid, sock, host, port))
 
-    async def _first_byte(self, cid: int, sock: socket.socket, host: str) -> None:
+    async def _first_byte(self, cid: int, sock: socket.socket, host: str, caller_port: int
+                          ) -> None:
         """Relay ``sock`` once it has sent a byte; close it if it sends none in time."""
         assert self._loop is not None
         upstream = None
@@ -300,7 +314,7 @@ class Gate:
         for s in (sock, upstream):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         port = int(upstream.getsockname()[1])
-        self._relayed[port], self._ports[cid] = (cid, host), port
+        self._relayed[port], self._ports[cid] = (cid, host, caller_port), port
         self.table.relaying(cid)
         assert self._relay is not None
         self._relay.add(cid, sock, upstream)

@@ -72,6 +72,7 @@ from gasloc_p2p.safelog import safe
 if TYPE_CHECKING:
     from gasloc_p2p.node.transport.circuits import Peer as PeerInfo
     from gasloc_p2p.node.transport.circuits.client import RelayDialer
+    from gasloc_p2p.node.transport.circuits.punch import Puncher
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +260,9 @@ class Door(Protocol):
     def address_of(self, peer: str) -> str:
         """The caller's address."""
 
+    def observed_of(self, peer: str) -> str:
+        """The caller's ``host:port`` as this node sees the connection."""
+
     def unproven(self, peer: str) -> bool:
         """A call that has proved nothing starts; False: its connection is being closed."""
 
@@ -271,6 +275,9 @@ class OpenDoor:
 
     def address_of(self, peer: str) -> str:
         return host_of(peer)
+
+    def observed_of(self, peer: str) -> str:
+        return peer.partition(":")[2] or peer
 
     def unproven(self, peer: str) -> bool:
         return True
@@ -319,6 +326,9 @@ class GossipServicer(pb_grpc.GossipServicer):
         # probe(endpoint, cert, peer_id): does the node at endpoint, holding cert, answer as
         # peer_id (set by the node)
         self.probe: Callable[[str, bytes, str], Awaitable[bool]] | None = None
+        # punch(caller's endpoint): where this node dials from to meet the caller's hole
+        # punch, "" if it does not (set by a node that can be reached through relays only)
+        self.punch: Callable[[str], Awaitable[str]] | None = None
         self.dht_peer_id = ""  # for bootstrap multiaddrs, in every Info reply (set by the node)
         self._probing = asyncio.Lock()
         self.preauth = PreauthPool(self.limits.preauth_streams)
@@ -393,19 +403,23 @@ class GossipServicer(pb_grpc.GossipServicer):
         why = check_request_auth(request.auth, self.verifier, INFO_DOMAIN,
                                  info_fields(request), now, self.limits.auth_skew_s,
                                  self.me.peer_id, self.challenges)
+        observed = self.door.observed_of(_peer(context))
         if why is not None:  # health only; never a dial-back for a stranger
             return pb.InfoReply(protocol_version=PROTOCOL_VERSION, run_id=self.me.run_id,
                                 peer_id=self.me.peer_id, software_version=__version__, ok=True,
                                 dht_peer_id=self.dht_peer_id,
-                                challenge=self.challenges.issue(now))
+                                challenge=self.challenges.issue(now), observed=observed)
         self.door.proved(_peer(context))
         reply = self.info()
         reply.ok = reply.authenticated = True
         reply.dht_peer_id = self.dht_peer_id
         reply.challenge = self.challenges.issue(now)
+        reply.observed = observed
         if request.probe_endpoint:
             reply.probe_ok = await self._probe(request.probe_endpoint, request.probe_cert,
                                                peer_id_of(request.auth.public_key))
+        if request.punch_endpoint and self.punch is not None:
+            reply.punch_endpoint = await self.punch(request.punch_endpoint)
         return reply
 
     # ------------------------------------------------------------ relaying (circuits.hub)
@@ -664,6 +678,7 @@ class PeerChannels:
         self._channels: OrderedDict[tuple[str, bytes, str], grpc.aio.Channel] = OrderedDict()
         self._closing: list[asyncio.Task[None]] = []
         self.relayed: RelayDialer | None = None  # paths to peers behind routers (the node's)
+        self.punched: Puncher | None = None  # ... hole-punched ones, where they form
 
     def dialable(self, peer: PeerInfo) -> bool:
         """Whether this node has a path to ``peer``: its gRPC endpoint, or a relay it
@@ -672,15 +687,20 @@ class PeerChannels:
 
     def endpoint_for(self, peer: PeerInfo) -> str:
         """Where gRPC dials ``peer``: its endpoint, or for a peer behind a router a loopback
-        endpoint whose connections travel through one of its relays."""
+        endpoint whose connection is a hole-punched one to it (:attr:`punched`, tried in the
+        background), else whose connections travel through one of its relays."""
         if not peer.reachable and peer.relayed and self.relayed is not None:
-            return self.relayed.endpoint(peer)
+            punched = self.punched.endpoint(peer) if self.punched is not None else None
+            return punched or self.relayed.endpoint(peer)
         return peer.endpoint
 
-    @staticmethod
-    def path_of(peer: PeerInfo) -> str:
-        """direct or relayed: how connections to ``peer`` travel."""
-        return "direct" if peer.reachable else "relayed"
+    def path_of(self, peer: PeerInfo) -> str:
+        """direct, holepunched or relayed: how connections to ``peer`` travel."""
+        if peer.reachable:
+            return "direct"
+        if self.punched is not None and self.punched.holds(peer.peer_id):
+            return "holepunched"
+        return "relayed"
 
     def stub(self, endpoint: str, cert: bytes) -> pb_grpc.GossipStub:
         return self.stub_and_channel(endpoint, cert)[0]
@@ -731,10 +751,11 @@ class PeerChannels:
 
 
 def info_request(signer: Signer, target: str, challenge: bytes, probe_endpoint: str = "",
-                 probe_cert: bytes = b"") -> pb.InfoRequest:
+                 probe_cert: bytes = b"", punch_endpoint: str = "") -> pb.InfoRequest:
     """An Info request signed for ``target`` with the ``challenge`` it issued; with
     ``probe_endpoint``, a dial-back to it trusting ``probe_cert``."""
-    request = pb.InfoRequest(probe_endpoint=probe_endpoint, probe_cert=probe_cert)
+    request = pb.InfoRequest(probe_endpoint=probe_endpoint, probe_cert=probe_cert,
+                             punch_endpoint=punch_endpoint)
     return sign_info_request(request, signer, time.time(), target, challenge)
 
 
