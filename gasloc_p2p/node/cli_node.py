@@ -527,7 +527,8 @@ async def _status(args: argparse.Namespace) -> dict[str, Any]:
 
         report["info"] = MessageToDict(info, preserving_proto_field_name=True,
                                        always_print_fields_with_no_presence=True)
-        report["info"].pop("probe_ok", None)  # only meaningful in a reachability probe
+        for field in ("probe_ok", "punch_endpoint"):  # only meaningful in a reachability
+            report["info"].pop(field, None)  # probe or a hole punch
     return report
 
 

@@ -168,8 +168,8 @@ RELAY_DOMAIN = "gasloc/relay"
 def info_fields(r: pb.InfoRequest) -> list[object]:
     fields: list[object] = [r.probe_endpoint, r.probe_cert, r.auth.timestamp, r.auth.target,
                             r.auth.nonce, r.auth.invitation]
-    if r.punch_endpoint:  # (signed as before without one)
-        fields.append(r.punch_endpoint)
+    if r.punch_endpoint or r.punch_local:  # (signed as before without them)
+        fields += [r.punch_endpoint, r.punch_local]
     return fields
 
 

@@ -326,9 +326,9 @@ class GossipServicer(pb_grpc.GossipServicer):
         # probe(endpoint, cert, peer_id): does the node at endpoint, holding cert, answer as
         # peer_id (set by the node)
         self.probe: Callable[[str, bytes, str], Awaitable[bool]] | None = None
-        # punch(caller's endpoint): where this node dials from to meet the caller's hole
-        # punch, "" if it does not (set by a node that can be reached through relays only)
-        self.punch: Callable[[str], Awaitable[str]] | None = None
+        # punch(caller's endpoint, its local one): where this node dials from to meet the
+        # caller's hole punch, public and local ("" if it does not; set by the node)
+        self.punch: Callable[[str, str], Awaitable[tuple[str, str]]] | None = None
         self.dht_peer_id = ""  # for bootstrap multiaddrs, in every Info reply (set by the node)
         self._probing = asyncio.Lock()
         self.preauth = PreauthPool(self.limits.preauth_streams)
@@ -419,7 +419,8 @@ class GossipServicer(pb_grpc.GossipServicer):
             reply.probe_ok = await self._probe(request.probe_endpoint, request.probe_cert,
                                                peer_id_of(request.auth.public_key))
         if request.punch_endpoint and self.punch is not None:
-            reply.punch_endpoint = await self.punch(request.punch_endpoint)
+            reply.punch_endpoint, reply.punch_local = await self.punch(request.punch_endpoint,
+                                                                       request.punch_local)
         return reply
 
     # ------------------------------------------------------------ relaying (circuits.hub)

@@ -18,6 +18,10 @@ How (TCP simultaneous open, RFC 5128; libp2p's DCUtR does the same over its rela
    the target's signed record end to end; the target hands it to its gate like any connection
    accepted on its port (the same limits and deadlines).
 
+Two nodes behind the same router see the same host observed: they dial each other's address on
+their own network instead (sent beside the public one), since few routers carry a connection
+from inside back inside (hairpinning).
+
 A router that maps every connection to a new port (a symmetric NAT) makes step 1's address
 wrong for the target: nothing connects, and the pair keeps its relayed path; the caller tries
 again after a back-off (:data:`BACKOFF_S`, doubling to :data:`MAX_BACKOFF_S`). IPv4 only (the
@@ -220,12 +224,25 @@ async def _pipe(r1: asyncio.StreamReader, w1: asyncio.StreamWriter,
                 writer.close()
 
 
+def pick(mine: str, theirs: str, their_local: str) -> tuple[str, int] | None:
+    """Where to dial a peer whose observed address is ``theirs``: its address on its own
+    network when both were observed at the same host (behind one router), else ``theirs``."""
+    remote = parse_endpoint(theirs)
+    local = parse_endpoint(their_local)
+    own = parse_endpoint(mine)
+    if remote is not None and local is not None and own is not None and own[0] == remote[0]:
+        return local
+    return remote
+
+
 class Observation:
-    """This node's address as a reachable peer sees a connection from ``port``; the
-    connection stays open until :meth:`close` (it holds the router's mapping)."""
+    """This node's address as a reachable peer sees a connection from ``port``, and its own
+    end of it (:attr:`local`); the connection stays open until :meth:`close` (it holds the
+    router's mapping)."""
 
     def __init__(self) -> None:
         self.address = ""
+        self.local = ""
         self.by = ""  # who observed it
         self._channel: Any = None
         self._end: SocketEnd | None = None
@@ -247,6 +264,7 @@ class Observation:
             if parse_endpoint(reply.observed) is None:
                 raise OSError(f"no address observed by {safe(observer.peer_id[:12])}")
             obs.address, obs.by = reply.observed, observer.peer_id[:12]
+            obs.local = f"{sock.getsockname()[0]}:{port}"
         except BaseException:
             sock.close()
             await obs.close()
@@ -325,16 +343,15 @@ class Puncher:
                 try:
                     stub = self.relayed_stub(peer)
                     health = await stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
-                    request = sign_info_request(pb.InfoRequest(punch_endpoint=obs.address),
-                                                self.signer, time.time(), health.peer_id,
-                                                health.challenge)
+                    request = sign_info_request(
+                        pb.InfoRequest(punch_endpoint=obs.address, punch_local=obs.local),
+                        self.signer, time.time(), health.peer_id, health.challenge)
                     reply = await stub.Info(request, timeout=self.timeout_s)
-                    remote = parse_endpoint(reply.punch_endpoint)
+                    remote = pick(obs.address, reply.punch_endpoint, reply.punch_local)
                     if not reply.authenticated or remote is None:
                         raise OSError("the peer does not answer hole punches")
-                    log.debug("punching to %s: %s (port %d here, %s) -> %s",
-                              safe(peer.peer_id[:12]), obs.address, port, obs.by,
-                              reply.punch_endpoint)
+                    log.debug("punching to %s: %s (port %d here, %s) -> %s:%d",
+                              safe(peer.peer_id[:12]), obs.address, port, obs.by, *remote)
                     sock = await meet(port, remote, self.punch_s)
                 finally:
                     await obs.close()
@@ -384,7 +401,7 @@ class Puncher:
         host = self.public_host()
         if host and parse_endpoint(f"{host}:{port}") is not None:
             obs = Observation()
-            obs.address = f"{host}:{port}"
+            obs.address = obs.local = f"{host}:{port}"
             return obs
         observers = [p for p in self.observers()
                      if p.peer_id != exclude and parse_endpoint(p.endpoint) is not None]
@@ -393,12 +410,13 @@ class Puncher:
         return await Observation.at(random.choice(observers), port, self.timeout_s)
 
     # ------------------------------------------------------------ the target's side
-    async def answer(self, caller_endpoint: str) -> str:
-        """This node's address for a caller's punch (it dials ``caller_endpoint`` from there
-        for ``punch_s`` from now, in the background); "" when it does not answer."""
-        remote = parse_endpoint(caller_endpoint)
-        if remote is None or self.take is None or self._closed or not self._spend():
-            return ""
+    async def answer(self, caller_endpoint: str, caller_local: str = "") -> tuple[str, str]:
+        """This node's addresses, public and local, for a caller's punch (it dials the caller
+        from there for ``punch_s`` from now, in the background); ("", "") when it does not
+        answer."""
+        if (parse_endpoint(caller_endpoint) is None or self.take is None or self._closed
+                or not self._spend()):
+            return "", ""
         self._answering += 1
         port_holder = None
         try:
@@ -409,11 +427,13 @@ class Puncher:
             log.debug("not answering a hole punch: %s", exc)
             if port_holder is not None:
                 port_holder.close()
-            return ""
+            return "", ""
+        remote = pick(obs.address, caller_endpoint, caller_local)
+        assert remote is not None
         task = asyncio.ensure_future(self._dial_caller(port_holder, obs, remote))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return obs.address
+        return obs.address, obs.local
 
     def _spend(self) -> bool:
         """One answer from the bucket, if it is not empty and fewer than MAX_ANSWERING run."""

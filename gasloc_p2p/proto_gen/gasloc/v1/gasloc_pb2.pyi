@@ -135,19 +135,21 @@ class ExchangeMsg(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ("probe_endpoint", "probe_cert", "auth", "punch_endpoint")
+    __slots__ = ("probe_endpoint", "probe_cert", "auth", "punch_endpoint", "punch_local")
     PROBE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     PROBE_CERT_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     PUNCH_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PUNCH_LOCAL_FIELD_NUMBER: _ClassVar[int]
     probe_endpoint: str
     probe_cert: bytes
     auth: Auth
     punch_endpoint: str
-    def __init__(self, probe_endpoint: _Optional[str] = ..., probe_cert: _Optional[bytes] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ..., punch_endpoint: _Optional[str] = ...) -> None: ...
+    punch_local: str
+    def __init__(self, probe_endpoint: _Optional[str] = ..., probe_cert: _Optional[bytes] = ..., auth: _Optional[_Union[Auth, _Mapping]] = ..., punch_endpoint: _Optional[str] = ..., punch_local: _Optional[str] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs", "probe_ok", "ok", "authenticated", "dht_peer_id", "validation_set", "model", "fragment_syncs", "challenge", "observed", "punch_endpoint")
+    __slots__ = ("protocol_version", "software_version", "run_id", "peer_id", "model_fingerprint", "step", "rounds", "tokens_per_s", "val_loss", "peers", "exchanges_ok_initiator", "exchanges_ok_responder", "exchanges_failed", "bytes_sent", "bytes_received", "endpoint", "first_val_loss", "algorithm", "averaging_rounds_ok", "averaging_rounds_failed", "averaging_rounds_solo", "last_group_size", "last_averaging_s", "total_averaging_s", "outer_epoch", "resyncs", "probe_ok", "ok", "authenticated", "dht_peer_id", "validation_set", "model", "fragment_syncs", "challenge", "observed", "punch_endpoint", "punch_local")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class InfoReply(_message.Message):
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_FIELD_NUMBER: _ClassVar[int]
     PUNCH_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PUNCH_LOCAL_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     software_version: str
     run_id: str
@@ -220,7 +223,8 @@ class InfoReply(_message.Message):
     challenge: bytes
     observed: str
     punch_endpoint: str
-    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., ok: _Optional[bool] = ..., authenticated: _Optional[bool] = ..., dht_peer_id: _Optional[str] = ..., validation_set: _Optional[str] = ..., model: _Optional[str] = ..., fragment_syncs: _Optional[_Iterable[_Union[FragmentSync, _Mapping]]] = ..., challenge: _Optional[bytes] = ..., observed: _Optional[str] = ..., punch_endpoint: _Optional[str] = ...) -> None: ...
+    punch_local: str
+    def __init__(self, protocol_version: _Optional[int] = ..., software_version: _Optional[str] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., val_loss: _Optional[float] = ..., peers: _Optional[_Iterable[str]] = ..., exchanges_ok_initiator: _Optional[int] = ..., exchanges_ok_responder: _Optional[int] = ..., exchanges_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., endpoint: _Optional[str] = ..., first_val_loss: _Optional[float] = ..., algorithm: _Optional[str] = ..., averaging_rounds_ok: _Optional[int] = ..., averaging_rounds_failed: _Optional[int] = ..., averaging_rounds_solo: _Optional[int] = ..., last_group_size: _Optional[int] = ..., last_averaging_s: _Optional[float] = ..., total_averaging_s: _Optional[float] = ..., outer_epoch: _Optional[int] = ..., resyncs: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., ok: _Optional[bool] = ..., authenticated: _Optional[bool] = ..., dht_peer_id: _Optional[str] = ..., validation_set: _Optional[str] = ..., model: _Optional[str] = ..., fragment_syncs: _Optional[_Iterable[_Union[FragmentSync, _Mapping]]] = ..., challenge: _Optional[bytes] = ..., observed: _Optional[str] = ..., punch_endpoint: _Optional[str] = ..., punch_local: _Optional[str] = ...) -> None: ...
 
 class FragmentSync(_message.Message):
     __slots__ = ("index", "offset", "numel", "syncs_ok", "syncs_failed", "syncs_solo", "last_start_step", "epoch", "bytes_sent", "wait_s", "resyncs")
