@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.tools.netns import Host, NatNetwork, nat_unavailable
+from gasloc_p2p.core.codecs import get_codec
 from gasloc_p2p.tools.nodes import join_argv, node_env
 from gasloc_p2p.tools.procs import Child
 
@@ -34,6 +35,7 @@ FLAGS = ["--open", "--torch-threads", "1", "--max-steps", "1000000", "--log-inte
 VIA = re.compile(r"^(\S+ \S+) DEBUG gasloc_p2p\.node\.stats: exchange to (\w+) via (\w+) in "
                  r"([\d.]+) s$", re.M)
 UP = re.compile(r"^(\S+ \S+) INFO gasloc_p2p\.node\.daemon: node (\w+) up: gRPC")
+MODEL = re.compile(r"up: gRPC .*, model (\d+) params .* codec (\w+)")
 TRAFFIC = re.compile(r"exchanges ok (\d+) .* sent ([\d.]+) MB recv ([\d.]+) MB")
 
 
@@ -47,6 +49,7 @@ class Node:
     sent: list[tuple[float, str, str, float]] = field(default_factory=list)  # t, to, path, s
     ok: int = 0
     mb: float = 0.0
+    payload_mb: float = 0.0  # one payload on the wire, from the model's size and codec
 
 
 def _clock(stamp: str) -> float:
@@ -80,6 +83,9 @@ def read(node: Node) -> None:
     if up is not None:
         node.up_at, node.peer_id = _clock(up.group(1)), up.group(2)
     node.sent = [(_clock(t), to, path, float(s)) for t, to, path, s in VIA.findall(text)]
+    model = MODEL.search(text)
+    if model is not None:
+        node.payload_mb = get_codec(model.group(2)).wire_bytes(int(model.group(1))) / 1e6
     last = TRAFFIC.findall(text)
     if last:
         ok, sent, recv = last[-1]
@@ -130,8 +136,8 @@ def report(nodes: list[Node], rate_mbit: float, public_rate: float | None) -> di
         first = first_at.get(n.name, float("nan"))
         firsts[n.name] = first - n.up_at if n.up_at else float("nan")
         print(f"{n.name:<10} {len(partners[n.name]):>8}            {firsts[n.name]:8.1f}")
-    payload_mb = statistics.median(n.mb / n.ok for n in nodes if n.ok) if any(
-        n.ok for n in nodes) else float("nan")
+    # (not sent bytes over exchanges: those count the failed exchanges' bytes too)
+    payload_mb = max((n.payload_mb for n in nodes), default=0.0) or float("nan")
     payload_s = payload_mb * 8 / rate_mbit
     print(f"\nexchanges {total}; the reachable node takes part in {with_public} "
           f"({with_public / max(total, 1):.0%})")

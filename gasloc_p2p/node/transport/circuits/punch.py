@@ -143,6 +143,9 @@ async def meet(port: int, remote: tuple[str, int], within_s: float) -> socket.so
             raise TimeoutError(f"no connection with {remote[0]}:{remote[1]} in {within_s:g} s")
         for extra in formed[1:]:
             extra.close()
+        # gRPC's own sockets send small frames at once; so must this one (Nagle's wait
+        # behind a delayed ACK would hold each of an exchange's small messages back)
+        formed[0].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return formed[0]
     finally:
         await cancel_all(tasks)
@@ -314,9 +317,6 @@ class Puncher:
     def holds(self, peer_id: str) -> bool:
         """Whether a punched path to ``peer_id`` is up."""
         return peer_id in self._ends
-
-    def owns(self, endpoint: str) -> bool:
-        return any(end.endpoint == endpoint for end in self._ends.values())
 
     def endpoint(self, peer: Peer) -> str | None:
         """The loopback endpoint of a punched path to ``peer``; None while there is none (an
