@@ -371,12 +371,14 @@ class Puncher:
                       safe(peer.peer_id[:12]), backoff, exc)
 
     async def _keep(self, peer: Peer, sock: socket.socket) -> None:
-        pid, cert = peer.peer_id, peer.cert
+        pid, cert, since = peer.peer_id, peer.cert, time.monotonic()
         end = SocketEnd(sock)
 
         def lost() -> None:
             if self._ends.get(pid) is end:
                 del self._ends[pid]
+                log.debug("hole-punched path to %s ended after %.0f s", safe(pid[:12]),
+                          time.monotonic() - since)
                 self._remember(pid, time.monotonic() + BACKOFF_S, 0.0)  # relayed meanwhile
                 self.on_lost(end.endpoint, cert)
 
