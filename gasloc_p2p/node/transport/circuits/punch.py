@@ -6,7 +6,7 @@ How (TCP simultaneous open, RFC 5128; libp2p's DCUtR does the same over its rela
 1. The caller binds a port (``SO_REUSEADDR``, ``SO_REUSEPORT``), connects from it to a
    reachable peer and asks it in an Info call over that very connection which ``host:port``
    it sees (``InfoReply.observed``): the address the caller's router maps the port to. A
-   reachable node knows its own (its announced host and the port).
+   reachable node that knows no other reachable peer takes its announced host and the port.
 2. It sends that address to the target in a signed Info call over the relayed path
    (``InfoRequest.punch_endpoint``). The target does step 1 for itself, answers with its own
    mapped address (``InfoReply.punch_endpoint``) and starts dialing the caller.
@@ -400,16 +400,19 @@ class Puncher:
             self._next.popitem(last=False)
 
     async def _observe(self, port: int, exclude: str = "") -> Observation:
+        """The address ``port`` is seen at: observed by a reachable peer (a reachable node
+        may sit behind a router that forwards its announced port only), else this node's own
+        host when it is reachable."""
+        observers = [p for p in self.observers()
+                     if p.peer_id != exclude and parse_endpoint(p.endpoint) is not None]
+        if observers:
+            return await Observation.at(random.choice(observers), port, self.timeout_s)
         host = self.public_host()
         if host and parse_endpoint(f"{host}:{port}") is not None:
             obs = Observation()
             obs.address = obs.local = f"{host}:{port}"
             return obs
-        observers = [p for p in self.observers()
-                     if p.peer_id != exclude and parse_endpoint(p.endpoint) is not None]
-        if not observers:
-            raise OSError("no reachable peer to observe this node's address")
-        return await Observation.at(random.choice(observers), port, self.timeout_s)
+        raise OSError("no reachable peer to observe this node's address")
 
     # ------------------------------------------------------------ the target's side
     async def answer(self, caller_endpoint: str, caller_local: str = "") -> tuple[str, str]:
