@@ -752,11 +752,13 @@ class PeerChannels:
 
 
 def info_request(signer: Signer, target: str, challenge: bytes, probe_endpoint: str = "",
-                 probe_cert: bytes = b"", punch_endpoint: str = "") -> pb.InfoRequest:
+                 probe_cert: bytes = b"", punch_endpoint: str = "", punch_local: str = ""
+                 ) -> pb.InfoRequest:
     """An Info request signed for ``target`` with the ``challenge`` it issued; with
-    ``probe_endpoint``, a dial-back to it trusting ``probe_cert``."""
+    ``probe_endpoint``, a dial-back to it trusting ``probe_cert``; with ``punch_endpoint``
+    (and ``punch_local``), a hole punch to meet there (circuits/punch.py)."""
     request = pb.InfoRequest(probe_endpoint=probe_endpoint, probe_cert=probe_cert,
-                             punch_endpoint=punch_endpoint)
+                             punch_endpoint=punch_endpoint, punch_local=punch_local)
     return sign_info_request(request, signer, time.time(), target, challenge)
 
 

@@ -49,11 +49,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gasloc_p2p.node.transport.circuits import cancel_all
+from gasloc_p2p.node.transport.service import info_request, target_of
 from gasloc_p2p.node.transport.tls import secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2_grpc as pb_grpc
 from gasloc_p2p.protocol.auth import Signer
-from gasloc_p2p.protocol.messages import sign_info_request
 from gasloc_p2p.safelog import safe
 
 if TYPE_CHECKING:
@@ -342,11 +342,10 @@ class Puncher:
                 obs = await self._observe(port, exclude=peer.peer_id)
                 try:
                     stub = self.relayed_stub(peer)
-                    health = await stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
-                    request = sign_info_request(
-                        pb.InfoRequest(punch_endpoint=obs.address, punch_local=obs.local),
-                        self.signer, time.time(), health.peer_id, health.challenge)
-                    reply = await stub.Info(request, timeout=self.timeout_s)
+                    target, challenge = await target_of(stub, self.timeout_s)
+                    reply = await stub.Info(info_request(
+                        self.signer, target, challenge, punch_endpoint=obs.address,
+                        punch_local=obs.local), timeout=self.timeout_s)
                     remote = pick(obs.address, reply.punch_endpoint, reply.punch_local)
                     if not reply.authenticated or remote is None:
                         raise OSError("the peer does not answer hole punches")
