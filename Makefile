@@ -84,7 +84,7 @@ ladder-cpu: setup
 # The GPU queue (benchmarks/gpu_queue.py): research in slices of a few minutes. gpu-plan prints
 # it; gpu-next runs what is pending within BUDGET minutes on a GPU (on a CPU: every slice at
 # smoke size, into a scratch folder); gpu-wheels fetches what a bare GPU machine lacks.
-BUDGET ?= 8
+BUDGET ?= 9.5
 gpu-plan: setup
 	$(PY) -m benchmarks.gpu_queue plan
 

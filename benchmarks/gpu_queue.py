@@ -1,8 +1,10 @@
 """The GPU queue (issue 38): research in slices of a few minutes, in priority order, whose
 records add up across the rare, short GPU windows the project gets.
 
-A *slice* is at most about 6 minutes on one H100: a few *arms* (configurations) run side by
-side on the one GPU as separate processes (small models leave most of a GPU idle). A slice is
+A *slice* is at most about 7.5 minutes on one H100 or H200: a few *arms* (configurations) run
+side by side on the one GPU as separate processes (small models leave most of a GPU idle). The
+first window (2026-11-29, an H200) measured one 5M ladder arm at 6 minutes alone (launch-bound,
+about 23 ms a worker step), so the first call of a window gets 9.5 minutes. A slice is
 *done* when its records are in the folder ``docs/results/gpu-queue/``, one file a slice (JSON Lines: commit,
 device, torch version, seed, config, figures; one line per arm), for the slice's present
 configuration (a resized slice is pending again). So a window runs what is pending, in order,
@@ -10,7 +12,7 @@ and the next window picks up where it stopped; seeds of one experiment are slice
 and accumulate. ``docs/results/gpu-queue.md`` is rebuilt from every record so far.
 
     python -m benchmarks.gpu_queue plan            # the queue: expected minutes, done/pending
-    python -m benchmarks.gpu_queue next [--budget-min 8] [--only ID,...] [--out DIR]
+    python -m benchmarks.gpu_queue next [--budget-min 9.5] [--only ID,...] [--out DIR]
     python -m benchmarks.gpu_queue merge FILE...   # records that came back from a GPU machine
     python -m benchmarks.gpu_queue tables          # rebuild docs/results/gpu-queue.md
 
@@ -31,6 +33,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,8 +48,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "gpu-queue"
 TABLES = ROOT / "docs" / "results" / "gpu-queue.md"
-SLICE_MAX_MIN = 6.0  # the issue's bound on one slice, on an H100
-DEFAULT_BUDGET_MIN = 8.0
+SLICE_MAX_MIN = 7.5  # one slice at most, so that it fits a window's first call after set-up
+DEFAULT_BUDGET_MIN = 9.5  # a window's first call: 10 minutes a command, less start and copying
+START_S = 30.0  # a slice's processes start (torch, CUDA, data) before the first step
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,18 @@ class Slice:
     def digest(self) -> str:
         """The slice's configuration (arms, seed, kind): records of another one are of a
         resized slice and do not count as done."""
-        doc = {"kind": self.kind, "seed": self.seed,
-               "arms": [(a.label, a.config) for a in self.arms]}
+        return self._hash(seeded=True)
+
+    def shape(self) -> str:
+        """The configuration but its seed: slices of one shape take the same time."""
+        return self._hash(seeded=False)
+
+    def _hash(self, seeded: bool) -> str:
+        def drop(config: dict[str, Any]) -> dict[str, Any]:
+            return config if seeded else {k: v for k, v in config.items() if k != "seed"}
+
+        doc = {"kind": self.kind, "arms": [(a.label, drop(a.config)) for a in self.arms],
+               **({"seed": self.seed} if seeded else {})}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -105,18 +119,35 @@ def is_done(sl: Slice, where: Path = RECORDS, smoke: bool = False) -> bool:
 
 
 def measured_minutes(sl: Slice, where: Path = RECORDS) -> tuple[float, str] | None:
-    """The latest measured wall minutes of this slice, or of another slice of its group and
-    kind with the same arms' shape (a later seed), and on which device."""
+    """The wall minutes of this slice's latest attempt in its present configuration, or of
+    another slice of the same configuration but its seed, and their basis: measured (it ran) or
+    projected (its arms stopped early, each saying how long it would have taken: the longest of
+    those, plus the start). A stopped attempt's own wall is no measure of the slice."""
     from benchmarks.gpu_plan import QUEUE
 
-    same = [s.id for s in QUEUE if s.group == sl.group and s.kind == sl.kind
-            and [a.label for a in s.arms] == [a.label for a in sl.arms]] or [sl.id]
-    runs = [r for sid in same for r in records_of(sid, where)
-            if r.get("slice_wall_s") and not r.get("smoke")]
+    same = {s.id: s.digest() for s in QUEUE if s.shape() == sl.shape()} or {sl.id: sl.digest()}
+    runs = [r for sid, digest in same.items() for r in records_of(sid, where)
+            if r.get("slice_wall_s") and not r.get("smoke") and r.get("digest") == digest]
     if not runs:
         return None
     last = max(runs, key=lambda r: r.get("when", ""))
-    return last["slice_wall_s"] / 60, last.get("device", "?")
+    attempt = [r for r in runs if (r.get("slice"), r.get("when")) == (last.get("slice"),
+                                                                       last.get("when"))]
+    projected = [p for p in map(projected_s, attempt) if p is not None]
+    device = last.get("device", "?")
+    if projected:
+        return (max(projected) + START_S) / 60, f"projected on {device} (stopped early)"
+    return last["slice_wall_s"] / 60, f"measured on {device}"
+
+
+def projected_s(record: dict[str, Any]) -> float | None:
+    """How long a stopped arm said it would have taken (``projected_s``, or its ``why``)."""
+    if record.get("status") != "too long":
+        return None
+    if record.get("projected_s") is not None:
+        return float(record["projected_s"])
+    found = re.match(r"\s*(\d+(?:\.\d+)?) s projected", str(record.get("why", "")))
+    return float(found.group(1)) if found else None
 
 
 # ------------------------------------------------------------------------------ records
@@ -186,8 +217,7 @@ def plan(where: Path = RECORDS) -> list[str]:
     lines = [f"{'#':>2}  {'slice':<22} {'H100 min':>8}  {'basis':<44} status"]
     total = 0.0
     for k, sl in enumerate(QUEUE, 1):
-        got = measured_minutes(sl, where)
-        minutes, basis = (got[0], f"measured on {got[1]}") if got else (sl.minutes, sl.basis)
+        minutes, basis = measured_minutes(sl, where) or (sl.minutes, sl.basis)
         done = is_done(sl, where)
         status = "done" if done else "pending"
         attempts = [r for r in records_of(sl.id, where) if r.get("status") != "ok"]
@@ -237,7 +267,7 @@ def run_next(budget_min: float, only: Sequence[str], out: Path | None,
                 continue
             left = deadline - time.monotonic()
             got = measured_minutes(sl, where)
-            expect = 0.0 if smoke else (got[0] if got else sl.minutes) * 60
+            expect = 0.0 if smoke else (got[0] if got else sl.minutes) * 60 + _set_up_s(sl)
             if expect > left:
                 print(f"gpu-next: {sl.id}: skipped ({expect / 60:.1f} min expected, "
                       f"{left / 60:.1f} left)", flush=True)
@@ -260,6 +290,13 @@ def run_next(budget_min: float, only: Sequence[str], out: Path | None,
             shutil.copy(path, Path(export) / path.name)
     print(f"gpu-next: records in {where}", flush=True)
     return 1 if failed and smoke else 0
+
+
+def _set_up_s(sl: Slice) -> float:
+    """What a slice spends before its arms start: the corpus, when a fresh machine lacks it."""
+    from benchmarks import gpu_slices
+
+    return 60.0 if sl.kind in ("sim", "concurrency") and not gpu_slices.corpus_built() else 0.0
 
 
 def _run_one(sl: Slice, left: float, smoke: bool, scratch: Path, where: Path) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -38,6 +39,12 @@ def run_slice(sl: Slice, left_s: float, smoke: bool, scratch: Path) -> list[Row]
 
 
 # ------------------------------------------------------------------------------ data
+def corpus_built() -> bool:
+    from gasloc_p2p.data import registry
+
+    return registry.is_built(str(CORPUS))
+
+
 def corpus(smoke: bool, scratch: Path) -> Path:
     """The token corpus of the simulator slices: at smoke size a small byte-level one in the
     scratch folder, else ``runs/corpus`` (built here when missing: the installed packages'
@@ -80,8 +87,9 @@ def run_arms(arms: list[Arm], sl: Slice, left_s: float, smoke: bool, work: Path,
     """Every arm at once, a process each; their rows when all ended (or were stopped at the
     deadline: ``left_s`` less a margin). ``inline``: one after another in this process (the
     smoke run of most slices: a process's start costs more than a smoke-size arm)."""
+    t0 = time.monotonic()
     data = corpus(smoke, work.parent.parent)
-    deadline = max(30.0, left_s - 20.0)
+    deadline = max(30.0, left_s - (time.monotonic() - t0) - 20.0)  # the corpus's build counts
     if inline:
         return [{**_inline(arm, sl, work / f"arm{tag}{k}", data), **corpus_facts(data)}
                 for k, arm in enumerate(arms)]
@@ -133,6 +141,9 @@ def _sim_row(arm: Arm, cfg: dict[str, Any], out: Path, code: int, log: Path) -> 
     status = "too long" if code == 3 else "failed"
     if status == "too long":
         last = json.loads(last).get("too_long", last)
+        found = re.match(r"(\d+) s projected", last)
+        if found:
+            row["projected_s"] = float(found.group(1))
     return {**row, "status": status, "why": last[-300:]}
 
 

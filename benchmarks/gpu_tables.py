@@ -26,7 +26,7 @@ On a machine with one NVIDIA GPU (an H100 or H200, 16 host cores; nothing needs 
 there), from a clone of this repository with `make gpu-wheels` run where pip works:
 
 ```bash
-GIT_COMMIT=$(git rev-parse --short=12 HEAD) bash scripts/gpu_next.sh --budget-min 8
+GIT_COMMIT=$(git rev-parse --short=12 HEAD) bash scripts/gpu_next.sh --budget-min 9.5
 python -m benchmarks.gpu_queue merge OUT/*.jsonl   # where pip works: the records, then commit
 ```
 
@@ -35,12 +35,17 @@ what the machine lacks), then runs the pending slices in order within the budget
 gpu-plan` lists them) and copies the records to `$OUT` when it is set. Every record names its
 commit, device, torch version, seed and configuration. A slice whose arms would outrun the
 window stops itself after half a minute (its record says how long it would have taken) and
-stays pending; the next window goes on where this one stopped.
+stays pending; from then on the plan budgets that projection for every seed of the slice (a
+slice that does not fit what is left is skipped, not tried), and the next window goes on where
+this one stopped.
 
 In the project's own sessions (the device tool: a bare H100 or H200, 10 minutes a command,
-about 15 minutes a session): `make gpu-wheels` here, then one call `GIT_COMMIT=<HEAD>
-bash scripts/gpu_next.sh --budget-min 8` with `.gpu` carried and a 560 s limit; merge the
-`.jsonl` files it returns and commit them with this page.
+about 15 minutes a session, about 35 s of it the machine's start): `make gpu-wheels` here,
+then one call `GIT_COMMIT=<HEAD> bash scripts/gpu_next.sh --budget-min 9.5` with `.gpu`
+carried and a 590 s limit, and at once (the machine stays warm 30 s; the corpus built in the
+first call is kept) a second with `--budget-min` the minutes left less one; merge the `.jsonl`
+files they return and commit them with this page. A command killed at its limit brings back
+nothing of the slice it was in: give the script its budget, not a shorter `timeout`.
 """
 
 
@@ -66,16 +71,34 @@ def page(where: Path = RECORDS, smoke: bool = False) -> str:
         lines += [f"## {group}: {slices[0].title.split(':')[0]}", "",
                   f"Slices: {', '.join(f'`{sl.id}`' for sl in slices)} ({done} of "
                   f"{len(slices)} run).", ""]
-        if not recs:
-            lines += ["Not run yet.", ""]
-            continue
-        lines += [_provenance(recs), "", *RENDER.get(slices[0].kind, _generic)(recs), ""]
         tries = [r for sl in slices for r in records_of(sl.id, where)
                  if r.get("status") != "ok" and bool(r.get("smoke")) == smoke]
+        if not recs:
+            current = any(r.get("digest") == sl.digest() for sl in slices
+                          for r in records_of(sl.id, where) if r in tries)
+            lines += [_tried(tries, current) if tries else "Not run yet.", ""]
+            continue
+        lines += [_provenance(recs), "", *RENDER.get(slices[0].kind, _generic)(recs), ""]
         if tries:
             lines += [f"Attempts that did not finish: {len(tries)} (last: "
                       f"{tries[-1]['status']}: {tries[-1].get('why', '')[:160]}).", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _tried(tries: list[Rec], current: bool) -> str:
+    """What the attempts of a group that never finished said: how long its arms would take."""
+    from benchmarks.gpu_queue import projected_s
+
+    projected = [p for p in map(projected_s, tries) if p is not None]
+    devices = sorted({r.get("device", "?") for r in tries})
+    text = (f"Not run yet: {len(tries)} arm(s) tried on {', '.join(devices)} "
+            f"({tries[0].get('when', '?')[:10]} to {tries[-1].get('when', '?')[:10]}) stopped "
+            "early")
+    if projected:
+        text += (f", projecting {min(projected):.0f}-{max(projected):.0f} s an arm; " +
+                 ("the plan budgets that from now on" if current else
+                  "the slice was resized since"))
+    return text + f" (last: {tries[-1]['status']}: {tries[-1].get('why', '')[:120]})."
 
 
 def _provenance(recs: list[Rec]) -> str:

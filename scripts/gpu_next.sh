@@ -2,7 +2,7 @@
 # The GPU queue's next slices on a GPU machine (a bare one: the machine's own Python and torch,
 # the wheels of `make gpu-wheels` from .gpu/wheels installed into /tmp/gpu-site first), or at
 # smoke size on a machine without CUDA. Flags go to `python -m benchmarks.gpu_queue next`
-# (--budget-min 8 by default). Set GIT_COMMIT where the tree has no .git; records go to
+# (--budget-min 9.5 by default). Set GIT_COMMIT where the tree has no .git; records go to
 # docs/results/gpu-queue/ and, when $OUT is set, to $OUT too.
 set -euo pipefail
 cd "$(dirname "$0")/.."

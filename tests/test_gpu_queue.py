@@ -115,6 +115,7 @@ def test_next_skips_a_slice_that_does_not_fit_the_budget(tmp_path, monkeypatch):
     from benchmarks import gpu_slices
 
     monkeypatch.setattr(gpu_slices, "run_slice", fake)
+    monkeypatch.setattr(gpu_slices, "corpus_built", lambda: True)
     monkeypatch.setattr(gpu_queue, "write_tables", lambda *a, **k: None)
     out = tmp_path / "records"
     assert gpu_queue.run_next(3.8, [], out, smoke=False) == 0
@@ -122,6 +123,40 @@ def test_next_skips_a_slice_that_does_not_fit_the_budget(tmp_path, monkeypatch):
     assert [r[0] for r in ran] == fits[:1] or [r[0] for r in ran] == fits  # at least one fits
     assert all(left <= 3.8 * 60 for _, left in ran)
     assert all(gpu_queue.is_done(sl, out) for sl in QUEUE if sl.id in dict(ran))
+
+
+def test_a_stopped_attempt_counts_by_its_projection_for_every_seed_of_its_shape(tmp_path,
+                                                                                 monkeypatch):
+    # the first window's ladder arms stopped after half a minute each, projecting 330-400 s:
+    # that projection, not the half minute, is what the next window must budget for
+    s0, s1 = (next(s for s in QUEUE if s.id == f"ladder-5m-s{k}") for k in (0, 1))
+    stopped = [{**_record(s0, a.label, 0, 3.0, slice_wall_s=54.0), "status": "too long",
+                "why": f"{300 + 20 * k} s projected (rate 5.5 steps/s), deadline 229 s"}
+               for k, a in enumerate(s0.arms)]
+    stopped[-1]["projected_s"] = 402.0  # a record of this code carries the number itself
+    gpu_queue.append(tmp_path, s0.id, stopped)
+    for sl in (s0, s1):  # the next seed is the same shape
+        minutes, basis = gpu_queue.measured_minutes(sl, tmp_path)
+        assert minutes == pytest.approx((402.0 + gpu_queue.START_S) / 60)
+        assert basis.startswith("projected on NVIDIA H100")
+    row = next(line for line in gpu_queue.plan(tmp_path) if f" {s1.id} " in line)
+    assert " 7.2 " in row and "pending" in row
+    # a resized slice starts over: records of its old configuration time nothing
+    resized = Slice(s0.id, s0.group, s0.title, s0.kind, s0.minutes, s0.basis,
+                    (*s0.arms[:-1], Arm(s0.arms[-1].label, {**s0.arms[-1].config, "steps": 9})))
+    assert gpu_queue.measured_minutes(resized, tmp_path) is None
+    # the window skips the slice it cannot finish, the corpus's build counted on a bare machine
+    from benchmarks import gpu_slices
+
+    ran = []
+    monkeypatch.setattr(gpu_slices, "run_slice", lambda sl, *a: ran.append(sl.id) or [])
+    monkeypatch.setattr(gpu_queue, "write_tables", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_slices, "corpus_built", lambda: False)
+    gpu_queue.run_next(7.5, [s0.id], tmp_path, smoke=False)
+    assert ran == []  # 7.2 minutes and the corpus's minute do not fit 7.5
+    monkeypatch.setattr(gpu_slices, "corpus_built", lambda: True)
+    gpu_queue.run_next(7.5, [s0.id], tmp_path, smoke=False)
+    assert ran == [s0.id]
 
 
 def test_an_unknown_slice_is_one_line():
