@@ -89,8 +89,11 @@ def grpc_options(net: NetworkConfig, server: bool) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
-    if server:  # accept the clients' pings at our own keepalive rate
-        opts += [("grpc.http2.min_recv_ping_interval_without_data_ms",
+    if server:  # accept the clients' pings at our own keepalive rate (without it, gRPC's
+        # default of 5 minutes answers the third idle ping with GOAWAY "too_many_pings": every
+        # long-lived connection that went quiet, a relay's Listen or a hole-punched path,
+        # ended after about 80 s)
+        opts += [("grpc.http2.min_ping_interval_without_data_ms",
                   int(net.keepalive_time_s * 500)),
                  ("grpc.max_concurrent_streams", net.max_streams_per_connection),
                  ("grpc.server_handshake_timeout_ms", int(net.preauth_timeout_s * 1000))]
