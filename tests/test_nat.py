@@ -22,8 +22,12 @@ pytestmark = pytest.mark.skipif(nat_unavailable() is not None, reason=nat_unavai
 
 def test_nodes_behind_routers_exchange_hole_punched_or_through_a_relay(tmp_path) -> None:
     nodes = []
-    with NatNetwork([None], [[None], [None], [None]], symmetric=[1]) as net:
+    with NatNetwork([None], [[None], [None], [None]], symmetric=[1], congestion="cubic") as net:
         tag = net.bridge[:-2]
+        for host in (net.public[0], net.homes[0][0]):  # the bench's congestion control
+            routes = subprocess.run(host.cmd(["ip", "-o", "route"]), capture_output=True,
+                                    text=True, check=True).stdout.splitlines()
+            assert routes and all("congctl cubic" in r for r in routes), routes
         try:
             public = start("public", net.public[0], tmp_path,
                            [*FLAGS, "--host", net.public[0].addr])

@@ -276,7 +276,7 @@ class NatNetwork:
     _count = 0
 
     def __init__(self, public: Sequence[float | None], homes: Sequence[Sequence[float | None]],
-                 symmetric: Sequence[int] = ()) -> None:
+                 symmetric: Sequence[int] = (), congestion: str | None = None) -> None:
         reason = nat_unavailable()
         if reason is not None:
             raise NetnsError(reason)
@@ -297,6 +297,7 @@ class NatNetwork:
                             rate_mbit=rate) for i, rate in enumerate(rates)]
                       for h, rates in enumerate(homes)]
         self.symmetric = set(symmetric)
+        self.congestion = congestion
         self._closed = False
         sweep_stale()
         try:
@@ -314,6 +315,7 @@ class NatNetwork:
         for i, host in enumerate(self.public):
             self._attach(host.ns, f"{self._veth}p{i}", "eth0", f"{host.addr}/16")
             _shape(host)
+            _congestion(host, self.congestion)
         for h, (router, wan) in enumerate(zip(self.routers, self.wan, strict=True)):
             self._attach(router, f"{self._veth}w{h}", "wan", f"{wan}/16")
             inside = ["ip", "netns", "exec", router]
@@ -343,6 +345,7 @@ class NatNetwork:
                 _run(host.cmd(["ip", "link", "set", "lo", "up"]))
                 _run(host.cmd(["ip", "route", "add", "default", "via", f"192.168.{h + 1}.1"]))
                 _shape(host)
+                _congestion(host, self.congestion)
         log.info("NAT network %s: public %s; homes %s", self.bridge,
                  ", ".join(h.addr for h in self.public),
                  "; ".join(f"{wan} ({'symmetric' if h in self.symmetric else 'cone'}): "
@@ -390,6 +393,18 @@ def _shape(host: Host, burst_bytes: int | None = None) -> None:
     burst = burst_bytes or _burst(rate)
     _run(host.cmd(["tc", "qdisc", "add", "dev", host.dev, "root", "tbf", "rate", f"{rate}mbit",
                    "burst", str(burst), "latency", "100ms"]))
+
+
+def _congestion(host: Host, algorithm: str | None) -> None:
+    """TCP congestion control ``algorithm`` for what ``host`` sends (every route of its main
+    table, ``congctl``: a namespace's own sysctl may be read-only); None: the system's."""
+    if algorithm is None:
+        return
+    for route in _run(host.cmd(["ip", "-o", "route", "show"])).splitlines():
+        words = route.split()
+        if "congctl" in words:
+            continue
+        _run(host.cmd(["ip", "route", "change", *words, "congctl", algorithm]))
 
 
 def _burst(rate_mbit: float) -> int:

@@ -40,15 +40,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import itertools
 import logging
 import random
 import socket
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gasloc_p2p.node.transport.circuits import cancel_all
+from gasloc_p2p.node.transport.relay import Relay
 from gasloc_p2p.node.transport.service import info_request, target_of
 from gasloc_p2p.node.transport.tls import secure_channel
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
@@ -70,7 +73,6 @@ ANSWER_BURST = 4
 MAX_ATTEMPTS = 2
 BACKOFF_S = 30.0
 MAX_BACKOFF_S = 600.0
-CHUNK = 64 * 1024
 
 Stub = Callable[["Peer"], pb_grpc.GossipStub]
 
@@ -153,78 +155,109 @@ async def meet(port: int, remote: tuple[str, int], within_s: float) -> socket.so
 
 
 class SocketEnd:
-    """A loopback endpoint whose first connection is piped into ``sock`` (a connected TCP
-    socket) both ways until either side ends; then both are closed and ``on_closed`` runs.
-    Later connections to it are refused."""
+    """A loopback endpoint whose first connection is joined to ``sock`` (a connected TCP
+    socket) both ways by the process's splice thread (:class:`_Splicer`: the kernel moves the
+    bytes, off the event loop, which a node's exchanges keep busy) until either side ends; then
+    both are closed and ``on_closed`` runs on the event loop. Later connections are refused."""
 
     def __init__(self, sock: socket.socket, on_closed: Callable[[], None] = lambda: None
                  ) -> None:
         self.sock, self.on_closed = sock, on_closed
         self.endpoint = ""
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-        self._taken = False
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._cid: int | None = None  # the splice thread's, while it joins the two
         self._closed = False
 
     async def start(self) -> str:
         """Listen on a loopback port; returns ``127.0.0.1:port``."""
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.endpoint = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.setblocking(False)
+        self._listener = listener
+        self.endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+        self._accepting = asyncio.ensure_future(self._accept(listener))
         return self.endpoint
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._taken or self._closed:
-            writer.close()
-            return
-        assert self._server is not None
-        self._server.close()
-        self._taken = True
-        self._writers.append(writer)
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            far_reader, far_writer = await asyncio.open_connection(sock=self.sock)
+            conn, _ = await loop.sock_accept(listener)
         except OSError:
-            writer.close()
             self._end()
             return
-        self._writers.append(far_writer)
-        try:
-            await _pipe(reader, writer, far_reader, far_writer)
         finally:
-            self._end()
+            listener.close()  # one connection: the next is refused
+        if self._closed:
+            conn.close()
+            return
+        conn.setblocking(False)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setblocking(False)
+        self._cid = SPLICER.join(conn, self.sock, loop, self._spliced_end)
+
+    def _spliced_end(self) -> None:
+        """The splice thread has closed both sockets (on the event loop)."""
+        self._cid = None
+        self._report()
 
     def _end(self) -> None:
-        for writer in self._writers:  # (a running pipe then ends: its reads see the end)
-            with contextlib.suppress(Exception):
-                writer.close()
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        if self._cid is not None:  # the splice thread closes both, then reports
+            SPLICER.drop(self._cid)
+            return
+        for sock in (self.sock, self._listener):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        self._report()
+
+    def _report(self) -> None:
         if not self._closed:
             self._closed = True
-            if self._server is not None:
-                self._server.close()
             self.on_closed()
 
     async def close(self) -> None:
+        if self._accepting is not None and not self._accepting.done():
+            await cancel_all([self._accepting])
         self._end()
 
 
-async def _pipe(r1: asyncio.StreamReader, w1: asyncio.StreamWriter,
-                r2: asyncio.StreamReader, w2: asyncio.StreamWriter) -> None:
-    """Each reader into the other side's writer until either ends; then both are closed."""
+class _Splicer:
+    """The one thread of this process that joins the sockets of its punched paths (a
+    :class:`~gasloc_p2p.node.transport.relay.Relay`, started on first use); each pair's end is
+    reported on the event loop that joined it."""
 
-    async def copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(CHUNK):
-            writer.write(data)
-            await writer.drain()
+    def __init__(self) -> None:
+        self._relay: Relay | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = {}
 
-    tasks = [asyncio.ensure_future(copy(r1, w2)), asyncio.ensure_future(copy(r2, w1))]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        await cancel_all(tasks)
-        for writer in (w1, w2):
-            with contextlib.suppress(Exception):
-                writer.close()
+    def join(self, a: socket.socket, b: socket.socket, loop: asyncio.AbstractEventLoop,
+             on_closed: Callable[[], None]) -> int:
+        with self._lock:
+            if self._relay is None:
+                self._relay = Relay(self._ended)
+            cid = next(self._ids)
+            self._waiting[cid] = (loop, on_closed)
+            relay = self._relay
+        relay.add(cid, a, b)
+        return cid
+
+    def drop(self, cid: int) -> None:
+        if self._relay is not None:
+            self._relay.drop(cid)
+
+    def _ended(self, cid: int) -> None:  # on the splice thread
+        with self._lock:
+            got = self._waiting.pop(cid, None)
+        if got is not None:
+            with contextlib.suppress(RuntimeError):  # that loop has closed
+                got[0].call_soon_threadsafe(got[1])
+
+
+SPLICER = _Splicer()
 
 
 def pick(mine: str, theirs: str, their_local: str) -> tuple[str, int] | None:
