@@ -146,7 +146,12 @@ def projected_s(record: dict[str, Any]) -> float | None:
         return None
     if record.get("projected_s") is not None:
         return float(record["projected_s"])
-    found = re.match(r"\s*(\d+(?:\.\d+)?) s projected", str(record.get("why", "")))
+    return projection_in(str(record.get("why", "")))
+
+
+def projection_in(why: str) -> float | None:
+    """The seconds a stopped arm's message (``benchmarks.gpu_arm.Watch``) projected."""
+    found = re.match(r"\s*(\d+(?:\.\d+)?) s projected", why)
     return float(found.group(1)) if found else None
 
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_queue import ROOT, Arm, Slice
+from benchmarks.gpu_queue import ROOT, Arm, Slice, projection_in
 
 START_S = 30.0  # a process's start (torch, CUDA, data) before its first step, on an H100
 CORPUS = ROOT / "runs" / "corpus"  # the ladder's BPE corpus (make corpus), built when missing
@@ -141,9 +140,7 @@ def _sim_row(arm: Arm, cfg: dict[str, Any], out: Path, code: int, log: Path) -> 
     status = "too long" if code == 3 else "failed"
     if status == "too long":
         last = json.loads(last).get("too_long", last)
-        found = re.match(r"(\d+) s projected", last)
-        if found:
-            row["projected_s"] = float(found.group(1))
+        row["projected_s"] = projection_in(last)
     return {**row, "status": status, "why": last[-300:]}
 
 

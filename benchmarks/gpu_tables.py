@@ -74,8 +74,8 @@ def page(where: Path = RECORDS, smoke: bool = False) -> str:
         tries = [r for sl in slices for r in records_of(sl.id, where)
                  if r.get("status") != "ok" and bool(r.get("smoke")) == smoke]
         if not recs:
-            current = any(r.get("digest") == sl.digest() for sl in slices
-                          for r in records_of(sl.id, where) if r in tries)
+            digests = {sl.id: sl.digest() for sl in slices}
+            current = any(r.get("digest") == digests.get(r.get("slice")) for r in tries)
             lines += [_tried(tries, current) if tries else "Not run yet.", ""]
             continue
         lines += [_provenance(recs), "", *RENDER.get(slices[0].kind, _generic)(recs), ""]
