@@ -108,9 +108,12 @@ def _watch(procs: list[subprocess.Popen[bytes]], world: int) -> int:
         if first == 0:  # the node ended: the others stop with it (or have already)
             _stop_all(procs)
             return code
-        print(f"gasloc-node join: rank {first} of {world} died ({describe(code)}); the node "
-              "stops; run the same command again to resume from its checkpoint",
-              file=sys.stderr, flush=True)
+        # one write of the whole line: rank 0 logs to the same stderr meanwhile, and print's
+        # text and newline as two writes were once split by its line (seen in a CI run)
+        line = (f"gasloc-node join: rank {first} of {world} died ({describe(code)}); the node "
+                "stops; run the same command again to resume from its checkpoint\n")
+        sys.stderr.write(line)
+        sys.stderr.flush()
         _stop_all(procs)
         return 1
 
