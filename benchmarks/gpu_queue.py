@@ -8,7 +8,8 @@ about 23 ms a worker step), so the first call of a window gets 9.5 minutes. A sl
 *done* when its records are in the folder ``docs/results/gpu-queue/``, one file a slice (JSON Lines: commit,
 device, torch version, seed, config, figures; one line per arm), for the slice's present
 configuration (a resized slice is pending again). So a window runs what is pending, in order,
-and the next window picks up where it stopped; seeds of one experiment are slices of their own
+and the next window picks up where it stopped (of a simulator or throughput slice, only the arms
+without a record); seeds of one experiment are slices of their own
 and accumulate. ``docs/results/gpu-queue.md`` is rebuilt from every record so far.
 
     python -m benchmarks.gpu_queue plan            # the queue: expected minutes, done/pending
@@ -29,6 +30,7 @@ says how to contribute a window).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -112,10 +114,22 @@ def records_of(slice_id: str, where: Path = RECORDS) -> list[dict[str, Any]]:
 def is_done(sl: Slice, where: Path = RECORDS, smoke: bool = False) -> bool:
     """Whether every arm of the slice's present configuration has a record (of the smoke
     size, with ``smoke``: a CPU's check of the queue, never a result)."""
+    return not arms_left(sl, where, smoke)
+
+
+def arms_left(sl: Slice, where: Path = RECORDS, smoke: bool = False) -> tuple[Arm, ...]:
+    """The arms of the slice's present configuration without an "ok" record yet."""
     got = {r["arm"] for r in records_of(sl.id, where)
            if r.get("status") == "ok" and r.get("digest") == sl.digest()
            and bool(r.get("smoke")) == smoke}
-    return all(a.label in got for a in sl.arms_at(smoke))
+    return tuple(a for a in sl.arms_at(smoke) if a.label not in got)
+
+
+# Kinds whose arms are independent processes: an attempt that finished some of them leaves
+# only the rest to run (the concurrency slice showed an arm's losses the same to the last digit
+# alone and beside four others). The concurrency slice's first arm is its reference: it reruns
+# whole.
+RESUMABLE = ("sim", "throughput")
 
 
 def measured_minutes(sl: Slice, where: Path = RECORDS) -> tuple[float, str] | None:
@@ -128,11 +142,17 @@ def measured_minutes(sl: Slice, where: Path = RECORDS) -> tuple[float, str] | No
     same = {s.id: s.digest() for s in QUEUE if s.shape() == sl.shape()} or {sl.id: sl.digest()}
     runs = [r for sid, digest in same.items() for r in records_of(sid, where)
             if r.get("slice_wall_s") and not r.get("smoke") and r.get("digest") == digest]
-    if not runs:
+    attempts: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        attempts.setdefault((r.get("when", ""), r.get("slice", "")), []).append(r)
+    # an attempt that ran only the arms left by an earlier one (``arms_run``) times no slice
+    whole = [(key, rows) for key, rows in attempts.items()
+             if any(projected_s(r) is not None for r in rows)
+             or rows[0].get("arms_run", len(sl.arms)) >= len(sl.arms)]
+    if not whole:
         return None
-    last = max(runs, key=lambda r: r.get("when", ""))
-    attempt = [r for r in runs if (r.get("slice"), r.get("when")) == (last.get("slice"),
-                                                                       last.get("when"))]
+    _, attempt = max(whole, key=lambda kv: kv[0])
+    last = attempt[0]
     projected = [p for p in map(projected_s, attempt) if p is not None]
     device = last.get("device", "?")
     if projected:
@@ -309,11 +329,19 @@ def _run_one(sl: Slice, left: float, smoke: bool, scratch: Path, where: Path) ->
     from benchmarks import gpu_slices
 
     started = time.monotonic()
-    print(f"gpu-next: {sl.id}: {sl.title} ({len(sl.arms_at(smoke))} arm(s))", flush=True)
-    rows = gpu_slices.run_slice(sl, left, smoke, scratch)
+    todo = sl
+    if not smoke and sl.kind in RESUMABLE:
+        left_arms = arms_left(sl, where)
+        if 0 < len(left_arms) < len(sl.arms):
+            todo = dataclasses.replace(sl, arms=left_arms)
+    print(f"gpu-next: {sl.id}: {sl.title} ({len(todo.arms_at(smoke))} arm(s)"
+          + (f" of {len(sl.arms)}: the rest have records" if todo is not sl else "") + ")",
+          flush=True)
+    rows = gpu_slices.run_slice(todo, left, smoke, scratch)
     took = time.monotonic() - started
     base = {**facts(), "slice": sl.id, "group": sl.group, "digest": sl.digest(),
-            "seed": sl.seed, "smoke": smoke, "slice_wall_s": round(took, 1)}
+            "seed": sl.seed, "smoke": smoke, "slice_wall_s": round(took, 1),
+            "arms_run": len(todo.arms_at(smoke))}
     rows = [{**base, **row} for row in rows]
     append(where, sl.id, rows)
     bad = [r for r in rows if r["status"] != "ok"]
@@ -336,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("plan", help="print the queue")
     nxt = sub.add_parser("next", help="run pending slices within a budget")
     nxt.add_argument("--budget-min", type=float, default=DEFAULT_BUDGET_MIN,
-                     help="wall-clock minutes for this window (default 8)")
+                     help=f"wall-clock minutes for this window (default {DEFAULT_BUDGET_MIN:g})")
     nxt.add_argument("--only", default="", help="comma-separated slice ids")
     nxt.add_argument("--out", type=Path, default=None,
                      help="records folder (default: docs/results/gpu-queue on CUDA, a scratch "

@@ -159,6 +159,37 @@ def test_a_stopped_attempt_counts_by_its_projection_for_every_seed_of_its_shape(
     assert ran == [s0.id]
 
 
+def test_an_attempt_that_finished_some_arms_leaves_only_the_rest_to_run(tmp_path,
+                                                                        monkeypatch):
+    # the second window's ladder-25m-s0 finished 3 of its 5 arms; the other 2 stopped early
+    s0, s1 = (next(s for s in QUEUE if s.id == f"ladder-25m-s{k}") for k in (0, 1))
+    done, stopped = s0.arms[:3], s0.arms[3:]
+    gpu_queue.append(tmp_path, s0.id, [
+        *(_record(s0, a.label, 0, 4.0, slice_wall_s=252.0) for a in done),
+        *({**_record(s0, a.label, 0, 6.0, slice_wall_s=252.0), "status": "too long",
+           "projected_s": 370.0, "why": "370 s projected"} for a in stopped)])
+    assert gpu_queue.arms_left(s0, tmp_path) == stopped and not gpu_queue.is_done(s0, tmp_path)
+    from benchmarks import gpu_slices
+
+    ran: list[tuple[str, ...]] = []
+
+    def run_slice(sl, *a):
+        ran.append(tuple(arm.label for arm in sl.arms))
+        return [{"arm": arm.label, "status": "ok", "figures": {}} for arm in sl.arms]
+
+    monkeypatch.setattr(gpu_slices, "run_slice", run_slice)
+    monkeypatch.setattr(gpu_queue, "write_tables", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_slices, "corpus_built", lambda: True)
+    gpu_queue.run_next(9.5, [s0.id], tmp_path, smoke=False)
+    assert ran == [tuple(a.label for a in stopped)]  # not the 3 that have records
+    assert gpu_queue.is_done(s0, tmp_path)
+    rest = [r for r in gpu_queue.records_of(s0.id, tmp_path) if r.get("arms_run") is not None]
+    assert {r["arms_run"] for r in rest} == {2} and {r["digest"] for r in rest} == {s0.digest()}
+    # the 2-arm rerun's wall is no slice's length: the next seed keeps the projection
+    minutes, basis = gpu_queue.measured_minutes(s1, tmp_path)
+    assert minutes == pytest.approx((370.0 + gpu_queue.START_S) / 60) and "projected" in basis
+
+
 def test_an_unknown_slice_is_one_line():
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_queue", "next", "--only",
                            "nope", "--smoke"], cwd=ROOT, capture_output=True, text=True,
