@@ -38,6 +38,7 @@ DOCUMENTED = {
     "gasloc_updates_clipped", "gasloc_exchanges_by_path", "gasloc_exchange_path_seconds",
     "gasloc_exchange_partners", "gasloc_relay_connections", "gasloc_relay_refused",
     "gasloc_relay_bytes", "gasloc_relay_open", "gasloc_relay_listeners", "gasloc_relays_held",
+    "gasloc_uplink_full", "gasloc_uplink_slots",
 }
 FRAGMENT_METRICS = {
     "gasloc_fragment_syncs", "gasloc_fragment_sent_bytes", "gasloc_fragment_received_bytes",

@@ -51,6 +51,9 @@ class ExchangeStats:
     failed: int = 0
     busy: int = 0  # our attempts answered BUSY (not failures)
     rejected_inbound: int = 0  # inbound exchanges we refused (BUSY or incompatible)
+    uplink_busy: int = 0  # ... of those, BUSY because our uplink carried all it could in time
+    uplink_waits: int = 0  # our gossip events skipped for the same reason
+    uplink_slots: int = 0  # exchanges at once the measured uplink allows (0: not measured)
     implausible: int = 0  # exchanges aborted by the bounded-update guard (either side)
     clipped: int = 0  # exchanges this node committed with a clipped weight (its guard)
     bytes_sent: int = 0

@@ -198,7 +198,11 @@ class GossipLoop:
     async def gossip_once(self) -> Outcome | None:
         """One gossip event: connect to ``connect_fanout`` random candidates at once and
         exchange with the first that answers; after BUSY (or when none connects) try others,
-        until one exchange commits, fails, or no candidate is left."""
+        until one exchange commits, fails, or no candidate is left. None at once when this
+        node's uplink carries all the exchanges it can in time (see transport/uplink.py)."""
+        if not self.exchanger.uplink_free(None):
+            self.exchanger.stats.uplink_waits += 1
+            return None
         tried: list[str] = []
         for _ in range(self.cfg.busy_retries + 1):
             exclude = [*tried, *self.exchanger.inflight, *self.exchanger.penalized(),

@@ -263,6 +263,16 @@ class NodeCollector(Collector):
             seconds.add_metric([path], x.path_seconds.get(path, 0.0))
         yield paths
         yield seconds
+        full = CounterMetricFamily("gasloc_uplink_full", "Exchanges not run because this "
+                                   "node's uplink carried all it could within the peers' "
+                                   "deadlines: inbound ones answered BUSY, own gossip events "
+                                   "skipped.", labels=["kind"])
+        full.add_metric(["refused"], x.uplink_busy)
+        full.add_metric(["skipped"], x.uplink_waits)
+        yield full
+        yield GaugeMetricFamily("gasloc_uplink_slots", "Exchanges at once this node's "
+                                "measured uplink carries within the peers' deadlines (0: not "
+                                "measured yet).", value=x.uplink_slots)
         yield GaugeMetricFamily("gasloc_exchange_partners", "Distinct peers this node committed "
                                 "exchanges with (either role).", value=len(x.partners))
         yield CounterMetricFamily("gasloc_updates_rejected", "Exchanges aborted because the "

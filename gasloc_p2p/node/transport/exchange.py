@@ -31,6 +31,7 @@ from gasloc_p2p.node.config import GossipConfig
 from gasloc_p2p.node.stats import ExchangeStats
 from gasloc_p2p.node.transport.ratelimit import TokenBucket
 from gasloc_p2p.node.transport.reasons import FailureReasons
+from gasloc_p2p.node.transport.uplink import UplinkMeter
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import (
     Action,
@@ -94,6 +95,8 @@ class GossipTransport:
         self.stats = stats or ExchangeStats()
         self.reasons = FailureReasons()  # why exchanges fail, logged once per reason
         self.inflight: set[str] = set()  # peers with an exchange in flight, either role
+        self.initiating: set[str] = set()  # ... of those, the ones this node started
+        self.uplink = UplinkMeter()  # this node's own payloads' rate: exchanges at once
         self.inbound = 0
         self.accepting = True
         self._guards: dict[int, RateGuard] = {}  # minimum-rate state of the running sessions
@@ -139,6 +142,31 @@ class GossipTransport:
         if guard is not None and guard.demerits(peer_id):
             return max(1, self.cfg.max_inbound // 4)
         return self.cfg.max_inbound + (self.reserved_inbound if peer_id in self._good else 0)
+
+    def uplink_slots(self) -> int | None:
+        """Exchanges this node's uplink carries at once within the peers' deadlines (its own
+        measured rate, see uplink.py), or None before a measurement."""
+        return self.uplink.slots(self.payload_bytes, self.cfg.chunk_bytes,
+                                 self.rules.timeouts.chunk_s, self.deadline_s)
+
+    def uplink_free(self, peer_id: str | None) -> bool:
+        """Whether another exchange fits the uplink now: one this node starts (``peer_id``
+        None) or answers for a peer that committed here before counts only this node's own
+        and such peers' exchanges in flight (newcomers cannot take the uplink from them);
+        a newcomer's counts every exchange in flight."""
+        slots = self.uplink_slots()
+        if slots != self.stats.uplink_slots and slots is not None:
+            rate = self.uplink.rate() or 0.0
+            log.info("uplink: %.3g Mbit/s measured, %d exchange(s) at once fit the peers' "
+                     "deadlines", rate * 8 / 1e6, slots)
+            self.stats.uplink_slots = slots
+        if slots is None:
+            return True
+        if peer_id is None or peer_id in self._good:
+            mine = len(self.initiating) + sum(1 for p in self.inflight - self.initiating
+                                              if p in self._good)
+            return mine < slots
+        return len(self.inflight) < slots
 
     def known_good(self, peer_id: str) -> bool:
         """Whether ``peer_id`` committed an exchange with this node (lately; bounded)."""
@@ -187,7 +215,8 @@ class GossipTransport:
         # 800 s at 10 Mbit/s): the whole exchange's deadline and the wait for our own upload
         # to finish grow by it
         largest = max((f.numel for f in self.engine.fragments), default=0)
-        send_s = gossip.transfer_s(gossip.codec_spec.codec().wire_bytes(largest))
+        self.payload_bytes = gossip.codec_spec.codec().wire_bytes(largest)
+        send_s = gossip.transfer_s(self.payload_bytes)
         self.deadline_s = gossip.exchange_timeout_s + send_s
         # one message of the peer's payload: the largest chunk twice over on that link, if
         # that is longer than the setting (1 MiB at 0.5 Mbit/s takes 17 s)
@@ -208,10 +237,12 @@ class GossipTransport:
         if self.block_penalized(peer_id, block):
             raise ExchangeError(BUSY, f"{block} is backed off")
         self.inflight.add(peer_id)
+        self.initiating.add(peer_id)
         try:
             return await self._initiate(open_call, peer_id, fragment_index, block, peer_links)
         finally:
             self.inflight.discard(peer_id)
+            self.initiating.discard(peer_id)
 
     async def _initiate(self, open_call: CallFactory, peer_id: str, fragment: int,
                         block: str, peer_links: bool = False) -> Outcome:
@@ -277,7 +308,12 @@ class GossipTransport:
             limit = self.inbound_limit(peer)
             if (not self.accepting or self.inbound >= limit
                     or peer in self.inflight or peer in self.penalized()
-                    or self.block_penalized(peer, block) or not self._admit_this_round(peer)):
+                    or self.block_penalized(peer, block)):
+                actions = session.refused()
+            elif not self.uplink_free(peer):  # our uplink carries all it can in time
+                self.stats.uplink_busy += 1
+                actions = session.refused()
+            elif not self._admit_this_round(peer):
                 actions = session.refused()
         if session.stage is Stage.REJECTED:
             self.stats.rejected_inbound += 1
@@ -364,6 +400,7 @@ class GossipTransport:
                          started: Callable[[asyncio.Task[None]], None], block: str) -> Apply:
         """The body of :meth:`_pump`; ``started`` learns the payload sender task."""
         sender: asyncio.Task[None] | None = None
+        sending: tuple[int, float] | None = None  # our payload's size and its start
         while True:
             while todo:
                 act = todo.popleft()
@@ -373,6 +410,7 @@ class GossipTransport:
                     sender = asyncio.create_task(self._send_payload(write, act),
                                                  name=f"send-payload-{session.peer_id[:8]}")
                     started(sender)
+                    sending = (len(act.payload), time.monotonic())
                 elif isinstance(act, FlushPayload):
                     assert sender is not None
                     await asyncio.wait_for(sender, act.timeout_s)
@@ -381,8 +419,12 @@ class GossipTransport:
                     todo.extend(await self._run(act, session, write, block))
             msg = await self._read(stream, session)
             todo.extend(session.receive(msg))
-            if msg.WhichOneof("kind") == "chunk":
+            kind = msg.WhichOneof("kind")
+            if kind == "chunk":
                 self.stats.add_received(session.peer_codec, len(msg.chunk.data))
+            elif kind == "ready" and sending is not None:  # the peer has all of ours
+                self.uplink.sample(sending[0], time.monotonic() - sending[1])
+                sending = None
 
     async def _run(self, act: Action, session: ExchangeSession, write: Write,
                    block: str) -> list[Action]:
