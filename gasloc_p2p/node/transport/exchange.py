@@ -155,13 +155,16 @@ class GossipTransport:
         and such peers' exchanges in flight (newcomers cannot take the uplink from them);
         a newcomer's counts every exchange in flight."""
         slots = self.uplink_slots()
-        if slots != self.stats.uplink_slots and slots is not None:
-            rate = self.uplink.rate() or 0.0
-            log.info("uplink: %.3g Mbit/s measured, %d exchange(s) at once fit the peers' "
-                     "deadlines", rate * 8 / 1e6, slots)
-            self.stats.uplink_slots = slots
         if slots is None:
             return True
+        if slots != self.stats.uplink_slots:
+            # said when the limit binds or stops binding (more than the inbound limits allow
+            # never does): not every few seconds as a fast link's rate wobbles
+            cap = self.cfg.max_inbound + self.reserved_inbound + 1
+            if min(slots, cap) != min(self.stats.uplink_slots or cap, cap):
+                log.info("uplink: %.3g Mbit/s measured, %d exchange(s) at once fit the peers' "
+                         "deadlines", (self.uplink.rate() or 0.0) * 8 / 1e6, slots)
+            self.stats.uplink_slots = slots
         if peer_id is None or peer_id in self._good:
             mine = len(self.initiating) + sum(1 for p in self.inflight - self.initiating
                                               if p in self._good)
