@@ -21,6 +21,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
+from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment
 from gasloc_p2p.core.links import LinkCache
 from gasloc_p2p.core.wire import RESIDUAL_CODECS
@@ -38,11 +39,11 @@ from gasloc_p2p.node.transport.service import (
 )
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.actions import Outcome
-from gasloc_p2p.protocol.auth import Signer
+from gasloc_p2p.protocol.auth import Signer, new_nonce
 from gasloc_p2p.protocol.certs import TlsIdentity
 from gasloc_p2p.protocol.engine import ExchangeEngine
 from gasloc_p2p.protocol.membership import Admission, Invitation, public_bytes
-from gasloc_p2p.protocol.messages import Identity
+from gasloc_p2p.protocol.messages import Identity, make_header, sign_header
 
 SCALE = float(os.environ.get("GASLOC_TEST_TIMEOUT_SCALE", "1"))  # tests/conftest.py sets it
 KNOB = (f"every wait is x{SCALE:g}, GASLOC_TEST_TIMEOUT_SCALE, set from the machine's load "
@@ -293,3 +294,10 @@ def damage_invitation(path: Path, invitation_file: Path) -> None:
     raw[20] ^= 1
     lines[1] = "invitation " + base64.b64encode(bytes(raw)).decode()
     path.write_text("\n".join(lines) + "\n")
+
+
+def start_raw(a: Peer, b: Peer, fragment: int = 0) -> tuple[Any, pb.ExchangeMsg]:
+    """A's prepared int8 exchange with B and its signed Header, for tests that drive the
+    stream by hand (hold a slot, misbehave)."""
+    prep = a.engine.prepare(b.me.peer_id, fragment, CodecSpec("int8", 1024))
+    return prep, sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")

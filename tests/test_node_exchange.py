@@ -31,6 +31,7 @@ from tests.node_helpers import (
     run,
     scaled,
     settle,
+    start_raw,
     wait_until,
 )
 
@@ -168,10 +169,7 @@ async def _raw_exchange(a, b, what):
     raise Rejected(reply.reject.code, reply.reject.message)
 
 
-def _start_raw(a, b, fragment=0):
-    codec = CodecSpec("int8", 1024)
-    prep = a.engine.prepare(b.me.peer_id, fragment, codec)
-    return prep, sign_header(make_header(a.me, prep, 2), a.me.signer, new_nonce(), b"")
+_start_raw = start_raw
 
 
 MISBEHAVIOURS = ["garbage", "oversized-chunk", "huge-message", "too-long", "too-short-ready",

@@ -10,8 +10,7 @@ import pytest
 from gasloc_p2p.node.transport.uplink import MIN_SAMPLE_BYTES, UplinkMeter
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.messages import Rejected
-from tests.node_helpers import gossip_config, make_peer, run, settle, wait_until
-from tests.test_node_exchange import _start_raw
+from tests.node_helpers import gossip_config, make_peer, run, settle, start_raw, wait_until
 
 MIB = 1 << 20
 PAYLOAD = 845_788  # the NAT bench's int8 payload
@@ -73,7 +72,7 @@ def test_a_full_uplink_answers_newcomers_busy_but_not_peers_that_committed_here(
             size = max(b.exchanger.payload_bytes, MIN_SAMPLE_BYTES)
             b.exchanger.uplink.sample(size, 0.6 * chunk_s * size / b.exchanger.payload_bytes)
             assert b.exchanger.uplink_slots() == 1
-            _, header = _start_raw(d, b)  # newcomer D takes B's uplink
+            _, header = start_raw(d, b)  # newcomer D takes B's uplink
             call = d.open_call(b)
             await call.write(header)
             assert (await call.read()).WhichOneof("kind") == "header"
