@@ -55,6 +55,14 @@ def test_a_slow_reader_cannot_shrink_the_uplink_and_an_early_ready_gives_back_no
     for _ in range(4):  # the honest sample leaves the window: only then the limit shrinks...
         meter.sample(*_at(0.1))
     assert meter.slots(PAYLOAD, MIB, 15.0, 60.0) == 1  # ...to one at a time, never zero
+    # members that are all of a fast node's last partners, reading slowly: at most 4x fewer
+    fast = UplinkMeter(window=4)
+    fast.sample(*_at(100.0))
+    before = fast.slots(PAYLOAD, MIB, 15.0, 60.0)
+    for _ in range(8):
+        fast.sample(*_at(0.2))
+    assert fast.rate() == pytest.approx(100e6 / 8 / 4)
+    assert fast.slots(PAYLOAD, MIB, 15.0, 60.0) >= before // 4 - 1 > 6  # the inbound limits
     meter.sample(PAYLOAD, 1e-6)  # a peer answering Ready before the payload could arrive
     assert meter.slots(PAYLOAD, MIB, 15.0, 60.0) > 1000  # as before any measurement: no
     # limit of its own (the node's inbound limit still holds)

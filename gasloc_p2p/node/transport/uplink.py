@@ -12,8 +12,15 @@ The rate is this node's own measurement: the time from the first byte of its pay
 peer's Ready (the peer has it all and checked it), the best of the last ``window`` exchanges.
 The best, not the mean: a peer that reads slowly or delays its Ready lowers only its own sample
 and cannot shrink the node's capacity for everyone; one that answers Ready early raises it,
-which gives back the limit the node had without a measurement (nothing worse). Pure: no I/O,
-no clock.
+which gives back the limit the node had without a measurement (nothing worse).
+
+The attack that knows this: members whose keys are all of the node's last ``window`` partners
+(slow readers, each above the minimum transfer rate) push every fast sample out of the window
+and bring the node down to one exchange at a time, then hold that one. So the rate used never
+falls below a quarter of the best the node ever measured (``FLOOR``): such members can cut a
+fast node's exchanges at once by 4x at most, never to one (a 100 Mbit/s node stays at the
+inbound limits for the test model), and a home's one slot was one already. Pure: no I/O, no
+clock.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections import deque
 
 MIN_SAMPLE_BYTES = 64 * 1024  # smaller payloads time the round trip, not the rate
 MARGIN = 0.5  # the slots fill at most half of the peer's deadline
+FLOOR = 0.25  # the rate used is at least this share of the best ever measured
 
 
 class UplinkMeter:
@@ -30,15 +38,18 @@ class UplinkMeter:
 
     def __init__(self, window: int = 16) -> None:
         self._rates: deque[float] = deque(maxlen=window)
+        self._best = 0.0  # the best sample ever (only ever grows)
 
     def sample(self, nbytes: int, seconds: float) -> None:
         """One payload of ``nbytes`` went up in ``seconds`` (first byte to the peer's Ready)."""
         if nbytes >= MIN_SAMPLE_BYTES and math.isfinite(seconds) and seconds > 0:
             self._rates.append(nbytes / seconds)
+            self._best = max(self._best, nbytes / seconds)
 
     def rate(self) -> float | None:
-        """Bytes/s: the best of the window, or None before the first sample."""
-        return max(self._rates) if self._rates else None
+        """Bytes/s: the best of the window, at least ``FLOOR`` of the best ever; None before
+        the first sample."""
+        return max(max(self._rates), FLOOR * self._best) if self._rates else None
 
     def slots(self, payload_bytes: int, chunk_bytes: int, chunk_s: float,
               deadline_s: float) -> int | None:
