@@ -72,6 +72,15 @@ def node_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def child_env(log_dir: Path, extra: Mapping[str, str]) -> dict[str, str]:
+    """A node child's environment (:func:`node_env`) with its state folder (its identity
+    and the checkpoint it keeps beside it) in ``log_dir/state`` unless ``extra`` names one:
+    nodes of one run id started one after another from a shared home folder took each
+    other's identities and resumed from each other's checkpoints (a benchmark's second
+    swarm from the state its first one left)."""
+    return node_env({"XDG_DATA_HOME": str(Path(log_dir).resolve() / "state"), **extra})
+
+
 class NodeChild(Child):
     """``gasloc-node join FLAGS`` with logs in ``<log_dir>/<name>.out|.err``."""
 
@@ -87,7 +96,7 @@ class NodeChild(Child):
         if not as_given and not any(f.split("=")[0] in CREDENTIAL_FLAGS for f in flags):
             flags = [*flags, "--open"]
         super().__init__(name, [*prefix, *join_argv(flags, log_level)], log_dir,
-                         node_env({**tuning, **(env or {})}))
+                         child_env(log_dir, {**tuning, **(env or {})}))
         self.endpoint = ""
         self.signer = Signer()  # signs Info/DownloadState (set swarm_key for a keyed swarm)
 
