@@ -27,7 +27,7 @@ from pathlib import Path
 from benchmarks.swarm_eval import flags
 from benchmarks.tools.netns import ShapedNetwork, netns_unavailable
 from gasloc_p2p.protocol.auth import Signer
-from gasloc_p2p.tools.nodes import NodeChild, join_argv, node_env
+from gasloc_p2p.tools.nodes import NodeChild, child_env, join_argv
 from gasloc_p2p.tools.procs import Child, group_members
 
 GROWTH_LIMIT = 0.10
@@ -47,7 +47,7 @@ def start_node(name: str, host: object, log_dir: Path, node_flags: list[str]) ->
     """A niced node inside ``host``'s namespace (``ip netns exec`` keeps the pid)."""
     argv = host.cmd(["nice", "-n", "10", *join_argv(node_flags)])  # type: ignore[attr-defined]
     node = NodeChild.__new__(NodeChild)
-    Child.__init__(node, name, argv, log_dir, node_env())
+    Child.__init__(node, name, argv, log_dir, child_env(log_dir, {}))
     node.endpoint = ""
     node.signer = Signer()  # Info is signed (an open swarm: any key will do)
     return node

@@ -47,7 +47,7 @@ from benchmarks.tools.netns import Host, ShapedNetwork, netns_unavailable
 from gasloc_p2p.data import ensure_shakespeare
 from gasloc_p2p.proto_gen.gasloc.v1 import gasloc_pb2 as pb
 from gasloc_p2p.protocol.auth import Signer
-from gasloc_p2p.tools.nodes import CREDENTIAL_FLAGS, NodeChild, join_argv, node_env
+from gasloc_p2p.tools.nodes import CREDENTIAL_FLAGS, NodeChild, child_env, join_argv
 from gasloc_p2p.tools.procs import Child
 
 FLAGS = ["--torch-threads", "1", "--log-interval-s", "30", "--eval-interval-steps", "1000000",
@@ -63,7 +63,8 @@ class NsNode(NodeChild):
         if not any(f.split("=")[0] in CREDENTIAL_FLAGS for f in flags):
             flags = [*flags, "--open"]  # swarms are closed by default: these run open ones
         argv = host.cmd(join_argv(["--host", host.addr, *flags]))
-        Child.__init__(self, name, argv, log_dir, node_env({"HIVEMIND_LOGLEVEL": "ERROR"}))
+        Child.__init__(self, name, argv, log_dir,
+                       child_env(log_dir, {"HIVEMIND_LOGLEVEL": "ERROR"}))
         self.endpoint = ""
         self.signer = Signer()
         self.host = host
