@@ -169,9 +169,6 @@ async def _raw_exchange(a, b, what):
     raise Rejected(reply.reject.code, reply.reject.message)
 
 
-_start_raw = start_raw
-
-
 MISBEHAVIOURS = ["garbage", "oversized-chunk", "huge-message", "too-long", "too-short-ready",
                  "dies-mid-stream", "silent"]
 
@@ -185,7 +182,7 @@ def test_misbehaving_initiator_changes_nothing_and_server_keeps_serving(how):
         wide = None
         try:
             before_a, before_b = full_state(a), full_state(b)
-            prep, header = _start_raw(a, b)
+            prep, header = start_raw(a, b)
             payload = prep.payload
             if how == "garbage":  # right length, wrong bytes: the CRC catches it
                 payload = bytes(len(payload))
@@ -287,7 +284,7 @@ def test_busy_responder_answers_busy():
         a, b = await make_peer("A", 1), await make_peer("B", 2, gossip_config(max_inbound=1))
         c = await make_peer("C", 3)
         try:
-            _, header = _start_raw(a, b)  # A occupies B's only inbound slot
+            _, header = start_raw(a, b)  # A occupies B's only inbound slot
             call = a.open_call(b)
             await call.write(header)
             assert (await call.read()).WhichOneof("kind") == "header"
