@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gasloc_p2p.core import sparse
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
-from gasloc_p2p.core.codecs import CodecSpec, _BlockCodec
+from gasloc_p2p.core.codecs import BlockCodec, CodecSpec
 from gasloc_p2p.core.flat import whole
 from gasloc_p2p.core.links import Link, LinkCache
 from gasloc_p2p.core.wire import RESIDUAL_CODECS
@@ -91,13 +91,13 @@ def device_passes(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    original, passes = _BlockCodec._blocks_per_pass, sparse._PASS_ELEMS
-    _BlockCodec._blocks_per_pass = lambda self, device: 1 << 62  # type: ignore[method-assign]
+    original, passes = BlockCodec._blocks_per_pass, sparse._PASS_ELEMS
+    BlockCodec._blocks_per_pass = lambda self, device: 1 << 62  # type: ignore[method-assign]
     sparse._PASS_ELEMS = 1 << 62
     try:
         yield
     finally:
-        _BlockCodec._blocks_per_pass = original  # type: ignore[method-assign]
+        BlockCodec._blocks_per_pass = original  # type: ignore[method-assign]
         sparse._PASS_ELEMS = passes
 
 

@@ -1,11 +1,12 @@
-"""Int8 exchanges with streamed payloads (``protocol/streamed.py``) give the other path's bytes
-and states.
+"""Exchanges with streamed payloads (``protocol/payloads``: int8, int4, fp4) give the other
+path's bytes and states.
 
-On a GPU the engine streams both int8 payloads through chunk-sized device staging instead of
+On a GPU the engine streams both payloads through chunk-sized device staging instead of
 keeping them on the device from the check to the commit; here that path is forced on the CPU
-and checked byte for byte against the other one: chunking, staging, the zero-padded partial
-block, the pieces of a strided fragment, an anchor kept on the side and the guard's screen.
-The CUDA test does the same on a GPU.
+and checked byte for byte against the other one, for every codec with a room: chunking,
+staging, the zero-padded partial block (and a partial last byte of 4-bit data), the pieces of
+a strided fragment, an anchor kept on the side and the guard's screen. The CUDA test does the
+same on a GPU.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 from gasloc_p2p.core.async_state import AsyncConfig, AsyncGaslocState
 from gasloc_p2p.core.codecs import CodecSpec
 from gasloc_p2p.core.flat import Fragment, whole
-from gasloc_p2p.protocol import fused
+from gasloc_p2p.protocol import payloads
 from gasloc_p2p.protocol.engine import ExchangeEngine, NoLock
 from gasloc_p2p.protocol.guard import GuardRule, UpdateGuard
+from gasloc_p2p.protocol.payloads import int8 as fused
 
 NUMEL = 3 * 4096 + 1000  # several chunks and a partial block
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -44,9 +46,9 @@ def _pair(device: str, stream: bool | None, outer: AsyncConfig, fragment: Fragme
     return engines
 
 
-def _exchanges(engines: list[ExchangeEngine], numel: int, rounds: int = 3) -> tuple[
-        list[bytes], list[float], list[torch.Tensor]]:
-    spec = CodecSpec.of("int8", 256)
+def _exchanges(engines: list[ExchangeEngine], numel: int, rounds: int = 3,
+               codec: str = "int8") -> tuple[list[bytes], list[float], list[torch.Tensor]]:
+    spec = CodecSpec.of(codec, 256)
     sent, seen = [], []
     for _ in range(rounds):
         a = engines[0].prepare("B", 0, spec)
@@ -62,27 +64,45 @@ def _exchanges(engines: list[ExchangeEngine], numel: int, rounds: int = 3) -> tu
     return sent, seen, states
 
 
+ODD = Fragment(0, [(0, 1501), (4000, 5000), (11000, NUMEL - 11000)])  # an odd piece
+
+
 @pytest.mark.parametrize("outer", [AsyncConfig(), AsyncConfig(eta=0.7)],
                          ids=["theta-itself", "anchor"])
 @pytest.mark.parametrize("fragment", [whole(NUMEL), STRIDED], ids=["whole", "strided"])
 @pytest.mark.parametrize("chunk", [4096, None], ids=["chunks", "one-pass"])
 def test_streamed_payloads_give_the_same_bytes_and_states(outer, fragment, chunk):
-    eager = _exchanges(_pair("cpu", False, outer, fragment, chunk), fragment.numel)
+    _same_bytes_and_states(outer, fragment, chunk, "int8")
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp4"])
+@pytest.mark.parametrize("fragment", [whole(NUMEL), ODD], ids=["whole", "odd"])
+def test_4bit_payloads_stream_with_the_same_bytes_and_states(codec, fragment):
+    """int4 and fp4 stream through their rooms' eager passes (the codec's own block math):
+    two elements a byte, a partial last block and, at an odd length, a partial last byte."""
+    _same_bytes_and_states(AsyncConfig(eta=0.7), fragment, 4096, codec)
+
+
+def _same_bytes_and_states(outer, fragment, chunk, codec):
+    numel = fragment.numel
+    eager = _exchanges(_pair("cpu", False, outer, fragment, chunk), numel, codec=codec)
     forced = _pair("cpu", True, outer, fragment, chunk)
-    assert forced[0].streams(CodecSpec.of("int8", 256))  # the path is taken
-    got = _exchanges(forced, fragment.numel)
+    assert forced[0].streams(CodecSpec.of(codec, 256))  # the path is taken
+    got = _exchanges(forced, numel, codec=codec)
     assert got[0] == eager[0]  # payloads
     assert all(torch.equal(x, y) for x, y in zip(got[2], eager[2], strict=True))
     for x, y in zip(got[1], eager[1], strict=True):  # clips, norms (summed in another order)
         assert x == pytest.approx(y, rel=1e-6)
 
 
-def test_only_int8_and_only_where_asked():
+def test_codecs_with_a_room_stream_and_only_where_asked():
     cpu = _pair("cpu", None, AsyncConfig(), whole(NUMEL), None)[0]
     assert not cpu.streams(CodecSpec.of("int8"))  # a CPU keeps its cache-sized passes
     forced = _pair("cpu", True, AsyncConfig(), whole(NUMEL), None)[0]
-    assert forced.streams(CodecSpec.of("int8"))
-    assert not forced.streams(CodecSpec.of("int4"))
+    assert [c for c in ("int8", "int4", "fp4", "fp32", "fp16", "sign1", "half2")
+            if forced.streams(CodecSpec.of(c))] == ["int8", "int4", "fp4"]
+    with pytest.raises(ValueError, match="residual"):  # their prepare needs the link
+        payloads.Room("sign1")
 
 
 def test_a_non_finite_iterate_is_refused_on_the_fused_path():

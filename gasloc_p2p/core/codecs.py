@@ -32,17 +32,23 @@ from dataclasses import dataclass
 import torch
 
 from gasloc_p2p.core import sparse
-from gasloc_p2p.core.wire import BLOCK_CODECS, CODEC_NAMES, CODECS, PLAIN_CODECS, Encoded, layout
+from gasloc_p2p.core.wire import (
+    BLOCK_CODECS,
+    CODEC_NAMES,
+    CODECS,
+    MIN_ABSMAX,
+    PLAIN_CODECS,
+    Encoded,
+    layout,
+)
 
-__all__ = ["BLOCK_CODECS", "CODEC_NAMES", "PLAIN_CODECS", "Codec", "CodecSpec", "Encoded",
+__all__ = ["BLOCK_CODECS", "CODEC_NAMES", "PLAIN_CODECS", "BlockCodec", "Codec", "CodecSpec", "Encoded",
            "NonFiniteError",
            "get_codec",
            "parse_optional"]
 
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP16_MAX = 65504.0
-# levels / absmax would overflow float32 for smaller absmax; such blocks carry no signal.
-_MIN_ABSMAX = 2.0**-100
 # Work on chunks of whole blocks (~4 MB of float32): temporaries stay in cache and are reused,
 # whereas full-size temporaries of a 100M-element tensor cost page faults and memory bandwidth.
 # On a 2-core EPYC, 2^20 beat 2^18 (more per-op overhead) and 2^22 (cache misses) at 2 threads.
@@ -219,7 +225,7 @@ class Fp16Codec(_RawCodec):
     _dtype = torch.float16
 
 
-class _BlockCodec(Codec):
+class BlockCodec(Codec):
     """Blockwise absmax codecs: chunking, per-block absmax and the partial last block."""
 
     _levels: float  # scale = absmax / _levels
@@ -239,6 +245,19 @@ class _BlockCodec(Codec):
             raise ValueError(f"cannot encode {x.numel()} elements with {self} into {out.codec}/"
                              f"{out.block_size}/{out.numel}")
         self._encode_into(_check_input(x), out, finite, clobber)
+
+    def encode_rows(self, xb: torch.Tensor, scales: torch.Tensor, data: torch.Tensor,
+                    finite: torch.Tensor, work: torch.Tensor | None = None) -> None:
+        """Encode whole blocks ``xb`` [k, bs] into ``scales`` [k] and ``data`` [k * block
+        bytes] (uint8), ANDing "every block finite" into ``finite``: the streamed path's rows
+        (:mod:`gasloc_p2p.protocol.payloads`), the same math as :meth:`encode`. ``work``:
+        scratch [k, bs] (None: ``xb`` is overwritten)."""
+        self._encode_blocks(xb, xb, scales, data, work, finite)
+
+    def decode_rows(self, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode whole blocks: ``data`` [k * block bytes] and ``scales`` [k] into ``out``
+        [k, bs] (float32), the same roundings as :meth:`decode`."""
+        self._unpack_scaled(data, scales[:, None], out)
 
     def _blocks_per_pass(self, device: torch.device) -> int:
         """Blocks per pass: cache-sized chunks on a CPU, everything at once on a device
@@ -282,7 +301,7 @@ class _BlockCodec(Codec):
             finite.logical_and_(torch.isfinite(absmax).all())
         elif not bool(torch.isfinite(absmax).all()):
             _raise_non_finite(x, self.name)
-        ok = absmax >= _MIN_ABSMAX
+        ok = absmax >= MIN_ABSMAX
         # tensor / tensor: IEEE division on every device (a CUDA division by a Python scalar
         # multiplies by its reciprocal: scales 1 ulp off the CPU's)
         levels = torch.full_like(absmax, self._levels)
@@ -323,9 +342,9 @@ class _BlockCodec(Codec):
         out.mul_(scales)
 
 
-class Int8Codec(_BlockCodec):
+class Int8Codec(BlockCodec):
     name = "int8"
-    _levels = 127.0
+    levels = _levels = 127.0
     _max_code = 128.0  # a peer may send -128
     _bits = 8
 
@@ -341,7 +360,7 @@ class Int8Codec(_BlockCodec):
         torch.mul(data.view(torch.int8).view_as(out), scales, out=out)
 
 
-class _NibbleCodec(_BlockCodec):
+class _NibbleCodec(BlockCodec):
     """4-bit codecs: two nibbles per byte, decoded through a 256-entry table of pairs."""
 
     _bits = 4
@@ -417,7 +436,7 @@ class Fp4Codec(_NibbleCodec):
         return torch.index_select(table, 0, idx.view(-1)).view(y.shape)
 
 
-class Sign1Codec(_BlockCodec):
+class Sign1Codec(BlockCodec):
     """1 bit per element: its sign, times the block's mean ``|x|`` (the scale that minimises
     the squared error of a sign code). Gossip sends it only as a residual against a reference
     both ends of a link hold (:mod:`gasloc_p2p.core.links`), never a parameter itself. Bits in
@@ -456,7 +475,7 @@ class Sign1Codec(_BlockCodec):
             finite.logical_and_(torch.isfinite(mean).all())
         elif not bool(torch.isfinite(mean).all()):
             _raise_non_finite(x, self.name)
-        ok = mean >= _MIN_ABSMAX
+        ok = mean >= MIN_ABSMAX
         scales.copy_(torch.where(ok, mean, 0.0))
         # a flushed block's bits are all 1: it decodes to +0.0, never -0.0
         self._pack_signs(xb.ge(0).logical_or_(ok.logical_not()[:, None]), data)
@@ -476,7 +495,7 @@ class Sign1Codec(_BlockCodec):
         torch.index_select(table, 0, data.to(torch.int32), out=out.view(-1, 8))
 
 
-class Half2Codec(_BlockCodec):
+class Half2Codec(BlockCodec):
     """Half of each block's elements at 2 bits: the simulator's ``randk2:B/2:B``
     (:mod:`gasloc_p2p.core.sparse`, bit for bit), the payload that beat int8 where bytes set
     the wall clock (docs/results/README.md, home links). Which half is drawn from the
@@ -537,7 +556,7 @@ def get_codec(name: str, block_size: int | None = None) -> Codec:
         raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}")
     cls = _CODECS[name]
     size = CODECS[name].default_block if block_size is None else block_size
-    return cls(size) if issubclass(cls, _BlockCodec) else cls()
+    return cls(size) if issubclass(cls, BlockCodec) else cls()
 
 
 DEFAULT_BLOCK_SIZE = 1024

@@ -41,13 +41,13 @@ from dataclasses import dataclass
 import torch
 
 from gasloc_p2p.core import bitpack
+from gasloc_p2p.core.wire import MIN_ABSMAX
 from gasloc_p2p.core.wire import raw_bytes as _raw_bytes
 
 SELECTIONS = ("topk", "randk", "dense")
 VALUE_BITS = bitpack.CODE_BITS
 DEFAULT_CHUNK = 4096
 MAX_CHUNK = 1 << 16
-_MIN_ABSMAX = 2.0**-100  # levels / absmax would overflow float32 below this
 _F32_MAX = torch.finfo(torch.float32).max
 _LEVELS = {8: 127.0, 4: 7.0}  # encoder: scale = absmax / levels
 _MAX_LEVEL = {8: 128.0, 4: 8.0, 2: 3.0, 1: 1.0}  # largest |level| a peer's code can carry
@@ -258,11 +258,11 @@ def _quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (uint8 [rows, k]) and scales (float32 [rows]) of the values ``v`` [rows, k]."""
     if bits == 1:
         scale = v.abs().mean(dim=1)
-        return (v >= 0).to(torch.uint8), torch.where(scale >= _MIN_ABSMAX, scale, 0.0)
+        return (v >= 0).to(torch.uint8), torch.where(scale >= MIN_ABSMAX, scale, 0.0)
     if bits == 2:
         return _quantize2(v)
     absmax = v.abs().amax(dim=1)
-    ok = absmax >= _MIN_ABSMAX
+    ok = absmax >= MIN_ABSMAX
     levels = torch.full_like(absmax, _LEVELS[bits])
     scale = torch.where(ok, absmax / levels, 0.0)
     y = v * torch.where(ok, levels / absmax, 0.0)[:, None]  # in [-levels, levels]
@@ -272,7 +272,7 @@ def _quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _codes2(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """2-bit codes of ``v`` [rows, k] for levels (2c - 3) * scale: the nearest level."""
-    ok = scale >= _MIN_ABSMAX
+    ok = scale >= MIN_ABSMAX
     y = v * torch.where(ok, 1.0 / torch.where(ok, scale, 1.0), 0.0)[:, None]
     return y.add_(4.0).mul_(0.5).floor_().clamp_(0, 3)
 
@@ -286,7 +286,7 @@ def _quantize2(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for _ in range(2):
         levels = _codes2(v, scale).mul_(2.0).sub_(3.0)
         scale = (v * levels).sum(dim=1) / (levels * levels).sum(dim=1)  # >= 0: signs agree
-    scale = torch.where(scale >= _MIN_ABSMAX, scale, 0.0)
+    scale = torch.where(scale >= MIN_ABSMAX, scale, 0.0)
     return _codes2(v, scale).to(torch.uint8), scale
 
 

@@ -60,6 +60,9 @@ CODECS: dict[str, Layout] = {
     "sign1": Layout(1, default_block=4096, residual=True),  # a scale per 1024: 3% of the bytes
     "half2": Layout(1, default_block=4096, residual=True, seeded=True),
 }
+# blocks whose absmax (or mean |x|) is below this are sent as zeros (scale 0): levels / absmax
+# would overflow float32, and such blocks carry no signal
+MIN_ABSMAX = 2.0**-100
 CODEC_BITS: dict[str, int] = {name: c.bits for name, c in CODECS.items()}
 CODEC_NAMES: tuple[str, ...] = tuple(CODECS)
 BLOCK_CODECS = frozenset(name for name, c in CODECS.items() if c.blocks)

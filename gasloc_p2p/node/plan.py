@@ -14,11 +14,13 @@ exchange's transient buffers are estimates, stated as such:
 - the loss: the logits of the whole micro-batch (in the forward's precision, their float32
   upcast, log-softmax and gradients),
   or of one chunk of ``hf.LOSS_CHUNK_TOKENS`` tokens where the loss is chunked (Hugging Face models, vocabulary >= 32k);
-- an exchange (gossip): with int8 payloads on a GPU (streamed through the fused Triton
-  kernels that PyTorch's CUDA wheels can run) chunk-sized staging, at most
-  ``fused.STAGING_BYTES`` (6) bytes per element of one chunk (codes of both payloads and
-  theta_0's chunk, or the correction); otherwise both payloads on the device from the check
-  to the commit and the engine's scratch (8 bytes per element of one chunk);
+- an exchange (gossip): with payloads that stream on a GPU (int8, int4, fp4:
+  :mod:`gasloc_p2p.protocol.payloads`) chunk-sized staging, at most
+  ``payloads.STAGING_BYTES`` (6) bytes per element of one chunk through int8's fused Triton
+  kernels (data of both payloads and theta_0's chunk, or the correction), about
+  ``payloads.EAGER_STAGING_BYTES`` (20) through the eager passes; otherwise (sign1, half2)
+  both payloads on the device from the check to the commit and the engine's scratch (8 bytes
+  per element of one chunk);
 - the vocabulary's gradients on their way into ``.grad`` (8 bytes per embedding entry);
 - CUDA's context and the allocator's slack: 0.75 GiB;
 - activation checkpointing keeps each layer's input in float32 (the residual stream of a
@@ -46,7 +48,7 @@ from gasloc_p2p.core.links import LinkCache
 from gasloc_p2p.core.wire import RESIDUAL_CODECS
 from gasloc_p2p.node.config import GATHER_PLANNED, NodeConfig
 from gasloc_p2p.node.runtime.trainer import Placed
-from gasloc_p2p.protocol import fused
+from gasloc_p2p.protocol import payloads
 from gasloc_p2p.protocol.engine import ON_CPU_CHUNK, ON_DEVICE_CHUNK
 from gasloc_p2p.train.optim import gradients_at_once
 
@@ -168,8 +170,10 @@ def estimates(shape: Shape, cfg: NodeConfig, device: str) -> list[Placed]:
         spec = cfg.gossip.codec_spec
         wire = spec.codec().wire_bytes(shape.numel)
         chunk = min(shape.numel, ON_DEVICE_CHUNK if device != "cpu" else ON_CPU_CHUNK)
-        if spec.name == "int8" and device != "cpu":  # streamed payloads: staging only
-            out.append(Placed("exchange: chunk staging", fused.STAGING_BYTES * chunk, dev))
+        room = payloads.room(spec.name)
+        if room is not None and device != "cpu":  # streamed payloads: staging only
+            per = payloads.STAGING_BYTES if room.kernels else payloads.EAGER_STAGING_BYTES
+            out.append(Placed("exchange: chunk staging", per * chunk, dev))
         else:
             out.append(Placed("exchange: both payloads + scratch", 2 * wire + 8 * chunk, dev))
         out.append(Placed("exchange: payload buffers", 2 * wire, "host"))

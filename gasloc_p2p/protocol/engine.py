@@ -15,11 +15,12 @@ once per phase, and copies the node's payload once into pinned host memory (one 
 copy per chunk, one event). Kernel launches and host synchronisations per exchange do not grow
 with the model size below a chunk (``tests/test_engine_counts.py``).
 
-Int8 payloads on a GPU (the default) are streamed (:mod:`gasloc_p2p.protocol.streamed`, the
-same bits): nothing payload-sized stays on the device, the check and the commit each stream
-both payloads from pinned host memory through chunk-sized staging (about 20 bytes per element
-of one chunk with the temporaries, 0.3 GiB), where the other codecs keep both payloads on the
-device from the check to the commit (2 bytes per parameter at int8).
+Payloads of a codec with a room (:mod:`gasloc_p2p.protocol.payloads`: int8, int4, fp4) are
+streamed on a GPU (the same bits): nothing payload-sized stays on the device, the check and the
+commit each stream both payloads from pinned host memory through chunk-sized staging (about 20
+bytes per element of one chunk with the eager temporaries, 0.3 GiB), where the residual codecs
+(sign1, half2) keep both payloads on the device from the check to the commit (1/4 byte per
+parameter).
 
 A message is the sender's public iterate itself, quantized: ``m_i = Q(p_i)``. Both sides fold
 the two decoded messages into the same correction ``c_i = w (D(m_j) - D(m_i)) = -c_j`` (one
@@ -56,7 +57,7 @@ from gasloc_p2p.core.wire import (
     payload_digest,
     run_index,
 )
-from gasloc_p2p.protocol import fused, streamed
+from gasloc_p2p.protocol import payloads
 from gasloc_p2p.protocol.blame import Ledger, LossGate, PushMeter
 from gasloc_p2p.protocol.guard import Ticket, UpdateGuard
 
@@ -139,12 +140,12 @@ class ExchangeEngine:
                  kernels: bool | None = None) -> None:
         """theta0: ``[numel]`` initial parameters, the same on every node of the run (kept by
         reference, never modified; a bfloat16 host copy will do: it only anchors the guard's
-        screens). ``stream_payloads``: int8 exchanges stream both payloads through chunk-sized
-        device staging (:mod:`gasloc_p2p.protocol.streamed`) instead of keeping them on the
-        device from the check to the commit (None: on a GPU; True: also on a CPU, where the
-        tests check that path against the other byte for byte). ``kernels``: streamed
-        exchanges run :mod:`fused`'s Triton kernels (None: where :func:`fused.usable`; else
-        the eager passes of :mod:`streamed`, the same bits)."""
+        screens). ``stream_payloads``: exchanges of a codec with a room in
+        :mod:`gasloc_p2p.protocol.payloads` stream both payloads through chunk-sized device
+        staging instead of keeping them on the device from the check to the commit (None: on
+        a GPU; True: also on a CPU, where the tests check that path against the other byte
+        for byte). ``kernels``: streamed exchanges run their room's Triton kernels where it
+        has them (None: where they can run; else the room's eager passes, the same bits)."""
         self.state = state
         self.theta0 = theta0
         self.fragments = list(fragments)
@@ -166,16 +167,22 @@ class ExchangeEngine:
         self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self._base2: dict[int, float] = {}  # fragment -> sum of theta_0^2 (theta_0 is fixed)
         self.stream_payloads = stream_payloads
-        self.kernels = fused.usable(self.device) if kernels is None else kernels
+        self.kernels = payloads.kernels_usable(self.device) if kernels is None else kernels
         # residual payloads' references, one per linked peer and fragment (host memory)
         self.links: LinkCache | None = None
         self._meter_elems: dict[tuple[int, int], torch.Tensor] = {}  # sampled elements
 
     def streams(self, spec: CodecSpec) -> bool:
-        """Whether exchanges of ``spec`` stream their payloads (int8 only)."""
-        if spec.name != "int8" or self.stream_payloads is False:
+        """Whether exchanges of ``spec`` stream their payloads (codecs with a room)."""
+        if payloads.room(spec.name) is None or self.stream_payloads is False:
             return False
         return bool(self.stream_payloads) or self.device.type == "cuda"
+
+    def _room(self, spec: CodecSpec) -> tuple[payloads.Room, payloads.Kernels | None]:
+        """A streamed codec's room and the kernels the engine runs for it (None: eager)."""
+        room = payloads.room(spec.name)
+        assert room is not None
+        return room, room.kernels if self.kernels else None
 
     def rounds_since(self, prep: Prepared) -> int:
         return self.state.rounds - prep.rounds0
@@ -261,40 +268,42 @@ class ExchangeEngine:
     def _prepare_streamed(self, peer_id: str, fragment: Fragment, spec: CodecSpec,
                           payload: bytearray | memoryview, encoded: Encoded,
                           block: str) -> Prepared:
-        """:meth:`prepare` on whole blocks (:mod:`streamed`, or :mod:`fused`'s one kernel per
-        chunk): each chunk encoded from theta's memory itself where it is one piece and no
-        anchor is kept (else from one copy; the eager passes zero-pad it to whole blocks),
+        """:meth:`prepare` on whole blocks (the codec's room: its eager passes, or one kernel
+        per chunk): each chunk encoded from theta's memory itself where it is one piece and
+        no anchor is kept (else from one copy; the eager passes zero-pad it to whole blocks),
         into device staging, then one asynchronous copy to the payload."""
         bs, step = spec.block_size, chunk_elems(spec, self.device, self.chunk)
+        room, kernels = self._room(spec)
         rows0 = -(-min(step, fragment.numel) // bs)
         with self.lock.urgent(writes=False), self._on_stream():
             rounds0 = self.state.rounds
             finite = torch.ones((), dtype=torch.bool, device=self.device)
             scales = torch.empty(rows0, device=self.device)
-            codes = torch.empty(rows0, bs, dtype=torch.int8, device=self.device)
+            data = torch.empty(rows0, room.block_bytes(bs), dtype=torch.uint8,
+                               device=self.device)
             work: torch.Tensor | None = None
             for pos, n, pieces in fragment.chunks(step):
                 rows = -(-n // bs)
                 start = pieces[0][0]
                 itself = (len(pieces) == 1 and self.state.anchor is None
                           and self.state.theta.dtype == torch.float32)
-                if itself and (self.kernels or n == rows * bs):
+                if itself and (kernels is not None or n == rows * bs):
                     x = self.state.theta[start : start + n]
                 else:
                     if work is None:
                         work = torch.empty(rows0 * bs, device=self.device)
-                    x = work[: n if self.kernels else rows * bs]
+                    x = work[: n if kernels is not None else rows * bs]
                     if n < x.numel():
                         x[n:].zero_()
                     for s, length, o in pieces:
                         self.state.public_chunk(s, s + length, out=x[o : o + length])
-                if self.kernels:
-                    fused.encode(x, bs, scales, codes.view(-1), finite)
+                if kernels is not None:
+                    kernels.encode(x, bs, scales, data.view(-1), finite)
                 else:
-                    streamed.encode_rows(x.view(rows, bs), scales[:rows], codes[:rows], finite)
+                    room.encode_rows(x.view(rows, bs), scales[:rows], data[:rows], finite)
                 host = encoded.view(pos, n)
                 host.scales.copy_(scales[:rows], non_blocking=True)
-                host.data.copy_(codes.view(-1)[:n].view(torch.uint8), non_blocking=True)
+                host.data.copy_(data.view(-1)[: host.data.numel()], non_blocking=True)
         self._done()
         if not read([finite])[0]:
             raise NonFiniteError("this node's public iterate holds NaN or Inf (or values out of "
@@ -302,28 +311,29 @@ class ExchangeEngine:
         return Prepared(peer_id, fragment, rounds0, encoded, payload, payload_digest(payload),
                         block)
 
-    def _upload(self, enc: Encoded, pos: int, n: int, codes: torch.Tensor,
+    def _upload(self, enc: Encoded, pos: int, n: int, data: torch.Tensor,
                 scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Elements ``[pos, pos + n)`` of an int8 payload in host memory into device staging
-        (asynchronous from pinned memory; a partial last block zero-padded): [rows, bs] codes
-        and [rows] scales."""
+        """Elements ``[pos, pos + n)`` of a payload in host memory into device staging
+        (asynchronous from pinned memory; a partial last block zero-padded): [rows, block
+        bytes] data and [rows] scales."""
         part = enc.view(pos, n)
-        rows = part.scales.numel()
-        flat = codes.view(-1)
-        flat[:n].view(torch.uint8).copy_(part.data, non_blocking=True)
-        if n < rows * enc.block_size:
-            flat[n : rows * enc.block_size].zero_()
+        rows, nbytes = part.scales.numel(), part.data.numel()
+        flat = data.view(-1)
+        flat[:nbytes].copy_(part.data, non_blocking=True)
+        if nbytes < rows * data.shape[1]:
+            flat[nbytes : rows * data.shape[1]].zero_()
         scales[:rows].copy_(part.scales, non_blocking=True)
-        return codes[:rows], scales[:rows]
+        return data[:rows], scales[:rows]
 
     def _walk(self, fragment: Fragment, spec: CodecSpec, mine: Encoded, theirs: Encoded
               ) -> Iterator[tuple[int, int, list[tuple[int, int, int]], torch.Tensor,
                                   torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Both payloads chunk by chunk on the device (each byte uploaded once per walk):
-        (pos, n, pieces, my codes, my scales, their codes, their scales)."""
+        (pos, n, pieces, my data, my scales, their data, their scales)."""
         bs, step = spec.block_size, chunk_elems(spec, self.device, self.chunk)
         rows0 = -(-min(step, fragment.numel) // bs)
-        staging = [(torch.empty(rows0, bs, dtype=torch.int8, device=self.device),
+        bb = self._room(spec)[0].block_bytes(bs)
+        staging = [(torch.empty(rows0, bb, dtype=torch.uint8, device=self.device),
                     torch.empty(rows0, device=self.device)) for _ in range(2)]
         for pos, n, pieces in fragment.chunks(step):
             mc, ms = self._upload(mine, pos, n, *staging[0])
@@ -337,7 +347,7 @@ class ExchangeEngine:
         to values beyond ``MAX_ABS_VALUE``; with ``prep`` (our half) and a guard,
         :class:`ImplausibleUpdate` if the correction it implies is implausibly large (and
         ``prep.clip`` below 1 if it is to be clipped). With ``prep``, both payloads stay on
-        the device for the commit (streamed int8 payloads: uploaded again by the commit).
+        the device for the commit (streamed payloads: uploaded again by the commit).
 
         A bytearray (or pinned memoryview) payload is used in place (the session hands over
         its receive buffer). ``seen_digest``: the SHA-256 the session computed chunk by chunk as
@@ -381,6 +391,7 @@ class ExchangeEngine:
         if prep is None or self.guard is None or not self.guard.rule.enabled:
             return
         fragment, bs = prep.fragment, spec.block_size
+        room, kernels = self._room(spec)
         with self._on_stream():
             sums = torch.zeros(4, device=self.device)
             base: torch.Tensor | None = None
@@ -390,17 +401,17 @@ class ExchangeEngine:
                 rows = mc.shape[0]
                 if base is None:
                     base = torch.empty(rows * bs, dtype=self.theta0.dtype, device=self.device)
-                    part = fused.scratch(rows * bs, self.device) if self.kernels else None
-                t0 = base[: n if self.kernels else rows * bs]
+                    part = kernels.scratch(rows * bs, self.device) if kernels else None
+                t0 = base[: n if kernels else rows * bs]
                 if n < t0.numel():
                     t0[n:].zero_()
                 for start, length, o in pieces:  # displacements from theta_0 (bfloat16)
                     t0[o : o + length].copy_(self.theta0[start : start + length],
                                              non_blocking=True)
-                if part is not None:
-                    sums += fused.screen(mc.view(-1), ms, tc.view(-1), ts, t0, bs, part)
+                if kernels is not None and part is not None:
+                    sums += kernels.screen(mc.view(-1), ms, tc.view(-1), ts, t0, bs, part)
                 else:
-                    sums += streamed.screen_rows(mc, ms, tc, ts, t0.view(rows, bs))
+                    sums += room.screen_rows(mc, ms, tc, ts, t0.view(rows, bs))
         prep.clip = self._judge(prep, received, *read(list(sums.unbind())))
 
     def _screen_sums(self, prep: Prepared, mine_enc: Encoded,
@@ -644,8 +655,10 @@ class ExchangeEngine:
     def _apply_streamed(self, prep: Prepared, received: Encoded,
                         weight: float) -> torch.Tensor:
         """:meth:`_apply` with both payloads streamed through device staging: per chunk the
-        correction and its square, then the adds (with :mod:`fused`'s kernel, added into
+        correction and its square, then the adds (with the room's kernel, added into
         theta in the same pass where theta is the only target and the chunk one piece)."""
+        room, kernels = self._room(prep.encoded.spec)
+        bs = prep.encoded.block_size
         targets = self.state.correction_targets()
         into = (weight != 0 and len(targets) == 1 and targets[0][1] == 1.0
                 and self.state.theta.dtype == torch.float32)
@@ -654,22 +667,21 @@ class ExchangeEngine:
         part: torch.Tensor | None = None
         for _pos, n, pieces, mc, ms, tc, ts in self._walk(
                 prep.fragment, prep.encoded.spec, prep.encoded, received):
-            if not self.kernels:
-                c, sq = streamed.correction_rows(mc, ms, tc, ts, weight)
+            if kernels is None:
+                c, sq = room.correction_rows(mc, ms, tc, ts, weight, bs)
                 square += sq
             else:
-                bs = prep.encoded.block_size
                 if part is None:
-                    part = fused.scratch(mc.numel(), self.device)
+                    part = kernels.scratch(mc.shape[0] * bs, self.device)
                 if into and len(pieces) == 1:
                     start = pieces[0][0]
-                    square += fused.correct(mc.view(-1), ms, tc.view(-1), ts, weight, bs,
-                                            self.state.theta[start : start + n], True, part)
+                    square += kernels.correct(mc.view(-1), ms, tc.view(-1), ts, weight, bs,
+                                              self.state.theta[start : start + n], True, part)
                     continue
                 if c is None:
-                    c = torch.empty(mc.numel(), device=self.device)
-                square += fused.correct(mc.view(-1), ms, tc.view(-1), ts, weight, bs,
-                                        c[:n], False, part)
+                    c = torch.empty(mc.shape[0] * bs, device=self.device)
+                square += kernels.correct(mc.view(-1), ms, tc.view(-1), ts, weight, bs,
+                                          c[:n], False, part)
             if weight != 0:
                 assert c is not None
                 for start, length, o in pieces:
@@ -682,7 +694,7 @@ class ExchangeEngine:
         exchange's kernels on scratch tensors, nothing shared touched. If they do not build
         (Triton needs a C compiler at its first launch), the engine keeps the eager passes
         (the same bits) and the reason is returned for the caller to log."""
-        if not (self.kernels and self.streams(spec)):
+        if not (self.streams(spec) and self._room(spec)[1] is not None):
             return None
         dev = self.device
         try:
@@ -700,15 +712,17 @@ class ExchangeEngine:
         specialises on sizes divisible by 16 and on 16-byte aligned pointers (a fragment's
         piece may start anywhere in theta): both kinds are compiled."""
         bs, dev = spec.block_size, self.device
+        room, kernels = self._room(spec)
+        assert kernels is not None
         for n, off in ((2 * bs, 0), (2 * bs - 1, 0), (2 * bs, 1)):
             x = torch.zeros(n + off, device=dev)[off:]
             scales = torch.empty(2, device=dev)
-            codes = torch.empty(2 * bs, dtype=torch.int8, device=dev)
-            fused.encode(x, bs, scales, codes, torch.ones((), dtype=torch.bool, device=dev))
-            part = fused.scratch(n, dev)
-            fused.screen(codes, scales, codes, scales, x.to(self.theta0.dtype), bs, part)
+            data = torch.empty(2 * room.block_bytes(bs), dtype=torch.uint8, device=dev)
+            kernels.encode(x, bs, scales, data, torch.ones((), dtype=torch.bool, device=dev))
+            part = kernels.scratch(n, dev)
+            kernels.screen(data, scales, data, scales, x.to(self.theta0.dtype), bs, part)
             for add in (True, False):
-                fused.correct(codes, scales, codes, scales, 0.5, bs, x, add, part)
+                kernels.correct(data, scales, data, scales, 0.5, bs, x, add, part)
 
 
 def _refuse_magnitude(top: float) -> None:

@@ -1,9 +1,10 @@
-"""The int8 exchange's tensor work as three fused Triton kernels, for the engine on a GPU.
+"""int8's room: its three fused Triton kernels, for the engine on a GPU.
 
-The eager passes of :mod:`gasloc_p2p.protocol.streamed` read and write each chunk about 20
-times: on an H200, 76.7 ms of kernels per exchange at 1.2B parameters, 31.8x a device copy of
-the model's float32 bytes (target: 5x); these kernels took 7.1 ms, 3.0x (docs/results/gpu.md).
-Each kernel here makes one pass:
+int8's encode and decode are ``Int8Codec``'s (``core/codecs.py``); its streamed eager passes
+are :class:`gasloc_p2p.protocol.payloads.Room`'s, on that codec's block math. The eager passes
+read and write each chunk about 20 times: on an H200, 76.7 ms of kernels per exchange at 1.2B
+parameters, 31.8x a device copy of the model's float32 bytes (target: 5x); these kernels took
+7.1 ms, 3.0x (docs/results/gpu.md). Each kernel here makes one pass:
 
 - :func:`encode`: a block's absolute maximum, its scale and its codes from one read of the
   values (5 bytes an element: 4 read, 1 written), and the "every block finite" flag;
@@ -22,7 +23,9 @@ payloads, states and norms against the eager path byte for byte (on a GPU, or on
 eager ones: the same on both sides of an exchange, not the same bits as the eager path's.
 
 Used by :class:`~gasloc_p2p.protocol.engine.ExchangeEngine` on CUDA where Triton is installed
-(PyTorch's CUDA wheels bring it); elsewhere the eager passes run.
+(PyTorch's CUDA wheels bring it); elsewhere the eager passes run. Compiling the eager passes
+with ``torch.compile`` (shape-polymorphic) was measured on an H100: bit-exact, but 1.8 s per
+exchange at 1.2B parameters against 76 ms eagerly (docs/results/gpu.md).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import os
 
 import torch
 
-from gasloc_p2p.protocol.streamed import LEVELS, MIN_ABSMAX
+from gasloc_p2p.core.codecs import Int8Codec
+from gasloc_p2p.core.wire import MIN_ABSMAX
 
 try:
     import triton
@@ -40,14 +44,11 @@ except ImportError:  # PyTorch's CPU wheels come without Triton
     triton = None
 
 AVAILABLE = triton is not None
+LEVELS = Int8Codec.levels  # 127: scale = absmax / LEVELS
 ROUNDER = 12582912.0  # 1.5 * 2^23: (y + R) - R rounds |y| < 2^22 half to even in float32
 ELEMS = 4096  # elements per program of the screen and the correction
 WARPS = 8
 NO_FMA = {"enable_fp_fusion": False}  # every product and sum rounded on its own, as eagerly
-# device bytes per element of one chunk an exchange adds at most (gasloc-node plan): the
-# commit's codes of both payloads and, where theta is not its only target, the correction
-# (1 + 1 + 4); the check's codes and theta_0's bfloat16 chunk (4); scales are 4/block_size
-STAGING_BYTES = 6
 
 
 def usable(device: torch.device) -> bool:
@@ -128,11 +129,11 @@ def _programs(n: int) -> int:
 def encode(x: torch.Tensor, bs: int, scales: torch.Tensor, codes: torch.Tensor,
            finite: torch.Tensor) -> None:
     """Int8-encode the ``n`` contiguous values of ``x`` (float32) into ``scales`` (float32,
-    at least ``ceil(n / bs)``) and ``codes`` (int8, at least ``n``), as ``Int8Codec`` does;
+    at least ``ceil(n / bs)``) and ``codes`` (int8 or its bytes, at least ``n``), as ``Int8Codec`` does;
     clears ``finite`` (a bool scalar) if a block holds NaN or Inf."""
     n = x.numel()
     rows = -(-n // bs)
-    _encode[(rows,)](x, scales, codes, finite.view(torch.uint8), n, MIN_ABSMAX, BS=bs,
+    _encode[(rows,)](x, scales, codes.view(torch.int8), finite.view(torch.uint8), n, MIN_ABSMAX, BS=bs,
                      BLOCK=triton.next_power_of_2(bs), ROUND=ROUNDER, LEVELS=LEVELS, num_warps=4,
                      **NO_FMA)
 
@@ -144,7 +145,7 @@ def screen(mc: torch.Tensor, ms: torch.Tensor, tc: torch.Tensor, ts: torch.Tenso
     ELEMS)``): float32 [4]."""
     n = t0.numel()
     g = _programs(n)
-    _screen[(g,)](mc, ms, tc, ts, t0, part, n, BS=bs, BLOCK=ELEMS, num_warps=WARPS, **NO_FMA)
+    _screen[(g,)](mc.view(torch.int8), ms, tc.view(torch.int8), ts, t0, part, n, BS=bs, BLOCK=ELEMS, num_warps=WARPS, **NO_FMA)
     return part[: 4 * g].view(g, 4).sum(0)
 
 
@@ -156,7 +157,7 @@ def correct(mc: torch.Tensor, ms: torch.Tensor, tc: torch.Tensor, ts: torch.Tens
     (float32 scalar; ``part``: float32, at least ``ceil(n / ELEMS)``)."""
     n = out.numel()
     g = _programs(n)
-    _correct[(g,)](mc, ms, tc, ts, out, part, n, weight, BS=bs, BLOCK=ELEMS, ADD=add,
+    _correct[(g,)](mc.view(torch.int8), ms, tc.view(torch.int8), ts, out, part, n, weight, BS=bs, BLOCK=ELEMS, ADD=add,
                    num_warps=WARPS, **NO_FMA)
     return part[:g].sum()
 
@@ -164,3 +165,30 @@ def correct(mc: torch.Tensor, ms: torch.Tensor, tc: torch.Tensor, ts: torch.Tens
 def scratch(numel: int, device: torch.device) -> torch.Tensor:
     """The partial sums of :func:`screen` or :func:`correct` over ``numel`` values."""
     return torch.empty(4 * _programs(numel), device=device)
+
+
+class Int8Kernels:
+    """int8's :class:`~gasloc_p2p.protocol.payloads.Kernels` (the functions above, looked up
+    at each call)."""
+
+    def encode(self, x: torch.Tensor, bs: int, scales: torch.Tensor, data: torch.Tensor,
+               finite: torch.Tensor) -> None:
+        encode(x, bs, scales, data, finite)
+
+    def screen(self, md: torch.Tensor, ms: torch.Tensor, td: torch.Tensor, ts: torch.Tensor,
+               t0: torch.Tensor, bs: int, part: torch.Tensor) -> torch.Tensor:
+        return screen(md, ms, td, ts, t0, bs, part)
+
+    def correct(self, md: torch.Tensor, ms: torch.Tensor, td: torch.Tensor, ts: torch.Tensor,
+                weight: float, bs: int, out: torch.Tensor, add: bool,
+                part: torch.Tensor) -> torch.Tensor:
+        return correct(md, ms, td, ts, weight, bs, out, add, part)
+
+    def scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        return scratch(numel, device)
+
+    def usable(self, device: torch.device) -> bool:
+        return usable(device)
+
+
+KERNELS = Int8Kernels()
