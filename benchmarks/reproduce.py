@@ -227,6 +227,8 @@ PARTS: dict[str, list[Row]] = {
     "home-links-8": repro_codecs.home_link_rows(BASE, 8),
     "home-links-8-uneven": repro_codecs.home_link_rows(BASE, 8, uneven=True),
     "home-links-8-deciding": repro_codecs.home_link_rows(BASE, 8, deciding=True),
+    "home-links-8-bound": repro_codecs.home_link_bound_rows(BASE),
+    "home-links-16": repro_codecs.home_link_rows(BASE, 16),
     **{part: repro_ladder.rows(part) for part in repro_ladder.PARTS},
 }
 ARCHIVED = [p for p in TITLES if p not in PARTS]

@@ -127,12 +127,14 @@ def test_an_absurd_payload_is_refused_before_any_device_work():
 @NO_CUDA
 @pytest.mark.parametrize("outer", [AsyncConfig(), AsyncConfig(eta=0.7)],
                          ids=["theta-itself", "anchor"])
-def test_streamed_payloads_on_cuda_give_the_same_bytes_and_states(outer):
-    """On a GPU (the default there: streamed) against payloads kept on the device."""
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_streamed_payloads_on_cuda_give_the_same_bytes_and_states(outer, codec):
+    """On a GPU (the default there: streamed; int8 through its kernels, int4 through the
+    eager passes) against payloads kept on the device."""
     compiled = _pair("cuda", None, outer, whole(NUMEL), 4096, kernels=None)
-    assert compiled[0].streams(CodecSpec.of("int8", 256))
-    got = _exchanges(compiled, NUMEL)
-    kept = _exchanges(_pair("cuda", False, outer, whole(NUMEL), 4096), NUMEL)
+    assert compiled[0].streams(CodecSpec.of(codec, 256))
+    got = _exchanges(compiled, NUMEL, codec=codec)
+    kept = _exchanges(_pair("cuda", False, outer, whole(NUMEL), 4096), NUMEL, codec=codec)
     assert got[0] == kept[0]
     assert all(torch.equal(x, y) for x, y in zip(got[2], kept[2], strict=True))
     for x, y in zip(got[1], kept[1], strict=True):
