@@ -8,7 +8,8 @@ it the syncs stay and the launches add one chunk's worth per 2^24 elements. Time
 prepare + check + commit against a device-to-device copy of the model's float32 bytes (goal:
 at most 5x), alone and while a training-like load keeps the GPU busy.
 
-Run: ``python -m benchmarks.bench_engine [--sizes 1e6,1e7,1e8] [--device cpu|cuda]``.
+Run: ``python -m benchmarks.bench_engine [--sizes 1e6,1e7,1e8] [--device cpu|cuda]
+[--time-sizes 135e6] [--codecs int8,half2] [--alone]`` (``--sizes ""``: no counts).
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ import time
 
 import torch
 
-from benchmarks.engine_counts import count_exchange, engines
+from benchmarks.engine_counts import count_exchange, engines, seed_links
 from gasloc_p2p.core.codecs import CodecSpec
-from gasloc_p2p.core.wire import payload_digest
+from gasloc_p2p.core.wire import RESIDUAL_CODECS, payload_digest
 from gasloc_p2p.protocol.engine import ON_DEVICE_CHUNK
 
 
 def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3,
                   stream_payloads: bool | None = None,
-                  kernels: bool | None = None) -> dict[str, float]:
+                  kernels: bool | None = None, codec: str = "int8") -> dict[str, float]:
     """One side's prepare + check + commit on ``device`` (best of ``reps``, wall clock), split
     into its parts: the host SHA-256 of our payload (the peer's is computed by the session as its
     chunks arrive, overlapping the network), and on a GPU (one profiled exchange) the
@@ -39,12 +40,14 @@ def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3,
     (training's load). ``stream_payloads``: the engine's choice (None: streamed int8
     payloads on a GPU; False: both payloads kept on the device, for the side-by-side figure).
     ``kernels``: streamed int8 through the fused Triton kernels (None: where available) or
-    the eager passes (False)."""
+    the eager passes (False). ``codec``: the payloads' (a residual one against a link both
+    sides seeded first; its reference in host memory, as a node keeps it)."""
     a, b = engines(numel, 0, device=device, stream_payloads=stream_payloads, kernels=kernels)
-    a.warm_up(CodecSpec.parse("int8"))
-    streaming = a.streams(CodecSpec.parse("int8"))
-    spec = CodecSpec.parse("int8")
-    pb = b.prepare("A", 0, spec)
+    spec = CodecSpec.parse(codec)
+    links = seed_links(a, b, numel) if spec.name in RESIDUAL_CODECS else [None, None]
+    a.warm_up(spec)
+    streaming = a.streams(spec)
+    pb = b.prepare("A", 0, spec, link=links[1])
     received = a.payload_buffer(len(pb.payload))
     received[:] = pb.payload
     seen = payload_digest(received)  # the session's, computed chunk by chunk as they arrive
@@ -54,7 +57,7 @@ def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3,
         loader.start()
 
     def exchange() -> None:
-        pa = a.prepare("B", 0, spec)
+        pa = a.prepare("B", 0, spec, link=links[0])
         got = a.check(spec, numel, received, pb.digest, pa, seen)
         a.commit(pa, got, 0.5)
 
@@ -82,7 +85,8 @@ def time_exchange(numel: int, device: str, busy: bool = False, reps: int = 3,
     return {"numel": numel, "exchange_s": best, "copy_s": copy_s, "ratio": best / copy_s,
             "digest_s": digest_s, "kernels_s": kernels_s, "copies_s": copies_s,
             "kernel_ratio": kernels_s / copy_s, "payload_bytes": len(pb.payload),
-            "streamed": streaming, "fused": streaming and a.kernels}
+            "codec": codec, "streamed": streaming,
+            "fused": streaming and a.kernels and spec.name == "int8"}
 
 
 def _device_times(fn: object) -> tuple[float, float]:
@@ -133,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--time-sizes", default="", help="parameter counts to time (default: none "
                                                     "on a CPU, 135M and 1.24B on a GPU)")
+    p.add_argument("--codecs", default="int8", help="payload codecs to time, comma-separated")
+    p.add_argument("--alone", action="store_true", help="time only with the GPU otherwise idle")
     p.add_argument("--json", default="", help="also write the figures here")
     args = p.parse_args(argv)
     rows = []
     print("per exchange (both sides): tensor ops and host syncs; device chunks 2^24 vs the "
           "old 2^18")
-    for n in (int(float(s)) for s in args.sizes.split(",")):
+    for n in (int(float(s)) for s in args.sizes.split(",") if s):
         big, small = count_exchange(n, ON_DEVICE_CHUNK), count_exchange(n, 1 << 18)
         rows.append({"numel": n, "ops": big["ops"], "syncs": big["syncs"],
                      "ops_small_chunks": small["ops"], "syncs_small_chunks": small["syncs"]})
@@ -147,12 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     times = []
     sizes = args.time_sizes or ("135e6,1.236e9" if args.device.startswith("cuda") else "")
     for n in (int(float(s)) for s in sizes.split(",") if s):
-        for busy in (False, True):
-            r = time_exchange(n, args.device, busy)
-            r["busy"] = busy
-            times.append(r)
-            print(f"  {n / 1e6:7.0f}M on {args.device}{' (busy)' if busy else ''}: "
-                  + describe(r), flush=True)
+        for codec in args.codecs.split(","):
+            for busy in (False,) if args.alone else (False, True):
+                r = time_exchange(n, args.device, busy, codec=codec)
+                r["busy"] = busy
+                times.append(r)
+                print(f"  {codec} {n / 1e6:7.0f}M on {args.device}{' (busy)' if busy else ''}: "
+                      + describe(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"counts": rows, "times": times}, f, indent=1)

@@ -121,23 +121,27 @@ def uncounted_folds(counter: Counter) -> Iterator[None]:
         Link.fold = fold  # type: ignore[method-assign]
 
 
+def seed_links(a: ExchangeEngine, b: ExchangeEngine, numel: int) -> list[Link | None]:
+    """The link of engines ``a`` (peer "B") and ``b`` (peer "A"), seeded by an int8 exchange
+    (a residual codec's exchange runs against it): [a's, b's]."""
+    for e in (a, b):
+        e.links = LinkCache(1)
+    int8 = CodecSpec.of("int8")
+    pa, pb = a.prepare("B", 0, int8), b.prepare("A", 0, int8)
+    ra = b.check(int8, numel, bytearray(pa.payload), pa.digest, pb)
+    rb = a.check(int8, numel, bytearray(pb.payload), pb.digest, pa)
+    pa.seed = pb.seed = True
+    a.commit(pa, rb, 0.5)
+    b.commit(pb, ra, 0.5)
+    return [a.links.get("B", 0), b.links.get("A", 0)]  # type: ignore[union-attr]
+
+
 def count_exchange(numel: int, chunk: int, spec: str = "int8") -> dict[str, int]:
     """Operations and synchronisations of one exchange between two fresh engines whose chunks
     are ``chunk`` elements (the codecs' passes as on a GPU when chunks are device-sized)."""
     a, b = engines(numel, chunk)
     codec = CodecSpec.parse(spec)
-    links: list[Link | None] = [None, None]
-    if codec.name in RESIDUAL_CODECS:  # an int8 exchange seeds the pair's link
-        for e in (a, b):
-            e.links = LinkCache(1)
-        int8 = CodecSpec.of("int8")
-        pa, pb = a.prepare("B", 0, int8), b.prepare("A", 0, int8)
-        ra = b.check(int8, numel, bytearray(pa.payload), pa.digest, pb)
-        rb = a.check(int8, numel, bytearray(pb.payload), pb.digest, pa)
-        pa.seed = pb.seed = True
-        a.commit(pa, rb, 0.5)
-        b.commit(pb, ra, 0.5)
-        links = [a.links.get("B", 0), b.links.get("A", 0)]  # type: ignore[union-attr]
+    links = seed_links(a, b, numel) if codec.name in RESIDUAL_CODECS else [None, None]
     warm = codec.codec()  # its tables are built once per process: not the exchange's work
     warm.decode(warm.encode(torch.ones(max(codec.block_size, 1))))
     counter = Counter()

@@ -12,16 +12,18 @@ A slice whose arms would run past its deadline stops after half a minute and say
    then beside the other four (same seed): losses within bf16 noise, and the throughput gain.
 2. ``ladder-5m-s0``, ``ladder-25m-s0``: the size ladder's GPU rungs (repro_ladder.py), all five
    arms at once, one seed per slice; more seeds at the end of the queue.
-3. ``swarm-*``: 4 real ``gasloc-node join`` processes on one GPU training a 135M Llama (bf16,
+3. ``payloads``: issue 40's GPU figures, each codec's exchange (tensor work) at 135M against
+   a device copy (target: at most 5x), and the CUDA tests of the streamed payloads.
+4. ``swarm-*``: 4 real ``gasloc-node join`` processes on one GPU training a 135M Llama (bf16,
    ``--compile``) for 4 minutes, each in its own network namespace on a 100 Mbit/s tbf link,
    so that one int8 exchange (137 MB) takes about 11 s: about one round of 50 steps. One slice
    per arm: GASLoC's default, DiLoCo Nesterov 0.7/0.9, DiLoCo plain averaging.
-4. ``ring16-h1``, ``ring16-h5``: the GASLoC paper's regime, a ring of 16 workers at 25M with 1
+5. ``ring16-h1``, ``ring16-h5``: the GASLoC paper's regime, a ring of 16 workers at 25M with 1
    and 5 local steps per exchange, gamma 0 against 0.5, 0.7 and 0.9 (mixed momentum at equal
    effective step): consensus distance and loss. The first window measured 0.42 steps/s an arm
    with four side by side (H = 1), so 300 steps would take 13 minutes: 120 steps (H = 1) and
    150 (H = 5).
-5. ``throughput-135m``, ``throughput-1b``: tokens/s and model FLOP utilisation with the
+6. ``throughput-135m``, ``throughput-1b``: tokens/s and model FLOP utilisation with the
    fastest settings a user can choose (``--compile``, micro-batch; SDPA attention and the
    chunked cross-entropy are always on).
 """
@@ -102,6 +104,22 @@ def _swarm(arm: str) -> Slice:
                  (Arm(label, {**SWARM, "system": system}),), 0, SWARM_SMOKE)
 
 
+PAYLOAD_CODECS = ("int8", "int4", "sign1", "half2")
+
+
+def _payloads() -> Slice:
+    """Issue 40's GPU figures: one exchange's tensor work per codec at 135M against a device
+    copy of the model (target: at most 5x, as int8's kernels reach), and the CUDA tests of the
+    streamed payloads (int8 through its kernels, int4 through the eager passes)."""
+    arms = (Arm("CUDA tests: tests/test_streamed.py", {"tests": ["tests/test_streamed.py"]}),
+            *(Arm(f"{codec} exchange at 135M", {"codec": codec, "numel": 135_000_000})
+              for codec in PAYLOAD_CODECS))
+    return Slice("payloads", "payloads", "Payload codecs on the GPU: one exchange's tensor work "
+                 "against a device copy, and the streamed payloads' CUDA tests", "engine", 2.0,
+                 "estimated: 4 processes of about 20 s, the tests a minute", arms, 0,
+                 {"numel": 100_000, "device": "cpu"})
+
+
 THROUGHPUT = {
     "throughput-135m": ("llama-135m", [("eager, micro-batch 8 x 512", 8, 512, False),
                                        ("--compile, micro-batch 8 x 512", 8, 512, True),
@@ -128,6 +146,7 @@ QUEUE: tuple[Slice, ...] = (
     _concurrency(),
     _ladder("ladder-5m", 0),
     _ladder("ladder-25m", 0),
+    _payloads(),
     *(_swarm(arm) for arm in SWARM_ARMS),
     _ring16(1),
     _ring16(5),

@@ -129,7 +129,7 @@ def arms_left(sl: Slice, where: Path = RECORDS, smoke: bool = False) -> tuple[Ar
 # only the rest to run (the concurrency slice showed an arm's losses the same to the last digit
 # alone and beside four others). The concurrency slice's first arm is its reference: it reruns
 # whole.
-RESUMABLE = ("sim", "throughput")
+RESUMABLE = ("sim", "throughput", "engine")
 
 
 def measured_minutes(sl: Slice, where: Path = RECORDS) -> tuple[float, str] | None:

@@ -10,6 +10,8 @@ a scratch folder, and returns one record body per arm: ``arm``, ``status`` ("ok"
   network namespace behind a tbf-shaped link (loopback, unshaped, at smoke size);
 - ``throughput``: every arm a ``benchmarks.gpu_throughput`` process, one after another (each
   needs the whole GPU).
+- ``engine``: every arm a process, one after another: ``benchmarks.bench_engine`` timing one
+  codec's exchange, or pytest on the CUDA tests it names.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def run_slice(sl: Slice, left_s: float, smoke: bool, scratch: Path) -> list[Row]
     work = scratch / "work" / sl.id
     work.mkdir(parents=True, exist_ok=True)
     runner = {"sim": _sim_slice, "concurrency": _concurrency, "swarm": _swarm,
-              "throughput": _throughput}[sl.kind]
+              "throughput": _throughput, "engine": _engine}[sl.kind]
     return runner(sl, left_s, smoke, work)
 
 
@@ -304,4 +306,38 @@ def _throughput(sl: Slice, left_s: float, smoke: bool, work: Path) -> list[Row]:
         else:
             rows.append({**row, "status": "failed",
                          "why": (text.strip().splitlines() or ["?"])[-1][-300:]})
+    return rows
+
+
+def _engine(sl: Slice, left_s: float, smoke: bool, work: Path) -> list[Row]:
+    """Every arm a process, one after another: an exchange timed by ``bench_engine`` (at smoke
+    size on this CPU) or pytest on the named tests (at smoke size: collected only)."""
+    rows, t0 = [], time.monotonic()
+    for k, arm in enumerate(sl.arms):
+        cfg = {**arm.config, **({} if "tests" in arm.config or not smoke else sl.smoke)}
+        out = work / f"{k}.json"
+        if "tests" in cfg:
+            argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                    *(["--collect-only"] if smoke else []), *cfg["tests"]]
+        else:
+            argv = [sys.executable, "-m", "benchmarks.bench_engine", "--sizes", "",
+                    "--device", cfg.get("device", "cuda"), "--time-sizes", str(cfg["numel"]),
+                    "--codecs", cfg["codec"], "--alone", "--json", str(out)]
+        left = left_s - (time.monotonic() - t0) - 10
+        try:
+            done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                                  timeout=max(30.0, left))
+            code, text = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired:
+            code, text = -1, "stopped at the window's deadline"
+        row: Row = {"arm": arm.label, "config": cfg}
+        last = (text.strip().splitlines() or ["?"])[-1][-300:]
+        if "tests" in cfg:
+            rows.append({**row, "status": "ok" if code == 0 else "failed",
+                         "figures": {"summary": last, "returncode": code}})
+        elif code == 0 and out.exists():
+            rows.append({**row, "status": "ok",
+                         "figures": json.loads(out.read_text())["times"][0]})
+        else:
+            rows.append({**row, "status": "failed", "why": last})
     return rows

@@ -200,9 +200,27 @@ def _throughput(recs: list[Rec]) -> list[str]:
     return lines
 
 
+def _engine(recs: list[Rec]) -> list[str]:
+    lines = ["| arm | path | exchange (ms, wall) | kernels (ms) | device copy of the fp32 model "
+             "(ms) | kernels / copy | wall / copy |", "|---|---|---|---|---|---|---|"]
+    tests = []
+    for r in recs:
+        f = r["figures"]
+        if "summary" in f:
+            tests.append(f"- {r['arm']}: {f['summary']}")
+            continue
+        how = ("payloads on the device" if not f.get("streamed")
+               else "streamed, fused kernels" if f.get("fused") else "streamed, eager passes")
+        lines.append(f"| {r['arm']} | {how} | {f['exchange_s'] * 1e3:.1f} | "
+                     f"{f['kernels_s'] * 1e3:.2f} | {f['copy_s'] * 1e3:.2f} | "
+                     f"{f['kernel_ratio']:.1f}x | {f['ratio']:.1f}x |")
+    return [*lines, "", *tests]
+
+
 def _generic(recs: list[Rec]) -> list[str]:
     return [f"- {r['arm']}: {r['figures']}" for r in recs]
 
 
 RENDER: dict[str, Callable[[list[Rec]], list[str]]] = {
-    "sim": _sim, "concurrency": _concurrency, "swarm": _swarm, "throughput": _throughput}
+    "sim": _sim, "concurrency": _concurrency, "swarm": _swarm, "throughput": _throughput,
+    "engine": _engine}
