@@ -78,8 +78,8 @@ def test_a_full_uplink_answers_newcomers_busy_but_not_peers_that_committed_here(
             # B measured an uplink on which one of its payloads fills half the deadline
             chunk_s = b.exchanger.rules.timeouts.chunk_s
             size = max(b.exchanger.payload_bytes, MIN_SAMPLE_BYTES)
-            b.exchanger.uplink.sample(size, 0.6 * chunk_s * size / b.exchanger.payload_bytes)
-            assert b.exchanger.uplink_slots() == 1
+            b.exchanger.uplink_sampled(size, 0.6 * chunk_s * size / b.exchanger.payload_bytes)
+            assert b.exchanger.uplink_slots() == b.exchanger.stats.uplink_slots == 1
             _, header = start_raw(d, b)  # newcomer D takes B's uplink
             call = d.open_call(b)
             await call.write(header)

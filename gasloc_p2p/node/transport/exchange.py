@@ -149,6 +149,20 @@ class GossipTransport:
         return self.uplink.slots(self.payload_bytes, self.cfg.chunk_bytes,
                                  self.rules.timeouts.chunk_s, self.deadline_s)
 
+    def uplink_sampled(self, nbytes: int, seconds: float) -> None:
+        """One of this node's payloads reached a peer: the uplink's new sample, its slots in
+        the stats, and a line when the limit binds or stops binding (more than the inbound
+        limits allow never does): not every few seconds as a fast link's rate wobbles."""
+        self.uplink.sample(nbytes, seconds)
+        slots = self.uplink_slots()
+        if slots is None or slots == self.stats.uplink_slots:
+            return
+        cap = self.cfg.max_inbound + self.reserved_inbound + 1
+        if min(slots, cap) != min(self.stats.uplink_slots or cap, cap):
+            log.info("uplink: %.3g Mbit/s measured, %d exchange(s) at once fit the peers' "
+                     "deadlines", (self.uplink.rate() or 0.0) * 8 / 1e6, slots)
+        self.stats.uplink_slots = slots
+
     def uplink_free(self, peer_id: str | None) -> bool:
         """Whether another exchange fits the uplink now: one this node starts (``peer_id``
         None) or answers for a peer that committed here before counts only this node's own
@@ -157,14 +171,6 @@ class GossipTransport:
         slots = self.uplink_slots()
         if slots is None:
             return True
-        if slots != self.stats.uplink_slots:
-            # said when the limit binds or stops binding (more than the inbound limits allow
-            # never does): not every few seconds as a fast link's rate wobbles
-            cap = self.cfg.max_inbound + self.reserved_inbound + 1
-            if min(slots, cap) != min(self.stats.uplink_slots or cap, cap):
-                log.info("uplink: %.3g Mbit/s measured, %d exchange(s) at once fit the peers' "
-                         "deadlines", (self.uplink.rate() or 0.0) * 8 / 1e6, slots)
-            self.stats.uplink_slots = slots
         if peer_id is None or peer_id in self._good:
             mine = len(self.initiating) + sum(1 for p in self.inflight - self.initiating
                                               if p in self._good)
@@ -426,7 +432,7 @@ class GossipTransport:
             if kind == "chunk":
                 self.stats.add_received(session.peer_codec, len(msg.chunk.data))
             elif kind == "ready" and sending is not None:  # the peer has all of ours
-                self.uplink.sample(sending[0], time.monotonic() - sending[1])
+                self.uplink_sampled(sending[0], time.monotonic() - sending[1])
                 sending = None
 
     async def _run(self, act: Action, session: ExchangeSession, write: Write,
