@@ -290,23 +290,28 @@ def _throughput(sl: Slice, left_s: float, smoke: bool, work: Path) -> list[Row]:
             rows.append({"arm": arm.label, "config": cfg, "status": "ok",
                          "figures": measure(cfg, root)})
             continue
-        left = left_s - (time.monotonic() - t0) - 10
         out = work / f"{len(rows)}.json"
-        argv = [sys.executable, "-m", "benchmarks.gpu_throughput", "--config", json.dumps(cfg),
-                "--out", str(out)]
-        try:
-            done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                                  timeout=max(30.0, left))
-            code, text = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired:
-            code, text = -1, "stopped at the window's deadline"
+        code, last = _process([sys.executable, "-m", "benchmarks.gpu_throughput", "--config",
+                               json.dumps(cfg), "--out", str(out)],
+                              left_s - (time.monotonic() - t0))
         row: Row = {"arm": arm.label, "config": cfg}
         if code == 0 and out.exists():
             rows.append({**row, "status": "ok", "figures": json.loads(out.read_text())})
         else:
-            rows.append({**row, "status": "failed",
-                         "why": (text.strip().splitlines() or ["?"])[-1][-300:]})
+            rows.append({**row, "status": "failed", "why": last})
     return rows
+
+
+def _process(argv: list[str], left_s: float) -> tuple[int, str]:
+    """Run ``argv`` in the repository within what is left of the slice (10 s kept): its exit
+    code (-1: stopped at the deadline) and the last line it printed."""
+    try:
+        done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=max(30.0, left_s - 10))
+        code, text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired:
+        code, text = -1, "stopped at the window's deadline"
+    return code, (text.strip().splitlines() or ["?"])[-1][-300:]
 
 
 def _engine(sl: Slice, left_s: float, smoke: bool, work: Path) -> list[Row]:
@@ -323,15 +328,8 @@ def _engine(sl: Slice, left_s: float, smoke: bool, work: Path) -> list[Row]:
             argv = [sys.executable, "-m", "benchmarks.bench_engine", "--sizes", "",
                     "--device", cfg.get("device", "cuda"), "--time-sizes", str(cfg["numel"]),
                     "--codecs", cfg["codec"], "--alone", "--json", str(out)]
-        left = left_s - (time.monotonic() - t0) - 10
-        try:
-            done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                                  timeout=max(30.0, left))
-            code, text = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired:
-            code, text = -1, "stopped at the window's deadline"
+        code, last = _process(argv, left_s - (time.monotonic() - t0))
         row: Row = {"arm": arm.label, "config": cfg}
-        last = (text.strip().splitlines() or ["?"])[-1][-300:]
         if "tests" in cfg:
             rows.append({**row, "status": "ok" if code == 0 else "failed",
                          "figures": {"summary": last, "returncode": code}})
