@@ -32,8 +32,8 @@ TITLES = {
     "home-links-8-uneven": "n = 8, async, 1 Mbit/s links and one of 0.1 Mbit/s",
     "home-links-8-deciding": "n = 8, async, 1 Mbit/s links: int8 against int4 and the "
                              "link payloads, 10 seeds",
-    "home-links-8-bound": "n = 8, async, 1 Mbit/s links: what free bytes would buy, and a "
-                          "payload 16x below int8",
+    "home-links-8-bound": "n = 8, async, 1 Mbit/s links: what free bytes would buy, and "
+                          "payloads 16x and 32x below int8",
     "home-links-16": "n = 16, async, 1 Mbit/s links: int8 against the daemon's half2",
 }
 HOME_LINK_MBPS = 1.0  # 121,048 int8 bytes: 0.97 s on the link + 0.02 latency, a round is 0.5 s
@@ -118,15 +118,16 @@ def home_link_rows(base: SimConfig, n: int, uneven: bool = False,
 def home_link_bound_rows(base: SimConfig) -> list[Row]:
     """How far any payload can take time to int8's loss on home links: int8 on links 10,000x
     faster (exchanges cost their latency only: the bound of a payload of no bytes at all),
-    against int8 and half2 on 1 Mbit/s links and a payload 16x below int8 (2 bits on a quarter
-    of the coordinates, against link references)."""
+    against int8 and half2 on 1 Mbit/s links and payloads 16x and 32x below int8 (2 bits on a
+    quarter and an eighth of the coordinates, against link references)."""
     rows = home_link_rows(base, 8)
     r = dataclasses.replace
     int8, half2 = rows[0], rows[3]
     return [int8,
             ("gossip int8, free links (10,000 Mbit/s)", r(int8[1], bandwidth_mbps=1e4)),
             half2,
-            ("gossip randk2 25%, link references", r(half2[1], codec="randk2:1024"))]
+            ("gossip randk2 25%, link references", r(half2[1], codec="randk2:1024")),
+            ("gossip randk2 12.5%, link references", r(half2[1], codec="randk2:512"))]
 
 
 def _final(res: dict[str, Any]) -> float:
