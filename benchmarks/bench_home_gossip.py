@@ -17,6 +17,10 @@ evaluation), bytes sent and exchanges. Per codec and repetition: the nodes' mean
 bytes per node, exchanges per node and the time until the nodes' mean loss first reached the
 target, the int8 run's final mean loss of the same repetition (``--codecs`` starts with the
 reference). Printed as a table; ``--out FILE`` keeps every sample as JSON.
+
+A codec named ``NAME@free`` runs on unshaped links: ``int8@free`` is the bound of any payload
+(an exchange then costs its compute and latency, not its bytes), so ``--codecs int8 half2
+int8@free`` says how much of what bytes cost a codec won back.
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ from gasloc_p2p.data import ensure_shakespeare
 FLAGS = ["--torch-threads", "1", "--log-interval-s", "30", "--n-layer", "4", "--seq-len", "64",
          "--batch-size", "4", "--warmup-steps", "10"]
 POLL_S = 5.0
+FREE = "@free"  # a codec on unshaped links: what free bytes would buy
+
+
+def codec_name(arm: str) -> str:
+    """The ``--codec`` of an arm (``int8@free``: int8, on unshaped links)."""
+    return arm.removesuffix(FREE)
 
 
 def run_codec(net: ShapedNetwork, codec: str, flags: list[str], args: argparse.Namespace,
@@ -52,10 +62,13 @@ def run_codec(net: ShapedNetwork, codec: str, flags: list[str], args: argparse.N
     nodes: list[NsNode] = []
     samples: list[dict[str, float]] = []
     try:
-        start_nodes(hosts, log_dir, [*flags, "--codec", codec], nodes)
+        start_nodes(hosts, log_dir, [*flags, "--codec", codec_name(codec)], nodes)
+        free = codec.endswith(FREE)
         for k, h in enumerate(hosts):  # the bench's Info calls unshaped
-            h.shape(args.rate_mbit / (args.slow_factor if k == 0 else 1.0), net.gateway)
-        say(f"{codec}: {len(nodes)} nodes up, links shaped; running {args.minutes:g} min")
+            if not free:
+                h.shape(args.rate_mbit / (args.slow_factor if k == 0 else 1.0), net.gateway)
+        say(f"{codec}: {len(nodes)} nodes up, links {'unshaped' if free else 'shaped'}; "
+            f"running {args.minutes:g} min")
         t0 = time.monotonic()
         first = [n.info() for n in nodes]
         while time.monotonic() - t0 < args.minutes * 60:
@@ -113,7 +126,8 @@ def main() -> None:
     parser.add_argument("--slow-factor", type=float, default=1.0,
                         help="node 0's egress is --rate-mbit / this (the uneven case: 10)")
     parser.add_argument("--codecs", nargs="+", default=["int8", "half2"],
-                        help="--codec of every node, one swarm each (the first is the reference)")
+                        help="--codec of every node, one swarm each (the first is the "
+                             "reference; NAME@free: on unshaped links, the bound)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--minutes", type=float, default=8.0, help="per swarm, shaped")
     parser.add_argument("--eval-interval-steps", type=int, default=50)
@@ -133,7 +147,7 @@ def main() -> None:
     if reason is not None:
         sys.exit(f"bench_home_gossip: {reason}")
     for codec in args.codecs:
-        CodecSpec.of(codec)  # a bad name fails here, not in the nodes
+        CodecSpec.of(codec_name(codec))  # a bad name fails here, not in the nodes
     data = args.data or str(ensure_shakespeare())
     # deadlines follow the slowest link a node plans for (--min-link-mbps, default 10): here
     # the shaped one, or every payload would time out (a user on such a link sets it too)
@@ -193,7 +207,8 @@ def table(runs: dict[str, list[list[dict[str, float]]]], guard: dict[str, list[d
                  if got and len(got) == len(times) and None not in base else "n/a")
         sent = statistics.fmean(f["bytes_per_node"] for f in finals)
         count = statistics.fmean(f["exchanges_per_node"] for f in finals)
-        payload_s = sent / max(count, 1) * 8 / (args["rate_mbit"] * 1e6)
+        payload_s = (sent / max(count, 1) * 8 / (args["rate_mbit"] * 1e6)
+                     if not codec.endswith(FREE) else 0.0)  # (unshaped: not the link's)
         rate = statistics.fmean(f["steps"] / f["t"] for f in finals)
         at = statistics.fmean(loss_at(r, common) for r in runs[codec] if r)
         lines.append(

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_home_gossip import guard_weights, loss_at, table  # noqa: E402
+from benchmarks.bench_home_gossip import codec_name, guard_weights, loss_at, table  # noqa: E402
 
 
 def samples(losses: list[float], steps_per_s: float) -> list[dict[str, float]]:
@@ -48,3 +48,13 @@ def test_guard_weights_read_the_clip_lines_of_every_node(tmp_path: Path) -> None
     (tmp_path / "n0.err").write_text(line.format("0.25") + "other line\n")
     (tmp_path / "n1.err").write_text(line.format("0.75"))
     assert guard_weights(tmp_path) == {"clipped": 2, "clip_factor": pytest.approx(0.5)}
+
+
+def test_a_free_arm_runs_its_codec_unshaped_and_is_timed_against_the_reference() -> None:
+    assert codec_name("int8@free") == "int8" and codec_name("half2") == "half2"
+    runs = {"int8": [samples([3.0, 2.5, 2.0], steps_per_s=20.0)],
+            "int8@free": [samples([2.6, 2.0, 1.8], steps_per_s=20.0)]}
+    lines = table(runs, {}, {"rate_mbit": 0.5, "nodes": 3})
+    int8, free = (line.split(" | ") for line in lines[2:])
+    assert int8[5] == "32.0" and free[5] == "0.0"  # 2 MB a payload at 0.5 Mbit/s; unshaped
+    assert free[7].startswith("20 (1/1)") and free[8] == "0.67x"  # int8's 2.0: 20 s vs 30 s
