@@ -59,6 +59,29 @@ def test_device_bytes_per_param_in_gossip_mode():
         assert 12.0 < bytes_per_param(plan(cfg, "cuda", big), "device", names) < 12.5
 
 
+@pytest.mark.parametrize(("codec", "per_chunk_element"), [
+    ("int8", 6), ("int4", 20), ("fp4", 20), ("sign1", None), ("half2", None)])
+def test_an_exchange_on_a_gpu_holds_chunk_staging_where_its_payloads_stream(codec,
+                                                                           per_chunk_element):
+    """Codecs with a room in protocol/payloads stream on a GPU: chunk staging (int8's kernels
+    6 bytes an element of a chunk, the eager passes 20), nothing payload-sized; the residual
+    codecs keep both payloads there from the check to the commit."""
+    from gasloc_p2p.protocol.engine import ON_DEVICE_CHUNK
+
+    shape = model_shape("gpt", TrainConfig(n_layer=24, n_embd=1024, n_head=16), 256)
+    cfg = NodeConfig()
+    cfg = dataclasses.replace(cfg, gossip=dataclasses.replace(cfg.gossip, codec=codec))
+    held = {b.name: b.nbytes for b in plan(cfg, "cuda", shape)["buffers"] if b.where == "device"}
+    chunk = min(shape.numel, ON_DEVICE_CHUNK)
+    if per_chunk_element is None:
+        wire = CodecSpec.of(codec).codec().wire_bytes(shape.numel)
+        assert held["exchange: both payloads + scratch"] == 2 * wire + 8 * chunk
+        assert "exchange: chunk staging" not in held
+    else:
+        assert held["exchange: chunk staging"] == per_chunk_element * chunk
+        assert "exchange: both payloads + scratch" not in held
+
+
 def test_a_rank_of_a_ddp_node_holds_all_gradients_and_its_share_of_the_activations():
     """Under DDP (several ranks) AdamW does not step in the backward pass: a GPU holds every
     gradient (DDP's buckets); each rank runs 1/K of the micro-batch."""
