@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from gasloc_p2p.core.codecs import BlockCodec, get_codec
+from gasloc_p2p.core.codecs import BlockCodec, CodecSpec, get_codec
 from gasloc_p2p.core.wire import RESIDUAL_CODECS, layout
 from gasloc_p2p.protocol.payloads import int8
 
@@ -67,7 +67,8 @@ class Room:
         self.kernels = kernels
 
     def codec(self, block_size: int) -> BlockCodec:
-        codec = get_codec(self.name, block_size)
+        """The shared codec object (its lookup tables built and placed on a device once)."""
+        codec = CodecSpec.of(self.name, block_size).codec()
         assert isinstance(codec, BlockCodec)
         return codec
 
