@@ -231,7 +231,8 @@ reproduce: setup
 	$(PY) -m benchmarks.reproduce --only home-8 --seeds 0,1,2,3,4
 	$(PY) -m benchmarks.reproduce --only home-8-deciding --seeds 0,1,2,3,4,5,6,7,8,9
 	$(PY) -m benchmarks.reproduce --only home-links-8,home-links-8-uneven --seeds 0,1,2,3,4
-	$(PY) -m benchmarks.reproduce --only home-links-8-deciding --seeds 0,1,2,3,4,5,6,7,8,9
+	$(PY) -m benchmarks.reproduce --only home-links-8-deciding,home-links-8-bound --seeds 0,1,2,3,4,5,6,7,8,9
+	$(PY) -m benchmarks.reproduce --only home-links-16 --seeds 0,1,2,3,4,5
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
