@@ -42,10 +42,8 @@ from gasloc_p2p.core.wire import (
     layout,
 )
 
-__all__ = ["BLOCK_CODECS", "CODEC_NAMES", "PLAIN_CODECS", "BlockCodec", "Codec", "CodecSpec", "Encoded",
-           "NonFiniteError",
-           "get_codec",
-           "parse_optional"]
+__all__ = ["BLOCK_CODECS", "CODEC_NAMES", "PLAIN_CODECS", "BlockCodec", "Codec", "CodecSpec",
+           "Encoded", "NonFiniteError", "get_codec", "parse_optional"]
 
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP16_MAX = 65504.0

@@ -129,13 +129,13 @@ def _programs(n: int) -> int:
 def encode(x: torch.Tensor, bs: int, scales: torch.Tensor, codes: torch.Tensor,
            finite: torch.Tensor) -> None:
     """Int8-encode the ``n`` contiguous values of ``x`` (float32) into ``scales`` (float32,
-    at least ``ceil(n / bs)``) and ``codes`` (int8 or its bytes, at least ``n``), as ``Int8Codec`` does;
-    clears ``finite`` (a bool scalar) if a block holds NaN or Inf."""
+    at least ``ceil(n / bs)``) and ``codes`` (int8 or its bytes, at least ``n``), as
+    ``Int8Codec`` does; clears ``finite`` (a bool scalar) if a block holds NaN or Inf."""
     n = x.numel()
     rows = -(-n // bs)
-    _encode[(rows,)](x, scales, codes.view(torch.int8), finite.view(torch.uint8), n, MIN_ABSMAX, BS=bs,
-                     BLOCK=triton.next_power_of_2(bs), ROUND=ROUNDER, LEVELS=LEVELS, num_warps=4,
-                     **NO_FMA)
+    _encode[(rows,)](x, scales, codes.view(torch.int8), finite.view(torch.uint8), n,
+                     MIN_ABSMAX, BS=bs, BLOCK=triton.next_power_of_2(bs), ROUND=ROUNDER,
+                     LEVELS=LEVELS, num_warps=4, **NO_FMA)
 
 
 def screen(mc: torch.Tensor, ms: torch.Tensor, tc: torch.Tensor, ts: torch.Tensor,
@@ -145,7 +145,8 @@ def screen(mc: torch.Tensor, ms: torch.Tensor, tc: torch.Tensor, ts: torch.Tenso
     ELEMS)``): float32 [4]."""
     n = t0.numel()
     g = _programs(n)
-    _screen[(g,)](mc.view(torch.int8), ms, tc.view(torch.int8), ts, t0, part, n, BS=bs, BLOCK=ELEMS, num_warps=WARPS, **NO_FMA)
+    _screen[(g,)](mc.view(torch.int8), ms, tc.view(torch.int8), ts, t0, part, n, BS=bs,
+                  BLOCK=ELEMS, num_warps=WARPS, **NO_FMA)
     return part[: 4 * g].view(g, 4).sum(0)
 
 
@@ -157,8 +158,8 @@ def correct(mc: torch.Tensor, ms: torch.Tensor, tc: torch.Tensor, ts: torch.Tens
     (float32 scalar; ``part``: float32, at least ``ceil(n / ELEMS)``)."""
     n = out.numel()
     g = _programs(n)
-    _correct[(g,)](mc.view(torch.int8), ms, tc.view(torch.int8), ts, out, part, n, weight, BS=bs, BLOCK=ELEMS, ADD=add,
-                   num_warps=WARPS, **NO_FMA)
+    _correct[(g,)](mc.view(torch.int8), ms, tc.view(torch.int8), ts, out, part, n, weight,
+                   BS=bs, BLOCK=ELEMS, ADD=add, num_warps=WARPS, **NO_FMA)
     return part[:g].sum()
 
 
