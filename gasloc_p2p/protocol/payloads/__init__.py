@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from gasloc_p2p.core.codecs import BlockCodec, CodecSpec, get_codec
-from gasloc_p2p.core.wire import RESIDUAL_CODECS, layout
+from gasloc_p2p.core.codecs import BlockCodec, CodecSpec
+from gasloc_p2p.core.wire import BLOCK_CODECS, RESIDUAL_CODECS, layout
 from gasloc_p2p.protocol.payloads import int8
 
 # device bytes per element of one chunk an exchange adds at most (gasloc-node plan), at 8 bits
@@ -61,7 +61,7 @@ class Room:
     def __init__(self, name: str, kernels: Kernels | None = None) -> None:
         if name in RESIDUAL_CODECS:
             raise ValueError(f"{name} is a residual codec: its payloads do not stream")
-        if not isinstance(get_codec(name), BlockCodec):
+        if name not in BLOCK_CODECS:
             raise ValueError(f"{name} has no blocks: its payloads do not stream")
         self.name = name
         self.kernels = kernels
@@ -74,9 +74,6 @@ class Room:
 
     def block_bytes(self, block_size: int) -> int:
         return layout(self.name, block_size, block_size)[1]
-
-    def data_bytes(self, numel: int, block_size: int) -> int:
-        return layout(self.name, numel, block_size)[1]
 
     # -------------------------------------------------------------- eager passes
     def encode_rows(self, xb: torch.Tensor, scales: torch.Tensor, data: torch.Tensor,
